@@ -1,0 +1,29 @@
+# Thin wrapper over meson. Every target first installs missing Debian
+# packages (scripts/install-deps, silent when none are missing) and
+# configures build/ when needed.
+BUILD ?= build
+MESON_FLAGS ?=
+
+.PHONY: all deps configure test demo bench-plan clean
+
+all: configure
+	@meson compile -C $(BUILD)
+
+deps:
+	@scripts/install-deps
+
+configure: deps
+	@[ -f $(BUILD)/build.ninja ] || meson setup $(BUILD) $(MESON_FLAGS)
+
+test: all
+	@meson test -C $(BUILD) --print-errorlogs
+
+demo: all
+	@scripts/demo $(BUILD)
+
+# Planning speed and memory on the cluster-scale scenarios (needs ../shared).
+bench-plan: all
+	@scripts/bench-plan $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,222 @@
+#include "planner/layout.h"
+
+#include <algorithm>
+#include <map>
+
+namespace refit {
+
+const char* side_name(Side s) { return s == Side::kSource ? "source" : "receiver"; }
+
+size_t RankSets::Hash::operator()(const std::vector<int32_t>& v) const {
+  uint64_t h = 1469598103934665603ull;
+  for (int32_t r : v) {
+    h ^= static_cast<uint32_t>(r);
+    h *= 1099511628211ull;
+  }
+  return static_cast<size_t>(h ^ v.size());
+}
+
+RankSetId RankSets::intern(const std::vector<int32_t>& ranks) {
+  auto it = index_.find(ranks);
+  if (it != index_.end()) return it->second;
+  RankSetId id = static_cast<RankSetId>(sets_.size());
+  sets_.push_back(ranks);
+  index_.emplace(ranks, id);
+  return id;
+}
+
+int64_t Tensor::bytes() const {
+  int64_t n = dtype_bytes(dtype);
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+int64_t Layout::find_tensor(const std::string& name) const {
+  if (tensor_index_.size() != tensors.size()) {
+    tensor_index_.clear();
+    for (size_t i = 0; i < tensors.size(); ++i) tensor_index_.emplace(tensors[i].name, i);
+  }
+  auto it = tensor_index_.find(name);
+  return it == tensor_index_.end() ? -1 : static_cast<int64_t>(it->second);
+}
+
+uint32_t Layout::add_tensor(std::string name, DType dtype, std::vector<int64_t> shape) {
+  Tensor t;
+  t.name = std::move(name);
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  tensors.push_back(std::move(t));
+  return static_cast<uint32_t>(tensors.size() - 1);
+}
+
+Index row_major_strides(const std::vector<int64_t>& shape) {
+  Index s{};
+  int64_t acc = 1;
+  for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+    s[d] = acc;
+    acc *= shape[d];
+  }
+  return s;
+}
+
+namespace {
+
+// Lowest and highest element offset a region maps to.
+void extent(const Region& r, int64_t* lo, int64_t* hi) {
+  *lo = r.offset;
+  *hi = r.offset;
+  for (int d = 0; d < r.box.ndim; ++d) {
+    int64_t span = (r.box.size[d] - 1) * r.strides[d];
+    if (span < 0) *lo += span; else *hi += span;
+  }
+}
+
+// Every element offset a region maps to, as sorted half-open intervals.
+// Only called for pairs whose extents meet, which is rare in real layouts.
+std::vector<std::pair<int64_t, int64_t>> footprint(const Region& r) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const Box& b = r.box;
+  const int n = b.ndim;
+  // Innermost run: contiguous when the last dim has stride 1.
+  int64_t run = (n > 0 && r.strides[n - 1] == 1) ? b.size[n - 1] : 1;
+  int outer = (n > 0 && r.strides[n - 1] == 1) ? n - 1 : n;
+  Index idx{};
+  for (;;) {
+    int64_t off = r.offset;
+    for (int d = 0; d < outer; ++d) off += idx[d] * r.strides[d];
+    out.emplace_back(off, off + run);
+    int d = outer - 1;
+    while (d >= 0) {
+      if (++idx[d] < b.size[d]) break;
+      idx[d] = 0;
+      --d;
+    }
+    if (d < 0) break;
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool footprints_meet(const Region& a, const Region& b) {
+  auto fa = footprint(a);
+  auto fb = footprint(b);
+  size_t i = 0, j = 0;
+  while (i < fa.size() && j < fb.size()) {
+    if (std::max(fa[i].first, fb[j].first) < std::min(fa[i].second, fb[j].second)) return true;
+    if (fa[i].second < fb[j].second) ++i; else ++j;
+  }
+  return false;
+}
+
+bool sets_meet(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i] == b[j]) return true;
+    if (a[i] < b[j]) ++i; else ++j;
+  }
+  return false;
+}
+
+bool is_subset(const std::vector<int32_t>& small, const std::vector<int32_t>& big) {
+  return std::includes(big.begin(), big.end(), small.begin(), small.end());
+}
+
+Status check_region(const Layout& L, const Tensor& t, const Region& r, Side side) {
+  const std::string where = std::string(side_name(side)) + " region of tensor \"" + t.name + "\"";
+  if (r.box.ndim != static_cast<int>(t.shape.size()))
+    return Status::invalid(where + ": box " + r.box.to_string() + " has " + std::to_string(r.box.ndim) +
+                           " dims, the tensor has " + std::to_string(t.shape.size()));
+  for (int d = 0; d < r.box.ndim; ++d) {
+    if (r.box.start[d] < 0 || r.box.size[d] <= 0 || r.box.end(d) > t.shape[d])
+      return Status::invalid(where + ": box " + r.box.to_string() + " is empty or outside the shape " +
+                             Box::whole(t.shape).to_string());
+  }
+  if (r.buffer >= L.buffers.size()) return Status::invalid(where + ": unknown buffer index");
+  const Buffer& b = L.buffers[r.buffer];
+  if (b.side != side)
+    return Status::invalid(where + ": buffer \"" + b.name + "\" belongs to the other side");
+  if (b.dtype != t.dtype)
+    return Status::invalid(where + ": buffer \"" + b.name + "\" has dtype " + std::string(dtype_name(b.dtype)) +
+                           ", the tensor " + std::string(dtype_name(t.dtype)));
+  const RankSets& sets = L.sets(side);
+  if (r.ranks >= sets.size() || b.ranks >= sets.size()) return Status::invalid(where + ": unknown rank set");
+  if (!is_subset(sets.get(r.ranks), sets.get(b.ranks)))
+    return Status::invalid(where + ": a rank of the region has no buffer \"" + b.name + "\"");
+  int64_t lo, hi;
+  extent(r, &lo, &hi);
+  const int64_t elems = b.bytes / dtype_bytes(b.dtype);
+  if (lo < 0 || hi >= elems)
+    return Status::invalid(where + ": box " + r.box.to_string() + " at element offset " +
+                           std::to_string(r.offset) + " reaches element " + std::to_string(lo < 0 ? lo : hi) +
+                           ", outside buffer \"" + b.name + "\" of " + std::to_string(elems) + " elements");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status validate(const Layout& L) {
+  for (size_t i = 0; i < L.sources.size(); ++i)
+    if (L.sources[i].domain < 0) return Status::invalid("source rank " + std::to_string(i) + ": negative domain");
+  for (size_t i = 0; i < L.receivers.size(); ++i)
+    if (L.receivers[i].domain < 0 || L.receivers[i].instance < 0)
+      return Status::invalid("receiver rank " + std::to_string(i) + ": negative domain or instance");
+  for (Side side : {Side::kSource, Side::kReceiver}) {
+    const RankSets& sets = L.sets(side);
+    for (size_t s = 0; s < sets.size(); ++s) {
+      for (int32_t r : sets.get(static_cast<RankSetId>(s)))
+        if (r < 0 || r >= L.num_ranks(side))
+          return Status::invalid(std::string(side_name(side)) + " rank " + std::to_string(r) +
+                                 " is out of range: the layout has " + std::to_string(L.num_ranks(side)) +
+                                 " " + side_name(side) + " ranks");
+    }
+  }
+  for (const Buffer& b : L.buffers)
+    if (b.bytes < 0 || b.bytes % dtype_bytes(b.dtype) != 0)
+      return Status::invalid("buffer \"" + b.name + "\": " + std::to_string(b.bytes) +
+                             " bytes is not a whole number of " + std::string(dtype_name(b.dtype)) + " elements");
+
+  // Regions by buffer, for the overlap check.
+  struct Entry {
+    int64_t lo, hi;
+    const Region* region;
+    const Tensor* tensor;
+  };
+  std::vector<std::vector<Entry>> by_buffer(L.buffers.size());
+  for (const Tensor& t : L.tensors) {
+    if (t.shape.size() > static_cast<size_t>(kMaxDims))
+      return Status::invalid("tensor \"" + t.name + "\" has " + std::to_string(t.shape.size()) +
+                             " dims; at most " + std::to_string(kMaxDims) + " are supported");
+    for (int64_t s : t.shape)
+      if (s < 0) return Status::invalid("tensor \"" + t.name + "\" has a negative dim");
+    for (Side side : {Side::kSource, Side::kReceiver}) {
+      for (const Region& r : (side == Side::kSource ? t.sources : t.receivers)) {
+        REFIT_RETURN_IF_ERROR(check_region(L, t, r, side));
+        Entry e{0, 0, &r, &t};
+        extent(r, &e.lo, &e.hi);
+        by_buffer[r.buffer].push_back(e);
+      }
+    }
+  }
+  for (size_t bi = 0; bi < by_buffer.size(); ++bi) {
+    auto& v = by_buffer[bi];
+    std::sort(v.begin(), v.end(), [](const Entry& a, const Entry& b) { return a.lo < b.lo; });
+    const RankSets& sets = L.sets(L.buffers[bi].side);
+    // Sweep: compare each region with the earlier ones whose extent reaches it.
+    std::vector<const Entry*> active;
+    for (const Entry& e : v) {
+      active.erase(std::remove_if(active.begin(), active.end(), [&](const Entry* a) { return a->hi < e.lo; }),
+                   active.end());
+      for (const Entry* a : active) {
+        if (!sets_meet(sets.get(a->region->ranks), sets.get(e.region->ranks))) continue;
+        if (footprints_meet(*a->region, *e.region))
+          return Status::invalid("buffer \"" + L.buffers[bi].name + "\": the segment of tensor \"" + a->tensor->name +
+                                 "\" " + a->region->box.to_string() + " and the segment of tensor \"" +
+                                 e.tensor->name + "\" " + e.region->box.to_string() + " overlap");
+      }
+      active.push_back(&e);
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace refit

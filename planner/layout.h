@@ -1,0 +1,127 @@
+#pragma once
+// The planner's model of who holds what. Everything is segments (DESIGN.md
+// section 3): a Region says "this box of tensor T lives at element `offset`
+// of buffer B, with element `strides`, on every rank of a set". DTensor specs,
+// fused framework parameters and explicit layout files all expand into
+// Regions. Ranks that hold the same box at the same place share one Region
+// through an interned rank set, which keeps a 90k-tensor, 256-rank layout
+// small: the model never stores one entry per (rank, tensor) when a rank set
+// will do.
+//
+// Thread safety: a Layout is built by one thread, then read-only; any number
+// of threads may read a finished Layout.
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "planner/box.h"
+#include "planner/dtype.h"
+#include "planner/status.h"
+
+namespace refit {
+
+enum class Side : uint8_t { kSource, kReceiver };
+const char* side_name(Side s);  // "source" / "receiver"
+
+using RankSetId = uint32_t;
+
+// Interned, sorted, duplicate-free sets of ranks of one side.
+class RankSets {
+ public:
+  // REQUIRES: `ranks` sorted ascending, no duplicates.
+  RankSetId intern(const std::vector<int32_t>& ranks);
+  const std::vector<int32_t>& get(RankSetId id) const { return sets_[id]; }
+  size_t size() const { return sets_.size(); }
+
+ private:
+  struct Hash {
+    size_t operator()(const std::vector<int32_t>& v) const;
+  };
+  std::vector<std::vector<int32_t>> sets_;
+  std::unordered_map<std::vector<int32_t>, RankSetId, Hash> index_;
+};
+
+// A buffer of the same name and size on every rank of `ranks` (one side).
+struct Buffer {
+  Side side = Side::kSource;
+  std::string name;
+  DType dtype = DType::kBF16;
+  int64_t bytes = 0;
+  RankSetId ranks = 0;
+};
+
+struct Region {
+  Box box;               // in the tensor's global index space
+  RankSetId ranks = 0;   // the ranks that hold this box here (of the region's side)
+  uint32_t buffer = 0;   // index into Layout::buffers
+  int64_t offset = 0;    // element offset of box.start in the buffer
+  Index strides{};       // element strides of each tensor dim in the buffer
+};
+
+struct Tensor {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  std::vector<Region> sources;    // who can serve each part
+  std::vector<Region> receivers;  // who needs each part, and where it goes
+  int64_t bytes() const;
+};
+
+struct SourceRank {
+  int32_t domain = 0;
+};
+struct ReceiverRank {
+  int32_t domain = 0;
+  int32_t instance = 0;
+};
+
+struct Layout {
+  std::vector<SourceRank> sources;      // index == source rank
+  std::vector<ReceiverRank> receivers;  // index == receiver rank
+  std::vector<Tensor> tensors;
+  std::vector<Buffer> buffers;
+  RankSets source_sets;
+  RankSets receiver_sets;
+
+  RankSets& sets(Side s) { return s == Side::kSource ? source_sets : receiver_sets; }
+  const RankSets& sets(Side s) const { return s == Side::kSource ? source_sets : receiver_sets; }
+  std::vector<Region>& regions(uint32_t tensor, Side s) {
+    return s == Side::kSource ? tensors[tensor].sources : tensors[tensor].receivers;
+  }
+  const std::vector<Region>& regions(uint32_t tensor, Side s) const {
+    return s == Side::kSource ? tensors[tensor].sources : tensors[tensor].receivers;
+  }
+  int32_t num_ranks(Side s) const {
+    return static_cast<int32_t>(s == Side::kSource ? sources.size() : receivers.size());
+  }
+  int32_t domain_of(Side s, int32_t rank) const {
+    return s == Side::kSource ? sources[rank].domain : receivers[rank].domain;
+  }
+  // Index of the tensor named `name`, or -1. Linear the first time, then
+  // through an index built on demand (not thread-safe while being built).
+  int64_t find_tensor(const std::string& name) const;
+  uint32_t add_buffer(Buffer b) {
+    buffers.push_back(std::move(b));
+    return static_cast<uint32_t>(buffers.size() - 1);
+  }
+  // Adds a tensor; REQUIRES a name not already present.
+  uint32_t add_tensor(std::string name, DType dtype, std::vector<int64_t> shape);
+
+ private:
+  mutable std::unordered_map<std::string, uint32_t> tensor_index_;
+};
+
+// Row-major contiguous element strides of `shape`, padded with zeros.
+Index row_major_strides(const std::vector<int64_t>& shape);
+
+// Checks everything the planner relies on, and names the culprit on failure:
+// ranks in range and domains/instances non-negative; every region's box
+// non-empty and inside its tensor; its buffer of the region's side, of the
+// tensor's dtype, held by every rank of the region; every element it maps
+// inside the buffer; no two regions of one rank overlapping in a buffer.
+// Does not check that sources cover what receivers need: the planner does.
+Status validate(const Layout& layout);
+
+}  // namespace refit

@@ -1,0 +1,169 @@
+#pragma once
+// The plan: for every receiving domain and tensor, what crosses the network
+// once, from which source, into which rank, and who gets it from there over
+// the local fabric (DESIGN.md section 4).
+//
+// Vocabulary:
+// - A cell is a box of a tensor cut along every boundary of the receiver
+//   regions of one domain (coordinate compression per dim).
+// - A unit is a maximal box of cells with the same consumers in the domain.
+//   One consumer, the puller, pulls the unit over the network straight into
+//   its final buffer; every other consumer receives it from the puller.
+// - A piece is the part of a unit that one set of source regions (the
+//   holders) covers: the unit cut along the source boundaries. The puller gets
+//   each piece from one chosen holder rank. Cutting units by consumers first
+//   and by sources second keeps the plan small when a trainer shards finely
+//   (FSDP over 256 ranks cuts every tensor 256 ways, but each receiving
+//   domain still has one unit per tensor it needs); pieces are shared between
+//   units through interned PullSets.
+// - A chunk is a row-major sub-box of a piece of at most chunk_bytes, the
+//   grain of pipelining: chunk k is fanned out while chunk k+1 is in flight.
+//
+// Pullers and holders are chosen to balance bytes per NIC: bytes a holder
+// must serve because it is the only one are counted first; then the remaining
+// choices are made greedily, largest first, least loaded NIC wins, ties to the
+// lowest rank. The same input gives the same plan, byte for byte.
+//
+// Thread safety: a finished Plan is read-only and may be read from any thread.
+// It refers to the Layout it was made from, which must outlive it.
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "planner/layout.h"
+#include "planner/status.h"
+
+namespace refit {
+
+enum class Strategy {
+  kRefit,      // one pull per domain, local fan-out inside it
+  kNoDedup,    // every receiver rank pulls all it needs itself (vLLM sharded_rdt, NeMo RL nixl)
+  kBroadcast,  // whole tensors gathered at one source, every receiver pulls whole tensors
+};
+const char* strategy_name(Strategy s);
+
+struct PlanOptions {
+  Strategy strategy = Strategy::kRefit;
+  int64_t chunk_bytes = int64_t{4} << 20;
+};
+
+struct Consumer {
+  int32_t rank = 0;     // receiver rank
+  uint32_t region = 0;  // index into the tensor's receivers
+};
+
+struct Piece {
+  Box box;
+  uint32_t holders_begin = 0;  // into PullSet::holders: source region indices
+  uint32_t holders_count = 0;
+};
+
+// A unit box cut by the source regions of its tensor. Shared by all units
+// with the same box over the same source regions.
+struct PullSet {
+  std::vector<Piece> pieces;
+  std::vector<uint32_t> holders;
+  bool forced = false;  // every piece has exactly one holder rank
+};
+
+struct Unit {
+  uint32_t tensor = 0;
+  int32_t domain = 0;  // receiving domain (a rank, under kNoDedup)
+  Box box;
+  uint32_t consumers_begin = 0;  // into Plan::consumers()
+  uint32_t consumers_count = 0;
+  uint32_t puller = 0;           // index among this unit's consumers
+  uint32_t pull_set = 0;         // index into Plan::pull_sets()
+  uint32_t sources_begin = 0;    // into Plan::chosen_sources(): one per piece; unused when forced
+};
+
+// A source picked for one piece: the rank and the region it reads.
+struct SourcePick {
+  int32_t rank = 0;
+  uint32_t region = 0;
+};
+
+struct PlanSummary {
+  int64_t tensors = 0;
+  int64_t total_bytes = 0;             // sum of all tensors' bytes
+  int64_t network_bytes = 0;           // bytes GET over the network, all domains
+  int64_t minimum_network_bytes = 0;   // sum over domains of distinct bytes its ranks need
+  int64_t local_bytes = 0;             // bytes over the local fabric
+  int64_t gather_bytes = 0;            // kBroadcast: bytes the gathering sources fetch
+  int64_t units = 0;
+  int64_t pulls = 0;                   // pieces over all units: one GET source each
+  int64_t chunks = 0;
+  int64_t max_source_nic_bytes = 0;
+  int64_t max_receiver_nic_bytes = 0;
+  double plan_seconds = 0;
+};
+
+class Plan {
+ public:
+  const Layout& layout() const { return *layout_; }
+  const PlanOptions& options() const { return options_; }
+  const PlanSummary& summary() const { return summary_; }
+  const std::vector<Unit>& units() const { return units_; }
+  const std::vector<PullSet>& pull_sets() const { return pull_sets_; }
+  std::span<const Consumer> consumers(const Unit& u) const {
+    return {consumers_.data() + u.consumers_begin, u.consumers_count};
+  }
+  const Consumer& puller(const Unit& u) const { return consumers_[u.consumers_begin + u.puller]; }
+  const PullSet& pull_set(const Unit& u) const { return pull_sets_[u.pull_set]; }
+  std::span<const uint32_t> holders(const PullSet& s, const Piece& p) const {
+    return {s.holders.data() + p.holders_begin, p.holders_count};
+  }
+  // The source chosen for piece `i` of unit `u`.
+  SourcePick source(const Unit& u, size_t i) const;
+  // Bytes each rank sends (source) or pulls (receiver) over its NIC.
+  const std::vector<int64_t>& source_nic_bytes() const { return source_nic_; }
+  const std::vector<int64_t>& receiver_nic_bytes() const { return receiver_nic_; }
+
+ private:
+  friend Result<Plan> make_plan(const Layout& layout, const PlanOptions& options);
+  const Layout* layout_ = nullptr;
+  PlanOptions options_;
+  PlanSummary summary_;
+  std::vector<Unit> units_;
+  std::vector<Consumer> consumers_;
+  std::vector<PullSet> pull_sets_;
+  std::vector<SourcePick> chosen_;
+  std::vector<int64_t> source_nic_, receiver_nic_;
+};
+
+// Plans `layout` (which should have passed validate()). Fails, naming the
+// tensor, the receiver rank and the box, when a receiver needs bytes that no
+// source holds. Under kBroadcast the plan has no units, only its summary: it
+// is the baseline that refit is measured against.
+Result<Plan> make_plan(const Layout& layout, const PlanOptions& options = {});
+
+// One contiguous byte copy. `from` is a source buffer for a network run and a
+// receiver buffer of the same domain for a local run.
+struct RunEnd {
+  Side side = Side::kSource;
+  int32_t rank = 0;
+  uint32_t buffer = 0;  // index into Layout::buffers
+  int64_t offset = 0;   // bytes
+};
+struct Run {
+  bool local = false;
+  RunEnd from;
+  RunEnd to;
+  int64_t bytes = 0;
+};
+
+// Calls `fn` for every contiguous run of `plan` in an order that can be
+// executed one after another: unit by unit, piece by piece, chunk by chunk,
+// each chunk's network runs followed by its local runs to the other
+// consumers. Adjacent runs that continue each other are merged.
+void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn);
+
+// The contiguous runs that copy `box` from region `from` to region `to` (both
+// of a tensor with elements of `elem_bytes`), as byte offsets within their
+// buffers, in row-major order of the box, merged where contiguous in both.
+void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
+                   const std::function<void(int64_t from_offset, int64_t to_offset, int64_t bytes)>& fn);
+
+}  // namespace refit

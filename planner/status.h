@@ -1,0 +1,80 @@
+#pragma once
+// Errors are values. A Status carries a code and a message that says what
+// failed, with what input, and what to do; Result<T> is a value or a Status.
+// Nothing in the planner throws across its API or aborts on user input.
+
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace refit {
+
+enum class Code {
+  kOk = 0,
+  kInvalidArgument,  // bad input: config, layout, placement, manifest
+  kNotFound,         // a named thing (file, tensor, rank) does not exist
+  kIoError,          // reading or writing a file failed
+  kUnsupported,      // valid input that this build cannot handle
+  kInternal,         // a broken invariant inside refit: a bug
+};
+
+class Status {
+ public:
+  Status() = default;
+  static Status ok() { return Status(); }
+  static Status invalid(std::string msg) { return Status(Code::kInvalidArgument, std::move(msg)); }
+  static Status not_found(std::string msg) { return Status(Code::kNotFound, std::move(msg)); }
+  static Status io_error(std::string msg) { return Status(Code::kIoError, std::move(msg)); }
+  static Status unsupported(std::string msg) { return Status(Code::kUnsupported, std::move(msg)); }
+  static Status internal(std::string msg) { return Status(Code::kInternal, std::move(msg)); }
+
+  bool is_ok() const { return code_ == Code::kOk; }
+  explicit operator bool() const { return is_ok(); }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+  // Returns a copy whose message starts with `context: `, for errors that
+  // travel up through layers that know more about where they came from.
+  Status with_context(const std::string& context) const {
+    if (is_ok()) return *this;
+    return Status(code_, context + ": " + message_);
+  }
+
+ private:
+  Status(Code code, std::string msg) : code_(code), message_(std::move(msg)) {}
+  Code code_ = Code::kOk;
+  std::string message_;
+};
+
+template <typename T>
+class Result {
+ public:
+  Result(T value) : v_(std::move(value)) {}               // NOLINT: implicit by design
+  Result(Status status) : v_(std::move(status)) {}        // NOLINT: implicit by design
+
+  bool is_ok() const { return std::holds_alternative<T>(v_); }
+  explicit operator bool() const { return is_ok(); }
+  const Status& status() const {
+    static const Status kOk;
+    return is_ok() ? kOk : std::get<Status>(v_);
+  }
+  T& value() & { return std::get<T>(v_); }
+  const T& value() const& { return std::get<T>(v_); }
+  T&& value() && { return std::get<T>(std::move(v_)); }
+  T* operator->() { return &value(); }
+  const T* operator->() const { return &value(); }
+  T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+
+ private:
+  std::variant<T, Status> v_;
+};
+
+}  // namespace refit
+
+// Early return of a failed Status from a function that returns Status or Result.
+#define REFIT_RETURN_IF_ERROR(expr)           \
+  do {                                        \
+    ::refit::Status refit_status_ = (expr);   \
+    if (!refit_status_.is_ok()) return refit_status_; \
+  } while (0)
