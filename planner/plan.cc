@@ -1,0 +1,643 @@
+#include "planner/plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <unordered_map>
+
+namespace refit {
+
+const char* strategy_name(Strategy s) {
+  switch (s) {
+    case Strategy::kRefit: return "refit";
+    case Strategy::kNoDedup: return "no-dedup";
+    case Strategy::kBroadcast: return "broadcast";
+  }
+  return "?";
+}
+
+SourcePick Plan::source(const Unit& u, size_t i) const {
+  const PullSet& s = pull_sets_[u.pull_set];
+  if (s.forced) {
+    const Piece& p = s.pieces[i];
+    const uint32_t region = s.holders[p.holders_begin];
+    const Region& r = layout_->tensors[u.tensor].sources[region];
+    return {layout_->source_sets.get(r.ranks).front(), region};
+  }
+  return chosen_[u.sources_begin + i];
+}
+
+namespace {
+
+struct BoxHash {
+  size_t operator()(const Box& b) const {
+    uint64_t h = static_cast<uint64_t>(b.ndim) * 0x9E3779B97F4A7C15ull;
+    for (int d = 0; d < b.ndim; ++d) {
+      h = (h ^ static_cast<uint64_t>(b.start[d])) * 0x100000001B3ull;
+      h = (h ^ static_cast<uint64_t>(b.size[d])) * 0x100000001B3ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+struct VecHash {
+  size_t operator()(const std::vector<int64_t>& v) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t x : v) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+struct PairHash {
+  size_t operator()(const std::pair<uint32_t, Box>& k) const {
+    return BoxHash()(k.second) * 31 + k.first;
+  }
+};
+
+// Interns small sorted lists of indices; id 0 is the empty list.
+class ListInterner {
+ public:
+  ListInterner() { ids_.emplace(std::vector<int64_t>{}, 0); lists_.emplace_back(); }
+  uint32_t intern(const std::vector<int64_t>& v) {
+    auto [it, inserted] = ids_.emplace(v, static_cast<uint32_t>(lists_.size()));
+    if (inserted) lists_.push_back(v);
+    return it->second;
+  }
+  const std::vector<int64_t>& get(uint32_t id) const { return lists_[id]; }
+  void clear() {
+    ids_.clear();
+    lists_.clear();
+    ids_.emplace(std::vector<int64_t>{}, 0);
+    lists_.emplace_back();
+  }
+
+ private:
+  std::unordered_map<std::vector<int64_t>, uint32_t, VecHash> ids_;
+  std::vector<std::vector<int64_t>> lists_;
+};
+
+// Coordinate compression of `boxes` clipped to `within`: per dim the sorted
+// distinct cut points. The grid cell (i0, i1, ..) is the box between cuts.
+struct Grid {
+  int ndim = 0;
+  std::vector<int64_t> cuts[kMaxDims];
+  int64_t cells = 0;
+  Index extent{};  // cells per dim
+  Index stride{};  // row-major cell index stride per dim
+
+  void build(const Box& within, const std::vector<const Box*>& boxes) {
+    ndim = within.ndim;
+    cells = 1;
+    for (int d = 0; d < ndim; ++d) {
+      auto& c = cuts[d];
+      c.clear();
+      c.push_back(within.start[d]);
+      c.push_back(within.end(d));
+      for (const Box* b : boxes) {
+        if (b->start[d] > within.start[d] && b->start[d] < within.end(d)) c.push_back(b->start[d]);
+        if (b->end(d) > within.start[d] && b->end(d) < within.end(d)) c.push_back(b->end(d));
+      }
+      std::sort(c.begin(), c.end());
+      c.erase(std::unique(c.begin(), c.end()), c.end());
+      extent[d] = static_cast<int64_t>(c.size()) - 1;
+    }
+    int64_t s = 1;
+    for (int d = ndim - 1; d >= 0; --d) {
+      stride[d] = s;
+      s *= extent[d];
+    }
+    cells = s;
+  }
+  // Cell index range [lo, hi) per dim covered by `b` (which is aligned to cuts).
+  void range(const Box& b, Index* lo, Index* hi) const {
+    for (int d = 0; d < ndim; ++d) {
+      const auto& c = cuts[d];
+      const int64_t s = std::max(b.start[d], c.front());
+      const int64_t e = std::min(b.end(d), c.back());
+      (*lo)[d] = std::lower_bound(c.begin(), c.end(), s) - c.begin();
+      (*hi)[d] = e <= s ? (*lo)[d] : std::lower_bound(c.begin(), c.end(), e) - c.begin();
+    }
+  }
+  Box to_box(const Index& lo, const Index& hi) const {
+    Box b;
+    b.ndim = ndim;
+    for (int d = 0; d < ndim; ++d) {
+      b.start[d] = cuts[d][lo[d]];
+      b.size[d] = cuts[d][hi[d]] - cuts[d][lo[d]];
+    }
+    return b;
+  }
+};
+
+// Calls fn(cell index) for every cell in [lo, hi).
+template <typename F>
+void for_cells(const Grid& g, const Index& lo, const Index& hi, F&& fn) {
+  for (int d = 0; d < g.ndim; ++d)
+    if (hi[d] <= lo[d]) return;
+  Index idx = lo;
+  for (;;) {
+    int64_t c = 0;
+    for (int d = 0; d < g.ndim; ++d) c += idx[d] * g.stride[d];
+    fn(c);
+    int d = g.ndim - 1;
+    while (d >= 0) {
+      if (++idx[d] < hi[d]) break;
+      idx[d] = lo[d];
+      --d;
+    }
+    if (d < 0) break;
+  }
+}
+
+// Greedy merge of cells with equal non-zero signature into maximal boxes:
+// scan cells row-major; from each unassigned cell grow along the last dim,
+// then along each earlier dim while the whole slab matches. Deterministic.
+template <typename F>
+void merge_cells(const Grid& g, std::vector<uint32_t>& sig, F&& emit) {
+  std::vector<bool> done(g.cells, false);
+  Index idx{};
+  for (int64_t c = 0; c < g.cells; ++c) {
+    // idx = coordinates of c
+    int64_t rem = c;
+    for (int d = 0; d < g.ndim; ++d) {
+      idx[d] = rem / g.stride[d];
+      rem %= g.stride[d];
+    }
+    if (done[c] || sig[c] == 0) continue;
+    const uint32_t s = sig[c];
+    Index lo = idx, hi = idx;
+    for (int d = 0; d < g.ndim; ++d) hi[d] = idx[d] + 1;
+    for (int d = g.ndim - 1; d >= 0; --d) {
+      while (hi[d] < g.extent[d]) {
+        Index slo = lo, shi = hi;
+        slo[d] = hi[d];
+        shi[d] = hi[d] + 1;
+        bool ok = true;
+        for_cells(g, slo, shi, [&](int64_t x) { ok = ok && !done[x] && sig[x] == s; });
+        if (!ok) break;
+        hi[d] += 1;
+      }
+    }
+    for_cells(g, lo, hi, [&](int64_t x) { done[x] = true; });
+    emit(lo, hi, s);
+  }
+}
+
+int64_t count_chunks(const Box& box, int64_t max_elems) {
+  if (box.empty()) return 0;
+  if (box.numel() <= max_elems) return 1;
+  int k = box.ndim - 1;
+  int64_t inner = 1;
+  while (k >= 0 && inner * box.size[k] <= max_elems) {
+    inner *= box.size[k];
+    --k;
+  }
+  const int64_t step = max_elems / inner;
+  int64_t n = (box.size[k] + step - 1) / step;
+  for (int d = 0; d < k; ++d) n *= box.size[d];
+  return n;
+}
+
+// Per rank set: its ranks grouped by receiving domain, cached.
+struct DomainSplit {
+  struct Part {
+    int32_t domain;
+    uint32_t begin, count;  // into ranks
+  };
+  std::vector<Part> parts;
+  std::vector<int32_t> ranks;
+};
+
+class Planner {
+ public:
+  Planner(const Layout& L, const PlanOptions& o, std::vector<Unit>* units, std::vector<Consumer>* consumers,
+          std::vector<PullSet>* pull_sets)
+      : L_(L), opt_(o), units_(*units), consumers_(*consumers), pull_sets_(*pull_sets) {
+    splits_.resize(L.receiver_sets.size());
+    split_done_.assign(L.receiver_sets.size(), false);
+  }
+
+  Status plan_tensor(uint32_t ti) {
+    const Tensor& t = L_.tensors[ti];
+    if (t.receivers.empty()) return Status::ok();
+    source_sig_ = source_signature(t);
+    // (domain, region, part) entries, grouped by domain.
+    entries_.clear();
+    for (uint32_t ri = 0; ri < t.receivers.size(); ++ri) {
+      const DomainSplit& s = split(t.receivers[ri].ranks);
+      for (uint32_t pi = 0; pi < s.parts.size(); ++pi) entries_.push_back({s.parts[pi].domain, ri, pi});
+    }
+    std::stable_sort(entries_.begin(), entries_.end(),
+                     [](const Entry& a, const Entry& b) { return a.domain < b.domain; });
+    for (size_t i = 0; i < entries_.size();) {
+      size_t j = i;
+      while (j < entries_.size() && entries_[j].domain == entries_[i].domain) ++j;
+      REFIT_RETURN_IF_ERROR(plan_domain(ti, i, j));
+      i = j;
+    }
+    return Status::ok();
+  }
+
+ private:
+  struct Entry {
+    int32_t domain;
+    uint32_t region;
+    uint32_t part;
+  };
+
+  const DomainSplit& split(RankSetId id) {
+    if (split_done_[id]) return splits_[id];
+    DomainSplit& s = splits_[id];
+    std::vector<std::pair<int32_t, int32_t>> dr;  // (domain, rank)
+    for (int32_t r : L_.receiver_sets.get(id))
+      dr.push_back({opt_.strategy == Strategy::kNoDedup ? r : L_.receivers[r].domain, r});
+    std::sort(dr.begin(), dr.end());
+    for (size_t i = 0; i < dr.size(); ++i) {
+      if (i == 0 || dr[i].first != dr[i - 1].first)
+        s.parts.push_back({dr[i].first, static_cast<uint32_t>(s.ranks.size()), 0});
+      s.ranks.push_back(dr[i].second);
+      s.parts.back().count++;
+    }
+    split_done_[id] = true;
+    return s;
+  }
+
+  uint32_t source_signature(const Tensor& t) {
+    key_.clear();
+    for (const Region& r : t.sources) {
+      key_.push_back(r.ranks);
+      for (int d = 0; d < r.box.ndim; ++d) {
+        key_.push_back(r.box.start[d]);
+        key_.push_back(r.box.size[d]);
+      }
+    }
+    key_.push_back(static_cast<int64_t>(t.shape.size()));
+    return source_sigs_.intern(key_);
+  }
+
+  Status plan_domain(uint32_t ti, size_t b, size_t e) {
+    const Tensor& t = L_.tensors[ti];
+    const int32_t domain = entries_[b].domain;
+    auto emit_unit = [&](const Box& box, const std::vector<int64_t>& regions) -> Status {
+      Unit u;
+      u.tensor = ti;
+      u.domain = domain;
+      u.box = box;
+      u.consumers_begin = static_cast<uint32_t>(consumers_.size());
+      for (size_t k = b; k < e; ++k) {
+        if (!std::binary_search(regions.begin(), regions.end(), entries_[k].region)) continue;
+        const DomainSplit& s = split(t.receivers[entries_[k].region].ranks);
+        const DomainSplit::Part& p = s.parts[entries_[k].part];
+        for (uint32_t q = 0; q < p.count; ++q) consumers_.push_back({s.ranks[p.begin + q], entries_[k].region});
+      }
+      std::sort(consumers_.begin() + u.consumers_begin, consumers_.end(), [](const Consumer& x, const Consumer& y) {
+        return x.rank != y.rank ? x.rank < y.rank : x.region < y.region;
+      });
+      u.consumers_count = static_cast<uint32_t>(consumers_.size() - u.consumers_begin);
+      auto ps = pull_set(t, box);
+      if (!ps) {
+        const Consumer& c = consumers_[u.consumers_begin];
+        consumers_.resize(u.consumers_begin);
+        return Status::invalid("receiver rank " + std::to_string(c.rank) + " needs tensor \"" + t.name + "\" box " +
+                               ps.status().message() + ", which no source holds");
+      }
+      u.pull_set = *ps;
+      units_.push_back(u);
+      return Status::ok();
+    };
+
+    if (e - b == 1) {
+      // One region: the unit is its box.
+      return emit_unit(t.receivers[entries_[b].region].box, {entries_[b].region});
+    }
+    boxes_.clear();
+    for (size_t k = b; k < e; ++k) boxes_.push_back(&t.receivers[entries_[k].region].box);
+    Box whole = Box::whole(t.shape);
+    grid_.build(whole, boxes_);
+    cell_lists_.assign(grid_.cells, {});
+    for (size_t k = b; k < e; ++k) {
+      Index lo, hi;
+      grid_.range(t.receivers[entries_[k].region].box, &lo, &hi);
+      const int64_t region = entries_[k].region;
+      for_cells(grid_, lo, hi, [&](int64_t c) {
+        auto& l = cell_lists_[c];
+        if (l.empty() || l.back() != region) l.push_back(region);
+      });
+    }
+    sigs_.clear();
+    sig_.resize(grid_.cells);
+    for (int64_t c = 0; c < grid_.cells; ++c) {
+      std::sort(cell_lists_[c].begin(), cell_lists_[c].end());
+      sig_[c] = sigs_.intern(cell_lists_[c]);
+    }
+    Status st;
+    merge_cells(grid_, sig_, [&](const Index& lo, const Index& hi, uint32_t s) {
+      if (st.is_ok()) st = emit_unit(grid_.to_box(lo, hi), sigs_.get(s));
+    });
+    return st;
+  }
+
+  // The pieces of `box` by holders, interned per (source signature, box).
+  // On failure the message is the box that no source holds.
+  Result<uint32_t> pull_set(const Tensor& t, const Box& box) {
+    auto key = std::make_pair(source_sig_, box);
+    auto it = pull_cache_.find(key);
+    if (it != pull_cache_.end()) return it->second;
+    PullSet ps;
+    // Fast path: regions that contain the whole box, and none that cut it.
+    bool cut = false;
+    std::vector<uint32_t> full;
+    for (uint32_t i = 0; i < t.sources.size(); ++i) {
+      const Box& sb = t.sources[i].box;
+      if (contains(sb, box)) full.push_back(i);
+      else if (overlaps(sb, box)) cut = true;
+    }
+    if (!cut && !full.empty()) {
+      ps.holders = full;
+      ps.pieces.push_back({box, 0, static_cast<uint32_t>(full.size())});
+    } else {
+      std::vector<const Box*> sboxes;
+      std::vector<uint32_t> sidx;
+      for (uint32_t i = 0; i < t.sources.size(); ++i)
+        if (overlaps(t.sources[i].box, box)) {
+          sboxes.push_back(&t.sources[i].box);
+          sidx.push_back(i);
+        }
+      Grid g;
+      g.build(box, sboxes);
+      std::vector<std::vector<int64_t>> lists(g.cells);
+      for (size_t k = 0; k < sboxes.size(); ++k) {
+        Index lo, hi;
+        g.range(intersect(*sboxes[k], box), &lo, &hi);
+        for_cells(g, lo, hi, [&](int64_t c) { lists[c].push_back(sidx[k]); });
+      }
+      ListInterner sigs;
+      std::vector<uint32_t> sig(g.cells);
+      for (int64_t c = 0; c < g.cells; ++c) {
+        sig[c] = sigs.intern(lists[c]);
+        if (sig[c] == 0) {
+          Index lo{}, hi{};
+          int64_t rem = c;
+          for (int d = 0; d < g.ndim; ++d) {
+            lo[d] = rem / g.stride[d];
+            rem %= g.stride[d];
+            hi[d] = lo[d] + 1;
+          }
+          return Status::invalid(g.to_box(lo, hi).to_string());
+        }
+      }
+      merge_cells(g, sig, [&](const Index& lo, const Index& hi, uint32_t s) {
+        const auto& h = sigs.get(s);
+        Piece p{g.to_box(lo, hi), static_cast<uint32_t>(ps.holders.size()), static_cast<uint32_t>(h.size())};
+        for (int64_t x : h) ps.holders.push_back(static_cast<uint32_t>(x));
+        ps.pieces.push_back(p);
+      });
+    }
+    // Forced when every piece has exactly one holder rank.
+    ps.forced = true;
+    for (const Piece& p : ps.pieces) {
+      int32_t only = -1;
+      for (uint32_t k = 0; k < p.holders_count && ps.forced; ++k) {
+        for (int32_t r : L_.source_sets.get(t.sources[ps.holders[p.holders_begin + k]].ranks)) {
+          if (only == -1) only = r;
+          else if (r != only) { ps.forced = false; break; }
+        }
+      }
+    }
+    const uint32_t id = static_cast<uint32_t>(pull_sets_.size());
+    pull_sets_.push_back(std::move(ps));
+    pull_cache_.emplace(key, id);
+    return id;
+  }
+
+  const Layout& L_;
+  const PlanOptions& opt_;
+  std::vector<Unit>& units_;
+  std::vector<Consumer>& consumers_;
+  std::vector<PullSet>& pull_sets_;
+  std::vector<DomainSplit> splits_;
+  std::vector<bool> split_done_;
+  std::vector<Entry> entries_;
+  std::vector<const Box*> boxes_;
+  Grid grid_;
+  std::vector<std::vector<int64_t>> cell_lists_;
+  std::vector<uint32_t> sig_;
+  ListInterner sigs_;
+  ListInterner source_sigs_;
+  std::vector<int64_t> key_;
+  uint32_t source_sig_ = 0;
+  std::unordered_map<std::pair<uint32_t, Box>, uint32_t, PairHash> pull_cache_;
+};
+
+// Distinct bytes each receiving domain needs, summed: the least any plan can
+// move over the network. Computed on its own, from the receiver regions only.
+int64_t minimum_network_bytes(const Layout& L) {
+  int64_t total = 0;
+  std::vector<std::pair<int32_t, uint32_t>> dr;  // (domain, region)
+  std::vector<const Box*> boxes;
+  for (const Tensor& t : L.tensors) {
+    dr.clear();
+    for (uint32_t ri = 0; ri < t.receivers.size(); ++ri) {
+      const auto& ranks = L.receiver_sets.get(t.receivers[ri].ranks);
+      int32_t last = -1;
+      std::vector<int32_t> doms;
+      for (int32_t r : ranks) doms.push_back(L.receivers[r].domain);
+      std::sort(doms.begin(), doms.end());
+      for (int32_t d : doms)
+        if (d != last) dr.push_back({last = d, ri});
+    }
+    std::sort(dr.begin(), dr.end());
+    const int eb = dtype_bytes(t.dtype);
+    for (size_t i = 0; i < dr.size();) {
+      size_t j = i;
+      boxes.clear();
+      while (j < dr.size() && dr[j].first == dr[i].first) boxes.push_back(&t.receivers[dr[j++].second].box);
+      Grid g;
+      g.build(Box::whole(t.shape), boxes);
+      std::vector<bool> covered(g.cells, false);
+      for (const Box* b : boxes) {
+        Index lo, hi;
+        g.range(*b, &lo, &hi);
+        for_cells(g, lo, hi, [&](int64_t c) { covered[c] = true; });
+      }
+      Index idx{};
+      for (int64_t c = 0; c < g.cells; ++c) {
+        if (!covered[c]) continue;
+        int64_t rem = c, n = 1;
+        for (int d = 0; d < g.ndim; ++d) {
+          idx[d] = rem / g.stride[d];
+          rem %= g.stride[d];
+          n *= g.cuts[d][idx[d] + 1] - g.cuts[d][idx[d]];
+        }
+        total += n * eb;
+      }
+      i = j;
+    }
+  }
+  return total;
+}
+
+void summarize_broadcast(const Layout& L, PlanSummary* s, std::vector<int64_t>* src_nic,
+                         std::vector<int64_t>* rcv_nic) {
+  // Largest tensor first; the gatherer is the least loaded source rank that
+  // holds a part of it (ties to the lowest rank); every receiver rank that
+  // needs any part pulls the whole tensor from it.
+  std::vector<uint32_t> order(L.tensors.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t a, uint32_t b) { return L.tensors[a].bytes() > L.tensors[b].bytes(); });
+  for (uint32_t ti : order) {
+    const Tensor& t = L.tensors[ti];
+    if (t.receivers.empty()) continue;
+    std::vector<int32_t> needers;
+    for (const Region& r : t.receivers)
+      for (int32_t x : L.receiver_sets.get(r.ranks)) needers.push_back(x);
+    std::sort(needers.begin(), needers.end());
+    needers.erase(std::unique(needers.begin(), needers.end()), needers.end());
+    int32_t g = -1;
+    for (const Region& r : t.sources)
+      for (int32_t x : L.source_sets.get(r.ranks))
+        if (g == -1 || (*src_nic)[x] < (*src_nic)[g] || ((*src_nic)[x] == (*src_nic)[g] && x < g)) g = x;
+    if (g == -1) continue;  // make_plan reports the missing source through the refit plan
+    std::vector<const Box*> own;
+    for (const Region& r : t.sources) {
+      const auto& rs = L.source_sets.get(r.ranks);
+      if (std::binary_search(rs.begin(), rs.end(), g)) own.push_back(&r.box);
+    }
+    Grid grid;
+    grid.build(Box::whole(t.shape), own);
+    std::vector<bool> cov(grid.cells, false);
+    for (const Box* b : own) {
+      Index lo, hi;
+      grid.range(*b, &lo, &hi);
+      for_cells(grid, lo, hi, [&](int64_t c) { cov[c] = true; });
+    }
+    int64_t owned = 0;
+    for (int64_t c = 0; c < grid.cells; ++c) {
+      if (!cov[c]) continue;
+      int64_t rem = c, n = 1;
+      for (int d = 0; d < grid.ndim; ++d) {
+        int64_t i = rem / grid.stride[d];
+        rem %= grid.stride[d];
+        n *= grid.cuts[d][i + 1] - grid.cuts[d][i];
+      }
+      owned += n;
+    }
+    const int64_t bytes = t.bytes();
+    s->gather_bytes += bytes - owned * dtype_bytes(t.dtype);
+    s->network_bytes += bytes * static_cast<int64_t>(needers.size());
+    (*src_nic)[g] += bytes * static_cast<int64_t>(needers.size());
+    for (int32_t x : needers) (*rcv_nic)[x] += bytes;
+  }
+}
+
+}  // namespace
+
+Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
+  Plan plan;
+  plan.layout_ = &L;
+  plan.options_ = options;
+  plan.source_nic_.assign(L.sources.size(), 0);
+  plan.receiver_nic_.assign(L.receivers.size(), 0);
+  PlanSummary& s = plan.summary_;
+  s.tensors = static_cast<int64_t>(L.tensors.size());
+  for (const Tensor& t : L.tensors) s.total_bytes += t.bytes();
+
+  if (options.strategy == Strategy::kBroadcast) {
+    // A missing source still fails the same way as under refit.
+    PlanOptions o = options;
+    o.strategy = Strategy::kRefit;
+    {
+      std::vector<Unit> u;
+      std::vector<Consumer> c;
+      std::vector<PullSet> p;
+      Planner probe(L, o, &u, &c, &p);
+      for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) REFIT_RETURN_IF_ERROR(probe.plan_tensor(ti));
+    }
+    summarize_broadcast(L, &s, &plan.source_nic_, &plan.receiver_nic_);
+  } else {
+    Planner planner(L, options, &plan.units_, &plan.consumers_, &plan.pull_sets_);
+    for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) REFIT_RETURN_IF_ERROR(planner.plan_tensor(ti));
+
+    // Bytes that have no choice go on the NICs first.
+    std::vector<uint32_t> choose;  // units with a choice of puller or of sources
+    for (uint32_t ui = 0; ui < plan.units_.size(); ++ui) {
+      const Unit& u = plan.units_[ui];
+      const int64_t bytes = u.box.numel() * dtype_bytes(L.tensors[u.tensor].dtype);
+      auto cs = plan.consumers(u);
+      const bool one_rank = cs.front().rank == cs.back().rank;
+      if (one_rank) plan.receiver_nic_[cs.front().rank] += bytes;
+      const PullSet& ps = plan.pull_sets_[u.pull_set];
+      if (!one_rank || !ps.forced) choose.push_back(ui);
+      s.network_bytes += bytes;
+      s.local_bytes += bytes * (static_cast<int64_t>(u.consumers_count) - 1);
+      s.pulls += static_cast<int64_t>(ps.pieces.size());
+    }
+    const int64_t chunk_cap = options.chunk_bytes;
+    // Forced source loads: accumulate per unit (the holder is fixed).
+    std::vector<int64_t> chunks_of(plan.pull_sets_.size(), -1);
+    for (const Unit& u : plan.units_) {
+      const PullSet& ps = plan.pull_sets_[u.pull_set];
+      const Tensor& t = L.tensors[u.tensor];
+      const int eb = dtype_bytes(t.dtype);
+      if (chunks_of[u.pull_set] < 0) {
+        int64_t n = 0;
+        for (const Piece& p : ps.pieces) n += count_chunks(p.box, std::max<int64_t>(1, chunk_cap / eb));
+        chunks_of[u.pull_set] = n;
+      }
+      s.chunks += chunks_of[u.pull_set];
+      if (!ps.forced) continue;
+      for (const Piece& p : ps.pieces) {
+        const int32_t r = L.source_sets.get(t.sources[ps.holders[p.holders_begin]].ranks).front();
+        plan.source_nic_[r] += p.box.numel() * eb;
+      }
+    }
+    // Greedy: largest unit first, least loaded NIC, ties to the lowest rank.
+    std::stable_sort(choose.begin(), choose.end(), [&](uint32_t a, uint32_t b) {
+      const Unit& x = plan.units_[a];
+      const Unit& y = plan.units_[b];
+      return x.box.numel() * dtype_bytes(L.tensors[x.tensor].dtype) >
+             y.box.numel() * dtype_bytes(L.tensors[y.tensor].dtype);
+    });
+    for (uint32_t ui : choose) {
+      Unit& u = plan.units_[ui];
+      const Tensor& t = L.tensors[u.tensor];
+      const int eb = dtype_bytes(t.dtype);
+      const int64_t bytes = u.box.numel() * eb;
+      auto cs = plan.consumers(u);
+      if (cs.front().rank != cs.back().rank) {
+        uint32_t best = 0;
+        for (uint32_t k = 1; k < cs.size(); ++k)
+          if (plan.receiver_nic_[cs[k].rank] < plan.receiver_nic_[cs[best].rank]) best = k;
+        u.puller = best;
+        plan.receiver_nic_[cs[best].rank] += bytes;
+      }
+      const PullSet& ps = plan.pull_sets_[u.pull_set];
+      if (ps.forced) continue;
+      u.sources_begin = static_cast<uint32_t>(plan.chosen_.size());
+      for (const Piece& p : ps.pieces) {
+        SourcePick best{-1, 0};
+        for (uint32_t k = 0; k < p.holders_count; ++k) {
+          const uint32_t region = ps.holders[p.holders_begin + k];
+          for (int32_t r : L.source_sets.get(t.sources[region].ranks)) {
+            if (best.rank == -1 || plan.source_nic_[r] < plan.source_nic_[best.rank] ||
+                (plan.source_nic_[r] == plan.source_nic_[best.rank] && r < best.rank))
+              best = {r, region};
+          }
+        }
+        plan.source_nic_[best.rank] += p.box.numel() * eb;
+        plan.chosen_.push_back(best);
+      }
+    }
+    s.units = static_cast<int64_t>(plan.units_.size());
+  }
+  s.minimum_network_bytes = minimum_network_bytes(L);
+  for (int64_t b : plan.source_nic_) s.max_source_nic_bytes = std::max(s.max_source_nic_bytes, b);
+  for (int64_t b : plan.receiver_nic_) s.max_receiver_nic_bytes = std::max(s.max_receiver_nic_bytes, b);
+  s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return plan;
+}
+
+}  // namespace refit

@@ -1,0 +1,106 @@
+// Hand-checked plans of small layouts; plan_property_test covers random ones.
+#include "planner/plan.h"
+
+#include <gtest/gtest.h>
+
+#include "planner/placement.h"
+
+namespace refit {
+namespace {
+
+Placement P(const char* s) { return *parse_placement(s); }
+
+// FORMATS.md's example: w [10, 6] BF16, S(0) over 2 sources, S(1) over 2
+// receivers of one domain.
+Layout cross_dim(int receiver_domains) {
+  Layout L;
+  L.sources = {{0}, {0}};
+  L.receivers = {{0, 0}, {receiver_domains > 1 ? 1 : 0, 0}};
+  uint32_t w = L.add_tensor("w", DType::kBF16, {10, 6});
+  EXPECT_TRUE(add_dtensor(L, w, Side::kSource, {{2}, {0, 1}, {P("S(0)")}}, "w").is_ok());
+  EXPECT_TRUE(add_dtensor(L, w, Side::kReceiver, {{2}, {0, 1}, {P("S(1)")}}, "w").is_ok());
+  EXPECT_TRUE(validate(L).is_ok());
+  return L;
+}
+
+TEST(Plan, CrossDimReshardPullsEachQuarterOnce) {
+  Layout L = cross_dim(1);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const PlanSummary& s = plan->summary();
+  EXPECT_EQ(s.total_bytes, 120);
+  EXPECT_EQ(s.network_bytes, 120);
+  EXPECT_EQ(s.minimum_network_bytes, 120);
+  EXPECT_EQ(s.local_bytes, 0);
+  EXPECT_EQ(s.units, 2);
+  EXPECT_EQ(s.pulls, 4);  // each receiver's half comes from both sources
+}
+
+TEST(Plan, ReplicatedReceiversInOneDomainShareOnePull) {
+  Layout L;
+  L.sources = {{0}};
+  L.receivers = {{0, 0}, {0, 1}, {0, 2}};
+  uint32_t w = L.add_tensor("w", DType::kF32, {4, 4});
+  ASSERT_TRUE(add_dtensor(L, w, Side::kSource, {{1}, {0}, {P("R")}}, "w").is_ok());
+  ASSERT_TRUE(add_dtensor(L, w, Side::kReceiver, {{3}, {0, 1, 2}, {P("R")}}, "w").is_ok());
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_EQ(plan->summary().network_bytes, 64);
+  EXPECT_EQ(plan->summary().local_bytes, 128);
+  auto nodedup = make_plan(L, {Strategy::kNoDedup});
+  ASSERT_TRUE(nodedup.is_ok());
+  EXPECT_EQ(nodedup->summary().network_bytes, 192);
+  EXPECT_EQ(nodedup->summary().minimum_network_bytes, 64);
+  auto bcast = make_plan(L, {Strategy::kBroadcast});
+  ASSERT_TRUE(bcast.is_ok());
+  EXPECT_EQ(bcast->summary().network_bytes, 192);
+}
+
+TEST(Plan, BroadcastPullsWholeTensorsAndCountsTheGather) {
+  Layout L = cross_dim(2);
+  auto plan = make_plan(L, {Strategy::kBroadcast});
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_EQ(plan->summary().network_bytes, 240);  // two receivers, whole tensor each
+  EXPECT_EQ(plan->summary().gather_bytes, 60);    // the gatherer fetches the other half
+  EXPECT_EQ(plan->summary().units, 0);
+}
+
+TEST(Plan, PullersBalanceAcrossTheDomain) {
+  // Eight equal tensors, each needed whole by the same two receivers.
+  Layout L;
+  L.sources = {{0}};
+  L.receivers = {{0, 0}, {0, 1}};
+  for (int i = 0; i < 8; ++i) {
+    uint32_t t = L.add_tensor("t" + std::to_string(i), DType::kBF16, {16});
+    ASSERT_TRUE(add_dtensor(L, t, Side::kSource, {{1}, {0}, {P("R")}}, "t" + std::to_string(i)).is_ok());
+    ASSERT_TRUE(add_dtensor(L, t, Side::kReceiver, {{2}, {0, 1}, {P("R")}}, "t" + std::to_string(i)).is_ok());
+  }
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_EQ(plan->receiver_nic_bytes()[0], 4 * 32);
+  EXPECT_EQ(plan->receiver_nic_bytes()[1], 4 * 32);
+}
+
+TEST(Plan, MissingSourceNamesTensorRankAndBox) {
+  Layout L;
+  L.sources = {{0}};
+  L.receivers = {{0, 0}};
+  uint32_t w = L.add_tensor("w", DType::kBF16, {4});
+  Region r;
+  r.box = Box::whole({2});
+  r.box.ndim = 1;
+  r.ranks = L.source_sets.intern({0});
+  r.buffer = L.add_buffer({Side::kSource, "w", DType::kBF16, 4, r.ranks});
+  r.strides[0] = 1;
+  L.tensors[w].sources.push_back(r);
+  ASSERT_TRUE(add_dtensor(L, w, Side::kReceiver, {{1}, {0}, {P("R")}}, "w").is_ok());
+  ASSERT_TRUE(validate(L).is_ok());
+  auto plan = make_plan(L);
+  ASSERT_FALSE(plan.is_ok());
+  EXPECT_NE(plan.status().message().find("\"w\""), std::string::npos) << plan.status().message();
+  EXPECT_NE(plan.status().message().find("receiver rank 0"), std::string::npos);
+  EXPECT_NE(plan.status().message().find("[2:4]"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace refit
