@@ -108,6 +108,32 @@ bool footprints_meet(const Region& a, const Region& b) {
   return false;
 }
 
+// True when no two elements of the region's box map to the same offset.
+// Proven cheaply when, taking dims by growing |stride|, each stride exceeds
+// the span of the dims before it (every dense or sliced layout); otherwise
+// the footprint is enumerated.
+bool injective(const Region& r) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (|stride|, size)
+  for (int d = 0; d < r.box.ndim; ++d)
+    if (r.box.size[d] > 1) dims.push_back({r.strides[d] < 0 ? -r.strides[d] : r.strides[d], r.box.size[d]});
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;
+  bool proven = true;
+  for (auto [stride, size] : dims) {
+    if (stride == 0) return false;
+    if (stride <= span) {
+      proven = false;
+      break;
+    }
+    span += stride * (size - 1);
+  }
+  if (proven) return true;
+  auto f = footprint(r);
+  for (size_t i = 1; i < f.size(); ++i)
+    if (f[i].first < f[i - 1].second) return false;
+  return true;
+}
+
 bool sets_meet(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
   size_t i = 0, j = 0;
   while (i < a.size() && j < b.size()) {
@@ -149,6 +175,9 @@ Status check_region(const Layout& L, const Tensor& t, const Region& r, Side side
     return Status::invalid(where + ": box " + r.box.to_string() + " at element offset " +
                            std::to_string(r.offset) + " reaches element " + std::to_string(lo < 0 ? lo : hi) +
                            ", outside buffer \"" + b.name + "\" of " + std::to_string(elems) + " elements");
+  if (!injective(r))
+    return Status::invalid(where + ": box " + r.box.to_string() + " with its strides maps two elements to the same "
+                           "place in buffer \"" + b.name + "\"");
   return Status::ok();
 }
 

@@ -577,17 +577,18 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
     }
     const int64_t chunk_cap = options.chunk_bytes;
     // Forced source loads: accumulate per unit (the holder is fixed).
-    std::vector<int64_t> chunks_of(plan.pull_sets_.size(), -1);
+    // Chunk counts per (pull set, element size): tensors of different dtypes
+    // can share a pull set, and chunks are cut in bytes.
+    std::unordered_map<uint64_t, int64_t> chunks_of;
     for (const Unit& u : plan.units_) {
       const PullSet& ps = plan.pull_sets_[u.pull_set];
       const Tensor& t = L.tensors[u.tensor];
       const int eb = dtype_bytes(t.dtype);
-      if (chunks_of[u.pull_set] < 0) {
-        int64_t n = 0;
-        for (const Piece& p : ps.pieces) n += count_chunks(p.box, std::max<int64_t>(1, chunk_cap / eb));
-        chunks_of[u.pull_set] = n;
+      auto [it, inserted] = chunks_of.emplace((uint64_t{u.pull_set} << 8) | static_cast<uint64_t>(eb), 0);
+      if (inserted) {
+        for (const Piece& p : ps.pieces) it->second += count_chunks(p.box, std::max<int64_t>(1, chunk_cap / eb));
       }
-      s.chunks += chunks_of[u.pull_set];
+      s.chunks += it->second;
       if (!ps.forced) continue;
       for (const Piece& p : ps.pieces) {
         const int32_t r = L.source_sets.get(t.sources[ps.holders[p.holders_begin]].ranks).front();
