@@ -1,0 +1,743 @@
+#include "planner/layout_json.h"
+
+#include <algorithm>
+#include <charconv>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <nlohmann/json.hpp>
+
+#include "planner/placement.h"
+
+namespace refit {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::string_view kLayoutFormat = "refit-layout/1";
+constexpr std::string_view kRunsFormat = "refit-runs/1";
+
+// ---------------------------------------------------------------- reading
+
+std::string show(const json& v) {
+  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+std::string show_box(const Box& b) { return b.to_string(); }
+
+std::string show_shape(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Says where and why text that failed to parse is not JSON.
+class ErrorFinder : public nlohmann::json_sax<json> {
+ public:
+  std::string what;
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return true; }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return true; }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+    what = ex.what();
+    if (auto p = what.find("] "); what.rfind("[json.exception.", 0) == 0 && p != std::string::npos)
+      what = what.substr(p + 2);
+    return false;
+  }
+};
+
+// An integer in [lo, hi]; JSON reads positive literals as unsigned.
+bool get_int(const json& v, int64_t lo, int64_t hi, int64_t* out) {
+  if (!v.is_number_integer()) return false;
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) return false;
+  const int64_t x = v.get<int64_t>();
+  if (x < lo || x > hi) return false;
+  *out = x;
+  return true;
+}
+
+// A parsed explicit segment, before buffers are grouped.
+struct Segment {
+  uint32_t tensor = 0;
+  Box box;
+  int64_t offset = 0;
+  Index strides{};
+};
+
+// Explicit buffers with the same side, name, dtype, size and segments on
+// several ranks become one Buffer held by all of them.
+struct Group {
+  Side side = Side::kSource;
+  std::string name;
+  DType dtype = DType::kBF16;
+  int64_t bytes = 0;
+  std::vector<Segment> segments;
+  std::vector<int32_t> ranks;
+};
+
+class Parser {
+ public:
+  explicit Parser(const std::string& origin) : origin_(origin) {}
+
+  Result<Layout> parse(std::string_view text) {
+    json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded()) {
+      ErrorFinder finder;
+      json::sax_parse(text, &finder);
+      return Status::invalid(origin_ + ": not valid JSON: " + (finder.what.empty() ? "parse error" : finder.what));
+    }
+    if (!doc.is_object())
+      return Status::invalid(origin_ + ": a layout must be a JSON object, got " + show(doc));
+    REFIT_RETURN_IF_ERROR(check_keys(doc, "", {"format", "sources", "receivers", "tensors", "buffers"}));
+    auto fmt = doc.find("format");
+    if (fmt == doc.end()) return fail("", "missing key \"format\"");
+    if (!fmt->is_string() || fmt->get_ref<const std::string&>() != kLayoutFormat)
+      return fail("format", "must be \"" + std::string(kLayoutFormat) + "\", got " + show(*fmt));
+
+    REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kSource));
+    REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kReceiver));
+    auto tensors = list(doc, "tensors", true);
+    if (!tensors) return tensors.status();
+    L_.tensors.reserve((*tensors)->size());
+    for (size_t i = 0; i < (*tensors)->size(); ++i) REFIT_RETURN_IF_ERROR(parse_tensor((**tensors)[i], i));
+    auto buffers = list(doc, "buffers", false);
+    if (!buffers) return buffers.status();
+    if (*buffers) {
+      for (size_t i = 0; i < (*buffers)->size(); ++i) REFIT_RETURN_IF_ERROR(parse_buffer((**buffers)[i], i));
+    }
+    build_groups();
+    Status s = validate(L_);
+    if (!s) return s.with_context(origin_);
+    return std::move(L_);
+  }
+
+ private:
+  // "origin: path (context): msg"; the context names the tensor or buffer
+  // being read, when there is one.
+  Status fail(const std::string& path, const std::string& msg) const {
+    return Status::invalid(origin_ + ": " + (path.empty() ? "" : path + context_ + ": ") + msg);
+  }
+
+  Status check_keys(const json& obj, const std::string& path, std::initializer_list<const char*> known) const {
+    for (auto it = obj.begin(); it != obj.end(); ++it) {
+      bool ok = false;
+      for (const char* k : known) ok |= it.key() == k;
+      if (ok) continue;
+      std::string names;
+      for (const char* k : known) names += std::string(names.empty() ? "" : ", ") + k;
+      return fail(path, "unknown key \"" + it.key() + "\" (known: " + names + ")");
+    }
+    return Status::ok();
+  }
+
+  static std::string join(const std::string& path, const std::string& key) {
+    return path.empty() ? key : path + "." + key;
+  }
+
+  // obj[key] as a list; nullptr when absent and optional.
+  Result<const json*> list(const json& obj, const char* key, bool required, const std::string& path = "") const {
+    auto it = obj.find(key);
+    if (it == obj.end()) {
+      if (required) return fail(path, "missing key \"" + std::string(key) + "\"");
+      return static_cast<const json*>(nullptr);
+    }
+    if (!it->is_array()) return fail(join(path, key), "must be a list, got " + show(*it));
+    return &*it;
+  }
+
+  Result<const json*> field(const json& obj, const char* key, const std::string& path) const {
+    auto it = obj.find(key);
+    if (it == obj.end()) return fail(path, "missing key \"" + std::string(key) + "\"");
+    return &*it;
+  }
+
+  Status int_field(const json& obj, const char* key, const std::string& path, int64_t lo, int64_t hi,
+                   const char* what, int64_t* out) const {
+    auto v = field(obj, key, path);
+    if (!v) return v.status();
+    if (!get_int(**v, lo, hi, out)) return fail(join(path, key), std::string("must be ") + what + ", got " + show(**v));
+    return Status::ok();
+  }
+
+  Status dtype_field(const json& obj, const std::string& path, DType* out) const {
+    auto v = field(obj, "dtype", path);
+    if (!v) return v.status();
+    std::optional<DType> d;
+    if ((*v)->is_string()) d = parse_dtype((*v)->get_ref<const std::string&>());
+    if (!d)
+      return fail(join(path, "dtype"),
+                  "must be one of BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 U8 I16 I32 I64 BOOL, got " + show(**v));
+    *out = *d;
+    return Status::ok();
+  }
+
+  Status name_field(const json& obj, const std::string& path, std::string* out) const {
+    auto v = field(obj, "name", path);
+    if (!v) return v.status();
+    if (!(*v)->is_string() || (*v)->get_ref<const std::string&>().empty())
+      return fail(join(path, "name"), "must be a non-empty string, got " + show(**v));
+    *out = (*v)->get<std::string>();
+    return Status::ok();
+  }
+
+  // A list of `n` integers in [lo, hi] (n < 0: any length up to kMaxDims).
+  Status int_list(const json& obj, const char* key, const std::string& path, int n, int64_t lo, const char* what,
+                  std::vector<int64_t>* out) const {
+    auto v = field(obj, key, path);
+    if (!v) return v.status();
+    const json& a = **v;
+    const std::string p = join(path, key);
+    if (!a.is_array()) return fail(p, std::string("must be a list of ") + what + ", got " + show(a));
+    if (n >= 0 && a.size() != static_cast<size_t>(n))
+      return fail(p, "must list " + std::to_string(n) + " " + what + " (one per tensor dim), got " + show(a));
+    if (n < 0 && a.size() > static_cast<size_t>(kMaxDims))
+      return fail(p, "has " + std::to_string(a.size()) + " dims; at most " + std::to_string(kMaxDims) +
+                         " are supported");
+    out->clear();
+    for (const json& x : a) {
+      int64_t i;
+      if (!get_int(x, lo, INT64_MAX, &i)) return fail(p, std::string("must be a list of ") + what + ", got " + show(a));
+      out->push_back(i);
+    }
+    return Status::ok();
+  }
+
+  Status parse_ranks(const json& doc, Side side) {
+    const char* key = side == Side::kSource ? "sources" : "receivers";
+    auto l = list(doc, key, true);
+    if (!l) return l.status();
+    const json& a = **l;
+    if (a.empty()) return fail(key, "must list at least one rank");
+    if (a.size() > static_cast<size_t>(INT32_MAX)) return fail(key, "lists too many ranks");
+    for (size_t i = 0; i < a.size(); ++i) {
+      const std::string path = std::string(key) + "[" + std::to_string(i) + "]";
+      const json& r = a[i];
+      if (!r.is_object()) return fail(path, "must be an object, got " + show(r));
+      if (side == Side::kSource) {
+        REFIT_RETURN_IF_ERROR(check_keys(r, path, {"rank", "domain"}));
+      } else {
+        REFIT_RETURN_IF_ERROR(check_keys(r, path, {"rank", "domain", "instance"}));
+      }
+      int64_t rank, domain, instance = 0;
+      REFIT_RETURN_IF_ERROR(int_field(r, "rank", path, 0, INT64_MAX, "a non-negative integer", &rank));
+      if (rank != static_cast<int64_t>(i))
+        return fail(path + ".rank", "must be " + std::to_string(i) + ": ranks are listed in order from 0, got " +
+                                        std::to_string(rank));
+      REFIT_RETURN_IF_ERROR(int_field(r, "domain", path, 0, INT32_MAX, "a non-negative integer", &domain));
+      if (side == Side::kSource) {
+        L_.sources.push_back(SourceRank{static_cast<int32_t>(domain)});
+      } else {
+        REFIT_RETURN_IF_ERROR(int_field(r, "instance", path, 0, INT32_MAX, "a non-negative integer", &instance));
+        L_.receivers.push_back(ReceiverRank{static_cast<int32_t>(domain), static_cast<int32_t>(instance)});
+      }
+    }
+    return Status::ok();
+  }
+
+  Status parse_tensor(const json& t, size_t i) {
+    const std::string path = "tensors[" + std::to_string(i) + "]";
+    if (!t.is_object()) return fail(path, "must be an object, got " + show(t));
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    REFIT_RETURN_IF_ERROR(name_field(t, path, &name));
+    Context ctx(this, " (tensor \"" + name + "\")");
+    REFIT_RETURN_IF_ERROR(check_keys(t, path, {"name", "dtype", "shape", "source", "receiver"}));
+    REFIT_RETURN_IF_ERROR(dtype_field(t, path, &dtype));
+    REFIT_RETURN_IF_ERROR(int_list(t, "shape", path, -1, 0, "non-negative integers", &shape));
+    uint64_t bytes = static_cast<uint64_t>(dtype_bytes(dtype));
+    for (int64_t s : shape) {
+      if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(s), &bytes) || bytes > static_cast<uint64_t>(INT64_MAX))
+        return fail(path + ".shape", show_shape(shape) + " is too large: its size overflows 63 bits");
+    }
+    auto [it, inserted] = tensor_index_.emplace(name, static_cast<uint32_t>(L_.tensors.size()));
+    if (!inserted)
+      return fail(path, "tensor \"" + name + "\" is listed twice (first at tensors[" + std::to_string(it->second) +
+                            "])");
+    const uint32_t ti = L_.add_tensor(name, dtype, std::move(shape));
+    for (Side side : {Side::kSource, Side::kReceiver}) {
+      const char* key = side == Side::kSource ? "source" : "receiver";
+      auto spec = t.find(key);
+      if (spec == t.end()) continue;
+      REFIT_RETURN_IF_ERROR(parse_spec(*spec, ti, side, path + "." + key));
+    }
+    return Status::ok();
+  }
+
+  // A DTensor spec. The checks that can point at one entry are made here, so
+  // the message names it; the pairing of strided shards is left to
+  // dtensor_boxes, which names the mesh dim.
+  Status parse_spec(const json& s, uint32_t ti, Side side, const std::string& path) {
+    if (!s.is_object()) return fail(path, "must be a DTensor spec object, got " + show(s));
+    REFIT_RETURN_IF_ERROR(check_keys(s, path, {"mesh", "ranks", "placements"}));
+    DTensorSpec spec;
+    auto mesh = field(s, "mesh", path);
+    if (!mesh) return mesh.status();
+    if (!(*mesh)->is_array() || (*mesh)->empty())
+      return fail(path + ".mesh", "must be a non-empty list of positive integers, got " + show(**mesh));
+    int64_t mesh_size = 1;
+    for (size_t m = 0; m < (*mesh)->size(); ++m) {
+      int64_t n;
+      if (!get_int((**mesh)[m], 1, INT32_MAX, &n))
+        return fail(path + ".mesh[" + std::to_string(m) + "]",
+                    "must be a positive integer, got " + show((**mesh)[m]));
+      spec.mesh.push_back(n);
+      mesh_size *= n;
+      if (mesh_size > (int64_t{1} << 24)) return fail(path + ".mesh", "the mesh has more than 2^24 ranks");
+    }
+    auto ranks = field(s, "ranks", path);
+    if (!ranks) return ranks.status();
+    if (!(*ranks)->is_array())
+      return fail(path + ".ranks", "must be a list of " + std::string(side_name(side)) + " ranks, got " +
+                                                show(**ranks));
+    if (static_cast<int64_t>((*ranks)->size()) != mesh_size)
+      return fail(path + ".ranks", "lists " + std::to_string((*ranks)->size()) + " ranks for a mesh of " +
+                                                std::to_string(mesh_size));
+    const int32_t nranks = L_.num_ranks(side);
+    std::unordered_map<int32_t, size_t> seen;
+    for (size_t j = 0; j < (*ranks)->size(); ++j) {
+      const json& r = (**ranks)[j];
+      const std::string p = path + ".ranks[" + std::to_string(j) + "]";
+      int64_t rank;
+      if (!get_int(r, INT64_MIN, INT64_MAX, &rank)) return fail(p, "must be an integer, got " + show(r));
+      if (rank < 0 || rank >= nranks)
+        return fail(p, std::string(side_name(side)) + " rank " + std::to_string(rank) +
+                           " is out of range: the layout has " + std::to_string(nranks) + " " + side_name(side) +
+                           " ranks");
+      auto [it, fresh] = seen.emplace(static_cast<int32_t>(rank), j);
+      if (!fresh)
+        return fail(p, std::string(side_name(side)) + " rank " + std::to_string(rank) + " is repeated (also at ranks[" +
+                           std::to_string(it->second) + "])");
+      spec.ranks.push_back(static_cast<int32_t>(rank));
+    }
+    auto pl = field(s, "placements", path);
+    if (!pl) return pl.status();
+    if (!(*pl)->is_array())
+      return fail(path + ".placements", "must be a list of placements, got " + show(**pl));
+    if ((*pl)->size() != spec.mesh.size())
+      return fail(path + ".placements", "has " + std::to_string((*pl)->size()) +
+                                                     " entries; it needs one per mesh dim (" +
+                                                     std::to_string(spec.mesh.size()) + ")");
+    const int ndim = static_cast<int>(L_.tensors[ti].shape.size());
+    for (size_t m = 0; m < (*pl)->size(); ++m) {
+      const json& v = (**pl)[m];
+      const std::string p = path + ".placements[" + std::to_string(m) + "]";
+      if (!v.is_string()) return fail(p, "must be a string such as \"R\", \"S(0)\" or \"SS(0,2)\", got " + show(v));
+      auto placement = parse_placement(v.get_ref<const std::string&>());
+      if (!placement) return fail(p, placement.status().message());
+      if (placement->kind != Placement::Kind::kReplicate && placement->dim >= ndim)
+        return fail(p, "placement " + placement->to_string() + " shards dim " + std::to_string(placement->dim) +
+                           " of a " + std::to_string(ndim) + "-dim tensor");
+      spec.placements.push_back(*placement);
+    }
+    Status st = add_dtensor(L_, ti, side, spec, L_.tensors[ti].name);
+    if (!st) return fail(path, st.message());
+    return Status::ok();
+  }
+
+  Status parse_buffer(const json& b, size_t i) {
+    const std::string path = "buffers[" + std::to_string(i) + "]";
+    if (!b.is_object()) return fail(path, "must be an object, got " + show(b));
+    REFIT_RETURN_IF_ERROR(check_keys(b, path, {"side", "rank", "name", "dtype", "bytes", "segments"}));
+    Group g;
+    auto side = field(b, "side", path);
+    if (!side) return side.status();
+    if (**side == "source") {
+      g.side = Side::kSource;
+    } else if (**side == "receiver") {
+      g.side = Side::kReceiver;
+    } else {
+      return fail(path + ".side", "must be \"source\" or \"receiver\", got " + show(**side));
+    }
+    int64_t rank;
+    const int32_t nranks = L_.num_ranks(g.side);
+    REFIT_RETURN_IF_ERROR(int_field(b, "rank", path, INT64_MIN, INT64_MAX, "an integer", &rank));
+    if (rank < 0 || rank >= nranks)
+      return fail(path + ".rank", std::string(side_name(g.side)) + " rank " + std::to_string(rank) +
+                                      " is out of range: the layout has " + std::to_string(nranks) + " " +
+                                      side_name(g.side) + " ranks");
+    REFIT_RETURN_IF_ERROR(name_field(b, path, &g.name));
+    Context ctx(this, " (" + std::string(side_name(g.side)) + " rank " + std::to_string(rank) + " buffer \"" + g.name +
+                          "\")");
+    REFIT_RETURN_IF_ERROR(dtype_field(b, path, &g.dtype));
+    REFIT_RETURN_IF_ERROR(int_field(b, "bytes", path, 0, INT64_MAX, "a non-negative integer", &g.bytes));
+    const int elem = dtype_bytes(g.dtype);
+    if (g.bytes % elem != 0)
+      return fail(path + ".bytes", std::to_string(g.bytes) + " is not a whole number of " +
+                                       std::string(dtype_name(g.dtype)) + " elements");
+
+    // One name per rank and side: against other explicit buffers, and
+    // against the buffers DTensor specs named after their tensors (all
+    // regions present so far came from specs).
+    std::string key;
+    key.reserve(g.name.size() + 8);
+    key += static_cast<char>(g.side);
+    key.append(reinterpret_cast<const char*>(&rank), sizeof(rank));
+    key += g.name;
+    if (auto [it, fresh] = names_.emplace(std::move(key), i); !fresh)
+      return fail(path, std::string(side_name(g.side)) + " rank " + std::to_string(rank) + " already has a buffer \"" +
+                            g.name + "\" (buffers[" + std::to_string(it->second) + "])");
+    if (auto t = tensor_index_.find(g.name); t != tensor_index_.end()) {
+      for (const Region& r : L_.regions(t->second, g.side)) {
+        const auto& rs = L_.sets(g.side).get(r.ranks);
+        if (L_.buffers[r.buffer].name == g.name && std::binary_search(rs.begin(), rs.end(), rank))
+          return fail(path, std::string(side_name(g.side)) + " rank " + std::to_string(rank) +
+                                " already has a buffer \"" + g.name + "\" from the " + side_name(g.side) +
+                                " spec of tensor \"" + g.name + "\"");
+      }
+    }
+
+    auto segs = list(b, "segments", true, path);
+    if (!segs) return segs.status();
+    const int64_t elems = g.bytes / elem;
+    for (size_t j = 0; j < (*segs)->size(); ++j) {
+      Segment s;
+      REFIT_RETURN_IF_ERROR(
+          parse_segment((**segs)[j], path + ".segments[" + std::to_string(j) + "]", g.dtype, elems, &s));
+      g.segments.push_back(s);
+    }
+    add_to_group(std::move(g), static_cast<int32_t>(rank));
+    return Status::ok();
+  }
+
+  Status parse_segment(const json& s, const std::string& path, DType dtype, int64_t elems, Segment* out) {
+    if (!s.is_object()) return fail(path, "must be an object, got " + show(s));
+    auto name = field(s, "tensor", path);
+    if (!name) return name.status();
+    if (!(*name)->is_string()) return fail(path + ".tensor", "must be a tensor name, got " + show(**name));
+    auto it = tensor_index_.find((*name)->get_ref<const std::string&>());
+    if (it == tensor_index_.end()) return fail(path + ".tensor", "unknown tensor " + show(**name));
+    const Tensor& t = L_.tensors[it->second];
+    Context ctx(this, context_.substr(0, context_.size() - 1) + ", tensor \"" + t.name + "\")");
+    REFIT_RETURN_IF_ERROR(check_keys(s, path, {"tensor", "start", "size", "offset", "strides"}));
+    if (t.dtype != dtype)
+      return fail(path, "the tensor is " + std::string(dtype_name(t.dtype)) + " but the buffer is " +
+                             std::string(dtype_name(dtype)) + "; a buffer holds one dtype");
+    const int nd = static_cast<int>(t.shape.size());
+    std::vector<int64_t> start, size, strides;
+    REFIT_RETURN_IF_ERROR(int_list(s, "start", path, nd, 0, "non-negative integers", &start));
+    REFIT_RETURN_IF_ERROR(int_list(s, "size", path, nd, 1, "positive integers", &size));
+    REFIT_RETURN_IF_ERROR(int_list(s, "strides", path, nd, 0, "non-negative integers", &strides));
+    int64_t offset;
+    REFIT_RETURN_IF_ERROR(int_field(s, "offset", path, 0, INT64_MAX, "a non-negative integer", &offset));
+    out->tensor = it->second;
+    out->box.ndim = nd;
+    out->offset = offset;
+    for (int d = 0; d < nd; ++d) {
+      out->box.start[d] = start[d];
+      out->box.size[d] = size[d];
+      out->strides[d] = strides[d];
+      if (start[d] > t.shape[d] || size[d] > t.shape[d] - start[d]) {
+        Box shown = out->box;
+        for (int e = d + 1; e < nd; ++e) shown.start[e] = start[e], shown.size[e] = size[e];
+        return fail(path, "box " + show_box(shown) + " is outside the shape " + show_shape(t.shape));
+      }
+    }
+    // The last element: offset + sum((size-1)*stride) must fit the buffer.
+    // Every term is bounded by the shape and the stride, so compute with
+    // overflow checks rather than trust them.
+    int64_t last = offset;
+    bool overflow = false;
+    for (int d = 0; d < nd; ++d) {
+      int64_t span;
+      overflow |= __builtin_mul_overflow(size[d] - 1, strides[d], &span);
+      overflow |= __builtin_add_overflow(last, span, &last);
+    }
+    if (overflow || last >= elems)
+      return fail(path, "box " + show_box(out->box) + " at element offset " + std::to_string(offset) +
+                             " with strides " + show_shape(strides) + " reaches past the end of the buffer (" +
+                             std::to_string(elems) + " elements)");
+    // Strides must not map two elements of the box to one place: ordered by
+    // stride, each must step over everything the smaller ones span. This is
+    // sufficient and holds for every row-major or transposed layout.
+    std::vector<int> dims;
+    for (int d = 0; d < nd; ++d)
+      if (size[d] > 1) dims.push_back(d);
+    std::sort(dims.begin(), dims.end(), [&](int a, int b) { return strides[a] < strides[b]; });
+    int64_t reach = 0;  // elements spanned by the dims so far, minus one
+    for (int d : dims) {
+      if (strides[d] <= reach)
+        return fail(path, "strides " + show_shape(strides) + " map two elements of box " + show_box(out->box) +
+                               " to the same place");
+      reach += (size[d] - 1) * strides[d];
+    }
+    return Status::ok();
+  }
+
+  void add_to_group(Group g, int32_t rank) {
+    std::string key;
+    auto put = [&key](const void* p, size_t n) { key.append(static_cast<const char*>(p), n); };
+    key += static_cast<char>(g.side);
+    key += static_cast<char>(g.dtype);
+    put(&g.bytes, sizeof g.bytes);
+    const uint64_t name_len = g.name.size();
+    put(&name_len, sizeof name_len);
+    key += g.name;
+    for (const Segment& s : g.segments) {
+      put(&s.tensor, sizeof s.tensor);
+      put(&s.offset, sizeof s.offset);
+      const int nd = s.box.ndim;
+      put(s.box.start.data(), nd * sizeof(int64_t));
+      put(s.box.size.data(), nd * sizeof(int64_t));
+      put(s.strides.data(), nd * sizeof(int64_t));
+    }
+    auto [it, fresh] = group_index_.emplace(std::move(key), groups_.size());
+    if (fresh) groups_.push_back(std::move(g));
+    groups_[it->second].ranks.push_back(rank);
+  }
+
+  void build_groups() {
+    for (Group& g : groups_) {
+      std::sort(g.ranks.begin(), g.ranks.end());  // no repeats: names_ refused them
+      const RankSetId set = L_.sets(g.side).intern(g.ranks);
+      const uint32_t bi = L_.add_buffer(Buffer{g.side, g.name, g.dtype, g.bytes, set});
+      for (const Segment& s : g.segments) {
+        Region r;
+        r.box = s.box;
+        r.ranks = set;
+        r.buffer = bi;
+        r.offset = s.offset;
+        r.strides = s.strides;
+        L_.regions(s.tensor, g.side).push_back(r);
+      }
+    }
+  }
+
+  // Sets the context of messages for the life of one tensor or buffer.
+  class Context {
+   public:
+    Context(Parser* p, std::string c) : p_(p), saved_(std::move(p->context_)) { p->context_ = std::move(c); }
+    ~Context() { p_->context_ = std::move(saved_); }
+    Context(const Context&) = delete;
+    Context& operator=(const Context&) = delete;
+
+   private:
+    Parser* p_;
+    std::string saved_;
+  };
+
+  const std::string& origin_;
+  std::string context_;
+  Layout L_;
+  std::unordered_map<std::string, uint32_t> tensor_index_;
+  std::unordered_map<std::string, size_t> names_;  // (side, rank, name) -> buffers[i]
+  std::unordered_map<std::string, size_t> group_index_;
+  std::vector<Group> groups_;
+};
+
+// ---------------------------------------------------------------- writing
+
+// Appends JSON text to a string; numbers through std::to_chars. With a sink,
+// hands the text on in pieces of about kFlushBytes, so that a plan of
+// hundreds of millions of runs never sits in memory as one string.
+class Writer {
+ public:
+  static constexpr size_t kFlushBytes = size_t{1} << 20;
+
+  explicit Writer(const TextSink* sink = nullptr) : sink_(sink) {
+    if (sink_) out.reserve(kFlushBytes + 4096);
+  }
+
+  std::string out;
+
+  // Called between entries: passes the text on when enough has gathered.
+  void entry_done() {
+    if (sink_ && out.size() >= kFlushBytes) flush();
+  }
+  // Passes the rest on; false once the sink has refused any piece.
+  bool finish() {
+    if (sink_) flush();
+    return ok_;
+  }
+
+  Writer& raw(std::string_view s) {
+    out.append(s);
+    return *this;
+  }
+  Writer& num(int64_t v) {
+    char buf[24];
+    auto [p, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    out.append(buf, p);
+    return *this;
+  }
+  Writer& str(std::string_view s) {
+    out.push_back('"');
+    out.append(escaped(s));
+    out.push_back('"');
+    return *this;
+  }
+  Writer& list(const int64_t* v, int n) {
+    out.push_back('[');
+    for (int i = 0; i < n; ++i) {
+      if (i) out.append(", ");
+      num(v[i]);
+    }
+    out.push_back(']');
+    return *this;
+  }
+
+  static std::string escaped(std::string_view s);
+
+ private:
+  void flush() {
+    if (ok_ && !out.empty()) ok_ = (*sink_)(out);
+    out.clear();
+  }
+  const TextSink* sink_;
+  bool ok_ = true;
+};
+
+std::string Writer::escaped(std::string_view s) {
+    std::string e;
+    e.reserve(s.size());
+    for (char c : s) {
+      switch (c) {
+        case '"': e += "\\\""; break;
+        case '\\': e += "\\\\"; break;
+        case '\n': e += "\\n"; break;
+        case '\t': e += "\\t"; break;
+        case '\r': e += "\\r"; break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            static const char kHex[] = "0123456789abcdef";
+            e += "\\u00";
+            e += kHex[(c >> 4) & 0xf];
+            e += kHex[c & 0xf];
+          } else {
+            e += c;
+          }
+      }
+    }
+    return e;
+}
+
+void write_layout(const Layout& L, Writer& w) {
+  w.raw("{\"format\": ").str(kLayoutFormat).raw(",\n \"sources\": [");
+  for (size_t i = 0; i < L.sources.size(); ++i) {
+    w.raw(i ? ",\n  " : "\n  ").raw("{\"rank\": ").num(static_cast<int64_t>(i));
+    w.raw(", \"domain\": ").num(L.sources[i].domain).raw("}");
+  }
+  w.raw("],\n \"receivers\": [");
+  for (size_t i = 0; i < L.receivers.size(); ++i) {
+    w.raw(i ? ",\n  " : "\n  ").raw("{\"rank\": ").num(static_cast<int64_t>(i));
+    w.raw(", \"domain\": ").num(L.receivers[i].domain);
+    w.raw(", \"instance\": ").num(L.receivers[i].instance).raw("}");
+  }
+  w.raw("],\n \"tensors\": [");
+  for (size_t i = 0; i < L.tensors.size(); ++i) {
+    const Tensor& t = L.tensors[i];
+    w.raw(i ? ",\n  " : "\n  ").raw("{\"name\": ").str(t.name);
+    w.raw(", \"dtype\": ").str(dtype_name(t.dtype));
+    w.raw(", \"shape\": ").list(t.shape.data(), static_cast<int>(t.shape.size())).raw("}");
+    w.entry_done();
+  }
+  w.raw("],\n \"buffers\": [");
+
+  // The regions of each buffer, in tensor order, sources then receivers.
+  struct Use {
+    uint32_t tensor;
+    const Region* region;
+  };
+  std::vector<std::vector<Use>> uses(L.buffers.size());
+  for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) {
+    for (Side side : {Side::kSource, Side::kReceiver}) {
+      for (const Region& r : L.regions(ti, side))
+        if (r.buffer < uses.size()) uses[r.buffer].push_back({ti, &r});
+    }
+  }
+  bool first = true;
+  for (size_t bi = 0; bi < L.buffers.size(); ++bi) {
+    const Buffer& b = L.buffers[bi];
+    const RankSets& sets = L.sets(b.side);
+    if (b.ranks >= sets.size()) continue;
+    const std::string name = Writer::escaped(b.name);
+    for (int32_t rank : sets.get(b.ranks)) {
+      w.raw(first ? "\n  " : ",\n  ");
+      first = false;
+      w.raw("{\"side\": \"").raw(side_name(b.side)).raw("\", \"rank\": ").num(rank);
+      w.raw(", \"name\": \"").raw(name).raw("\", \"dtype\": ").str(dtype_name(b.dtype));
+      w.raw(", \"bytes\": ").num(b.bytes).raw(", \"segments\": [");
+      bool first_seg = true;
+      for (const Use& u : uses[bi]) {
+        if (u.region->ranks != b.ranks) {
+          const auto& rs = sets.get(u.region->ranks);
+          if (!std::binary_search(rs.begin(), rs.end(), rank)) continue;
+        }
+        const Region& r = *u.region;
+        w.raw(first_seg ? "\n    " : ",\n    ");
+        first_seg = false;
+        w.raw("{\"tensor\": ").str(L.tensors[u.tensor].name);
+        w.raw(", \"start\": ").list(r.box.start.data(), r.box.ndim);
+        w.raw(", \"size\": ").list(r.box.size.data(), r.box.ndim);
+        w.raw(", \"offset\": ").num(r.offset);
+        w.raw(", \"strides\": ").list(r.strides.data(), r.box.ndim).raw("}");
+      }
+      w.raw("]}");
+      w.entry_done();
+    }
+  }
+  w.raw("]}\n");
+}
+
+void write_runs(const Plan& plan, Writer& w) {
+  const Layout& L = plan.layout();
+  std::vector<std::string> names(L.buffers.size());
+  for (size_t i = 0; i < names.size(); ++i) names[i] = Writer::escaped(L.buffers[i].name);
+  w.raw("{\"format\": ").str(kRunsFormat).raw(",\n \"runs\": [");
+  bool first = true;
+  for_each_run(plan, [&](const Run& run) {
+    w.raw(first ? "\n  " : ",\n  ");
+    first = false;
+    w.raw(run.local ? "{\"kind\": \"local\"" : "{\"kind\": \"net\"");
+    w.raw(", \"from\": {\"side\": \"").raw(side_name(run.from.side)).raw("\", \"rank\": ").num(run.from.rank);
+    w.raw(", \"buffer\": \"").raw(names[run.from.buffer]).raw("\", \"offset\": ").num(run.from.offset);
+    w.raw("}, \"to\": {\"rank\": ").num(run.to.rank);
+    w.raw(", \"buffer\": \"").raw(names[run.to.buffer]).raw("\", \"offset\": ").num(run.to.offset);
+    w.raw("}, \"bytes\": ").num(run.bytes).raw("}");
+    w.entry_done();
+  });
+  w.raw("]}\n");
+}
+
+}  // namespace
+
+Result<Layout> parse_layout_json(std::string_view text, const std::string& origin) {
+  return Parser(origin).parse(text);
+}
+
+std::string write_layout_json(const Layout& layout) {
+  Writer w;
+  write_layout(layout, w);
+  return std::move(w.out);
+}
+
+bool write_layout_json(const Layout& layout, const TextSink& sink) {
+  Writer w(&sink);
+  write_layout(layout, w);
+  return w.finish();
+}
+
+std::string write_runs_json(const Plan& plan) {
+  Writer w;
+  write_runs(plan, w);
+  return std::move(w.out);
+}
+
+bool write_runs_json(const Plan& plan, const TextSink& sink) {
+  Writer w(&sink);
+  write_runs(plan, w);
+  return w.finish();
+}
+
+}  // namespace refit

@@ -1,1 +1,608 @@
-int main() { return 0; }
+// refit-plan: plans a weight refresh from a layout file or a scenario and a
+// model, and prints what it would move: bytes over the network against the
+// minimum, bytes over the local fabric, units, pulls, chunks, NIC loads and
+// planning time. It writes the explicit layout (--layout-out), every byte run
+// (--runs) and the summary (--json) for other tools.
+//
+// Exit status: 0 on success, 2 on bad input (one line on stderr that names
+// the file, the key or tensor, and the problem), 1 on an internal error.
+// Quiet by default: nothing but the result, and nothing at all under --quiet.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <new>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "planner/layout.h"
+#include "planner/layout_json.h"
+#include "planner/manifest.h"
+#include "planner/plan.h"
+#include "planner/recipes/recipe.h"
+#include "planner/scenario.h"
+#include "planner/status.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using refit::Code;
+using refit::Layout;
+using refit::Manifest;
+using refit::Plan;
+using refit::PlanOptions;
+using refit::PlanSummary;
+using refit::Result;
+using refit::Status;
+using refit::Strategy;
+using ordered_json = nlohmann::ordered_json;
+
+constexpr int kExitBadInput = 2;
+constexpr int kExitInternal = 1;
+
+// The safetensors limit on header size; parse_safetensors_header says so too.
+constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// ---------------------------------------------------------------- files
+
+Result<std::string> read_file(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return Status::io_error(path + ": is a folder, expected a file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::io_error(path + ": cannot open: " + std::strerror(errno));
+  std::string s;
+  in.seekg(0, std::ios::end);
+  const auto size = in.tellg();
+  if (size > 0) {
+    s.resize(static_cast<size_t>(size));
+    in.seekg(0);
+    in.read(s.data(), size);
+  }
+  if (!in) return Status::io_error(path + ": cannot read: " + std::strerror(errno));
+  return s;
+}
+
+// "-" is standard output.
+Status write_file(const std::string& path, const std::string& text) {
+  if (path == "-") {
+    std::cout << text;
+    std::cout.flush();
+    return std::cout ? Status::ok() : Status::io_error("standard output: write failed");
+  }
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return Status::io_error(path + ": cannot write: " + std::strerror(errno));
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  out.close();
+  if (!out) return Status::io_error(path + ": write failed: " + std::strerror(errno));
+  return Status::ok();
+}
+
+// Writes what `produce` hands its sink, piece by piece: a cluster-scale
+// runs file is larger than memory. "-" is standard output.
+Status write_streamed(const std::string& path, const std::function<bool(const refit::TextSink&)>& produce) {
+  std::ofstream file;
+  std::ostream* out = &std::cout;
+  if (path != "-") {
+    file.open(path, std::ios::binary | std::ios::trunc);
+    if (!file) return Status::io_error(path + ": cannot write: " + std::strerror(errno));
+    out = &file;
+  }
+  const refit::TextSink sink = [out](std::string_view piece) {
+    out->write(piece.data(), static_cast<std::streamsize>(piece.size()));
+    return static_cast<bool>(*out);
+  };
+  const bool ok = produce(sink);
+  out->flush();
+  if (!ok || !*out)
+    return Status::io_error((path == "-" ? "standard output" : path) + ": write failed: " + std::strerror(errno));
+  return Status::ok();
+}
+
+// Reads only the header of a .safetensors file: a checkpoint shard is
+// gigabytes, its header kilobytes.
+Result<Manifest> read_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::io_error(path + ": cannot open: " + std::strerror(errno));
+  std::error_code ec;
+  const uint64_t file_size = fs::file_size(path, ec);
+  if (ec) return Status::io_error(path + ": cannot read its size: " + ec.message());
+  std::string bytes(static_cast<size_t>(std::min<uint64_t>(8, file_size)), '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (bytes.size() == 8) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+    // A length the file cannot hold is reported by the parser; read only a
+    // header that can be real.
+    if (n <= kMaxSafetensorsHeader && n <= file_size - 8) {
+      bytes.resize(8 + n);
+      in.read(bytes.data() + 8, static_cast<std::streamsize>(n));
+      bytes.resize(8 + static_cast<size_t>(in.gcount()));
+    }
+  }
+  return refit::parse_safetensors_header(bytes, file_size, path);
+}
+
+Result<Manifest> read_safetensors_folder(const std::string& dir) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".safetensors" && e.is_regular_file()) files.push_back(e.path().string());
+  }
+  if (ec) return Status::io_error(dir + ": cannot list: " + ec.message());
+  if (files.empty()) return Status::not_found(dir + ": the folder holds no .safetensors files");
+  std::sort(files.begin(), files.end());
+  Manifest all;
+  for (const std::string& f : files) {
+    auto m = read_safetensors(f);
+    if (!m) return m.status();
+    REFIT_RETURN_IF_ERROR(refit::merge_manifest(all, std::move(*m), f));
+  }
+  if (all.empty()) return Status::invalid(dir + ": the checkpoint holds no tensors");
+  return all;
+}
+
+// A manifest .json, a .safetensors file, or a folder of them.
+Result<Manifest> read_model(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return read_safetensors_folder(path);
+  if (!fs::exists(path, ec)) return Status::not_found(path + ": no such file or folder");
+  if (fs::path(path).extension() == ".safetensors") {
+    auto m = read_safetensors(path);
+    if (m && m->empty()) return Status::invalid(path + ": the checkpoint holds no tensors");
+    return m;
+  }
+  auto text = read_file(path);
+  if (!text) return text.status();
+  return refit::parse_manifest_json(*text, path);
+}
+
+// The manifest of `model` under `dir`: <model>.json, <model>.safetensors, or
+// a folder <model>/ of .safetensors files, in that order.
+Result<std::string> find_model(const std::string& dir, const std::string& model, const std::string& scenario) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return Status::not_found(dir + ": no such folder (--models)");
+  for (const std::string& candidate : {model + ".json", model + ".safetensors", model}) {
+    const std::string p = (fs::path(dir) / candidate).string();
+    if (fs::exists(p, ec)) return p;
+  }
+  return Status::not_found(dir + ": no manifest for model \"" + model + "\" of " + scenario + " (looked for " + model +
+                           ".json, " + model + ".safetensors and the folder " + model + "/)");
+}
+
+// ---------------------------------------------------------------- sizes
+
+// "4194304", "4M", "4MiB", "512k", "1G": binary multiples.
+std::optional<int64_t> parse_size(const std::string& text) {
+  size_t i = 0;
+  int64_t v = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+    if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, text[i] - '0', &v)) return std::nullopt;
+    ++i;
+  }
+  if (i == 0) return std::nullopt;
+  std::string suffix = text.substr(i);
+  int shift = 0;
+  if (!suffix.empty()) {
+    const char c = static_cast<char>(std::toupper(static_cast<unsigned char>(suffix[0])));
+    shift = c == 'K' ? 10 : c == 'M' ? 20 : c == 'G' ? 30 : c == 'T' ? 40 : -1;
+    const std::string rest = suffix.substr(1);
+    if (shift < 0 || !(rest.empty() || rest == "iB")) return std::nullopt;
+  }
+  if (v > (INT64_MAX >> shift)) return std::nullopt;
+  v <<= shift;
+  if (v <= 0) return std::nullopt;
+  return v;
+}
+
+std::string human_bytes(int64_t b) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f %s", v, kUnits[u]);
+  }
+  return buf;
+}
+
+std::string ratio(int64_t a, int64_t b) {
+  if (b == 0) return a == 0 ? "1.00x" : "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2fx", static_cast<double>(a) / static_cast<double>(b));
+  return buf;
+}
+
+double ratio_value(int64_t a, int64_t b) {
+  return b == 0 ? (a == 0 ? 1.0 : 0.0) : static_cast<double>(a) / static_cast<double>(b);
+}
+
+std::string fixed(double v, int digits) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string stem(const std::string& path) { return fs::path(path).stem().string(); }
+
+// ---------------------------------------------------------------- inputs
+
+struct Options {
+  std::string layout;
+  std::vector<std::string> scenarios;
+  std::string models_dir;
+  std::string model;
+  std::string layout_out;
+  std::string runs_out;
+  std::string json_out;
+  std::string strategy;
+  bool no_dedup = false;
+  std::string chunk_bytes;
+  bool compare = false;
+  bool quiet = false;
+};
+
+// One layout to plan, read from a layout file or made from a scenario. The
+// Layout lives behind a pointer: a Plan refers to it.
+struct Input {
+  std::string name;    // the file's stem
+  std::string origin;  // the file as given
+  std::unique_ptr<Layout> layout;
+  double layout_seconds = 0;
+};
+
+class Loader {
+ public:
+  explicit Loader(const Options& o) : o_(o) {}
+
+  Result<Input> layout_file(const std::string& path) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto text = read_file(path);
+    if (!text) return text.status();
+    auto layout = refit::parse_layout_json(*text, path);
+    if (!layout) return layout.status();
+    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0};
+    in.layout_seconds = seconds_since(t0);
+    return in;
+  }
+
+  Result<Input> scenario(const std::string& path) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto text = read_file(path);
+    if (!text) return text.status();
+    auto s = refit::parse_scenario(*text, path);
+    if (!s) return s.status();
+    std::string model_path = o_.model;
+    if (model_path.empty()) {
+      auto found = find_model(o_.models_dir, s->model, path);
+      if (!found) return found.status();
+      model_path = *found;
+    }
+    auto manifest = manifest_at(model_path);
+    if (!manifest) return manifest.status();
+    auto layout = refit::layout_from_scenario(*s, **manifest);
+    if (!layout) return layout.status().with_context(path);
+    // No validate() here: the recipes' tests check that they make valid
+    // layouts, and at cluster scale (18M buffers for kimi-k2-384-h100) it
+    // costs several times the plan. Layout files are validated as they are read.
+    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0};
+    in.layout_seconds = seconds_since(t0);
+    return in;
+  }
+
+ private:
+  // Manifests are read once per run: --compare over many scenarios of one
+  // model reads the model once.
+  Result<const Manifest*> manifest_at(const std::string& path) {
+    auto it = manifests_.find(path);
+    if (it == manifests_.end()) {
+      auto m = read_model(path);
+      if (!m) return m.status();
+      it = manifests_.emplace(path, std::move(*m)).first;
+    }
+    return &it->second;
+  }
+
+  const Options& o_;
+  std::map<std::string, Manifest> manifests_;
+};
+
+// ---------------------------------------------------------------- output
+
+struct Planned {
+  PlanSummary summary;
+  double plan_seconds = 0;
+};
+
+Result<Planned> plan_one(const Input& in, const PlanOptions& po, const std::string& runs_out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto plan = refit::make_plan(*in.layout, po);
+  const double secs = seconds_since(t0);
+  if (!plan) return plan.status().with_context(in.origin);
+  if (!runs_out.empty())
+    REFIT_RETURN_IF_ERROR(write_streamed(runs_out, [&](const refit::TextSink& sink) {
+      return refit::write_runs_json(*plan, sink);
+    }));
+  return Planned{plan->summary(), secs};
+}
+
+ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) {
+  const PlanSummary& s = p.summary;
+  ordered_json j;
+  j["name"] = in.name;
+  j["strategy"] = refit::strategy_name(strategy);
+  j["sources"] = in.layout->sources.size();
+  j["receivers"] = in.layout->receivers.size();
+  j["tensors"] = s.tensors;
+  j["total_bytes"] = s.total_bytes;
+  j["network_bytes"] = s.network_bytes;
+  j["minimum_network_bytes"] = s.minimum_network_bytes;
+  j["local_bytes"] = s.local_bytes;
+  j["gather_bytes"] = s.gather_bytes;
+  j["units"] = s.units;
+  j["pulls"] = s.pulls;
+  j["chunks"] = s.chunks;
+  j["max_source_nic_bytes"] = s.max_source_nic_bytes;
+  j["max_receiver_nic_bytes"] = s.max_receiver_nic_bytes;
+  j["layout_seconds"] = in.layout_seconds;
+  j["plan_seconds"] = p.plan_seconds;
+  return j;
+}
+
+std::string summary_table(const ordered_json& j) {
+  static const char* kByteKeys[] = {"total_bytes",  "network_bytes",        "minimum_network_bytes",
+                                    "local_bytes",  "gather_bytes",         "max_source_nic_bytes",
+                                    "max_receiver_nic_bytes"};
+  size_t width = 0;
+  for (auto it = j.begin(); it != j.end(); ++it) width = std::max(width, it.key().size());
+  std::string out;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    std::string value;
+    if (it->is_string()) {
+      value = it->get<std::string>();
+    } else if (it->is_number_float()) {
+      value = fixed(it->get<double>(), 6);
+    } else {
+      value = std::to_string(it->get<int64_t>());
+      for (const char* k : kByteKeys)
+        if (it.key() == k) value = human_bytes(it->get<int64_t>()) + "  (" + value + ")";
+    }
+    out += it.key() + std::string(width + 2 - it.key().size(), ' ') + value + "\n";
+  }
+  return out;
+}
+
+struct CompareRow {
+  std::string name;
+  PlanSummary refit, no_dedup, broadcast;
+  double plan_seconds = 0;
+  double layout_seconds = 0;
+};
+
+// What the conventional refit moves over the network: the gather to one
+// source per tensor, then every receiver's full copy.
+int64_t broadcast_total(const PlanSummary& s) { return s.network_bytes + s.gather_bytes; }
+
+ordered_json compare_json(const std::vector<CompareRow>& rows) {
+  ordered_json list = ordered_json::array();
+  for (const CompareRow& r : rows) {
+    ordered_json j;
+    j["name"] = r.name;
+    j["network_bytes"] = r.refit.network_bytes;
+    j["minimum_network_bytes"] = r.refit.minimum_network_bytes;
+    j["ratio"] = ratio_value(r.refit.network_bytes, r.refit.minimum_network_bytes);
+    j["local_bytes"] = r.refit.local_bytes;
+    j["no_dedup_bytes"] = r.no_dedup.network_bytes;
+    j["no_dedup_ratio"] = ratio_value(r.no_dedup.network_bytes, r.refit.network_bytes);
+    j["broadcast_bytes"] = broadcast_total(r.broadcast);
+    j["broadcast_gather_bytes"] = r.broadcast.gather_bytes;
+    j["broadcast_ratio"] = ratio_value(broadcast_total(r.broadcast), r.refit.network_bytes);
+    j["layout_seconds"] = r.layout_seconds;
+    j["plan_seconds"] = r.plan_seconds;
+    list.push_back(std::move(j));
+  }
+  ordered_json top;
+  top["rows"] = std::move(list);
+  return top;
+}
+
+std::string compare_table(const std::vector<CompareRow>& rows) {
+  std::vector<std::vector<std::string>> cells = {{"name", "network", "minimum", "net/min", "no-dedup", "/refit",
+                                                  "broadcast", "/refit", "layout_s", "plan_s"}};
+  for (const CompareRow& r : rows) {
+    cells.push_back({r.name, human_bytes(r.refit.network_bytes), human_bytes(r.refit.minimum_network_bytes),
+                     ratio(r.refit.network_bytes, r.refit.minimum_network_bytes), human_bytes(r.no_dedup.network_bytes),
+                     ratio(r.no_dedup.network_bytes, r.refit.network_bytes), human_bytes(broadcast_total(r.broadcast)),
+                     ratio(broadcast_total(r.broadcast), r.refit.network_bytes), fixed(r.layout_seconds, 4),
+                     fixed(r.plan_seconds, 4)});
+  }
+  std::vector<size_t> w(cells[0].size(), 0);
+  for (const auto& row : cells)
+    for (size_t c = 0; c < row.size(); ++c) w[c] = std::max(w[c], row[c].size());
+  std::string out;
+  for (const auto& row : cells) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      const std::string pad(w[c] - row[c].size(), ' ');
+      // Names left-aligned, figures right-aligned.
+      line += c == 0 ? row[c] + pad : "  " + pad + row[c];
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  out += "broadcast counts the gather to one source per tensor and every receiver's full copy\n";
+  return out;
+}
+
+// ---------------------------------------------------------------- main
+
+int fail(const Status& s) {
+  std::cerr << "refit-plan: " << (s.code() == Code::kInternal ? "internal error: " : "") << s.message() << "\n";
+  return s.code() == Code::kInternal ? kExitInternal : kExitBadInput;
+}
+
+int usage_error(const std::string& msg) {
+  std::cerr << "refit-plan: " << msg << " (see --help)\n";
+  return kExitBadInput;
+}
+
+int run(const Options& o) {
+  // Combinations that make no sense are refused before any work.
+  if (o.layout.empty() && o.scenarios.empty()) return usage_error("give --layout FILE or --scenario FILE");
+  if (!o.layout.empty() && !o.scenarios.empty()) return usage_error("--layout and --scenario exclude each other");
+  if (!o.scenarios.empty() && o.models_dir.empty() && o.model.empty())
+    return usage_error("--scenario needs --models DIR or --model PATH");
+  if (!o.models_dir.empty() && !o.model.empty()) return usage_error("--models and --model exclude each other");
+  if (!o.layout.empty() && (!o.models_dir.empty() || !o.model.empty()))
+    return usage_error("--models and --model go with --scenario, not --layout");
+  if (o.scenarios.size() > 1 && !o.compare) return usage_error("several --scenario files need --compare");
+  if (o.compare && (!o.runs_out.empty() || !o.layout_out.empty()))
+    return usage_error("--compare writes no --runs or --layout-out; plan one input for those");
+  if (o.compare && (o.no_dedup || !o.strategy.empty()))
+    return usage_error("--compare plans every strategy; drop --strategy and --no-dedup");
+
+  PlanOptions po;
+  if (!o.chunk_bytes.empty()) {
+    auto n = parse_size(o.chunk_bytes);
+    if (!n) return usage_error("--chunk-bytes must be a positive byte count like 4194304, 4M or 4MiB, got \"" +
+                               o.chunk_bytes + "\"");
+    po.chunk_bytes = *n;
+  }
+  if (o.strategy == "no-dedup") po.strategy = Strategy::kNoDedup;
+  if (o.strategy == "broadcast") po.strategy = Strategy::kBroadcast;
+  if (o.no_dedup) {
+    if (!o.strategy.empty() && o.strategy != "no-dedup")
+      return usage_error("--no-dedup contradicts --strategy " + o.strategy);
+    po.strategy = Strategy::kNoDedup;
+  }
+  if (po.strategy == Strategy::kBroadcast && !o.runs_out.empty())
+    return usage_error("--runs needs a plan of units; the broadcast baseline has only a summary");
+
+  Loader loader(o);
+  auto load = [&](const std::string& path) {
+    return o.layout.empty() ? loader.scenario(path) : loader.layout_file(path);
+  };
+  std::vector<std::string> inputs = o.layout.empty() ? o.scenarios : std::vector<std::string>{o.layout};
+
+  if (o.compare) {
+    std::vector<CompareRow> rows;
+    for (const std::string& path : inputs) {
+      auto in = load(path);
+      if (!in) return fail(in.status());
+      CompareRow row;
+      row.name = in->name;
+      row.layout_seconds = in->layout_seconds;
+      for (Strategy st : {Strategy::kRefit, Strategy::kNoDedup, Strategy::kBroadcast}) {
+        PlanOptions p = po;
+        p.strategy = st;
+        auto planned = plan_one(*in, p, "");
+        if (!planned) return fail(planned.status());
+        (st == Strategy::kRefit ? row.refit : st == Strategy::kNoDedup ? row.no_dedup : row.broadcast) =
+            planned->summary;
+        if (st == Strategy::kRefit) row.plan_seconds = planned->plan_seconds;
+      }
+      rows.push_back(std::move(row));
+    }
+    if (!o.json_out.empty()) {
+      Status s = write_file(o.json_out, compare_json(rows).dump(2) + "\n");
+      if (!s) return fail(s);
+    } else if (!o.quiet) {
+      std::cout << compare_table(rows);
+    }
+    return 0;
+  }
+
+  auto in = load(inputs.front());
+  if (!in) return fail(in.status());
+  if (!o.layout_out.empty()) {
+    Status s = write_streamed(o.layout_out, [&](const refit::TextSink& sink) {
+      return refit::write_layout_json(*in->layout, sink);
+    });
+    if (!s) return fail(s);
+  }
+  auto planned = plan_one(*in, po, o.runs_out);
+  if (!planned) return fail(planned.status());
+  const ordered_json j = summary_json(*in, *planned, po.strategy);
+  if (!o.json_out.empty()) {
+    Status s = write_file(o.json_out, j.dump(2) + "\n");
+    if (!s) return fail(s);
+  } else if (!o.quiet) {
+    std::cout << summary_table(j);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "Plans a refit weight refresh: which bytes cross the network once per receiving NVLink domain and which are "
+      "fanned out inside it.",
+      "refit-plan"};
+  app.get_formatter()->column_width(34);
+  app.add_option("--layout", o.layout, "a refit-layout/1 file to plan")->type_name("FILE");
+  app.add_option("--scenario", o.scenarios, "a scenario file to plan (repeatable with --compare)")
+      ->type_name("FILE")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--models", o.models_dir,
+                 "folder with the scenario's model: <model>.json, <model>.safetensors or <model>/")
+      ->type_name("DIR");
+  app.add_option("--model", o.model, "the model: a manifest .json, a .safetensors file or a folder of them")
+      ->type_name("PATH");
+  app.add_option("--layout-out", o.layout_out, "write the explicit refit-layout/1 to FILE")->type_name("FILE");
+  app.add_option("--runs", o.runs_out, "write every byte run (refit-runs/1) to FILE")->type_name("FILE");
+  app.add_option("--json", o.json_out, "write the summary as JSON to FILE instead of printing a table ('-': stdout)")
+      ->type_name("FILE");
+  app.add_option("--strategy", o.strategy, "refit (default), no-dedup or broadcast")
+      ->type_name("NAME")
+      ->check(CLI::IsMember({"refit", "no-dedup", "broadcast"}));
+  app.add_flag("--no-dedup", o.no_dedup, "same as --strategy no-dedup: every receiver rank pulls for itself");
+  app.add_option("--chunk-bytes", o.chunk_bytes, "pipelining grain, e.g. 4M, 4MiB, 1048576 (default 4MiB)")
+      ->type_name("SIZE");
+  app.add_flag("--compare", o.compare,
+               "plan refit, no-dedup and broadcast for every input; print one row each");
+  app.add_flag("--quiet", o.quiet, "print nothing; write only the files asked for");
+  app.footer(
+      "Examples:\n"
+      "  refit-plan --scenario examples/scenarios/tp2-to-tp4.json --models examples/models\n"
+      "  refit-plan --layout examples/layouts/cross-dim.json --runs runs.json\n"
+      "  refit-plan --compare --models examples/models --scenario a.json --scenario b.json\n"
+      "Exit status: 0 success, 2 bad input (one line on stderr), 1 internal error.");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::cerr << "refit-plan: " << e.what() << " (see --help)\n";
+    return kExitBadInput;
+  }
+  try {
+    return run(o);
+  } catch (const std::bad_alloc&) {
+    std::cerr << "refit-plan: out of memory\n";
+  } catch (const std::exception& e) {
+    std::cerr << "refit-plan: internal error: " << e.what() << "\n";
+  }
+  return kExitInternal;
+}

@@ -1,0 +1,563 @@
+#include "planner/layout_json.h"
+
+#include <cstring>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "planner/plan.h"
+#include "planner/recipes/recipe.h"
+
+namespace refit {
+namespace {
+
+using nlohmann::json;
+
+// The example of FORMATS.md.
+json formats_example() {
+  return json::parse(R"J({"format": "refit-layout/1",
+     "sources":   [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+     "receivers": [{"rank": 0, "domain": 0, "instance": 0},
+                   {"rank": 1, "domain": 0, "instance": 0}],
+     "tensors": [
+       {"name": "w", "dtype": "BF16", "shape": [10, 6],
+        "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
+        "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]}},
+       {"name": "q", "dtype": "BF16", "shape": [8, 4],
+        "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["R"]}}],
+     "buffers": [
+       {"side": "receiver", "rank": 0, "name": "qkv", "dtype": "BF16", "bytes": 64,
+        "segments": [{"tensor": "q", "start": [0, 0], "size": [4, 4],
+                      "offset": 0, "strides": [4, 1]}]}]})J");
+}
+
+// Two receiving domains of two ranks, I32 elements (so a test can put a
+// distinct id in every element): a cross-dim reshard, an explicit composite
+// buffer with a gap, and a replicated norm that is fanned out locally.
+json two_domains() {
+  return json::parse(R"J({"format": "refit-layout/1",
+     "sources":   [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+     "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                   {"rank": 2, "domain": 1, "instance": 1}, {"rank": 3, "domain": 1, "instance": 1}],
+     "tensors": [
+       {"name": "w", "dtype": "I32", "shape": [10, 6],
+        "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
+        "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}},
+       {"name": "q", "dtype": "I32", "shape": [8, 4],
+        "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["R"]}},
+       {"name": "k", "dtype": "I32", "shape": [4, 4],
+        "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]}},
+       {"name": "norm", "dtype": "I32", "shape": [5],
+        "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["R"]},
+        "receiver": {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["R"]}}],
+     "buffers": [
+       {"side": "receiver", "rank": 0, "name": "qk", "dtype": "I32", "bytes": 128,
+        "segments": [{"tensor": "q", "start": [0, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]},
+                     {"tensor": "k", "start": [0, 0], "size": [2, 4], "offset": 24, "strides": [4, 1]}]},
+       {"side": "receiver", "rank": 1, "name": "qk", "dtype": "I32", "bytes": 128,
+        "segments": [{"tensor": "q", "start": [4, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]},
+                     {"tensor": "k", "start": [2, 0], "size": [2, 4], "offset": 24, "strides": [4, 1]}]},
+       {"side": "receiver", "rank": 2, "name": "qk", "dtype": "I32", "bytes": 128,
+        "segments": [{"tensor": "q", "start": [0, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]},
+                     {"tensor": "k", "start": [0, 0], "size": [2, 4], "offset": 24, "strides": [4, 1]}]},
+       {"side": "receiver", "rank": 3, "name": "qk", "dtype": "I32", "bytes": 128,
+        "segments": [{"tensor": "q", "start": [4, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]},
+                     {"tensor": "k", "start": [2, 0], "size": [2, 4], "offset": 24, "strides": [4, 1]}]}]})J");
+}
+
+Result<Layout> parse(const json& doc) { return parse_layout_json(doc.dump(), "L.json"); }
+
+std::string error_of(const json& doc) {
+  auto l = parse(doc);
+  return l ? std::string() : l.status().message();
+}
+
+// Every (tensor, side, rank) placement of a layout, flattened per rank, in a
+// canonical order: what a layout means regardless of how ranks share entries.
+using Flat = std::tuple<std::string, int, int32_t, std::string, int64_t, std::string, int64_t, std::string>;
+std::set<Flat> flatten(const Layout& L) {
+  std::set<Flat> out;
+  for (const Tensor& t : L.tensors) {
+    for (Side side : {Side::kSource, Side::kReceiver}) {
+      for (const Region& r : side == Side::kSource ? t.sources : t.receivers) {
+        std::string strides;
+        for (int d = 0; d < r.box.ndim; ++d) strides += std::to_string(r.strides[d]) + ",";
+        const Buffer& b = L.buffers[r.buffer];
+        for (int32_t rank : L.sets(side).get(r.ranks))
+          out.emplace(t.name, static_cast<int>(side), rank, b.name, b.bytes, r.box.to_string(), r.offset, strides);
+      }
+    }
+  }
+  return out;
+}
+
+// Global element index of the box element at row-major position `i`.
+Index element(const Box& b, int64_t i) {
+  Index g{};
+  for (int d = b.ndim - 1; d >= 0; --d) {
+    g[d] = b.start[d] + i % b.size[d];
+    i /= b.size[d];
+  }
+  return g;
+}
+
+int64_t place(const Region& r, const Index& g) {
+  int64_t p = r.offset;
+  for (int d = 0; d < r.box.ndim; ++d) p += (g[d] - r.box.start[d]) * r.strides[d];
+  return p;
+}
+
+int32_t id_of(size_t tensor, const std::vector<int64_t>& shape, const Index& g) {
+  int64_t flat = 0;
+  for (size_t d = 0; d < shape.size(); ++d) flat = flat * shape[d] + g[d];
+  return static_cast<int32_t>(tensor * 1000000 + flat + 1);
+}
+
+// Executes refit-runs/1 on byte buffers filled as the layout says and checks
+// FORMATS' promises: every receiver byte a segment covers is written exactly
+// once with the right value, nothing else is written, local runs read only
+// bytes already written, and network bytes add up to the summary.
+void execute_and_check(const Layout& L, const PlanSummary& summary, const json& runs) {
+  struct Mem {
+    std::vector<uint8_t> bytes;
+    std::vector<int> writes;
+  };
+  std::map<std::tuple<int, int32_t, std::string>, Mem> mem;
+  for (const Buffer& b : L.buffers)
+    for (int32_t rank : L.sets(b.side).get(b.ranks))
+      mem[{static_cast<int>(b.side), rank, b.name}] = Mem{std::vector<uint8_t>(b.bytes), std::vector<int>(b.bytes)};
+  for (size_t ti = 0; ti < L.tensors.size(); ++ti) {
+    const Tensor& t = L.tensors[ti];
+    ASSERT_EQ(dtype_bytes(t.dtype), 4) << "execute_and_check needs 4-byte elements";
+    for (const Region& r : t.sources)
+      for (int32_t rank : L.source_sets.get(r.ranks)) {
+        Mem& m = mem[{static_cast<int>(Side::kSource), rank, L.buffers[r.buffer].name}];
+        for (int64_t i = 0; i < r.box.numel(); ++i) {
+          const Index g = element(r.box, i);
+          const int32_t v = id_of(ti, t.shape, g);
+          std::memcpy(&m.bytes[place(r, g) * 4], &v, 4);
+        }
+      }
+  }
+  ASSERT_EQ(runs["format"], "refit-runs/1");
+  int64_t net = 0, local = 0;
+  for (const json& run : runs["runs"]) {
+    const std::string kind = run["kind"];
+    ASSERT_TRUE(kind == "net" || kind == "local") << run.dump();
+    const json& f = run["from"];
+    const json& to = run["to"];
+    ASSERT_EQ(f["side"], kind == "net" ? "source" : "receiver") << run.dump();
+    const int64_t n = run["bytes"];
+    ASSERT_GT(n, 0);
+    Mem& src = mem.at({kind == "net" ? 0 : 1, f["rank"].get<int32_t>(), f["buffer"].get<std::string>()});
+    Mem& dst = mem.at({1, to["rank"].get<int32_t>(), to["buffer"].get<std::string>()});
+    const int64_t fo = f["offset"], tofs = to["offset"];
+    ASSERT_LE(fo + n, static_cast<int64_t>(src.bytes.size()));
+    ASSERT_LE(tofs + n, static_cast<int64_t>(dst.bytes.size()));
+    if (kind == "local") {
+      const int32_t fr = f["rank"], tr = to["rank"];
+      ASSERT_EQ(L.receivers[fr].domain, L.receivers[tr].domain) << run.dump();
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(src.writes[fo + i], 1) << "local run reads unwritten bytes: " << run.dump();
+      local += n;
+    } else {
+      net += n;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      dst.bytes[tofs + i] = src.bytes[fo + i];
+      ++dst.writes[tofs + i];
+    }
+  }
+  EXPECT_EQ(net, summary.network_bytes);
+  EXPECT_EQ(local, summary.local_bytes);
+  int64_t covered = 0;
+  for (size_t ti = 0; ti < L.tensors.size(); ++ti) {
+    const Tensor& t = L.tensors[ti];
+    for (const Region& r : t.receivers)
+      for (int32_t rank : L.receiver_sets.get(r.ranks)) {
+        const Mem& m = mem.at({1, rank, L.buffers[r.buffer].name});
+        for (int64_t i = 0; i < r.box.numel(); ++i) {
+          const Index g = element(r.box, i);
+          const int64_t p = place(r, g) * 4;
+          int32_t v;
+          std::memcpy(&v, &m.bytes[p], 4);
+          ASSERT_EQ(v, id_of(ti, t.shape, g)) << t.name << " rank " << rank;
+          for (int k = 0; k < 4; ++k) ASSERT_EQ(m.writes[p + k], 1) << t.name << " rank " << rank;
+          covered += 4;
+        }
+      }
+  }
+  int64_t written = 0;
+  for (const auto& [key, m] : mem)
+    for (int w : m.writes) written += w;
+  EXPECT_EQ(written, covered) << "bytes outside every segment were written";
+}
+
+TEST(ParseLayout, ExpandsSpecsAndExplicitBuffers) {
+  auto l = parse(formats_example());
+  ASSERT_TRUE(l) << l.status().message();
+  const Layout& L = *l;
+  ASSERT_EQ(L.sources.size(), 2u);
+  ASSERT_EQ(L.receivers.size(), 2u);
+  ASSERT_EQ(L.tensors.size(), 2u);
+  const Tensor& w = L.tensors[0];
+  EXPECT_EQ(w.name, "w");
+  ASSERT_EQ(w.sources.size(), 2u);
+  EXPECT_EQ(w.sources[0].box.to_string(), "[0:5, 0:6]");
+  EXPECT_EQ(w.sources[1].box.to_string(), "[5:10, 0:6]");
+  ASSERT_EQ(w.receivers.size(), 2u);
+  EXPECT_EQ(w.receivers[1].box.to_string(), "[0:10, 3:6]");
+  EXPECT_EQ(L.buffers[w.receivers[1].buffer].name, "w");
+  EXPECT_EQ(L.buffers[w.receivers[1].buffer].bytes, 60);
+  const Tensor& q = L.tensors[1];
+  ASSERT_EQ(q.sources.size(), 1u);  // replicated: one region held by both ranks
+  EXPECT_EQ(L.source_sets.get(q.sources[0].ranks), (std::vector<int32_t>{0, 1}));
+  ASSERT_EQ(q.receivers.size(), 1u);
+  const Region& r = q.receivers[0];
+  EXPECT_EQ(r.box.to_string(), "[0:4, 0:4]");
+  EXPECT_EQ(L.buffers[r.buffer].name, "qkv");
+  EXPECT_EQ(L.buffers[r.buffer].bytes, 64);
+  EXPECT_EQ(L.receiver_sets.get(r.ranks), std::vector<int32_t>{0});
+  EXPECT_EQ(r.strides[0], 4);
+  EXPECT_EQ(r.strides[1], 1);
+}
+
+TEST(ParseLayout, IdenticalExplicitBuffersShareOneRankSet) {
+  json d = two_domains();
+  for (json& b : d["buffers"]) {  // make all four identical
+    b["segments"][0]["start"] = {0, 0};
+    b["segments"][1]["start"] = {0, 0};
+  }
+  auto l = parse(d);
+  ASSERT_TRUE(l) << l.status().message();
+  const Tensor& q = l->tensors[1];
+  ASSERT_EQ(q.receivers.size(), 1u);
+  EXPECT_EQ(l->receiver_sets.get(q.receivers[0].ranks), (std::vector<int32_t>{0, 1, 2, 3}));
+}
+
+TEST(ParseLayout, MalformedAndWrongFormat) {
+  auto l = parse_layout_json("{\"format\": ", "L.json");
+  ASSERT_FALSE(l);
+  EXPECT_EQ(l.status().message().rfind("L.json: not valid JSON: parse error at line 1", 0), 0u)
+      << l.status().message();
+  json d = formats_example();
+  d["format"] = "refit-layout/2";
+  EXPECT_EQ(error_of(d), R"J(L.json: format: must be "refit-layout/1", got "refit-layout/2")J");
+  d.erase("format");
+  EXPECT_EQ(error_of(d), R"J(L.json: missing key "format")J");
+  EXPECT_EQ(error_of(json::array()), "L.json: a layout must be a JSON object, got []");
+}
+
+TEST(ParseLayout, UnknownMissingAndMistypedKeys) {
+  json d = formats_example();
+  d["plan"] = 1;
+  EXPECT_EQ(error_of(d), R"J(L.json: unknown key "plan" (known: format, sources, receivers, tensors, buffers))J");
+  d = formats_example();
+  d["tensors"][0]["layout"] = 1;
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: tensors[0] (tensor "w"): unknown key "layout" (known: name, dtype, shape, source, receiver))J");
+  d = formats_example();
+  d["tensors"][1]["source"]["mesh_dims"] = 1;
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: tensors[1].source (tensor "q"): unknown key "mesh_dims" (known: mesh, ranks, placements))J");
+  d = formats_example();
+  d["buffers"][0]["segments"][0]["stride"] = 1;
+  EXPECT_NE(error_of(d).find(R"J(L.json: buffers[0].segments[0] (receiver rank 0 buffer "qkv", tensor "q"): unknown key "stride")J"),
+            std::string::npos)
+      << error_of(d);
+  d = formats_example();
+  d.erase("receivers");
+  EXPECT_EQ(error_of(d), R"J(L.json: missing key "receivers")J");
+  d = formats_example();
+  d["sources"][1]["rank"] = 3;
+  EXPECT_EQ(error_of(d), "L.json: sources[1].rank: must be 1: ranks are listed in order from 0, got 3");
+  d = formats_example();
+  d["receivers"][0].erase("instance");
+  EXPECT_EQ(error_of(d), R"J(L.json: receivers[0]: missing key "instance")J");
+  d = formats_example();
+  d["receivers"][1]["domain"] = "0";
+  EXPECT_EQ(error_of(d), R"J(L.json: receivers[1].domain: must be a non-negative integer, got "0")J");
+  d = formats_example();
+  d["tensors"][0]["shape"] = {10, -6};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: tensors[0].shape (tensor "w"): must be a list of non-negative integers, got [10,-6])J");
+  d = formats_example();
+  d["tensors"][0]["dtype"] = "bf16";
+  EXPECT_NE(error_of(d).find(R"J(L.json: tensors[0].dtype (tensor "w"): must be one of BF16)J"), std::string::npos);
+  d = formats_example();
+  d["tensors"][0]["name"] = "";
+  EXPECT_EQ(error_of(d), R"J(L.json: tensors[0].name: must be a non-empty string, got "")J");
+  d = formats_example();
+  d["buffers"] = json::object();
+  EXPECT_EQ(error_of(d), "L.json: buffers: must be a list, got {}");
+}
+
+TEST(ParseLayout, DuplicateTensorNames) {
+  json d = formats_example();
+  d["tensors"][1]["name"] = "w";
+  EXPECT_EQ(error_of(d), R"J(L.json: tensors[1] (tensor "w"): tensor "w" is listed twice (first at tensors[0]))J");
+}
+
+TEST(ParseLayout, ShardDimOutOfRange) {
+  json d = formats_example();
+  d["tensors"][0]["receiver"]["placements"] = {"S(2)"};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: tensors[0].receiver.placements[0] (tensor "w"): placement S(2) shards dim 2 of a 2-dim tensor)J");
+}
+
+TEST(ParseLayout, StridedShardSplitFactorMismatch) {
+  json d = formats_example();
+  d["sources"] = json::parse(R"J([{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0},
+                                  {"rank": 2, "domain": 0}, {"rank": 3, "domain": 0}])J");
+  d["tensors"][0]["source"] = json::parse(R"J({"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["SS(0,3)", "S(0)"]})J");
+  const std::string e = error_of(d);
+  EXPECT_EQ(e.rfind(R"J(L.json: tensors[0].source (tensor "w"): placement SS(0,3) on mesh dim 0: split_factor)J", 0), 0u)
+      << e;
+  // The right factor parses.
+  d["tensors"][0]["source"]["placements"] = {"SS(0,2)", "S(0)"};
+  EXPECT_EQ(error_of(d), "");
+}
+
+TEST(ParseLayout, PartialIsRefused) {
+  json d = formats_example();
+  d["tensors"][1]["source"]["placements"] = {"P"};
+  const std::string e = error_of(d);
+  EXPECT_EQ(e.rfind(R"J(L.json: tensors[1].source.placements[0] (tensor "q"): placement "P": Partial)J", 0), 0u) << e;
+  EXPECT_NE(e.find("reduce"), std::string::npos);
+  d["tensors"][1]["source"]["placements"] = {"Shard(0)"};
+  EXPECT_EQ(error_of(d).rfind(R"J(L.json: tensors[1].source.placements[0] (tensor "q"): placement "Shard(0)")J", 0), 0u);
+  d["tensors"][1]["source"]["placements"] = {0};
+  EXPECT_EQ(error_of(d).rfind(R"J(L.json: tensors[1].source.placements[0] (tensor "q"): must be a string)J", 0), 0u);
+}
+
+TEST(ParseLayout, MeshRanksOutOfRangeOrRepeated) {
+  json d = formats_example();
+  d["tensors"][0]["receiver"]["ranks"] = {0, 5};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: tensors[0].receiver.ranks[1] (tensor "w"): receiver rank 5 is out of range: the layout has 2 receiver ranks)J");
+  d["tensors"][0]["receiver"]["ranks"] = {1, 1};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: tensors[0].receiver.ranks[1] (tensor "w"): receiver rank 1 is repeated (also at ranks[0]))J");
+  d["tensors"][0]["receiver"]["ranks"] = {0};
+  EXPECT_EQ(error_of(d), R"J(L.json: tensors[0].receiver.ranks (tensor "w"): lists 1 ranks for a mesh of 2)J");
+  d["tensors"][0]["receiver"]["ranks"] = {0, 1};
+  d["tensors"][0]["receiver"]["placements"] = {"S(0)", "R"};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: tensors[0].receiver.placements (tensor "w"): has 2 entries; it needs one per mesh dim (1))J");
+  d["tensors"][0]["receiver"]["placements"] = {"S(0)"};
+  d["tensors"][0]["receiver"]["mesh"] = {0};
+  EXPECT_EQ(error_of(d), R"J(L.json: tensors[0].receiver.mesh[0] (tensor "w"): must be a positive integer, got 0)J");
+}
+
+TEST(ParseLayout, BufferErrors) {
+  json d = formats_example();
+  d["buffers"][0]["segments"][0]["tensor"] = "x";
+  EXPECT_EQ(error_of(d), R"J(L.json: buffers[0].segments[0].tensor (receiver rank 0 buffer "qkv"): unknown tensor "x")J");
+  d = formats_example();
+  d["buffers"][0]["dtype"] = "F32";
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].segments[0] (receiver rank 0 buffer "qkv", tensor "q"): the tensor is BF16 but the buffer is F32; a buffer holds one dtype)J");
+  d = formats_example();
+  d["buffers"][0]["side"] = "trainer";
+  EXPECT_EQ(error_of(d), R"J(L.json: buffers[0].side: must be "source" or "receiver", got "trainer")J");
+  d = formats_example();
+  d["buffers"][0]["rank"] = 2;
+  EXPECT_EQ(error_of(d),
+            "L.json: buffers[0].rank: receiver rank 2 is out of range: the layout has 2 receiver ranks");
+  d = formats_example();
+  d["buffers"][0]["bytes"] = 63;
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].bytes (receiver rank 0 buffer "qkv"): 63 is not a whole number of BF16 elements)J");
+  d = formats_example();
+  d["buffers"].push_back(d["buffers"][0]);
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[1] (receiver rank 0 buffer "qkv"): receiver rank 0 already has a buffer "qkv" (buffers[0]))J");
+  d = formats_example();
+  d["buffers"][0]["name"] = "w";  // the receiver spec of "w" already gave rank 0 a buffer "w"
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0] (receiver rank 0 buffer "w"): receiver rank 0 already has a buffer "w" from the receiver spec of tensor "w")J");
+}
+
+TEST(ParseLayout, SegmentOutOfBounds) {
+  json d = formats_example();
+  d["buffers"][0]["segments"][0]["start"] = {6, 0};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].segments[0] (receiver rank 0 buffer "qkv", tensor "q"): box [6:10, 0:4] is outside the shape [8, 4])J");
+  d = formats_example();
+  d["buffers"][0]["segments"][0]["offset"] = 17;
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].segments[0] (receiver rank 0 buffer "qkv", tensor "q"): box [0:4, 0:4] at element offset 17 with strides [4, 1] reaches past the end of the buffer (32 elements))J");
+  d = formats_example();
+  d["buffers"][0]["segments"][0]["size"] = {4, 0};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].segments[0].size (receiver rank 0 buffer "qkv", tensor "q"): must be a list of positive integers, got [4,0])J");
+  d = formats_example();
+  d["buffers"][0]["segments"][0]["strides"] = {4};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].segments[0].strides (receiver rank 0 buffer "qkv", tensor "q"): must list 2 non-negative integers (one per tensor dim), got [4])J");
+}
+
+TEST(ParseLayout, SegmentStridesThatAlias) {
+  json d = formats_example();
+  d["buffers"][0]["segments"][0]["strides"] = {2, 1};
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].segments[0] (receiver rank 0 buffer "qkv", tensor "q"): strides [2, 1] map two elements of box [0:4, 0:4] to the same place)J");
+}
+
+TEST(ParseLayout, OverlappingSegmentsInOneBuffer) {
+  json d = formats_example();
+  d["buffers"][0]["segments"].push_back(
+      json::parse(R"J({"tensor": "q", "start": [4, 0], "size": [2, 4], "offset": 12, "strides": [4, 1]})J"));
+  const std::string e = error_of(d);
+  EXPECT_EQ(e.rfind(R"J(L.json: buffer "qkv": the segment of tensor "q")J", 0), 0u) << e;
+  EXPECT_NE(e.find("overlap"), std::string::npos) << e;
+  // Side by side is fine.
+  d["buffers"][0]["segments"][1]["offset"] = 16;
+  d["buffers"][0]["bytes"] = 64;
+  EXPECT_EQ(error_of(d), "");
+}
+
+TEST(WriteLayout, RoundTripGivesTheSameRegions) {
+  for (const json& doc : {formats_example(), two_domains()}) {
+    auto a = parse(doc);
+    ASSERT_TRUE(a) << a.status().message();
+    const std::string text = write_layout_json(*a);
+    auto b = parse_layout_json(text, "written.json");
+    ASSERT_TRUE(b) << b.status().message() << "\n" << text;
+    EXPECT_EQ(flatten(*a), flatten(*b));
+    EXPECT_EQ(write_layout_json(*b), text);
+    ASSERT_EQ(a->buffers.size(), b->buffers.size());  // rank sets come back as written
+  }
+}
+
+TEST(WriteLayout, WrittenFileIsTheExplicitForm) {
+  auto a = parse(formats_example());
+  ASSERT_TRUE(a);
+  const json j = json::parse(write_layout_json(*a));
+  EXPECT_EQ(j["format"], "refit-layout/1");
+  for (const json& t : j["tensors"]) {
+    EXPECT_FALSE(t.contains("source"));
+    EXPECT_FALSE(t.contains("receiver"));
+  }
+  // w: 2 source ranks + 2 receiver ranks; q: 2 source ranks (one replicated
+  // Buffer); qkv: receiver rank 0.
+  EXPECT_EQ(j["buffers"].size(), 7u);
+  EXPECT_EQ(j["buffers"][0]["segments"][0]["tensor"], "w");
+}
+
+TEST(WriteLayout, EscapesNames) {
+  json d = formats_example();
+  d["tensors"][1]["name"] = "q\"\\\n\x01";
+  d["buffers"][0]["segments"][0]["tensor"] = "q\"\\\n\x01";
+  auto a = parse(d);
+  ASSERT_TRUE(a) << a.status().message();
+  auto b = parse_layout_json(write_layout_json(*a), "written.json");
+  ASSERT_TRUE(b) << b.status().message();
+  EXPECT_EQ(b->tensors[1].name, "q\"\\\n\x01");
+}
+
+TEST(WriteLayout, RecipeLayoutRoundTripPlansIdentically) {
+  // A small Llama-like model through the recipes: rank sets, fused buffers
+  // and padded vocabularies all survive the explicit form.
+  json m = json::object();
+  auto t = [](std::vector<int64_t> shape) { return json{{"shape", shape}, {"dtype", "BF16"}}; };
+  m["model.embed_tokens.weight"] = t({1001, 128});
+  for (int i = 0; i < 2; ++i) {
+    const std::string p = "model.layers." + std::to_string(i);
+    m[p + ".input_layernorm.weight"] = t({128});
+    m[p + ".self_attn.q_proj.weight"] = t({128, 128});
+    m[p + ".self_attn.k_proj.weight"] = t({64, 128});
+    m[p + ".self_attn.v_proj.weight"] = t({64, 128});
+    m[p + ".self_attn.o_proj.weight"] = t({128, 128});
+    m[p + ".self_attn.q_norm.weight"] = t({32});
+    m[p + ".self_attn.k_norm.weight"] = t({32});
+    m[p + ".post_attention_layernorm.weight"] = t({128});
+    m[p + ".mlp.gate_proj.weight"] = t({256, 128});
+    m[p + ".mlp.up_proj.weight"] = t({256, 128});
+    m[p + ".mlp.down_proj.weight"] = t({128, 256});
+  }
+  m["model.norm.weight"] = t({128});
+  m["lm_head.weight"] = t({1001, 128});
+  auto manifest = parse_manifest_json(m.dump(), "m.json");
+  ASSERT_TRUE(manifest) << manifest.status().message();
+  auto scenario = parse_scenario(R"J({"model": "m",
+      "train": {"gpus": 4, "tp": 2, "dp": 2, "pp": 1, "gpus_per_domain": 4},
+      "infer": {"gpus": 8, "tp": 4, "dp": 2, "gpus_per_domain": 4}})J",
+                                 "s.json");
+  ASSERT_TRUE(scenario) << scenario.status().message();
+  auto a = layout_from_scenario(*scenario, *manifest);
+  ASSERT_TRUE(a) << a.status().message();
+  const std::string text = write_layout_json(*a);
+  auto b = parse_layout_json(text, "written.json");
+  ASSERT_TRUE(b) << b.status().message();
+  EXPECT_EQ(flatten(*a), flatten(*b));
+  auto pa = make_plan(*a);
+  auto pb = make_plan(*b);
+  ASSERT_TRUE(pa) << pa.status().message();
+  ASSERT_TRUE(pb) << pb.status().message();
+  const PlanSummary& x = pa->summary();
+  const PlanSummary& y = pb->summary();
+  EXPECT_EQ(x.network_bytes, y.network_bytes);
+  EXPECT_EQ(x.minimum_network_bytes, y.minimum_network_bytes);
+  EXPECT_EQ(x.local_bytes, y.local_bytes);
+  EXPECT_EQ(x.units, y.units);
+  EXPECT_EQ(x.pulls, y.pulls);
+  EXPECT_EQ(x.chunks, y.chunks);
+  EXPECT_EQ(x.max_source_nic_bytes, y.max_source_nic_bytes);
+  EXPECT_EQ(x.max_receiver_nic_bytes, y.max_receiver_nic_bytes);
+}
+
+TEST(WriteRuns, HasTheFormatsShape) {
+  auto l = parse(formats_example());
+  ASSERT_TRUE(l);
+  auto plan = make_plan(*l);
+  ASSERT_TRUE(plan) << plan.status().message();
+  const json j = json::parse(write_runs_json(*plan));
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j["format"], "refit-runs/1");
+  ASSERT_TRUE(j["runs"].is_array());
+  ASSERT_FALSE(j["runs"].empty());
+  for (const json& r : j["runs"]) {
+    ASSERT_EQ(r.size(), 4u) << r.dump();
+    EXPECT_TRUE(r["kind"] == "net" || r["kind"] == "local");
+    EXPECT_EQ(r["from"].size(), 4u);
+    EXPECT_TRUE(r["from"]["side"].is_string());
+    EXPECT_TRUE(r["from"]["rank"].is_number_integer());
+    EXPECT_TRUE(r["from"]["buffer"].is_string());
+    EXPECT_TRUE(r["from"]["offset"].is_number_integer());
+    EXPECT_EQ(r["to"].size(), 3u);
+    EXPECT_TRUE(r["to"]["rank"].is_number_integer());
+    EXPECT_TRUE(r["to"]["buffer"].is_string());
+    EXPECT_TRUE(r["to"]["offset"].is_number_integer());
+    EXPECT_GT(r["bytes"].get<int64_t>(), 0);
+  }
+}
+
+TEST(WriteRuns, ExecutedInOrderTheyFillEveryReceiver) {
+  auto l = parse(two_domains());
+  ASSERT_TRUE(l) << l.status().message();
+  for (Strategy s : {Strategy::kRefit, Strategy::kNoDedup}) {
+    for (int64_t chunk : {int64_t{4} << 20, int64_t{12}}) {
+      PlanOptions o;
+      o.strategy = s;
+      o.chunk_bytes = chunk;
+      auto plan = make_plan(*l, o);
+      ASSERT_TRUE(plan) << plan.status().message();
+      SCOPED_TRACE(std::string(strategy_name(s)) + " chunk " + std::to_string(chunk));
+      execute_and_check(*l, plan->summary(), json::parse(write_runs_json(*plan)));
+      // And the same on the layout read back from its explicit form.
+      auto b = parse_layout_json(write_layout_json(*l), "written.json");
+      ASSERT_TRUE(b) << b.status().message();
+      auto pb = make_plan(*b, o);
+      ASSERT_TRUE(pb) << pb.status().message();
+      execute_and_check(*b, pb->summary(), json::parse(write_runs_json(*pb)));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace refit
