@@ -7,7 +7,7 @@ MESON_FLAGS ?=
 .PHONY: all deps configure test demo bench-plan clean
 
 all: configure
-	@meson compile -C $(BUILD)
+	@ninja --quiet -C $(BUILD)
 
 deps:
 	@scripts/install-deps

@@ -596,13 +596,14 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
       }
     }
     // Greedy: largest unit first, least loaded NIC, ties to the lowest rank.
-    std::stable_sort(choose.begin(), choose.end(), [&](uint32_t a, uint32_t b) {
-      const Unit& x = plan.units_[a];
-      const Unit& y = plan.units_[b];
-      return x.box.numel() * dtype_bytes(L.tensors[x.tensor].dtype) >
-             y.box.numel() * dtype_bytes(L.tensors[y.tensor].dtype);
-    });
+    std::vector<std::pair<int64_t, uint32_t>> order;  // (-bytes, unit): largest first, then unit order
+    order.reserve(choose.size());
     for (uint32_t ui : choose) {
+      const Unit& u = plan.units_[ui];
+      order.push_back({-u.box.numel() * dtype_bytes(L.tensors[u.tensor].dtype), ui});
+    }
+    std::sort(order.begin(), order.end());
+    for (auto [neg_bytes, ui] : order) {
       Unit& u = plan.units_[ui];
       const Tensor& t = L.tensors[u.tensor];
       const int eb = dtype_bytes(t.dtype);
