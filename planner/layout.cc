@@ -157,8 +157,9 @@ Status check_region(const Layout& L, const Tensor& t, const Region& r, Side side
       return Status::invalid(where + ": box " + r.box.to_string() + " is empty or outside the shape " +
                              Box::whole(t.shape).to_string());
   }
-  if (r.buffer >= L.buffers.size()) return Status::invalid(where + ": unknown buffer index");
-  const Buffer& b = L.buffers[r.buffer];
+  const uint64_t bi = uint64_t{t.base(side)} + r.buffer;
+  if (bi >= L.buffers.size()) return Status::invalid(where + ": unknown buffer index");
+  const Buffer& b = L.buffers[bi];
   if (b.side != side)
     return Status::invalid(where + ": buffer \"" + b.name + "\" belongs to the other side");
   if (b.dtype != t.dtype)
@@ -204,6 +205,48 @@ Status validate(const Layout& L) {
       return Status::invalid("buffer \"" + b.name + "\": " + std::to_string(b.bytes) +
                              " bytes is not a whole number of " + std::string(dtype_name(b.dtype)) + " elements");
 
+  // Which tensor references each buffer (kMany: more than one).
+  constexpr uint32_t kNone = ~uint32_t{0}, kMany = kNone - 1;
+  std::vector<uint32_t> user(L.buffers.size(), kNone);
+  for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) {
+    const Tensor& t = L.tensors[ti];
+    for (Side side : {Side::kSource, Side::kReceiver})
+      for (const Region& r : L.regions(ti, side)) {
+        const uint64_t bi = uint64_t{t.base(side)} + r.buffer;
+        if (bi >= user.size()) continue;  // check_region reports it
+        user[bi] = (user[bi] == kNone || user[bi] == ti) ? ti : kMany;
+      }
+  }
+
+  // A region list shared by several tensors is checked with its first
+  // tensor. A later one is the same check again when its buffers match the
+  // first one's position by position and no other tensor uses them.
+  struct FirstUse {
+    uint32_t tensor;
+    uint32_t buffers;  // 1 + the largest relative buffer index in the list
+  };
+  std::unordered_map<const void*, FirstUse> first_use[2];
+  auto same_again = [&](uint32_t ti, Side side) {
+    const Tensor& t = L.tensors[ti];
+    const RegionList& rl = L.regions(ti, side);
+    if (rl.empty()) return false;
+    auto [it, fresh] = first_use[static_cast<int>(side)].emplace(rl.id(), FirstUse{ti, 0});
+    if (fresh) {
+      for (const Region& r : rl) it->second.buffers = std::max(it->second.buffers, r.buffer + 1);
+      return false;
+    }
+    const Tensor& f = L.tensors[it->second.tensor];
+    if (f.shape != t.shape || f.dtype != t.dtype) return false;
+    for (uint32_t k = 0; k < it->second.buffers; ++k) {
+      const uint64_t a = uint64_t{f.base(side)} + k, b = uint64_t{t.base(side)} + k;
+      if (a >= L.buffers.size() || b >= L.buffers.size()) return false;
+      const Buffer &x = L.buffers[a], &y = L.buffers[b];
+      if (x.side != y.side || x.dtype != y.dtype || x.bytes != y.bytes || x.ranks != y.ranks) return false;
+      if (user[b] != ti) return false;
+    }
+    return true;
+  };
+
   // Regions by buffer, for the overlap check.
   struct Entry {
     int64_t lo, hi;
@@ -211,32 +254,58 @@ Status validate(const Layout& L) {
     const Tensor* tensor;
   };
   std::vector<std::vector<Entry>> by_buffer(L.buffers.size());
-  for (const Tensor& t : L.tensors) {
+  for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) {
+    const Tensor& t = L.tensors[ti];
     if (t.shape.size() > static_cast<size_t>(kMaxDims))
       return Status::invalid("tensor \"" + t.name + "\" has " + std::to_string(t.shape.size()) +
                              " dims; at most " + std::to_string(kMaxDims) + " are supported");
     for (int64_t s : t.shape)
       if (s < 0) return Status::invalid("tensor \"" + t.name + "\" has a negative dim");
     for (Side side : {Side::kSource, Side::kReceiver}) {
-      for (const Region& r : (side == Side::kSource ? t.sources : t.receivers)) {
+      if (same_again(ti, side)) continue;
+      for (const Region& r : L.regions(ti, side)) {
         REFIT_RETURN_IF_ERROR(check_region(L, t, r, side));
         Entry e{0, 0, &r, &t};
         extent(r, &e.lo, &e.hi);
-        by_buffer[r.buffer].push_back(e);
+        by_buffer[t.base(side) + r.buffer].push_back(e);
       }
     }
   }
+  std::vector<RankSetId> distinct;
+  std::vector<char> seen;
   for (size_t bi = 0; bi < by_buffer.size(); ++bi) {
     auto& v = by_buffer[bi];
-    std::sort(v.begin(), v.end(), [](const Entry& a, const Entry& b) { return a.lo < b.lo; });
+    if (v.size() < 2) continue;
     const RankSets& sets = L.sets(L.buffers[bi].side);
+    // Regions of pairwise disjoint rank sets cannot meet: when all the rank
+    // sets of a buffer are disjoint (a TP or FSDP shard per rank), only
+    // regions of the same set are compared. Otherwise every pair whose
+    // extents and rank sets meet.
+    distinct.clear();
+    for (const Entry& e : v) distinct.push_back(e.region->ranks);
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    bool disjoint = true;
+    seen.assign(static_cast<size_t>(L.num_ranks(L.buffers[bi].side)), 0);
+    for (RankSetId id : distinct)
+      for (int32_t r : sets.get(id)) {
+        if (seen[r]) disjoint = false;
+        seen[r] = 1;
+      }
+    std::sort(v.begin(), v.end(), [&](const Entry& a, const Entry& b) {
+      if (disjoint && a.region->ranks != b.region->ranks) return a.region->ranks < b.region->ranks;
+      return a.lo < b.lo;
+    });
     // Sweep: compare each region with the earlier ones whose extent reaches it.
     std::vector<const Entry*> active;
     for (const Entry& e : v) {
-      active.erase(std::remove_if(active.begin(), active.end(), [&](const Entry* a) { return a->hi < e.lo; }),
+      active.erase(std::remove_if(active.begin(), active.end(),
+                                  [&](const Entry* a) {
+                                    return a->hi < e.lo || (disjoint && a->region->ranks != e.region->ranks);
+                                  }),
                    active.end());
       for (const Entry* a : active) {
-        if (!sets_meet(sets.get(a->region->ranks), sets.get(e.region->ranks))) continue;
+        if (!disjoint && !sets_meet(sets.get(a->region->ranks), sets.get(e.region->ranks))) continue;
         if (footprints_meet(*a->region, *e.region))
           return Status::invalid("buffer \"" + L.buffers[bi].name + "\": the segment of tensor \"" + a->tensor->name +
                                  "\" " + a->region->box.to_string() + " and the segment of tensor \"" +

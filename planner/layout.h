@@ -12,6 +12,8 @@
 // of threads may read a finished Layout.
 
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -55,18 +57,61 @@ struct Buffer {
 struct Region {
   Box box;               // in the tensor's global index space
   RankSetId ranks = 0;   // the ranks that hold this box here (of the region's side)
-  uint32_t buffer = 0;   // index into Layout::buffers
+  uint32_t buffer = 0;   // Layout::buffers[tensor.base(side) + buffer]
   int64_t offset = 0;    // element offset of box.start in the buffer
   Index strides{};       // element strides of each tensor dim in the buffer
+};
+
+// The regions of one tensor on one side. Copies share storage and a list is
+// cloned on its first mutation while shared (copy on write), so tensors laid
+// out alike (every expert of an FSDP layer: 256 shards each) hold one list.
+// Iteration is read-only; mutate through push_back, operator[] or back().
+class RegionList {
+ public:
+  RegionList() = default;
+  RegionList(std::initializer_list<Region> regions)
+      : p_(std::make_shared<std::vector<Region>>(regions)) {}
+  explicit RegionList(std::vector<Region> regions)
+      : p_(std::make_shared<std::vector<Region>>(std::move(regions))) {}
+
+  size_t size() const { return p_ ? p_->size() : 0; }
+  bool empty() const { return size() == 0; }
+  const Region* begin() const { return p_ ? p_->data() : nullptr; }
+  const Region* end() const { return p_ ? p_->data() + p_->size() : nullptr; }
+  const Region& operator[](size_t i) const { return (*p_)[i]; }
+  const Region& front() const { return p_->front(); }
+  const Region& back() const { return p_->back(); }
+  Region& operator[](size_t i) { return mut()[i]; }
+  Region& back() { return mut().back(); }
+  void push_back(const Region& r) { mut().push_back(r); }
+  void reserve(size_t n) { mut().reserve(n); }
+  void clear() { p_.reset(); }
+  // Identity of the shared storage: equal for lists that share it.
+  const void* id() const { return p_.get(); }
+
+ private:
+  std::vector<Region>& mut() {
+    if (!p_) p_ = std::make_shared<std::vector<Region>>();
+    else if (p_.use_count() > 1) p_ = std::make_shared<std::vector<Region>>(*p_);
+    return *p_;
+  }
+  std::shared_ptr<std::vector<Region>> p_;
 };
 
 struct Tensor {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<int64_t> shape;
-  std::vector<Region> sources;    // who can serve each part
-  std::vector<Region> receivers;  // who needs each part, and where it goes
+  RegionList sources;    // who can serve each part
+  RegionList receivers;  // who needs each part, and where it goes
+  // A region's buffer is Layout::buffers[base + region.buffer], base per side.
+  // Bases are 0 unless the region list is shared with other tensors, whose
+  // buffers then sit at the same relative positions after their own base.
+  uint32_t source_base = 0;
+  uint32_t receiver_base = 0;
   int64_t bytes() const;
+  uint32_t base(Side s) const { return s == Side::kSource ? source_base : receiver_base; }
+  uint32_t buffer_of(Side s, const Region& r) const { return base(s) + r.buffer; }
 };
 
 struct SourceRank {
@@ -87,10 +132,10 @@ struct Layout {
 
   RankSets& sets(Side s) { return s == Side::kSource ? source_sets : receiver_sets; }
   const RankSets& sets(Side s) const { return s == Side::kSource ? source_sets : receiver_sets; }
-  std::vector<Region>& regions(uint32_t tensor, Side s) {
+  RegionList& regions(uint32_t tensor, Side s) {
     return s == Side::kSource ? tensors[tensor].sources : tensors[tensor].receivers;
   }
-  const std::vector<Region>& regions(uint32_t tensor, Side s) const {
+  const RegionList& regions(uint32_t tensor, Side s) const {
     return s == Side::kSource ? tensors[tensor].sources : tensors[tensor].receivers;
   }
   int32_t num_ranks(Side s) const {

@@ -391,7 +391,7 @@ class Parser {
     if (auto t = tensor_index_.find(g.name); t != tensor_index_.end()) {
       for (const Region& r : L_.regions(t->second, g.side)) {
         const auto& rs = L_.sets(g.side).get(r.ranks);
-        if (L_.buffers[r.buffer].name == g.name && std::binary_search(rs.begin(), rs.end(), rank))
+        if (L_.buffers[L_.tensors[t->second].buffer_of(g.side, r)].name == g.name && std::binary_search(rs.begin(), rs.end(), rank))
           return fail(path, std::string(side_name(g.side)) + " rank " + std::to_string(rank) +
                                 " already has a buffer \"" + g.name + "\" from the " + side_name(g.side) +
                                 " spec of tensor \"" + g.name + "\"");
@@ -653,7 +653,7 @@ void write_layout(const Layout& L, Writer& w) {
   for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) {
     for (Side side : {Side::kSource, Side::kReceiver}) {
       for (const Region& r : L.regions(ti, side))
-        if (r.buffer < uses.size()) uses[r.buffer].push_back({ti, &r});
+        if (L.tensors[ti].buffer_of(side, r) < uses.size()) uses[L.tensors[ti].buffer_of(side, r)].push_back({ti, &r});
     }
   }
   bool first = true;

@@ -64,19 +64,22 @@ void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
     const int64_t chunk_elems = std::max<int64_t>(1, plan.options().chunk_bytes / eb);
     const Consumer& p = plan.puller(u);
     const Region& dst = t.receivers[p.region];
+    const uint32_t dst_buf = t.buffer_of(Side::kReceiver, dst);
     const PullSet& ps = plan.pull_set(u);
     for (size_t i = 0; i < ps.pieces.size(); ++i) {
       const SourcePick src = plan.source(u, i);
       const Region& sr = t.sources[src.region];
+      const uint32_t src_buf = t.buffer_of(Side::kSource, sr);
       for (const Box& c : split_row_major(ps.pieces[i].box, chunk_elems)) {
         for_each_copy(c, sr, dst, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-          push(Run{false, {Side::kSource, src.rank, sr.buffer, fo}, {Side::kReceiver, p.rank, dst.buffer, to}, bytes});
+          push(Run{false, {Side::kSource, src.rank, src_buf, fo}, {Side::kReceiver, p.rank, dst_buf, to}, bytes});
         });
         for (const Consumer& k : plan.consumers(u)) {
           if (k.rank == p.rank && k.region == p.region) continue;
           const Region& kr = t.receivers[k.region];
           for_each_copy(c, dst, kr, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-            push(Run{true, {Side::kReceiver, p.rank, dst.buffer, fo}, {Side::kReceiver, k.rank, kr.buffer, to}, bytes});
+            push(Run{true, {Side::kReceiver, p.rank, dst_buf, fo},
+                     {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), to}, bytes});
           });
         }
       }

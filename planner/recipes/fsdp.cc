@@ -10,6 +10,7 @@
 // the rest [S(0), R]. Pipeline stages split layers as the megatron recipe does.
 
 #include <algorithm>
+#include <map>
 #include <string>
 
 #include "planner/placement.h"
@@ -51,8 +52,22 @@ class FsdpExpander {
  public:
   explicit FsdpExpander(Layout& layout) : layout_(layout), singles_(layout.num_ranks(Side::kSource), kNone) {}
 
+  // REQUIRES: `spec` outlives the expander (expansions are cached by its
+  // address and the tensor's shape), and the tensor has no source regions yet.
   Status add(uint32_t tensor, const DTensorSpec& spec, const std::string& name) {
-    const Tensor& t = layout_.tensors[tensor];
+    Tensor& t = layout_.tensors[tensor];
+    const int bytes = dtype_bytes(t.dtype);
+    // Tensors of one shape on one stage are laid out alike: they share one
+    // region list, each with buffers of its own at the same relative places.
+    auto key = std::make_pair(&spec, t.shape);
+    if (auto hit = cache_.find(key); hit != cache_.end() && t.sources.empty()) {
+      const Expansion& x = hit->second;
+      t.source_base = static_cast<uint32_t>(layout_.buffers.size());
+      for (const auto& [n, set] : x.buffers)
+        layout_.add_buffer(Buffer{Side::kSource, name, t.dtype, n * bytes, set});
+      t.sources = x.regions;
+      return Status::ok();
+    }
     auto boxes = dtensor_boxes(t.shape, spec);
     if (!boxes) return boxes.status();
     // Group mesh positions by box (the ranks of a TP-replicated shard share
@@ -77,12 +92,17 @@ class FsdpExpander {
       if (it == sizes_.end()) sizes_.push_back({n, {}}), it = sizes_.end() - 1;
       it->second.insert(it->second.end(), g.ranks.begin(), g.ranks.end());
     }
-    const int bytes = dtype_bytes(t.dtype);
-    buffer_of_size_.clear();
+    const bool shareable = t.sources.empty();
+    Expansion x;
+    const uint32_t base = static_cast<uint32_t>(layout_.buffers.size());
     for (auto& [n, ranks] : sizes_) {
       std::sort(ranks.begin(), ranks.end());
-      buffer_of_size_.push_back(layout_.add_buffer(Buffer{Side::kSource, name, t.dtype, n * bytes, set(ranks)}));
+      x.buffers.push_back({n, set(ranks)});
+      layout_.add_buffer(Buffer{Side::kSource, name, t.dtype, n * bytes, x.buffers.back().second});
     }
+    // Buffer indices relative to the tensor's source_base when the list may
+    // be shared; absolute when the tensor already had regions of its own.
+    if (shareable) t.source_base = base;
     for (const Group& g : groups_) {
       const int64_t n = g.box.numel();
       const size_t si = std::find_if(sizes_.begin(), sizes_.end(), [&](const auto& s) { return s.first == n; }) -
@@ -90,9 +110,14 @@ class FsdpExpander {
       Region r;
       r.box = g.box;
       r.ranks = set(g.ranks);
-      r.buffer = buffer_of_size_[si];
+      r.buffer = static_cast<uint32_t>(si) + (shareable ? 0 : base - t.source_base);
       r.strides = row_major_strides(std::vector<int64_t>(g.box.size.begin(), g.box.size.begin() + g.box.ndim));
-      layout_.regions(tensor, Side::kSource).push_back(r);
+      x.regions.push_back(r);
+    }
+    for (const Region& r : x.regions) t.sources.push_back(r);
+    if (shareable) {
+      x.regions = t.sources;  // shares the tensor's list
+      cache_.emplace(std::move(key), std::move(x));
     }
     return Status::ok();
   }
@@ -102,6 +127,10 @@ class FsdpExpander {
   struct Group {
     Box box;
     std::vector<int32_t> ranks;
+  };
+  struct Expansion {
+    RegionList regions;                                // buffers relative to source_base
+    std::vector<std::pair<int64_t, RankSetId>> buffers;  // elements and ranks of each
   };
   // Interned set; single ranks cached, as they are most of FSDP's sets.
   RankSetId set(const std::vector<int32_t>& ranks) {
@@ -118,7 +147,7 @@ class FsdpExpander {
   std::vector<uint32_t> order_;
   std::vector<Group> groups_;
   std::vector<std::pair<int64_t, std::vector<int32_t>>> sizes_;
-  std::vector<uint32_t> buffer_of_size_;  // Buffer index of each entry of sizes_
+  std::map<std::pair<const DTensorSpec*, std::vector<int64_t>>, Expansion> cache_;
 };
 
 }  // namespace

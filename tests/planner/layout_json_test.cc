@@ -87,7 +87,7 @@ std::set<Flat> flatten(const Layout& L) {
       for (const Region& r : side == Side::kSource ? t.sources : t.receivers) {
         std::string strides;
         for (int d = 0; d < r.box.ndim; ++d) strides += std::to_string(r.strides[d]) + ",";
-        const Buffer& b = L.buffers[r.buffer];
+        const Buffer& b = L.buffers[t.buffer_of(side, r)];
         for (int32_t rank : L.sets(side).get(r.ranks))
           out.emplace(t.name, static_cast<int>(side), rank, b.name, b.bytes, r.box.to_string(), r.offset, strides);
       }
@@ -136,7 +136,7 @@ void execute_and_check(const Layout& L, const PlanSummary& summary, const json& 
     ASSERT_EQ(dtype_bytes(t.dtype), 4) << "execute_and_check needs 4-byte elements";
     for (const Region& r : t.sources)
       for (int32_t rank : L.source_sets.get(r.ranks)) {
-        Mem& m = mem[{static_cast<int>(Side::kSource), rank, L.buffers[r.buffer].name}];
+        Mem& m = mem[{static_cast<int>(Side::kSource), rank, L.buffers[t.buffer_of(Side::kSource, r)].name}];
         for (int64_t i = 0; i < r.box.numel(); ++i) {
           const Index g = element(r.box, i);
           const int32_t v = id_of(ti, t.shape, g);
@@ -179,7 +179,7 @@ void execute_and_check(const Layout& L, const PlanSummary& summary, const json& 
     const Tensor& t = L.tensors[ti];
     for (const Region& r : t.receivers)
       for (int32_t rank : L.receiver_sets.get(r.ranks)) {
-        const Mem& m = mem.at({1, rank, L.buffers[r.buffer].name});
+        const Mem& m = mem.at({1, rank, L.buffers[t.buffer_of(Side::kReceiver, r)].name});
         for (int64_t i = 0; i < r.box.numel(); ++i) {
           const Index g = element(r.box, i);
           const int64_t p = place(r, g) * 4;

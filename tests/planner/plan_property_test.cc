@@ -1491,7 +1491,7 @@ TEST(PlanProperty, MissingSourceNamesTensorAndRank) {
       std::vector<Region> kept;
       for (const Region& reg : t.sources)
         if (r.coin(0.5)) kept.push_back(reg);
-      t.sources = kept;
+      t.sources = RegionList(std::move(kept));
     }
     ASSERT_TRUE(validate(L).is_ok()) << "seed " << seed;
     const Reference R = make_reference(L);

@@ -178,7 +178,7 @@ std::vector<Seg> segs(const Layout& L, Side side, int32_t rank, const std::strin
   if (t < 0) return out;
   for (const Region& r : L.regions(static_cast<uint32_t>(t), side)) {
     if (!has_rank(L, side, r.ranks, rank)) continue;
-    const Buffer& b = L.buffers[r.buffer];
+    const Buffer& b = L.buffers[L.tensors[t].buffer_of(side, r)];
     out.push_back({b.name, r.box, r.offset, r.strides, L.sets(side).get(r.ranks), b.bytes});
   }
   std::sort(out.begin(), out.end(), [](const Seg& a, const Seg& b) { return a.box < b.box; });
@@ -481,7 +481,7 @@ void expect_matches_reference(const Layout& L, const Manifest& model, Side side,
               ++failures;
             }
             got[flat] = r.offset + i * r.strides[0] + (t.shape.size() > 1 ? j * r.strides[1] : 0);
-            got_buffer[flat] = r.buffer;
+            got_buffer[flat] = L.tensors[ti].buffer_of(side, r);
           }
         }
       }
