@@ -152,8 +152,8 @@ void for_cells(const Grid& g, const Index& lo, const Index& hi, F&& fn) {
 // Greedy merge of cells with equal non-zero signature into maximal boxes:
 // scan cells row-major; from each unassigned cell grow along the last dim,
 // then along each earlier dim while the whole slab matches. Deterministic.
-template <typename F>
-void merge_cells(const Grid& g, std::vector<uint32_t>& sig, F&& emit) {
+template <typename Sig, typename F>
+void merge_cells(const Grid& g, std::vector<Sig>& sig, F&& emit) {
   std::vector<bool> done(g.cells, false);
   Index idx{};
   for (int64_t c = 0; c < g.cells; ++c) {
@@ -164,7 +164,7 @@ void merge_cells(const Grid& g, std::vector<uint32_t>& sig, F&& emit) {
       rem %= g.stride[d];
     }
     if (done[c] || sig[c] == 0) continue;
-    const uint32_t s = sig[c];
+    const Sig s = sig[c];
     Index lo = idx, hi = idx;
     for (int d = 0; d < g.ndim; ++d) hi[d] = idx[d] + 1;
     for (int d = g.ndim - 1; d >= 0; --d) {
@@ -287,21 +287,23 @@ class Planner {
   Status plan_domain(uint32_t ti, size_t b, size_t e) {
     const Tensor& t = L_.tensors[ti];
     const int32_t domain = entries_[b].domain;
-    auto emit_unit = [&](const Box& box, const std::vector<int64_t>& regions) -> Status {
+    // `members`: offsets k - b of the entries (regions of this domain) that
+    // consume the unit.
+    auto emit_unit = [&](const Box& box, const std::vector<uint32_t>& members) -> Status {
       Unit u;
       u.tensor = ti;
       u.domain = domain;
-      u.box = box;
       u.consumers_begin = static_cast<uint32_t>(consumers_.size());
-      for (size_t k = b; k < e; ++k) {
-        if (!std::binary_search(regions.begin(), regions.end(), entries_[k].region)) continue;
-        const DomainSplit& s = split(t.receivers[entries_[k].region].ranks);
-        const DomainSplit::Part& p = s.parts[entries_[k].part];
-        for (uint32_t q = 0; q < p.count; ++q) consumers_.push_back({s.ranks[p.begin + q], entries_[k].region});
+      for (uint32_t m : members) {
+        const Entry& en = entries_[b + m];
+        const DomainSplit& s = split(t.receivers[en.region].ranks);
+        const DomainSplit::Part& p = s.parts[en.part];
+        for (uint32_t q = 0; q < p.count; ++q) consumers_.push_back({s.ranks[p.begin + q], en.region});
       }
-      std::sort(consumers_.begin() + u.consumers_begin, consumers_.end(), [](const Consumer& x, const Consumer& y) {
-        return x.rank != y.rank ? x.rank < y.rank : x.region < y.region;
-      });
+      if (members.size() > 1)
+        std::sort(consumers_.begin() + u.consumers_begin, consumers_.end(), [](const Consumer& x, const Consumer& y) {
+          return x.rank != y.rank ? x.rank < y.rank : x.region < y.region;
+        });
       u.consumers_count = static_cast<uint32_t>(consumers_.size() - u.consumers_begin);
       auto ps = pull_set(t, box);
       if (!ps) {
@@ -315,33 +317,47 @@ class Planner {
       return Status::ok();
     };
 
+    members_.clear();
     if (e - b == 1) {
       // One region: the unit is its box.
-      return emit_unit(t.receivers[entries_[b].region].box, {entries_[b].region});
+      members_.push_back(0);
+      return emit_unit(t.receivers[entries_[b].region].box, members_);
     }
     boxes_.clear();
     for (size_t k = b; k < e; ++k) boxes_.push_back(&t.receivers[entries_[k].region].box);
-    Box whole = Box::whole(t.shape);
-    grid_.build(whole, boxes_);
+    grid_.build(Box::whole(t.shape), boxes_);
+    Status st;
+    if (e - b <= 64) {
+      // Signatures as bit masks of the domain's entries: no allocation.
+      masks_.assign(grid_.cells, 0);
+      for (size_t k = b; k < e; ++k) {
+        Index lo, hi;
+        grid_.range(t.receivers[entries_[k].region].box, &lo, &hi);
+        const uint64_t bit = uint64_t{1} << (k - b);
+        for_cells(grid_, lo, hi, [&](int64_t c) { masks_[c] |= bit; });
+      }
+      merge_cells(grid_, masks_, [&](const Index& lo, const Index& hi, uint64_t mask) {
+        if (!st.is_ok()) return;
+        members_.clear();
+        for (uint32_t m = 0; m < 64; ++m)
+          if (mask >> m & 1) members_.push_back(m);
+        st = emit_unit(grid_.to_box(lo, hi), members_);
+      });
+      return st;
+    }
     cell_lists_.assign(grid_.cells, {});
     for (size_t k = b; k < e; ++k) {
       Index lo, hi;
       grid_.range(t.receivers[entries_[k].region].box, &lo, &hi);
-      const int64_t region = entries_[k].region;
-      for_cells(grid_, lo, hi, [&](int64_t c) {
-        auto& l = cell_lists_[c];
-        if (l.empty() || l.back() != region) l.push_back(region);
-      });
+      for_cells(grid_, lo, hi, [&](int64_t c) { cell_lists_[c].push_back(static_cast<int64_t>(k - b)); });
     }
     sigs_.clear();
     sig_.resize(grid_.cells);
-    for (int64_t c = 0; c < grid_.cells; ++c) {
-      std::sort(cell_lists_[c].begin(), cell_lists_[c].end());
-      sig_[c] = sigs_.intern(cell_lists_[c]);
-    }
-    Status st;
-    merge_cells(grid_, sig_, [&](const Index& lo, const Index& hi, uint32_t s) {
-      if (st.is_ok()) st = emit_unit(grid_.to_box(lo, hi), sigs_.get(s));
+    for (int64_t c = 0; c < grid_.cells; ++c) sig_[c] = sigs_.intern(cell_lists_[c]);
+    merge_cells(grid_, sig_, [&](const Index& lo, const Index& hi, uint32_t sig) {
+      if (!st.is_ok()) return;
+      members_.assign(sigs_.get(sig).begin(), sigs_.get(sig).end());
+      st = emit_unit(grid_.to_box(lo, hi), members_);
     });
     return st;
   }
@@ -353,6 +369,7 @@ class Planner {
     auto it = pull_cache_.find(key);
     if (it != pull_cache_.end()) return it->second;
     PullSet ps;
+    ps.box = box;
     // Fast path: regions that contain the whole box, and none that cut it.
     bool cut = false;
     std::vector<uint32_t> full;
@@ -431,6 +448,8 @@ class Planner {
   Grid grid_;
   std::vector<std::vector<int64_t>> cell_lists_;
   std::vector<uint32_t> sig_;
+  std::vector<uint64_t> masks_;
+  std::vector<uint32_t> members_;
   ListInterner sigs_;
   ListInterner source_sigs_;
   std::vector<int64_t> key_;
@@ -575,7 +594,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
     std::vector<uint32_t> choose;  // units with a choice of puller or of sources
     for (uint32_t ui = 0; ui < plan.units_.size(); ++ui) {
       const Unit& u = plan.units_[ui];
-      const int64_t bytes = u.box.numel() * dtype_bytes(L.tensors[u.tensor].dtype);
+      const int64_t bytes = plan.bytes(u);
       auto cs = plan.consumers(u);
       const bool one_rank = cs.front().rank == cs.back().rank;
       if (one_rank) plan.receiver_nic_[cs.front().rank] += bytes;
@@ -610,14 +629,14 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
     order.reserve(choose.size());
     for (uint32_t ui : choose) {
       const Unit& u = plan.units_[ui];
-      order.push_back({-u.box.numel() * dtype_bytes(L.tensors[u.tensor].dtype), ui});
+      order.push_back({-plan.bytes(u), ui});
     }
     std::sort(order.begin(), order.end());
     for (auto [neg_bytes, ui] : order) {
       Unit& u = plan.units_[ui];
       const Tensor& t = L.tensors[u.tensor];
       const int eb = dtype_bytes(t.dtype);
-      const int64_t bytes = u.box.numel() * eb;
+      const int64_t bytes = plan.bytes(u);
       auto cs = plan.consumers(u);
       if (cs.front().rank != cs.back().rank) {
         uint32_t best = 0;

@@ -63,15 +63,17 @@ struct Piece {
 // A unit box cut by the source regions of its tensor. Shared by all units
 // with the same box over the same source regions.
 struct PullSet {
+  Box box;  // the unit box that was cut
   std::vector<Piece> pieces;
   std::vector<uint32_t> holders;
   bool forced = false;  // every piece has exactly one holder rank
 };
 
+// The unit's box is its PullSet's (Plan::box): a unit is 28 bytes, and a
+// DeepSeek-V3 plan has 1.4 million of them.
 struct Unit {
   uint32_t tensor = 0;
   int32_t domain = 0;  // receiving domain (a rank, under kNoDedup)
-  Box box;
   uint32_t consumers_begin = 0;  // into Plan::consumers()
   uint32_t consumers_count = 0;
   uint32_t puller = 0;           // index among this unit's consumers
@@ -112,6 +114,10 @@ class Plan {
   }
   const Consumer& puller(const Unit& u) const { return consumers_[u.consumers_begin + u.puller]; }
   const PullSet& pull_set(const Unit& u) const { return pull_sets_[u.pull_set]; }
+  const Box& box(const Unit& u) const { return pull_sets_[u.pull_set].box; }
+  int64_t bytes(const Unit& u) const {
+    return box(u).numel() * dtype_bytes(layout_->tensors[u.tensor].dtype);
+  }
   std::span<const uint32_t> holders(const PullSet& s, const Piece& p) const {
     return {s.holders.data() + p.holders_begin, p.holders_count};
   }

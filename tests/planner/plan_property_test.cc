@@ -1003,7 +1003,7 @@ void check_plan(const Reference& R, const Plan& plan, const std::vector<Run>& ru
   for (size_t ui = 0; ui < plan.units().size(); ++ui) {
     const Unit& u = plan.units()[ui];
     const std::string where = "unit #" + std::to_string(ui) + " (tensor " + std::to_string(u.tensor) + ", group " +
-                              std::to_string(u.domain) + ", box " + u.box.to_string() + ")";
+                              std::to_string(u.domain) + ", box " + plan.box(u).to_string() + ")";
     if (u.tensor >= L.tensors.size()) {
       v.add("units", where + ": no such tensor");
       continue;
@@ -1017,7 +1017,7 @@ void check_plan(const Reference& R, const Plan& plan, const std::vector<Run>& ru
     for (size_t k = 0; k < cs.size(); ++k) {
       const Consumer& c = cs[k];
       if (c.region >= t.receivers.size() || !in_set(L.receiver_sets.get(t.receivers[c.region].ranks), c.rank) ||
-          group_of(c.rank) != u.domain || !contains(t.receivers[c.region].box, u.box)) {
+          group_of(c.rank) != u.domain || !contains(t.receivers[c.region].box, plan.box(u))) {
         v.add("units", where + ": consumer rank " + std::to_string(c.rank) + " region " + std::to_string(c.region) +
                            " is not a rank of that region in this group, or its box does not contain the unit");
       }
@@ -1034,7 +1034,7 @@ void check_plan(const Reference& R, const Plan& plan, const std::vector<Run>& ru
       chunks +=
           static_cast<int64_t>(split_row_major(p.box, std::max<int64_t>(1, plan.options().chunk_bytes / eb)).size());
       sum += p.box.numel();
-      if (p.box.empty() || !contains(u.box, p.box))
+      if (p.box.empty() || !contains(plan.box(u), p.box))
         v.add("units", where + ": piece " + p.box.to_string() + " is empty or outside the unit");
       for (size_t j = 0; j < i; ++j)
         if (overlaps(ps.pieces[j].box, p.box))
@@ -1068,9 +1068,9 @@ void check_plan(const Reference& R, const Plan& plan, const std::vector<Run>& ru
                                   std::to_string(pick.rank) + " region " + std::to_string(pick.region) +
                                   ", which does not hold all of it");
     }
-    if (sum != u.box.numel())
+    if (sum != plan.box(u).numel())
       v.add("units",
-            where + ": pieces cover " + std::to_string(sum) + " of " + std::to_string(u.box.numel()) + " elements");
+            where + ": pieces cover " + std::to_string(sum) + " of " + std::to_string(plan.box(u).numel()) + " elements");
     if (forced != ps.forced)
       v.add("units", where + ": pull set forced flag is " + std::to_string(ps.forced) + ", holders say " +
                          std::to_string(forced));
@@ -1099,7 +1099,7 @@ std::string plan_difference(const Plan& a, const std::vector<Run>& ra, const Pla
   for (size_t i = 0; i < a.units().size(); ++i) {
     const Unit& x = a.units()[i];
     const Unit& y = b.units()[i];
-    if (x.tensor != y.tensor || x.domain != y.domain || x.box != y.box || x.consumers_count != y.consumers_count ||
+    if (x.tensor != y.tensor || x.domain != y.domain || a.box(x) != b.box(y) || x.consumers_count != y.consumers_count ||
         x.puller != y.puller)
       return "unit #" + std::to_string(i) + " differs";
     auto cx = a.consumers(x), cy = b.consumers(y);
@@ -1648,7 +1648,7 @@ TEST(PlanProperty, ReplicatedSourcesSpreadLoad) {
       }
       for (const Unit& u : p->units())
         if (u.domain == dm)
-          biggest = std::max<int64_t>(biggest, u.box.numel() * dtype_bytes(L.tensors[u.tensor].dtype));
+          biggest = std::max<int64_t>(biggest, p->box(u).numel() * dtype_bytes(L.tensors[u.tensor].dtype));
       EXPECT_LE(peak * n, sum + n * biggest) << "seed " << seed << " domain " << dm;
     }
   }
