@@ -7,23 +7,21 @@
 
 #include <nlohmann/json.hpp>
 
+#include "planner/json_util.h"
+
 #include "planner/placement.h"
 
 namespace refit {
 namespace {
 
 using nlohmann::json;
+using json_util::show;
 
 constexpr std::string_view kLayoutFormat = "refit-layout/1";
 constexpr std::string_view kRunsFormat = "refit-runs/1";
 
 // ---------------------------------------------------------------- reading
 
-std::string show(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
 
 std::string show_box(const Box& b) { return b.to_string(); }
 
@@ -33,29 +31,6 @@ std::string show_shape(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// Says where and why text that failed to parse is not JSON.
-class ErrorFinder : public nlohmann::json_sax<json> {
- public:
-  std::string what;
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return true; }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return true; }
-  bool start_array(std::size_t) override { return true; }
-  bool end_array() override { return true; }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
-    what = ex.what();
-    if (auto p = what.find("] "); what.rfind("[json.exception.", 0) == 0 && p != std::string::npos)
-      what = what.substr(p + 2);
-    return false;
-  }
-};
 
 // An integer in [lo, hi]; JSON reads positive literals as unsigned.
 bool get_int(const json& v, int64_t lo, int64_t hi, int64_t* out) {
@@ -93,9 +68,7 @@ class Parser {
   Result<Layout> parse(std::string_view text) {
     json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
     if (doc.is_discarded()) {
-      ErrorFinder finder;
-      json::sax_parse(text, &finder);
-      return Status::invalid(origin_ + ": not valid JSON: " + (finder.what.empty() ? "parse error" : finder.what));
+      return Status::invalid(origin_ + ": not valid JSON: " + json_util::syntax_error(text));
     }
     if (!doc.is_object())
       return Status::invalid(origin_ + ": a layout must be a JSON object, got " + show(doc));

@@ -5,24 +5,21 @@
 
 #include <nlohmann/json.hpp>
 
+#include "planner/json_util.h"
+
 #include "planner/box.h"
 
 namespace refit {
 namespace {
 
 using nlohmann::json;
+using json_util::show;
 
 // The safetensors crate refuses headers above 100 MB (MAX_HEADER_SIZE); a
 // larger length is a corrupt or hostile file, and refusing it early keeps a
 // lying length from making a caller read gigabytes.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-// A short rendering of a JSON value for messages: `got "2"`, `got [1,-2]`.
-std::string show(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
 
 // A SAX pass over the text that records the top-level keys in file order,
 // and where and why the text is not JSON. nlohmann's default object is a
@@ -49,11 +46,7 @@ class KeyScanner : public nlohmann::json_sax<json> {
   bool start_array(std::size_t) override { return ++depth_, true; }
   bool end_array() override { return --depth_, true; }
   bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
-    error = ex.what();
-    // "[json.exception.parse_error.101] parse error at line 1, column 2: ..."
-    if (auto p = error.find("] "); error.rfind("[json.exception.", 0) == 0 && p != std::string::npos)
-      error = error.substr(p + 2);
-    if (error.empty()) error = "parse error";
+    error = json_util::describe(ex);
     return false;
   }
 

@@ -5,44 +5,19 @@
 
 #include <nlohmann/json.hpp>
 
+#include "planner/json_util.h"
+
 namespace refit {
 namespace {
 
 using nlohmann::json;
+using json_util::show;
 
 // Parallel degrees and GPU counts far beyond any cluster are typos; the cap
 // also keeps the products below from overflowing.
 constexpr int64_t kMaxCount = int64_t{1} << 24;
 
-std::string show(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
 
-// Says where and why text that failed to parse is not JSON.
-class ErrorFinder : public nlohmann::json_sax<json> {
- public:
-  std::string what;
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return true; }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return true; }
-  bool start_array(std::size_t) override { return true; }
-  bool end_array() override { return true; }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
-    what = ex.what();
-    if (auto p = what.find("] "); what.rfind("[json.exception.", 0) == 0 && p != std::string::npos)
-      what = what.substr(p + 2);
-    return false;
-  }
-};
 
 // One JSON object of the scenario, addressed by its dotted path ("train").
 // Each getter checks presence and type and names the key on failure.
@@ -203,9 +178,7 @@ std::string product(std::initializer_list<int64_t> xs, int64_t* out) {
 Result<Scenario> parse_scenario(std::string_view json_text, const std::string& origin) {
   json doc = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) {
-    ErrorFinder finder;
-    json::sax_parse(json_text, &finder);
-    return Status::invalid(origin + ": not valid JSON: " + (finder.what.empty() ? "parse error" : finder.what));
+    return Status::invalid(origin + ": not valid JSON: " + json_util::syntax_error(json_text));
   }
   if (!doc.is_object()) return Status::invalid(origin + ": a scenario must be a JSON object, got " + show(doc));
 

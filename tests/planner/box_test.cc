@@ -49,7 +49,9 @@ void check_split(const Box& box, int64_t cap) {
     EXPECT_LE(p.numel(), std::max<int64_t>(cap, 1));
     EXPECT_GT(p.numel(), 0);
     for (size_t j = 0; j < i; ++j) EXPECT_FALSE(overlaps(parts[j], p)) << p.to_string();
-    if (i > 0) EXPECT_TRUE(prev < p);
+    if (i > 0) {
+      EXPECT_TRUE(prev < p);
+    }
     prev = p;
     total += p.numel();
   }
