@@ -16,7 +16,8 @@ configure: deps
 	@[ -f $(BUILD)/build.ninja ] || meson setup $(BUILD) $(MESON_FLAGS)
 
 test: all
-	@meson test -C $(BUILD) --print-errorlogs
+	@meson test -C $(BUILD) --print-errorlogs; status=$$?; \
+	  scripts/test-summary $(BUILD)/meson-logs/testlog.json; exit $$status
 
 demo: all
 	@scripts/demo $(BUILD)
