@@ -505,7 +505,7 @@ void expect_matches_reference(const Layout& L, const Manifest& model, Side side,
                         << ", " << flat % cols << "): layout has "
                         << (got[flat] < 0 ? std::string("nothing")
                                           : L.buffers[got_buffer[flat]].name + " @" + std::to_string(got[flat]))
-                        << ", reference " << (w ? want->buffer + " @" + std::to_string(*w) : std::string("nothing"));
+                        << ", reference " << (w ? want->buffer + " @" + std::to_string(w.value_or(-1)) : std::string("nothing"));
           ++failures;
         }
       }
