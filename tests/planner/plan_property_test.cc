@@ -44,6 +44,7 @@
 #include "planner/layout.h"
 #include "planner/placement.h"
 #include "planner/plan.h"
+#include "planner/recipes/recipe.h"
 
 namespace refit {
 namespace {
@@ -754,7 +755,7 @@ Reference make_reference(const Layout& L) {
         for_each_element(reg.box, [&](const Index& idx) {
           const int64_t g = linear_index(t.shape, idx);
           const int64_t off = element_offset(reg, idx);
-          for (int k = 0; k < eb; ++k) R.initial[reg.buffer][r][off * eb + k] = byte_tag(ti, g, k);
+          for (int k = 0; k < eb; ++k) R.initial[t.buffer_of(Side::kSource, reg)][r][off * eb + k] = byte_tag(ti, g, k);
           R.holds[ti][r][g] = 1;
         });
       }
@@ -764,7 +765,7 @@ Reference make_reference(const Layout& L) {
         for_each_element(reg.box, [&](const Index& idx) {
           const int64_t g = linear_index(t.shape, idx);
           const int64_t off = element_offset(reg, idx);
-          for (int k = 0; k < eb; ++k) R.expected[reg.buffer][r][off * eb + k] = byte_tag(ti, g, k);
+          for (int k = 0; k < eb; ++k) R.expected[t.buffer_of(Side::kReceiver, reg)][r][off * eb + k] = byte_tag(ti, g, k);
           R.need_domain[ti][L.receivers[r].domain][g] = 1;
           R.need_rank[ti][r][g] = 1;
         });
@@ -1903,6 +1904,81 @@ TEST(Placement, StridedShardFollowsItsPairedShard) {
   EXPECT_FALSE(dtensor_boxes({8}, DTensorSpec{{2, 2}, {0, 1, 2, 3}, {shard(0), strided(0, 2)}}).is_ok());
   EXPECT_FALSE(dtensor_boxes({8}, DTensorSpec{{2, 2, 2}, {0, 1, 2, 3, 4, 5, 6, 7}, {strided(0, 2), shard(0), shard(0)}})
                    .is_ok());
+}
+
+
+// ---------------------------------------------------------------------------
+// Layouts the recipes make (fused buffers, vocabulary padding, expert
+// parallelism, FSDP's shared region lists), planned and executed against the
+// same reference.
+
+Manifest tiny_model(bool moe) {
+  Manifest m;
+  auto add = [&](std::string name, std::vector<int64_t> shape) { m.push_back({std::move(name), DType::kBF16, shape}); };
+  const int64_t hidden = 16, heads = 4, kv = 2, hd = 4, inter = 24, vocab = 50, experts = 4, moe_inter = 8;
+  add("model.embed_tokens.weight", {vocab, hidden});
+  for (int l = 0; l < 3; ++l) {
+    const std::string p = "model.layers." + std::to_string(l);
+    add(p + ".input_layernorm.weight", {hidden});
+    add(p + ".self_attn.q_proj.weight", {heads * hd, hidden});
+    add(p + ".self_attn.k_proj.weight", {kv * hd, hidden});
+    add(p + ".self_attn.v_proj.weight", {kv * hd, hidden});
+    add(p + ".self_attn.o_proj.weight", {hidden, heads * hd});
+    add(p + ".self_attn.q_norm.weight", {hd});
+    add(p + ".self_attn.k_norm.weight", {hd});
+    add(p + ".post_attention_layernorm.weight", {hidden});
+    if (!moe) {
+      add(p + ".mlp.gate_proj.weight", {inter, hidden});
+      add(p + ".mlp.up_proj.weight", {inter, hidden});
+      add(p + ".mlp.down_proj.weight", {hidden, inter});
+      continue;
+    }
+    add(p + ".mlp.gate.weight", {experts, hidden});
+    for (int e = 0; e < experts; ++e) {
+      const std::string q = p + ".mlp.experts." + std::to_string(e);
+      add(q + ".gate_proj.weight", {moe_inter, hidden});
+      add(q + ".up_proj.weight", {moe_inter, hidden});
+      add(q + ".down_proj.weight", {hidden, moe_inter});
+    }
+  }
+  add("model.norm.weight", {hidden});
+  add("lm_head.weight", {vocab, hidden});
+  return m;
+}
+
+TEST(PlanProperty, RecipeLayoutsExecuteExactly) {
+  struct Case {
+    const char* name;
+    bool moe;
+    TrainSide train;
+    InferSide infer;
+  };
+  const Case cases[] = {
+      {"fsdp dp4 -> tp2 x2", false, {4, 1, 1, 4, 1, 1, true, 4}, {4, 2, 2, 1, false, 4}},
+      {"fsdp tp2 dp2 -> tp2 x2, two domains", false, {4, 2, 1, 2, 1, 1, true, 2}, {4, 2, 2, 1, false, 2}},
+      {"megatron tp2 pp2 dp2 -> tp2 pp2", false, {8, 2, 1, 2, 2, 1, false, 4}, {4, 2, 1, 2, false, 4}},
+      {"megatron tp1 dp4 ep2 -> tp2 x2 ep", true, {4, 1, 1, 4, 1, 2, false, 4}, {4, 2, 2, 1, true, 2}},
+      {"megatron tp2 dp2 ep2 -> tp4", true, {4, 2, 1, 2, 1, 2, false, 4}, {4, 4, 1, 1, false, 4}},
+  };
+  for (const Case& c : cases) {
+    Scenario s;
+    s.model = "tiny";
+    s.train = c.train;
+    s.infer = c.infer;
+    auto L = layout_from_scenario(s, tiny_model(c.moe));
+    ASSERT_TRUE(L.is_ok()) << c.name << ": " << L.status().message();
+    ASSERT_TRUE(validate(*L).is_ok()) << c.name << ": " << validate(*L).message();
+    const Reference R = make_reference(*L);
+    for (Strategy st : {Strategy::kRefit, Strategy::kNoDedup}) {
+      auto plan = make_plan(*L, {st, 256});
+      ASSERT_TRUE(plan.is_ok()) << c.name << ": " << plan.status().message();
+      Violations v;
+      SimTotals tot;
+      check_plan(R, *plan, collect_runs(*plan), v, tot);
+      for (const auto& [name, e] : v.by_property) ADD_FAILURE() << c.name << " (" << strategy_name(st) << "): " << v.report(name);
+      EXPECT_GT(tot.runs, 0) << c.name;
+    }
+  }
 }
 
 }  // namespace
