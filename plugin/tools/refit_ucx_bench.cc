@@ -1,0 +1,391 @@
+// refit-ucx-bench [--transport tcp|shm] [--json F]
+//
+// For message sizes from 64 KiB to 64 MiB: the GET engine's bandwidth (this
+// process pulling from a server process it starts, a window of several MiB
+// in flight) beside `ucx_perftest -t ucp_get` with the same size, transport
+// and window, and their ratio. Both transports when none is named. Prints a
+// table; with --json F also writes {"results": [{"transport", "bytes",
+// "engine_gbps", "perftest_gbps", "ratio"}, ...]}. --no-peer-errors creates
+// the endpoints with UCP_ERR_HANDLING_MODE_NONE: in UCX 1.13 that is what
+// lets shared memory use cma for the GETs (see endpoint.h).
+//
+// The server is this binary re-executed with --serve (a clean process: UCX
+// does not survive fork). Every wait has a deadline; a server or perftest
+// that does not answer is killed and the row reports the error.
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "transport/ucx/context.h"
+#include "transport/ucx/endpoint.h"
+#include "transport/ucx/get_engine.h"
+#include "transport/ucx/memory.h"
+#include "transport/ucx/worker.h"
+
+namespace {
+
+using namespace refit;
+using namespace refit::ucx;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kBufferBytes = 64ull << 20;
+constexpr uint64_t kWindowBytes = 8ull << 20;
+const std::vector<uint64_t> kSizes = {64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+
+bool write_all(int fd, const void* p, size_t n) {
+  auto* b = static_cast<const uint8_t*>(p);
+  while (n > 0) {
+    ssize_t k = ::send(fd, b, n, MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    b += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* p, size_t n, Clock::time_point deadline) {
+  auto* b = static_cast<uint8_t*>(p);
+  while (n > 0) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return false;
+    pollfd pf = {fd, POLLIN, 0};
+    if (::poll(&pf, 1, static_cast<int>(left.count())) <= 0) continue;
+    ssize_t k = ::read(fd, b, n);
+    if (k <= 0) return false;
+    b += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool send_blob(int fd, const std::vector<uint8_t>& v) {
+  uint32_t n = static_cast<uint32_t>(v.size());
+  return write_all(fd, &n, 4) && write_all(fd, v.data(), v.size());
+}
+
+bool recv_blob(int fd, std::vector<uint8_t>* v, Clock::time_point deadline) {
+  uint32_t n = 0;
+  if (!read_all(fd, &n, 4, deadline) || n > (1u << 24)) return false;
+  v->resize(n);
+  return read_all(fd, v->data(), n, deadline);
+}
+
+ContextConfig context_config(const std::string& transport, const std::string& name) {
+  ContextConfig cfg;
+  cfg.name = name;
+  cfg.transports = {transport};
+  if (transport == "tcp") cfg.devices = {"lo"};
+  return cfg;
+}
+
+// --serve TRANSPORT: registers a buffer, sends address, rkey and base on
+// fd 3, progresses until the parent writes a byte or goes away.
+int serve(const std::string& transport) {
+  const int fd = 3;
+  auto ctx = Context::create(context_config(transport, "bench-server"));
+  if (!ctx) {
+    std::cerr << ctx.status().message() << "\n";
+    return 2;
+  }
+  auto worker = Worker::create(*ctx);
+  if (!worker) return 2;
+  std::vector<uint8_t> buf(kBufferBytes, 0x5A);
+  auto region = MemoryRegion::map(*ctx, buf.data(), buf.size(), "bench buffer");
+  auto addr = worker->address();
+  if (!region || !addr) return 2;
+  uint64_t base = reinterpret_cast<uint64_t>(buf.data());
+  std::vector<uint8_t> b(8);
+  std::memcpy(b.data(), &base, 8);
+  if (!send_blob(fd, *addr) || !send_blob(fd, region->packed_rkey()) || !send_blob(fd, b)) return 3;
+  // Sleeps on the worker's event fd between requests: on a 2-core machine
+  // a spinning server starves the puller (measured: tcp 0.45 vs 0.75 GB/s).
+  while (true) {
+    while (worker->progress() != 0) {
+    }
+    pollfd pf = {fd, POLLIN, 0};
+    if (::poll(&pf, 1, 0) > 0) break;
+    (void)worker->wait(std::chrono::milliseconds(1));
+  }
+  return 0;
+}
+
+struct Child {
+  pid_t pid = -1;
+  int fd = -1;
+};
+
+void reap(pid_t pid, std::chrono::milliseconds grace) {
+  auto deadline = Clock::now() + grace;
+  int st = 0;
+  while (::waitpid(pid, &st, WNOHANG) == 0) {
+    if (Clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &st, 0);
+      return;
+    }
+    ::usleep(2000);
+  }
+}
+
+Result<Child> start_server(const std::string& self, const std::string& transport) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    return Status::io_error("bench: socketpair failed");
+  }
+  pid_t pid = ::fork();
+  if (pid < 0) return Status::io_error("bench: fork failed");
+  if (pid == 0) {
+    ::dup2(sv[1], 3);
+    const char* argv[] = {self.c_str(), "--serve", transport.c_str(), nullptr};
+    ::execv(self.c_str(), const_cast<char* const*>(argv));
+    ::_exit(127);
+  }
+  ::close(sv[1]);
+  return Child{pid, sv[0]};
+}
+
+// Runs a command with extra environment, stdout captured, within `timeout`.
+Result<std::string> run_capture(std::vector<std::string> args,
+                                std::vector<std::pair<std::string, std::string>> env,
+                                std::chrono::milliseconds timeout, pid_t* bg = nullptr) {
+  int pipefd[2];
+  if (::pipe(pipefd) != 0) return Status::io_error("bench: pipe failed");
+  pid_t pid = ::fork();
+  if (pid < 0) return Status::io_error("bench: fork failed");
+  if (pid == 0) {
+    ::dup2(pipefd[1], 1);
+    ::dup2(pipefd[1], 2);
+    ::close(pipefd[0]);
+    for (auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(pipefd[1]);
+  if (bg) {  // background: caller reaps; output discarded
+    ::close(pipefd[0]);
+    *bg = pid;
+    return std::string();
+  }
+  std::string out;
+  auto deadline = Clock::now() + timeout;
+  char buf[4096];
+  while (true) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) break;
+    pollfd pf = {pipefd[0], POLLIN, 0};
+    if (::poll(&pf, 1, static_cast<int>(left.count())) <= 0) continue;
+    ssize_t k = ::read(pipefd[0], buf, sizeof(buf));
+    if (k <= 0) break;
+    out.append(buf, static_cast<size_t>(k));
+  }
+  ::close(pipefd[0]);
+  reap(pid, std::chrono::milliseconds(500));
+  return out;
+}
+
+// ucx_perftest's "Final:" row; overall bandwidth is column 6, in MB/s of
+// 2^20 bytes.
+Result<double> perftest_gbps(const std::string& tls, const std::string& transport,
+                             uint64_t size, uint64_t outstanding, uint64_t iters, int port) {
+  std::vector<std::pair<std::string, std::string>> env = {{"UCX_TLS", tls}};
+  if (transport == "tcp") env.push_back({"UCX_NET_DEVICES", "lo"});
+  pid_t server = -1;
+  auto s = run_capture({"ucx_perftest", "-p", std::to_string(port)}, env,
+                       std::chrono::seconds(60), &server);
+  if (!s) return s.status();
+  ::usleep(300000);  // the server listens within milliseconds; no readiness signal exists
+  auto out = run_capture({"ucx_perftest", "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get",
+                          "-s", std::to_string(size), "-n", std::to_string(iters), "-O",
+                          std::to_string(outstanding), "-w", std::to_string(iters / 10 + 1)},
+                         env, std::chrono::seconds(60));
+  reap(server, std::chrono::seconds(2));
+  if (!out) return out.status();
+  auto pos = out->find("Final:");
+  if (pos == std::string::npos) {
+    return Status::io_error("ucx_perftest gave no result: " + out->substr(0, 300));
+  }
+  std::istringstream row(out->substr(pos + 6));
+  std::vector<double> cols;
+  for (double v; row >> v && cols.size() < 8;) cols.push_back(v);
+  if (cols.size() < 6) return Status::io_error("ucx_perftest: unexpected Final row");
+  return cols[5] * 1048576.0 / 1e9;
+}
+
+struct Row {
+  std::string transport;
+  uint64_t bytes = 0;
+  double engine_gbps = 0;
+  double perftest_gbps = 0;
+  std::string error;
+};
+
+Status bench_transport(const std::string& self, const std::string& transport,
+                       PeerErrorHandling err_mode, std::vector<Row>* rows) {
+  auto tls = ucx_tls_string({transport}, "bench");
+  if (!tls) return tls.status();
+  auto child = start_server(self, transport);
+  if (!child) return child.status();
+  struct Stop {
+    Child c;
+    ~Stop() {
+      uint8_t b = 1;
+      (void)::send(c.fd, &b, 1, MSG_NOSIGNAL);
+      reap(c.pid, std::chrono::seconds(3));
+      ::close(c.fd);
+    }
+  } stop{*child};
+  std::vector<uint8_t> addr, rkey, base_bytes;
+  auto deadline = Clock::now() + std::chrono::seconds(20);
+  if (!recv_blob(child->fd, &addr, deadline) || !recv_blob(child->fd, &rkey, deadline) ||
+      !recv_blob(child->fd, &base_bytes, deadline) || base_bytes.size() != 8) {
+    return Status::io_error("bench: server for \"" + transport + "\" did not start");
+  }
+  uint64_t remote_base;
+  std::memcpy(&remote_base, base_bytes.data(), 8);
+
+  auto ctx = Context::create(context_config(transport, "bench"));
+  if (!ctx) return ctx.status();
+  auto worker = Worker::create(*ctx);
+  if (!worker) return worker.status();
+  auto ep = Endpoint::create(*worker, addr, "bench-server", err_mode);
+  if (!ep) return ep.status();
+  REFIT_RETURN_IF_ERROR(ep->import_rkey(1, rkey));
+  std::vector<uint8_t> local(kBufferBytes);
+  auto region = MemoryRegion::map(*ctx, local.data(), local.size(), "bench local");
+  if (!region) return region.status();
+
+  int port = 20000 + (::getpid() % 20000);
+  for (uint64_t size : kSizes) {
+    Row row{transport, size};
+    const uint64_t ops = std::max<uint64_t>(1, kWindowBytes / size);
+    GetEngineOptions opts;
+    opts.limits.chunk_bytes = size;
+    opts.limits.max_bytes_per_endpoint = std::max(kWindowBytes, size);
+    opts.limits.max_bytes_in_flight = std::max(kWindowBytes, size);
+    opts.limits.max_ops_per_endpoint = ops;
+    opts.limits.max_ops_in_flight = ops;
+    auto engine = GetEngine::create(*worker, opts);
+    if (!engine) return engine.status();
+    (*engine)->add_local_region(*region);
+    // Like ucx_perftest, GETs cycle over a window-sized footprint (perftest
+    // reuses one buffer), so both measure the transport, not DRAM.
+    const uint64_t footprint = std::max(kWindowBytes, size);
+    std::vector<GetRun> runs;
+    for (uint64_t i = 0; i < std::max<uint64_t>(1, kBufferBytes / size); ++i) {
+      uint64_t off = (i * size) % footprint;
+      runs.push_back(GetRun{&*ep, 1, remote_base + off, local.data() + off, size});
+    }
+    auto warm = (*engine)->run_batch(runs, Clock::now() + std::chrono::seconds(30));
+    if (!warm.status.is_ok()) return warm.status;
+    uint64_t bytes = 0;
+    const auto start = Clock::now();
+    int batches = 0;
+    while (batches < 3 || Clock::now() - start < std::chrono::milliseconds(500)) {
+      auto r = (*engine)->run_batch(runs, Clock::now() + std::chrono::seconds(30));
+      if (!r.status.is_ok()) return r.status;
+      bytes += r.bytes_done;
+      ++batches;
+    }
+    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    row.engine_gbps = static_cast<double>(bytes) / secs / 1e9;
+    uint64_t iters = std::max<uint64_t>(20, bytes / size);
+    auto pt = perftest_gbps(*tls, transport, size, ops, iters, port++);
+    if (pt) {
+      row.perftest_gbps = *pt;
+    } else {
+      row.error = pt.status().message();
+    }
+    rows->push_back(row);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.size() == 2 && args[0] == "--serve") return serve(args[1]);
+  std::vector<std::string> transports = {"tcp", "shm"};
+  std::string json_path;
+  PeerErrorHandling err_mode = PeerErrorHandling::kPeer;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--no-peer-errors") {
+      err_mode = PeerErrorHandling::kNone;
+      continue;
+    }
+    if (args[i] == "--transport" && i + 1 < args.size()) {
+      transports = {args[++i]};
+    } else if (args[i] == "--json" && i + 1 < args.size()) {
+      json_path = args[++i];
+    } else {
+      std::cerr << "usage: refit-ucx-bench [--transport tcp|shm] [--json FILE] "
+                   "[--no-peer-errors]\n";
+      return 2;
+    }
+  }
+  for (const auto& t : transports) {
+    if (t != "tcp" && t != "shm") {
+      std::cerr << "refit-ucx-bench: --transport must be tcp or shm, got \"" << t << "\"\n";
+      return 2;
+    }
+  }
+  std::signal(SIGPIPE, SIG_IGN);
+  char self[4096];
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return 2;
+  self[n] = 0;
+
+  std::vector<Row> rows;
+  int rc = 0;
+  for (const auto& t : transports) {
+    Status s = bench_transport(self, t, err_mode, &rows);
+    if (!s.is_ok()) {
+      std::cerr << "refit-ucx-bench: " << t << ": " << s.message() << "\n";
+      rc = 1;
+    }
+  }
+  std::printf("%-9s %10s %12s %14s %7s\n", "transport", "bytes", "engine GB/s", "perftest GB/s",
+              "ratio");
+  nlohmann::json results = nlohmann::json::array();
+  for (const auto& r : rows) {
+    double ratio = r.perftest_gbps > 0 ? r.engine_gbps / r.perftest_gbps : 0;
+    std::printf("%-9s %10llu %12.2f %14.2f %7.2f%s%s\n", r.transport.c_str(),
+                static_cast<unsigned long long>(r.bytes), r.engine_gbps, r.perftest_gbps, ratio,
+                r.error.empty() ? "" : "  ", r.error.c_str());
+    nlohmann::json j = {{"transport", r.transport},
+                        {"bytes", r.bytes},
+                        {"engine_gbps", r.engine_gbps},
+                        {"perftest_gbps", r.perftest_gbps},
+                        {"ratio", ratio}};
+    if (!r.error.empty()) j["error"] = r.error;
+    results.push_back(j);
+  }
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    f << nlohmann::json{{"results", results}}.dump(2) << "\n";
+    if (!f) {
+      std::cerr << "refit-ucx-bench: cannot write " << json_path << "\n";
+      return 1;
+    }
+  }
+  return rc;
+}

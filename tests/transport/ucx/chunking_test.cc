@@ -1,0 +1,167 @@
+// Chunking and windowing with no UCX: split_run covers each run exactly once,
+// and the scheduler never exceeds any window while issuing every chunk once.
+
+#include "transport/ucx/chunking.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <set>
+
+namespace refit::ucx {
+namespace {
+
+TEST(Chunking, SplitCoversRunExactlyOnceInOrder) {
+  std::mt19937_64 rng(1);
+  for (int iter = 0; iter < 2000; ++iter) {
+    uint64_t bytes = 1 + rng() % 100000;
+    uint64_t chunk = 1 + rng() % 9000;
+    auto chunks = split_run(7, ChunkRun{3, bytes}, chunk);
+    uint64_t next = 0;
+    for (const Chunk& c : chunks) {
+      EXPECT_EQ(c.run, 7u);
+      EXPECT_EQ(c.endpoint, 3u);
+      EXPECT_EQ(c.offset, next);
+      EXPECT_GT(c.bytes, 0u);
+      EXPECT_LE(c.bytes, chunk);
+      next += c.bytes;
+    }
+    EXPECT_EQ(next, bytes);
+    EXPECT_EQ(chunks.size(), (bytes + chunk - 1) / chunk);
+  }
+}
+
+TEST(Chunking, ValidateNamesTheSetting) {
+  WindowLimits l;
+  l.max_ops_per_endpoint = 0;
+  Status s = validate(l);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("max_ops_per_endpoint"), std::string::npos) << s.message();
+
+  l = WindowLimits{};
+  l.chunk_bytes = l.max_bytes_per_endpoint + 1;
+  s = validate(l);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("chunk_bytes"), std::string::npos) << s.message();
+  EXPECT_TRUE(validate(WindowLimits{}).is_ok());
+}
+
+TEST(ChunkScheduler, RejectsZeroLengthRunAndNamesIt) {
+  std::vector<ChunkRun> runs = {{0, 10}, {0, 0}};
+  auto s = ChunkScheduler::create(WindowLimits{}, runs, 1);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("run 1"), std::string::npos) << s.status().message();
+}
+
+TEST(ChunkScheduler, RejectsEndpointOutOfRange) {
+  std::vector<ChunkRun> runs = {{2, 10}};
+  auto s = ChunkScheduler::create(WindowLimits{}, runs, 2);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.status().message().find("run 0"), std::string::npos);
+}
+
+TEST(ChunkScheduler, EmptyBatchIsDone) {
+  auto s = ChunkScheduler::create(WindowLimits{}, {}, 0);
+  ASSERT_TRUE(s.is_ok());
+  EXPECT_TRUE(s->done());
+  EXPECT_FALSE(s->next().has_value());
+}
+
+// Random runs, random completion order: every chunk issued once, windows
+// never exceeded, each run finishes exactly when its last chunk completes.
+TEST(ChunkScheduler, RandomWorkloadRespectsEveryWindow) {
+  std::mt19937_64 rng(42);
+  for (int iter = 0; iter < 300; ++iter) {
+    WindowLimits l;
+    l.chunk_bytes = 1 + rng() % 5000;
+    l.max_bytes_per_endpoint = l.chunk_bytes * (1 + rng() % 4) + rng() % 100;
+    l.max_bytes_in_flight = l.chunk_bytes * (1 + rng() % 8) + rng() % 100;
+    l.max_ops_per_endpoint = 1 + rng() % 5;
+    l.max_ops_in_flight = 1 + rng() % 12;
+    uint32_t eps = 1 + rng() % 5;
+    std::vector<ChunkRun> runs(rng() % 40);
+    for (auto& r : runs) r = ChunkRun{static_cast<uint32_t>(rng() % eps), 1 + rng() % 30000};
+    auto sched = ChunkScheduler::create(l, runs, eps);
+    ASSERT_TRUE(sched.is_ok()) << sched.status().message();
+
+    std::vector<Chunk> in_flight;
+    std::map<uint32_t, uint64_t> covered;  // run -> bytes completed
+    std::set<std::pair<uint32_t, uint64_t>> seen;
+    std::vector<int> finished(runs.size(), 0);
+    while (!sched->done()) {
+      while (auto c = sched->next()) {
+        ASSERT_TRUE(seen.insert({c->run, c->offset}).second) << "chunk issued twice";
+        in_flight.push_back(*c);
+        ASSERT_LE(sched->bytes_in_flight(), l.max_bytes_in_flight);
+        ASSERT_LE(sched->ops_in_flight(), l.max_ops_in_flight);
+        ASSERT_LE(sched->bytes_in_flight(c->endpoint), l.max_bytes_per_endpoint);
+        ASSERT_LE(sched->ops_in_flight(c->endpoint), l.max_ops_per_endpoint);
+      }
+      ASSERT_FALSE(in_flight.empty()) << "scheduler stalled with nothing in flight";
+      size_t k = rng() % in_flight.size();
+      Chunk c = in_flight[k];
+      in_flight.erase(in_flight.begin() + k);
+      covered[c.run] += c.bytes;
+      bool done = sched->complete(c);
+      EXPECT_EQ(done, covered[c.run] == runs[c.run].bytes);
+      if (done) ++finished[c.run];
+    }
+    for (size_t i = 0; i < runs.size(); ++i) {
+      EXPECT_EQ(finished[i], 1) << "run " << i;
+      EXPECT_EQ(covered[i], runs[i].bytes);
+    }
+    EXPECT_EQ(sched->bytes_in_flight(), 0u);
+    EXPECT_EQ(sched->ops_in_flight(), 0u);
+  }
+}
+
+TEST(ChunkScheduler, EndpointsTakeTurns) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  std::vector<ChunkRun> runs = {{0, 100}, {1, 100}, {2, 100}};
+  auto sched = ChunkScheduler::create(l, runs, 3);
+  ASSERT_TRUE(sched.is_ok());
+  std::vector<uint32_t> order;
+  for (int i = 0; i < 6; ++i) order.push_back(sched->next()->endpoint);
+  EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 0, 1, 2}));
+}
+
+TEST(ChunkScheduler, OneChunkWindowSerializes) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  l.max_ops_in_flight = 1;
+  std::vector<ChunkRun> runs = {{0, 25}};
+  auto sched = ChunkScheduler::create(l, runs, 1);
+  ASSERT_TRUE(sched.is_ok());
+  auto a = sched->next();
+  ASSERT_TRUE(a);
+  EXPECT_FALSE(sched->next());
+  EXPECT_FALSE(sched->complete(*a));
+  auto b = sched->next();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->offset, 10u);
+}
+
+TEST(ChunkScheduler, DropEndpointFinishesItsIdleRuns) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  l.max_ops_per_endpoint = 1;
+  std::vector<ChunkRun> runs = {{0, 30}, {0, 10}, {1, 10}};
+  auto sched = ChunkScheduler::create(l, runs, 2);
+  ASSERT_TRUE(sched.is_ok());
+  auto a = sched->next();  // run 0 chunk 0 on endpoint 0
+  auto b = sched->next();  // run 2 on endpoint 1
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->run, 0u);
+  auto finished = sched->drop_endpoint(0);
+  // run 1 had nothing in flight: finished now; run 0 waits for chunk a.
+  EXPECT_EQ(finished, (std::vector<uint32_t>{1}));
+  EXPECT_TRUE(sched->complete(*a));
+  EXPECT_TRUE(sched->complete(*b));
+  EXPECT_TRUE(sched->done());
+}
+
+}  // namespace
+}  // namespace refit::ucx

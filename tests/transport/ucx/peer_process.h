@@ -1,0 +1,149 @@
+#pragma once
+// Test helper: a forked process that serves one registered buffer over UCX.
+// It sends its framed worker address and packed rkey to the parent through a
+// socketpair, then progresses its worker until the parent closes the socket
+// or writes a byte. The buffer holds pattern_byte(seed, i) at offset i, so
+// the parent can check every byte it pulls.
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+
+namespace refit::ucx::testing {
+
+inline uint8_t pattern_byte(uint32_t seed, uint64_t i) {
+  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ (uint64_t{seed} << 32);
+  x ^= x >> 29;
+  return static_cast<uint8_t>(x * 0xBF58476D1CE4E5B9ull >> 56);
+}
+
+inline bool write_all(int fd, const void* p, size_t n) {
+  auto* b = static_cast<const uint8_t*>(p);
+  while (n > 0) {
+    ssize_t k = ::send(fd, b, n, MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    b += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+inline bool read_all(int fd, void* p, size_t n, std::chrono::steady_clock::time_point deadline) {
+  auto* b = static_cast<uint8_t*>(p);
+  while (n > 0) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd pf = {fd, POLLIN, 0};
+    if (::poll(&pf, 1, static_cast<int>(left.count())) <= 0) continue;
+    ssize_t k = ::read(fd, b, n);
+    if (k <= 0) return false;
+    b += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+inline bool send_blob(int fd, const std::vector<uint8_t>& v) {
+  uint32_t n = static_cast<uint32_t>(v.size());
+  return write_all(fd, &n, 4) && write_all(fd, v.data(), v.size());
+}
+
+inline bool recv_blob(int fd, std::vector<uint8_t>* v,
+                      std::chrono::steady_clock::time_point deadline) {
+  uint32_t n = 0;
+  if (!read_all(fd, &n, 4, deadline) || n > (1u << 24)) return false;
+  v->resize(n);
+  return read_all(fd, v->data(), n, deadline);
+}
+
+struct Peer {
+  pid_t pid = -1;
+  int fd = -1;
+  std::vector<uint8_t> address;  // framed worker address
+  std::vector<uint8_t> rkey;     // framed packed rkey
+  uint64_t base = 0;             // remote buffer address
+  uint64_t bytes = 0;
+  std::string error;             // from the child, when it could not start
+};
+
+// Starts a peer serving `bytes` of pattern(seed): fork, then exec the
+// ucx_test_peer binary (path in $REFIT_UCX_TEST_PEER), so the child starts
+// with a clean UCX rather than a forked copy of this process's. Returns
+// false with `error` set if it could not start.
+inline bool start_peer(Peer* p, const std::string& transports, uint32_t seed, uint64_t bytes) {
+  const char* exe = std::getenv("REFIT_UCX_TEST_PEER");
+  if (exe == nullptr) {
+    p->error = "REFIT_UCX_TEST_PEER is not set (run through meson test)";
+    return false;
+  }
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return false;
+  std::string seed_s = std::to_string(seed), bytes_s = std::to_string(bytes);
+  pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    ::dup2(sv[1], 3);  // dup2 clears CLOEXEC on fd 3
+    const char* argv[] = {exe, transports.c_str(), seed_s.c_str(), bytes_s.c_str(), nullptr};
+    ::execv(exe, const_cast<char* const*>(argv));
+    ::_exit(127);
+  }
+  ::close(sv[1]);
+  p->pid = pid;
+  p->fd = sv[0];
+  p->bytes = bytes;
+  return true;
+}
+
+inline bool handshake(Peer* p, std::chrono::seconds timeout = std::chrono::seconds(15)) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (!recv_blob(p->fd, &p->address, deadline)) {
+    p->error = "peer did not answer";
+    return false;
+  }
+  if (p->address.empty()) {
+    std::vector<uint8_t> e;
+    recv_blob(p->fd, &e, deadline);
+    p->error = std::string(e.begin(), e.end());
+    return false;
+  }
+  std::vector<uint8_t> base;
+  if (!recv_blob(p->fd, &p->rkey, deadline) || !recv_blob(p->fd, &base, deadline) ||
+      base.size() != 8) {
+    p->error = "peer handshake truncated";
+    return false;
+  }
+  std::memcpy(&p->base, base.data(), 8);
+  return true;
+}
+
+// Tells the peer to stop and reaps it; kills it if it does not exit in 5 s.
+inline void stop_peer(Peer* p) {
+  if (p->pid <= 0) return;
+  uint8_t b = 1;
+  (void)::send(p->fd, &b, 1, MSG_NOSIGNAL);  // the peer may be dead already
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  int status = 0;
+  while (::waitpid(p->pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(p->pid, SIGKILL);
+      ::waitpid(p->pid, &status, 0);
+      break;
+    }
+    ::usleep(1000);
+  }
+  ::close(p->fd);
+  p->pid = -1;
+}
+
+}  // namespace refit::ucx::testing

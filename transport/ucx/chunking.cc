@@ -1,0 +1,121 @@
+#include "transport/ucx/chunking.h"
+
+#include <string>
+
+namespace refit::ucx {
+
+Status validate(const WindowLimits& l) {
+  auto positive = [](uint64_t v, const char* name) -> Status {
+    if (v == 0) {
+      return Status::invalid(std::string("ucx window: \"") + name +
+                             "\" must be a positive integer, got 0");
+    }
+    return Status::ok();
+  };
+  REFIT_RETURN_IF_ERROR(positive(l.chunk_bytes, "chunk_bytes"));
+  REFIT_RETURN_IF_ERROR(positive(l.max_bytes_in_flight, "max_bytes_in_flight"));
+  REFIT_RETURN_IF_ERROR(positive(l.max_ops_in_flight, "max_ops_in_flight"));
+  REFIT_RETURN_IF_ERROR(positive(l.max_bytes_per_endpoint, "max_bytes_per_endpoint"));
+  REFIT_RETURN_IF_ERROR(positive(l.max_ops_per_endpoint, "max_ops_per_endpoint"));
+  if (l.chunk_bytes > l.max_bytes_per_endpoint || l.chunk_bytes > l.max_bytes_in_flight) {
+    return Status::invalid("ucx window: \"chunk_bytes\" (" + std::to_string(l.chunk_bytes) +
+                           ") must not exceed \"max_bytes_per_endpoint\" (" +
+                           std::to_string(l.max_bytes_per_endpoint) +
+                           ") or \"max_bytes_in_flight\" (" +
+                           std::to_string(l.max_bytes_in_flight) + "); lower chunk_bytes");
+  }
+  return Status::ok();
+}
+
+std::vector<Chunk> split_run(uint32_t run, const ChunkRun& r, uint64_t chunk_bytes) {
+  std::vector<Chunk> out;
+  if (chunk_bytes == 0) return out;
+  out.reserve((r.bytes + chunk_bytes - 1) / chunk_bytes);
+  for (uint64_t off = 0; off < r.bytes; off += chunk_bytes) {
+    uint64_t n = r.bytes - off < chunk_bytes ? r.bytes - off : chunk_bytes;
+    out.push_back(Chunk{run, r.endpoint, off, n});
+  }
+  return out;
+}
+
+Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
+                                              std::span<const ChunkRun> runs,
+                                              uint32_t num_endpoints) {
+  REFIT_RETURN_IF_ERROR(validate(limits));
+  ChunkScheduler s;
+  s.limits_ = limits;
+  s.runs_.resize(runs.size());
+  s.eps_.resize(num_endpoints);
+  for (uint32_t i = 0; i < runs.size(); ++i) {
+    const ChunkRun& r = runs[i];
+    if (r.bytes == 0) {
+      return Status::invalid("run " + std::to_string(i) +
+                             ": zero bytes; drop empty runs before submitting them");
+    }
+    if (r.endpoint >= num_endpoints) {
+      return Status::invalid("run " + std::to_string(i) + ": endpoint index " +
+                             std::to_string(r.endpoint) + " out of range (" +
+                             std::to_string(num_endpoints) + " endpoints)");
+    }
+    auto chunks = split_run(i, r, limits.chunk_bytes);
+    s.runs_[i].pending = static_cast<uint32_t>(chunks.size());
+    s.pending_chunks_ += chunks.size();
+    auto& q = s.eps_[r.endpoint].queue;
+    q.insert(q.end(), chunks.begin(), chunks.end());
+  }
+  return s;
+}
+
+bool ChunkScheduler::fits(const EndpointState& ep, const Chunk& c) const {
+  return ops_in_flight_ < limits_.max_ops_in_flight &&
+         ep.ops_in_flight < limits_.max_ops_per_endpoint &&
+         bytes_in_flight_ + c.bytes <= limits_.max_bytes_in_flight &&
+         ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
+}
+
+std::optional<Chunk> ChunkScheduler::next() {
+  const uint32_t n = static_cast<uint32_t>(eps_.size());
+  for (uint32_t tried = 0; tried < n; ++tried) {
+    uint32_t e = (cursor_ + tried) % n;
+    EndpointState& ep = eps_[e];
+    if (ep.head == ep.queue.size()) continue;
+    const Chunk c = ep.queue[ep.head];
+    if (!fits(ep, c)) continue;
+    ++ep.head;
+    ep.bytes_in_flight += c.bytes;
+    ++ep.ops_in_flight;
+    bytes_in_flight_ += c.bytes;
+    ++ops_in_flight_;
+    --pending_chunks_;
+    --runs_[c.run].pending;
+    ++runs_[c.run].in_flight;
+    cursor_ = (e + 1) % n;
+    return c;
+  }
+  return std::nullopt;
+}
+
+bool ChunkScheduler::complete(const Chunk& c) {
+  EndpointState& ep = eps_[c.endpoint];
+  ep.bytes_in_flight -= c.bytes;
+  --ep.ops_in_flight;
+  bytes_in_flight_ -= c.bytes;
+  --ops_in_flight_;
+  --runs_[c.run].in_flight;
+  return run_finished(c.run);
+}
+
+std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
+  std::vector<uint32_t> finished;
+  EndpointState& ep = eps_[endpoint];
+  for (size_t i = ep.head; i < ep.queue.size(); ++i) {
+    RunState& r = runs_[ep.queue[i].run];
+    --r.pending;
+    --pending_chunks_;
+    if (r.pending == 0 && r.in_flight == 0) finished.push_back(ep.queue[i].run);
+  }
+  ep.head = ep.queue.size();
+  return finished;
+}
+
+}  // namespace refit::ucx

@@ -1,0 +1,99 @@
+#pragma once
+// Splitting runs into chunks and keeping a bounded window of bytes and of
+// operations in flight, per endpoint and in total. Pure C++ with no UCX, so
+// that it is tested on its own; the GetEngine drives it.
+//
+// Not thread-safe: one owner (the GetEngine, under its mutex).
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "planner/status.h"
+
+namespace refit::ucx {
+
+struct WindowLimits {
+  uint64_t chunk_bytes = 1 << 20;                // largest single GET
+  uint64_t max_bytes_in_flight = 16ull << 20;    // all endpoints together
+  uint64_t max_ops_in_flight = 256;              // all endpoints together
+  uint64_t max_bytes_per_endpoint = 8ull << 20;  // one endpoint
+  uint64_t max_ops_per_endpoint = 64;            // one endpoint
+};
+
+// Checks that every limit is positive and that one chunk fits every byte
+// window (otherwise nothing could ever be issued). The message names the
+// setting.
+Status validate(const WindowLimits& limits);
+
+// What the scheduler needs to know about a run.
+struct ChunkRun {
+  uint32_t endpoint = 0;  // dense index < num_endpoints
+  uint64_t bytes = 0;     // > 0
+};
+
+struct Chunk {
+  uint32_t run = 0;
+  uint32_t endpoint = 0;
+  uint64_t offset = 0;  // from the start of the run
+  uint64_t bytes = 0;
+};
+
+// The chunks of one run: consecutive pieces of at most chunk_bytes, covering
+// [0, bytes) exactly once, in order.
+std::vector<Chunk> split_run(uint32_t run, const ChunkRun& r, uint64_t chunk_bytes);
+
+class ChunkScheduler {
+ public:
+  // Fails on invalid limits, a zero-length run or an endpoint index out of
+  // range; messages name the run.
+  static Result<ChunkScheduler> create(const WindowLimits& limits, std::span<const ChunkRun> runs,
+                                       uint32_t num_endpoints);
+
+  // The next chunk that fits the window, reserving its bytes and op; endpoints
+  // take turns (round robin) so one slow peer does not starve the others.
+  // nullopt when nothing pending fits now (or nothing is pending).
+  std::optional<Chunk> next();
+
+  // Releases the window share of an issued chunk. Returns true when this was
+  // the last outstanding piece of its run (nothing pending, nothing in flight).
+  bool complete(const Chunk& chunk);
+
+  // Drops every chunk of `endpoint` not yet issued. Returns the runs that
+  // thereby became finished (no chunk of them still in flight).
+  std::vector<uint32_t> drop_endpoint(uint32_t endpoint);
+
+  bool done() const { return pending_chunks_ == 0 && ops_in_flight_ == 0; }
+  bool run_finished(uint32_t run) const {
+    return runs_[run].pending == 0 && runs_[run].in_flight == 0;
+  }
+  uint64_t bytes_in_flight() const { return bytes_in_flight_; }
+  uint64_t ops_in_flight() const { return ops_in_flight_; }
+  uint64_t bytes_in_flight(uint32_t endpoint) const { return eps_[endpoint].bytes_in_flight; }
+  uint64_t ops_in_flight(uint32_t endpoint) const { return eps_[endpoint].ops_in_flight; }
+  uint64_t pending_chunks() const { return pending_chunks_; }
+
+ private:
+  struct RunState {
+    uint32_t pending = 0;    // chunks not yet issued
+    uint32_t in_flight = 0;  // chunks issued, not completed
+  };
+  struct EndpointState {
+    std::vector<Chunk> queue;  // pending chunks in issue order
+    size_t head = 0;           // queue[head..] are pending
+    uint64_t bytes_in_flight = 0;
+    uint64_t ops_in_flight = 0;
+  };
+  bool fits(const EndpointState& ep, const Chunk& c) const;
+
+  WindowLimits limits_;
+  std::vector<RunState> runs_;
+  std::vector<EndpointState> eps_;
+  uint32_t cursor_ = 0;  // next endpoint to try
+  uint64_t pending_chunks_ = 0;
+  uint64_t bytes_in_flight_ = 0;
+  uint64_t ops_in_flight_ = 0;
+};
+
+}  // namespace refit::ucx

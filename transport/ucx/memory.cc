@@ -1,0 +1,123 @@
+#include "transport/ucx/memory.h"
+
+#include <cstdio>
+
+#include "transport/ucx/ucx_status.h"
+#include "transport/ucx/wire_blob.h"
+
+namespace refit::ucx {
+namespace {
+
+MemoryType from_ucs_memory_type(ucs_memory_type_t t) {
+  switch (t) {
+    case UCS_MEMORY_TYPE_HOST: return MemoryType::kHost;
+    case UCS_MEMORY_TYPE_CUDA: return MemoryType::kCuda;
+    case UCS_MEMORY_TYPE_CUDA_MANAGED: return MemoryType::kCudaManaged;
+    case UCS_MEMORY_TYPE_ROCM: return MemoryType::kRocm;
+    case UCS_MEMORY_TYPE_ROCM_MANAGED: return MemoryType::kRocmManaged;
+    default: return MemoryType::kOther;
+  }
+}
+
+std::string hex(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", p);
+  return buf;
+}
+
+}  // namespace
+
+const char* memory_type_name(MemoryType type) {
+  switch (type) {
+    case MemoryType::kHost: return "host";
+    case MemoryType::kCuda: return "cuda";
+    case MemoryType::kCudaManaged: return "cuda-managed";
+    case MemoryType::kRocm: return "rocm";
+    case MemoryType::kRocmManaged: return "rocm-managed";
+    case MemoryType::kOther: return "other";
+  }
+  return "other";
+}
+
+Result<MemoryRegion> MemoryRegion::map(const Context& context, void* address, size_t length,
+                                       std::string name) {
+  const std::string where = "ucx memory \"" + name + "\" at " + hex(address) + " (" +
+                            std::to_string(length) + " bytes)";
+  if (context.get() == nullptr) return Status::invalid(where + ": context is empty (moved from)");
+  if (address == nullptr || length == 0) {
+    return Status::invalid(where + ": a registered region needs a non-null address and a "
+                           "positive length");
+  }
+  ucp_mem_map_params_t params = {};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = address;
+  params.length = length;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t st = ucp_mem_map(context.get(), &params, &memh);
+  if (st != UCS_OK) return from_ucs(st, where + ": ucp_mem_map");
+
+  MemoryRegion region;
+  region.context_ = context.get();
+  region.memh_ = memh;
+  region.base_ = static_cast<uint8_t*>(address);
+  region.length_ = length;
+  region.name_ = std::move(name);
+
+  ucp_mem_attr_t attr = {};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE;
+  st = ucp_mem_query(memh, &attr);
+  if (st != UCS_OK) return from_ucs(st, where + ": ucp_mem_query");
+  region.type_ = from_ucs_memory_type(attr.mem_type);
+
+  void* rkey_buf = nullptr;
+  size_t rkey_len = 0;
+  st = ucp_rkey_pack(context.get(), memh, &rkey_buf, &rkey_len);
+  if (st != UCS_OK) return from_ucs(st, where + ": ucp_rkey_pack");
+  region.packed_rkey_ = frame_blob(
+      BlobKind::kRemoteKey,
+      std::span<const uint8_t>(static_cast<const uint8_t*>(rkey_buf), rkey_len),
+      RemoteKeyHeader{reinterpret_cast<uint64_t>(address), length});
+  ucp_rkey_buffer_release(rkey_buf);
+  return region;
+}
+
+bool MemoryRegion::contains(const void* address, size_t length) const {
+  auto a = reinterpret_cast<uintptr_t>(address);
+  auto b = reinterpret_cast<uintptr_t>(base_);
+  return a >= b && a - b <= length_ && length <= length_ - (a - b);
+}
+
+void MemoryRegion::release() {
+  if (memh_) ucp_mem_unmap(context_, memh_);
+  memh_ = nullptr;
+}
+
+MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept
+    : context_(other.context_),
+      memh_(other.memh_),
+      base_(other.base_),
+      length_(other.length_),
+      type_(other.type_),
+      name_(std::move(other.name_)),
+      packed_rkey_(std::move(other.packed_rkey_)) {
+  other.memh_ = nullptr;
+}
+
+MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
+  if (this != &other) {
+    release();
+    context_ = other.context_;
+    memh_ = other.memh_;
+    base_ = other.base_;
+    length_ = other.length_;
+    type_ = other.type_;
+    name_ = std::move(other.name_);
+    packed_rkey_ = std::move(other.packed_rkey_);
+    other.memh_ = nullptr;
+  }
+  return *this;
+}
+
+MemoryRegion::~MemoryRegion() { release(); }
+
+}  // namespace refit::ucx

@@ -1,0 +1,59 @@
+#pragma once
+// A caller buffer registered with UCX once (ucp_mem_map), its memory type
+// read back with ucp_mem_query, and its rkey packed once at registration.
+// Move-only; must not outlive its Context. The caller keeps the buffer alive
+// for as long as the region exists. Not thread-safe; immutable after
+// create(), so const methods may be called from any thread.
+
+#include <ucp/api/ucp.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "planner/status.h"
+#include "transport/ucx/context.h"
+
+namespace refit::ucx {
+
+enum class MemoryType { kHost, kCuda, kCudaManaged, kRocm, kRocmManaged, kOther };
+
+const char* memory_type_name(MemoryType type);
+
+class MemoryRegion {
+ public:
+  // Registers [address, address + length). Zero length or a null address is
+  // an invalid-argument Status naming `name`.
+  static Result<MemoryRegion> map(const Context& context, void* address, size_t length,
+                                  std::string name = "buffer");
+
+  MemoryRegion(MemoryRegion&& other) noexcept;
+  MemoryRegion& operator=(MemoryRegion&& other) noexcept;
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+  ~MemoryRegion();
+
+  ucp_mem_h get() const { return memh_; }
+  uint8_t* base() const { return base_; }
+  size_t length() const { return length_; }
+  MemoryType type() const { return type_; }
+  const std::string& name() const { return name_; }
+  bool contains(const void* address, size_t length) const;
+
+  // The rkey for peers, packed once at map(): opaque framed bytes that also
+  // carry the region's base and length (see wire_blob.h).
+  const std::vector<uint8_t>& packed_rkey() const { return packed_rkey_; }
+
+ private:
+  MemoryRegion() = default;
+  void release();
+  ucp_context_h context_ = nullptr;
+  ucp_mem_h memh_ = nullptr;
+  uint8_t* base_ = nullptr;
+  size_t length_ = 0;
+  MemoryType type_ = MemoryType::kHost;
+  std::string name_;
+  std::vector<uint8_t> packed_rkey_;
+};
+
+}  // namespace refit::ucx
