@@ -4,7 +4,7 @@
 BUILD ?= build
 MESON_FLAGS ?=
 
-.PHONY: all deps configure test demo bench-plan clean
+.PHONY: all deps configure test demo bench-plan fuzz clean
 
 all: configure
 	@ninja --quiet -C $(BUILD)
@@ -26,5 +26,16 @@ demo: all
 bench-plan: all
 	@scripts/bench-plan $(BUILD)
 
+# libFuzzer over the control plane's frame decoder and message parsers, for
+# FUZZ_SECONDS (default 60), in a clang build of its own (build-fuzz/).
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	@scripts/install-deps --fuzz
+	@[ -f build-fuzz/build.ninja ] || CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=true
+	@ninja --quiet -C build-fuzz tests/transport/control/control_fuzz
+	@mkdir -p build-fuzz/corpus
+	@build-fuzz/tests/transport/control/control_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
+	  -print_final_stats=1 build-fuzz/corpus
+
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-fuzz

@@ -1,0 +1,99 @@
+#include "transport/control/messages.h"
+
+#include <gtest/gtest.h>
+
+namespace refit::control {
+namespace {
+
+RegisterSource a_source() {
+  RegisterSource m;
+  m.rank = 2;
+  m.domain = 1;
+  m.worker_address = {1, 2, 3};
+  m.tensors.push_back(TensorDecl{"layers.0.w", "BF16", {4, 8}});
+  m.buffers.push_back(MemberBuffer{"w", "BF16", 64, 0x1000, {9, 9}, {Segment{"layers.0.w", {0, 0}, {4, 8}, 0, {8, 1}}}});
+  return m;
+}
+
+TEST(Messages, RegisterSourceRoundTrips) {
+  auto r = parse_register_source(to_json(a_source()), MessageLimits{});
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r->rank, 2);
+  ASSERT_EQ(r->tensors.size(), 1u);
+  EXPECT_EQ(r->tensors[0].shape, (std::vector<int64_t>{4, 8}));
+  ASSERT_EQ(r->buffers.size(), 1u);
+  EXPECT_EQ(r->buffers[0].rkey, (std::vector<uint8_t>{9, 9}));
+  EXPECT_EQ(r->buffers[0].segments[0].strides, (std::vector<int64_t>{8, 1}));
+}
+
+TEST(Messages, RegisterReceiverRoundTrips) {
+  RegisterReceiver m;
+  m.rank = 5;
+  m.instance = 1;
+  m.domain = 3;
+  m.worker_address = {7};
+  m.buffers.push_back(MemberBuffer{"buf", "BF16", 128, 0, {}, {Segment{"w", {0, 0}, {4, 8}, 0, {8, 1}}}});
+  auto r = parse_register_receiver(to_json(m), MessageLimits{});
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r->buffers[0].segments[0].size, (std::vector<int64_t>{4, 8}));
+  Json bad = to_json(m);
+  bad["buffers"][0]["segments"][0]["strides"] = Json::array({1});
+  auto b = parse_register_receiver(bad, MessageLimits{});
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_EQ(b.status().message(),
+            "register_receiver: buffers[0].segments[0] has 2 start, 2 size and 1 strides dims; they must agree");
+}
+
+TEST(Messages, NamesTheFieldAndTheProblem) {
+  Json j = to_json(a_source());
+  j["rank"] = -1;
+  auto r = parse_register_source(j, MessageLimits{});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().message(), "register_source: rank must be an integer in [0, 1048575], got -1");
+  j = to_json(a_source());
+  j["buffers"][0]["bytes"] = "x";
+  r = parse_register_source(j, MessageLimits{});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().message(),
+            "register_source: buffers[0].bytes must be an integer in [0, 9223372036854775807], got \"x\"");
+  j = to_json(a_source());
+  j.erase("worker_address");
+  r = parse_register_source(j, MessageLimits{});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().message(), "register_source: worker_address is missing");
+  r = parse_register_source(Json::array(), MessageLimits{});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().message(), "register_source: body must be a map");
+}
+
+TEST(Messages, BoundsCountsAndStrings) {
+  MessageLimits lim;
+  lim.max_tensors = 2;
+  lim.max_name_bytes = 8;
+  RegisterSource m = a_source();
+  auto r = parse_register_source(to_json(m), lim);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("tensors[0].name must be 1 to 8 bytes, got 10"), std::string::npos)
+      << r.status().message();
+  m.tensors.assign(3, TensorDecl{"w", "BF16", {1}});
+  r = parse_register_source(to_json(m), lim);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("has 3 entries, more than the limit of 2"), std::string::npos);
+  m.tensors.assign(1, TensorDecl{"w", "BF16", std::vector<int64_t>(9, 1)});
+  r = parse_register_source(to_json(m), MessageLimits{});
+  ASSERT_FALSE(r.is_ok());
+}
+
+TEST(Messages, MemberRefAndPublish) {
+  auto m = parse_member_ref(Json{{"role", "receiver"}, {"rank", 4}}, "heartbeat", MessageLimits{});
+  ASSERT_TRUE(m.is_ok());
+  EXPECT_EQ(m->role, Role::kReceiver);
+  auto bad = parse_member_ref(Json{{"role", "trainer"}, {"rank", 4}}, "heartbeat", MessageLimits{});
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_EQ(bad.status().message(), "heartbeat: role must be \"source\" or \"receiver\", got \"trainer\"");
+  EXPECT_FALSE(parse_publish_version(Json{{"version", 0}}).is_ok());
+  EXPECT_TRUE(parse_publish_version(Json{{"version", 3}}).is_ok());
+}
+
+}  // namespace
+}  // namespace refit::control

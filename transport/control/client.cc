@@ -1,0 +1,200 @@
+#include "transport/control/client.h"
+
+#include <boost/asio.hpp>
+
+#include "transport/control/auth.h"
+
+namespace refit::control {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using boost::system::error_code;
+
+// All members belong to the thread inside the current call.
+class Client::Impl {
+ public:
+  explicit Impl(ClientOptions o) : options_(o), socket_(io_), decoder_(o.decoder), buf_(65536) {}
+
+  // Runs one async operation started by `start` for at most `timeout`;
+  // cancels it at the deadline and reports timed_out.
+  template <typename Start>
+  error_code run(std::chrono::milliseconds timeout, Start start) {
+    error_code result = asio::error::would_block;
+    bool done = false;
+    io_.restart();
+    start([&](error_code ec, auto&&...) {
+      result = ec;
+      done = true;
+    });
+    io_.run_for(timeout);
+    if (!done) {
+      error_code ignored;
+      socket_.cancel(ignored);
+      io_.restart();
+      io_.run();
+      return asio::error::timed_out;
+    }
+    return result;
+  }
+
+  Status connect(const std::string& host, uint16_t port) {
+    error_code ec;
+    asio::ip::address addr = asio::ip::make_address(host, ec);
+    if (ec) return Status::invalid("client: \"" + host + "\" is not an IP address");
+    tcp::endpoint ep(addr, port);
+    ec = run(options_.timeout, [&](auto h) { socket_.async_connect(ep, h); });
+    if (ec) {
+      return Status::io_error("client: cannot connect to " + host + ":" + std::to_string(port) + ": " +
+                              ec.message());
+    }
+    socket_.set_option(tcp::no_delay(true), ec);
+    return Status::ok();
+  }
+
+  Status write(const uint8_t* data, size_t size) {
+    error_code ec = run(options_.timeout, [&](auto h) { asio::async_write(socket_, asio::buffer(data, size), h); });
+    if (ec) return Status::io_error("client: write failed: " + ec.message());
+    return Status::ok();
+  }
+
+  Result<Frame> read_frame(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      Result<std::optional<Frame>> f = decoder_.next();
+      if (!f.is_ok()) return f.status().with_context("client");
+      if (f->has_value()) return std::move(**f);
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return Status::io_error("client: no frame from the coordinator within " +
+                                                     std::to_string(timeout.count()) + " ms");
+      size_t got = 0;
+      error_code ec = run(left, [&](auto h) {
+        socket_.async_read_some(asio::buffer(buf_), [&got, h](error_code e, size_t n) mutable {
+          got = n;
+          h(e);
+        });
+      });
+      if (ec == asio::error::eof) return Status::io_error("client: the coordinator closed the connection");
+      if (ec) return Status::io_error("client: read failed: " + ec.message());
+      decoder_.feed(buf_.data(), got);
+    }
+  }
+
+  Status authenticate(const std::string& token) {
+    Result<Frame> ch = read_frame(options_.timeout);
+    if (!ch.is_ok()) return ch.status().with_context("auth: waiting for the challenge");
+    const Json& b = ch->body;
+    if (ch->type != MsgType::kChallenge || !b.is_object() || !b.contains("nonce") || !b["nonce"].is_binary()) {
+      return Status::invalid(std::string("auth: expected a challenge, got ") + type_name(ch->type));
+    }
+    const auto& nonce = b["nonce"].get_binary();
+    Result<Mac> mac = hmac_sha256(token, nonce.data(), nonce.size());
+    if (!mac.is_ok()) return mac.status();
+    REFIT_RETURN_IF_ERROR(send_frame(MsgType::kAuthResponse,
+                                     Json{{"mac", Json::binary(std::vector<uint8_t>(mac->begin(), mac->end()))}}));
+    Result<Frame> ok = read_frame(options_.timeout);
+    if (!ok.is_ok()) {
+      return Status::invalid("auth: the coordinator refused the token (" + ok.status().message() + ")");
+    }
+    if (ok->type != MsgType::kAuthOk) return Status::invalid(std::string("auth: expected auth_ok, got ") + type_name(ok->type));
+    return Status::ok();
+  }
+
+  Status send_frame(MsgType type, const Json& body) {
+    Result<std::vector<uint8_t>> bytes = encode_frame(type, body, options_.decoder.max_frame_bytes);
+    if (!bytes.is_ok()) return bytes.status();
+    return write(bytes->data(), bytes->size());
+  }
+
+  Result<Json> request(MsgType type, const Json& body) {
+    REFIT_RETURN_IF_ERROR(send_frame(type, body));
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    for (;;) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) left = std::chrono::milliseconds(1);
+      Result<Frame> f = read_frame(left);
+      if (!f.is_ok()) return f.status().with_context(type_name(type));
+      if (is_notice(f->type)) {
+        if (notices_.size() < 1024) notices_.push_back(std::move(*f));
+        continue;
+      }
+      if (f->type == MsgType::kError) {
+        std::string reason = f->body.is_object() && f->body.contains("reason") && f->body["reason"].is_string()
+                                 ? f->body["reason"].get<std::string>() : "no reason given";
+        return Status::invalid(std::string(type_name(type)) + ": the coordinator closed the connection: " + reason);
+      }
+      if (f->type != MsgType::kReply || !f->body.is_object()) {
+        return Status::invalid(std::string(type_name(type)) + ": expected a reply, got " + type_name(f->type));
+      }
+      if (f->body.value("ok", false) != true) {
+        return Status::invalid(f->body.contains("error") && f->body["error"].is_string()
+                                   ? f->body["error"].get<std::string>() : "refused without a reason");
+      }
+      return std::move(f->body);
+    }
+  }
+
+  static bool is_notice(MsgType t) {
+    return t == MsgType::kVersionNotify || t == MsgType::kCommit || t == MsgType::kAbort ||
+           t == MsgType::kDrained;
+  }
+
+  Result<Frame> wait_notice(std::chrono::milliseconds timeout) {
+    if (notices_.empty()) {
+      Result<Frame> f = read_frame(timeout);
+      if (!f.is_ok()) return f.status();
+      if (!is_notice(f->type)) {
+        return Status::invalid(std::string("client: expected a notice, got ") + type_name(f->type));
+      }
+      return f;
+    }
+    Frame f = std::move(notices_.front());
+    notices_.pop_front();
+    return f;
+  }
+
+  bool wait_closed(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      error_code ec = run(left, [&](auto h) {
+        socket_.async_read_some(asio::buffer(buf_), [h](error_code e, size_t) mutable { h(e); });
+      });
+      if (ec == asio::error::timed_out) return false;
+      if (ec) return true;  // eof, reset
+    }
+  }
+
+  ClientOptions options_;
+  asio::io_context io_;
+  tcp::socket socket_;
+  FrameDecoder decoder_;
+  std::vector<uint8_t> buf_;
+  std::deque<Frame> notices_;
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+Result<std::unique_ptr<Client>> Client::connect_raw(const std::string& host, uint16_t port, ClientOptions options) {
+  auto impl = std::make_unique<Impl>(options);
+  REFIT_RETURN_IF_ERROR(impl->connect(host, port));
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Result<std::unique_ptr<Client>> Client::connect(const std::string& host, uint16_t port, const std::string& token,
+                                                ClientOptions options) {
+  auto impl = std::make_unique<Impl>(options);
+  REFIT_RETURN_IF_ERROR(impl->connect(host, port));
+  REFIT_RETURN_IF_ERROR(impl->authenticate(token));
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Result<Json> Client::request(MsgType type, const Json& body) { return impl_->request(type, body); }
+Result<Frame> Client::wait_notice(std::chrono::milliseconds t) { return impl_->wait_notice(t); }
+Status Client::send_raw(const uint8_t* d, size_t n) { return impl_->write(d, n); }
+Status Client::send_frame(MsgType type, const Json& body) { return impl_->send_frame(type, body); }
+Result<Frame> Client::read_frame(std::chrono::milliseconds t) { return impl_->read_frame(t); }
+bool Client::wait_closed(std::chrono::milliseconds t) { return impl_->wait_closed(t); }
+
+}  // namespace refit::control

@@ -1,0 +1,190 @@
+#pragma once
+// What the coordinator knows: registered sources and receivers, the latest
+// published version and who subscribed to it, the plan for the current
+// membership, and each instance's commit barrier. Pure logic, no sockets:
+// the coordinator calls it from its one I/O thread and sends the replies and
+// the notices it queues; tests call it directly.
+//
+// Members are owned by the connection (session id) that registered them:
+// only that connection may heartbeat, unregister or report for them. A
+// connection that closes does not remove its members at once (it may be a
+// network blip); a member silent for longer than the heartbeat timeout is
+// declared dead by sweep() and its state removed. Counts are bounded by
+// StateLimits and MessageLimits, so the state cannot grow without bound.
+//
+// The plan: registrations carry refit-layout/1 parts; plan_input() assembles
+// them into one layout document, compute_plan() (a pure function, run on any
+// thread) plans it with make_plan, and install_plan() keeps the result until
+// the membership changes (a register, an unregister or a death replans).
+//
+// Commit barrier (DESIGN.md section 6): each receiver rank of an instance
+// reports "staged v"; when every registered rank of the instance has, every
+// one of them is sent commit v. A failure report, or a rank of the instance
+// leaving, sends abort v to the others instead.
+//
+// Leases (DESIGN.md section 6): a receiver rank leases the version it reads
+// from the sources, at most one at a time, until it releases it, the lease
+// expires or the rank leaves. A source asks wait_drained(v): it is told at
+// once, or by a drained notice later, when no lease on v or older remains.
+//
+// Thread safety: none; one thread (the coordinator's I/O thread) owns it.
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <utility>
+#include <string>
+#include <vector>
+
+#include "planner/status.h"
+#include "transport/control/frame_codec.h"
+#include "transport/control/messages.h"
+
+namespace refit::control {
+
+using Clock = std::chrono::steady_clock;
+
+// A membership's layout document, to be planned off the I/O thread.
+struct PlanInput {
+  uint64_t epoch = 0;
+  std::string layout_json;
+};
+
+// The plan of one membership epoch, split per receiver rank: the runs each
+// receiver executes, as refit-runs/1 entries (its network GETs and the local
+// runs it sends or receives, in for_each_run order). Immutable once made.
+struct PlannedParts {
+  uint64_t epoch = 0;
+  Status status;  // why planning failed, if it did
+  std::map<int32_t, Json> parts;
+};
+
+// Parses and plans `input`. Thread-safe: touches nothing shared.
+std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input);
+
+struct StateLimits {
+  size_t max_sources = 4096;
+  size_t max_receivers = 65536;
+  size_t max_subscribers = 65536;
+};
+
+// A message for a session, queued by the state, sent by the coordinator.
+struct Notice {
+  uint64_t session = 0;
+  MsgType type = MsgType::kVersionNotify;
+  Json body;
+};
+
+class ControlState {
+ public:
+  ControlState(StateLimits limits, Clock::duration heartbeat_timeout);
+  ~ControlState();
+
+  Status register_source(uint64_t session, RegisterSource m, Clock::time_point now);
+  Status register_receiver(uint64_t session, RegisterReceiver m, Clock::time_point now);
+  Status unregister(uint64_t session, const MemberRef& m);
+  Status heartbeat(uint64_t session, const MemberRef& m, Clock::time_point now);
+  // Records `version` (which must exceed the latest) from a connection that
+  // registered a source, and notifies the subscribers.
+  Status publish(uint64_t session, int64_t version);
+  Status subscribe(uint64_t session);
+  // fetch_plan in steps, so that planning can run off the I/O thread:
+  // check the request, then, if the cached plan is not current, plan
+  // plan_input() and install the result; then read the part from the cache.
+  Status check_fetch(uint64_t session, int32_t rank) const;
+  bool plan_current() const { return plan_ && plan_->epoch == epoch_; }
+  PlanInput plan_input() const { return PlanInput{epoch_, layout_document().dump()}; }
+  // Keeps `plan` if it is of the current membership; returns whether it did.
+  bool install_plan(std::shared_ptr<const PlannedParts> plan);
+  // REQUIRES: plan_current(). Fails when the membership could not be planned.
+  Result<Json> cached_part(int32_t rank) const;
+  // What a receiver needs to execute `runs` (a cached_part): the worker
+  // address of every other rank the runs name, and the address and packed
+  // rkey of every buffer of theirs they name. Only ever sent to an
+  // authenticated connection that owns the receiver.
+  Json peers_of(int32_t rank, const Json& runs) const;
+  // All of the above on the calling thread.
+  Result<Json> plan_part(uint64_t session, int32_t rank);
+  Status report_staged(uint64_t session, const StageReport& m);
+  Status report_failed(uint64_t session, const StageReport& m);
+  // `m.reason` is unused for leases.
+  Status lease(uint64_t session, const StageReport& m, Clock::time_point now);
+  Status release(uint64_t session, const StageReport& m);
+  // True when version v is drained now; otherwise the session gets a
+  // drained notice when it is.
+  Result<bool> wait_drained(uint64_t session, int64_t version);
+  void set_lease_timeout(Clock::duration d) { lease_timeout_ = d; }
+  // Forgets the session's subscription; its members stay until they time out.
+  void session_closed(uint64_t session);
+  // Removes members silent for longer than the heartbeat timeout; returns one
+  // line per member removed, naming it and its silence.
+  std::vector<std::string> sweep(Clock::time_point now);
+  // Notices queued since the last call.
+  std::vector<Notice> take_notices() { return std::move(notices_); }
+
+  // The refit-layout/1 document of the current membership.
+  Json layout_document() const;
+
+  size_t num_sources() const { return sources_.size(); }
+  size_t num_receivers() const { return receivers_.size(); }
+  int64_t version() const { return version_; }
+  uint64_t plans_made() const { return plans_made_; }
+  bool has_source(int32_t rank) const { return sources_.count(rank) != 0; }
+  bool has_receiver(int32_t rank) const { return receivers_.count(rank) != 0; }
+
+ private:
+  template <typename T>
+  struct Member {
+    uint64_t session = 0;
+    Clock::time_point last_seen;
+    T info;
+  };
+  struct Barrier {
+    int64_t version = 0;
+    std::set<int32_t> staged;
+  };
+
+  template <typename T>
+  Status owned(const char* message, const std::map<int32_t, Member<T>>& members, Role role,
+               int32_t rank, uint64_t session) const;
+  void remove_source(int32_t rank);
+  void remove_receiver(int32_t rank, const std::string& why);
+  void abort_instance(int32_t instance, int64_t version, const std::string& reason);
+  std::vector<int32_t> instance_ranks(int32_t instance) const;
+  bool drained(int64_t version) const;
+  void notify_drained();
+
+  StateLimits limits_;
+  Clock::duration heartbeat_timeout_;
+  std::map<int32_t, Member<RegisterSource>> sources_;
+  std::map<int32_t, Member<RegisterReceiver>> receivers_;
+  // Tensors declared by sources: the declaration, how many sources made it,
+  // and the order of first declaration (the layout lists tensors in it, and
+  // the plan's run order follows the layout's tensor order).
+  struct Declared {
+    TensorDecl decl;
+    int sources = 0;
+    uint64_t order = 0;
+  };
+  std::map<std::string, Declared> tensors_;
+  uint64_t next_tensor_order_ = 0;
+  std::set<uint64_t> subscribers_;
+  std::map<int32_t, Barrier> barriers_;  // by instance
+  std::vector<Notice> notices_;
+  struct Lease {
+    int64_t version = 0;
+    Clock::time_point expires;
+  };
+  std::map<int32_t, Lease> leases_;  // by receiver rank
+  std::map<int64_t, std::set<uint64_t>> drain_waiters_;  // by version
+  size_t num_drain_waiters_ = 0;
+  Clock::duration lease_timeout_ = std::chrono::seconds(60);
+  int64_t version_ = 0;
+  uint64_t epoch_ = 0;  // bumped on every membership change
+  std::shared_ptr<const PlannedParts> plan_;
+  uint64_t plans_made_ = 0;
+};
+
+}  // namespace refit::control

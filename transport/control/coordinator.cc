@@ -1,0 +1,610 @@
+#include "transport/control/coordinator.h"
+
+#include <boost/asio.hpp>
+
+#include <cstdio>
+#include <deque>
+#include <future>
+#include <thread>
+#include <unordered_map>
+
+#include "transport/control/auth.h"
+
+namespace refit::control {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using boost::system::error_code;
+
+namespace {
+class Session;
+}
+
+// Owned by the Coordinator. Every member is touched only on the I/O thread
+// once start() returns, except: port_ (written before, then read-only),
+// stopped_ (atomic), thread_ (start/stop callers) and planner_, whose one
+// thread runs compute_plan on a copy of the layout and posts the result back.
+class Coordinator::Impl {
+ public:
+  explicit Impl(CoordinatorConfig config)
+      : config_(std::move(config)),
+        acceptor_(io_),
+        sweeper_(io_),
+        state_(config_.state, config_.heartbeat_timeout) {
+    state_.set_lease_timeout(config_.lease_timeout);
+    if (!config_.log) {
+      config_.log = [](const std::string& line) { std::fprintf(stderr, "refit-coordinator: %s\n", line.c_str()); };
+    }
+  }
+
+  Status listen();
+  void run() {
+    thread_ = std::thread([this] {
+      accept();
+      sweep();
+      io_.run();
+    });
+  }
+  void stop() {
+    if (stopped_.exchange(true)) return;
+    asio::post(io_, [this] { shutdown(); });
+    if (thread_.joinable()) thread_.join();
+    planner_.join();  // a plan being made runs to its end; its result is dropped
+  }
+
+  // I/O thread only, from here on.
+  void accept();
+  void sweep();
+  void shutdown();
+  // Peers choose some of the text in a line (names, reasons): control
+  // characters are replaced so that a peer cannot forge log lines.
+  void log(std::string line) {
+    for (char& c : line) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+    }
+    config_.log(line);
+  }
+  void closed(uint64_t id, bool refused) {
+    sessions_.erase(id);
+    state_.session_closed(id);
+    if (refused) ++refused_;
+  }
+  void handle_request(const std::shared_ptr<Session>& s, Frame frame);
+  void deliver_notices();
+  void answer_fetch(Session& s, int32_t rank);
+  void start_planning();
+  void on_planned(std::shared_ptr<const PlannedParts> plan, int64_t ms);
+
+  CoordinatorConfig config_;
+  asio::io_context io_;
+  tcp::acceptor acceptor_;
+  asio::steady_timer sweeper_;
+  ControlState state_;
+  std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions_;
+  asio::thread_pool planner_{1};  // runs compute_plan; touches no member
+  bool planning_ = false;
+  std::vector<std::pair<std::weak_ptr<Session>, int32_t>> pending_fetches_;  // paused sessions, receiver rank
+  uint64_t next_id_ = 1;
+  uint64_t refused_ = 0;
+  bool shutting_down_ = false;
+  uint16_t port_ = 0;
+  std::atomic<bool> stopped_{false};
+  std::thread thread_;
+};
+
+namespace {
+
+// One connection. Lives as long as an operation on it is pending (handlers
+// hold a shared_ptr). All members belong to the I/O thread.
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(Coordinator::Impl& co, tcp::socket socket, uint64_t id, std::string peer)
+      : co_(co),
+        socket_(std::move(socket)),
+        read_timer_(co.io_),
+        write_timer_(co.io_),
+        id_(id),
+        peer_(std::move(peer)),
+        decoder_(DecoderLimits{co.config_.max_frame_bytes_before_auth, co.config_.decoder.body}),
+        read_buf_(16384) {}
+
+  const std::string& peer() const { return peer_; }
+  uint64_t id() const { return id_; }
+
+  void start() {
+    Result<Nonce> nonce = make_nonce();
+    if (!nonce.is_ok()) {
+      close(nonce.status().message(), true);
+      return;
+    }
+    nonce_ = *nonce;
+    Result<Mac> expected = hmac_sha256(co_.config_.token, nonce_.data(), nonce_.size());
+    if (!expected.is_ok()) {
+      close(expected.status().message(), true);
+      return;
+    }
+    expected_ = *expected;
+    send(MsgType::kChallenge, Json{{"nonce", Json::binary(std::vector<uint8_t>(nonce_.begin(), nonce_.end()))}});
+    set_read_deadline(co_.config_.auth_timeout, "did not authenticate");
+    watch_read_deadline();
+    read();
+  }
+
+  void send(MsgType type, const Json& body) {
+    if (closed_) return;
+    Result<std::vector<uint8_t>> bytes = encode_frame(type, body, co_.config_.decoder.max_frame_bytes);
+    if (!bytes.is_ok()) {
+      // Our own reply is too large: tell the client why instead.
+      bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", bytes.status().message()}});
+      if (!bytes.is_ok()) return;
+    }
+    queued_bytes_ += bytes->size();
+    if (queued_bytes_ > co_.config_.max_queued_bytes) {
+      close("does not read its replies: " + std::to_string(queued_bytes_) +
+                " bytes queued, over the limit of " + std::to_string(co_.config_.max_queued_bytes),
+            true);
+      return;
+    }
+    queue_.push_back(std::move(bytes).value());
+    if (!writing_) write();
+  }
+
+  // Sends the reason, then closes once it is written (or at the write deadline).
+  void refuse_and_close(const std::string& reason) {
+    co_.log("refused " + peer_ + ": " + reason);
+    ++co_.refused_;
+    send(MsgType::kError, Json{{"reason", reason}});
+    closing_ = true;
+    if (!writing_) close("", false);
+  }
+
+  void close(const std::string& reason, bool refused) {
+    if (closed_) return;
+    closed_ = true;
+    if (!reason.empty()) co_.log((refused ? "refused " : "closed ") + peer_ + ": " + reason);
+    error_code ec;
+    socket_.shutdown(tcp::socket::shutdown_both, ec);
+    socket_.close(ec);
+    read_timer_.cancel();
+    write_timer_.cancel();
+    // queue_ is kept: an aborted async_write may still hold its front buffer;
+    // it goes with the Session once the last handler has run.
+    co_.closed(id_, refused);
+  }
+
+ private:
+  void set_read_deadline(std::chrono::milliseconds d, const char* what) {
+    read_deadline_what_ = what;
+    read_timeout_ = d;
+    read_timer_.expires_after(d);
+  }
+
+  void watch_read_deadline() {
+    read_timer_.async_wait([self = shared_from_this()](error_code) {
+      if (self->closed_) return;
+      if (self->read_timer_.expiry() <= asio::steady_timer::clock_type::now()) {
+        self->close(std::string(self->read_deadline_what_) + " within " +
+                        std::to_string(self->read_timeout_.count()) + " ms; dropped",
+                    true);
+        return;
+      }
+      self->watch_read_deadline();
+    });
+  }
+
+  void read() {
+    socket_.async_read_some(asio::buffer(read_buf_), [self = shared_from_this()](error_code ec, size_t n) {
+      self->on_read(ec, n);
+    });
+  }
+
+  void on_read(error_code ec, size_t n) {
+    if (closed_) return;
+    if (ec) {
+      close(ec == asio::error::eof ? std::string("disconnected") : "disconnected: " + ec.message(), false);
+      return;
+    }
+    decoder_.feed(read_buf_.data(), n);
+    process();
+  }
+
+  // Handles the buffered frames, then reads more unless paused or closing.
+  void process() {
+    for (;;) {
+      Result<std::optional<Frame>> f = decoder_.next();
+      if (!f.is_ok()) {
+        if (authenticated_) refuse_and_close(f.status().message());
+        else close(f.status().message() + " (before authenticating)", true);
+        return;
+      }
+      if (!f->has_value()) break;
+      frame_deadline_set_ = false;
+      on_frame(std::move(**f));
+      if (closed_ || closing_ || paused_) return;
+    }
+    if (authenticated_) {
+      // A started frame must finish within read_timeout of its first byte;
+      // between frames the connection may idle for idle_timeout.
+      if (!decoder_.mid_frame()) {
+        set_read_deadline(co_.config_.idle_timeout, "sent nothing");
+      } else if (!frame_deadline_set_) {
+        set_read_deadline(co_.config_.read_timeout, "sent part of a frame and did not finish it");
+        frame_deadline_set_ = true;
+      }
+    }
+    read();
+  }
+
+ public:
+  // While the coordinator works on this connection's request off the I/O
+  // thread (planning), its later requests wait, so that replies stay in
+  // request order; no read deadline runs meanwhile.
+  void pause() {
+    paused_ = true;
+    read_timer_.expires_at(asio::steady_timer::time_point::max());
+  }
+  void resume() {
+    if (closed_ || !paused_) return;
+    paused_ = false;
+    if (!closing_) process();
+  }
+  bool closed() const { return closed_; }
+
+ private:
+  void on_frame(Frame frame) {
+    if (!authenticated_) {
+      if (frame.type != MsgType::kAuthResponse) {
+        close(std::string("sent ") + type_name(frame.type) + " before authenticating", true);
+        return;
+      }
+      const Json* mac = frame.body.is_object() && frame.body.contains("mac") ? &frame.body["mac"] : nullptr;
+      if (!mac || !mac->is_binary() || !mac_equal(expected_, mac->get_binary())) {
+        close("auth: wrong token (HMAC over the challenge does not match)", true);
+        return;
+      }
+      authenticated_ = true;
+      decoder_.set_limits(co_.config_.decoder);
+      co_.log("authenticated " + peer_);
+      send(MsgType::kAuthOk, Json::object());
+      set_read_deadline(co_.config_.idle_timeout, "sent nothing");
+      return;
+    }
+    co_.handle_request(shared_from_this(), std::move(frame));
+  }
+
+  void write() {
+    writing_ = true;
+    write_timer_.expires_after(co_.config_.write_timeout);
+    write_timer_.async_wait([self = shared_from_this()](error_code ec) {
+      if (ec || self->closed_ || !self->writing_) return;
+      self->close("did not take a reply within " + std::to_string(self->co_.config_.write_timeout.count()) +
+                      " ms; dropped",
+                  true);
+    });
+    asio::async_write(socket_, asio::buffer(queue_.front()), [self = shared_from_this()](error_code ec, size_t) {
+      self->on_write(ec);
+    });
+  }
+
+  void on_write(error_code ec) {
+    writing_ = false;
+    write_timer_.cancel();
+    if (closed_) return;
+    if (ec) {
+      close("disconnected while being written to: " + ec.message(), false);
+      return;
+    }
+    queued_bytes_ -= queue_.front().size();
+    queue_.pop_front();
+    if (!queue_.empty()) {
+      write();
+    } else if (closing_) {
+      close("", false);
+    }
+  }
+
+  Coordinator::Impl& co_;
+  tcp::socket socket_;
+  asio::steady_timer read_timer_;
+  asio::steady_timer write_timer_;
+  const uint64_t id_;
+  const std::string peer_;
+  FrameDecoder decoder_;
+  std::vector<uint8_t> read_buf_;
+  std::deque<std::vector<uint8_t>> queue_;
+  size_t queued_bytes_ = 0;
+  bool writing_ = false;
+  bool closing_ = false;  // close once the queue is written
+  bool closed_ = false;
+  bool authenticated_ = false;
+  bool frame_deadline_set_ = false;  // the current partial frame's deadline is armed
+  bool paused_ = false;
+  const char* read_deadline_what_ = "";
+  std::chrono::milliseconds read_timeout_{0};
+  Nonce nonce_{};
+  Mac expected_{};
+};
+
+std::string endpoint_name(const tcp::socket& s) {
+  error_code ec;
+  tcp::endpoint ep = s.remote_endpoint(ec);
+  if (ec) return "<unknown peer>";
+  return ep.address().to_string() + ":" + std::to_string(ep.port());
+}
+
+Json reply(const Status& s) {
+  if (s.is_ok()) return Json{{"ok", true}};
+  return Json{{"ok", false}, {"error", s.message()}};
+}
+
+}  // namespace
+
+Status Coordinator::Impl::listen() {
+  error_code ec;
+  asio::ip::address addr = asio::ip::make_address(config_.host, ec);
+  if (ec) return Status::invalid("coordinator: listen address \"" + config_.host + "\" is not an IP address");
+  tcp::endpoint ep(addr, config_.port);
+  acceptor_.open(ep.protocol(), ec);
+  if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor_.bind(ep, ec);
+  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return Status::io_error("coordinator: cannot listen on " + config_.host + ":" +
+                            std::to_string(config_.port) + ": " + ec.message());
+  }
+  port_ = acceptor_.local_endpoint().port();
+  return Status::ok();
+}
+
+void Coordinator::Impl::accept() {
+  acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
+    if (shutting_down_) return;
+    if (ec) {
+      // EMFILE and the like: log, back off a little, go on accepting.
+      log("accept failed: " + ec.message());
+      auto t = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(50));
+      t->async_wait([this, t](error_code) {
+        if (!shutting_down_) accept();
+      });
+      return;
+    }
+    std::string peer = endpoint_name(socket);
+    if (sessions_.size() >= config_.max_connections) {
+      log("refused " + peer + ": already serving the limit of " + std::to_string(config_.max_connections) +
+          " connections");
+      ++refused_;
+      error_code ignored;
+      socket.close(ignored);
+    } else {
+      error_code ignored;
+      socket.set_option(tcp::no_delay(true), ignored);
+      const uint64_t id = next_id_++;
+      auto s = std::make_shared<Session>(*this, std::move(socket), id, std::move(peer));
+      sessions_[id] = s;
+      s->start();
+    }
+    accept();
+  });
+}
+
+void Coordinator::Impl::sweep() {
+  auto period = config_.heartbeat_timeout / 4;
+  if (period < std::chrono::milliseconds(10)) period = std::chrono::milliseconds(10);
+  sweeper_.expires_after(period);
+  sweeper_.async_wait([this](error_code ec) {
+    if (ec || shutting_down_) return;
+    for (const std::string& line : state_.sweep(Clock::now())) log(line);
+    deliver_notices();
+    sweep();
+  });
+}
+
+void Coordinator::Impl::shutdown() {
+  shutting_down_ = true;
+  error_code ec;
+  acceptor_.close(ec);
+  sweeper_.cancel();
+  std::vector<std::shared_ptr<Session>> live;
+  for (auto& [id, w] : sessions_) {
+    if (auto s = w.lock()) live.push_back(std::move(s));
+  }
+  for (auto& s : live) s->close("", false);
+  sessions_.clear();
+}
+
+void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame frame) {
+  const auto now = Clock::now();
+  const MessageLimits& lim = config_.messages;
+  const uint64_t id = s->id();
+  Status st;
+  switch (frame.type) {
+    case MsgType::kRegisterSource: {
+      Result<RegisterSource> m = parse_register_source(frame.body, lim);
+      st = m.is_ok() ? state_.register_source(id, std::move(m).value(), now) : m.status();
+      break;
+    }
+    case MsgType::kRegisterReceiver: {
+      Result<RegisterReceiver> m = parse_register_receiver(frame.body, lim);
+      st = m.is_ok() ? state_.register_receiver(id, std::move(m).value(), now) : m.status();
+      break;
+    }
+    case MsgType::kUnregister: {
+      Result<MemberRef> m = parse_member_ref(frame.body, "unregister", lim);
+      st = m.is_ok() ? state_.unregister(id, *m) : m.status();
+      break;
+    }
+    case MsgType::kHeartbeat: {
+      Result<MemberRef> m = parse_member_ref(frame.body, "heartbeat", lim);
+      st = m.is_ok() ? state_.heartbeat(id, *m, now) : m.status();
+      break;
+    }
+    case MsgType::kSubscribe: {
+      st = state_.subscribe(id);
+      if (st.is_ok()) {
+        s->send(MsgType::kReply, Json{{"ok", true}, {"version", state_.version()}});
+        return;
+      }
+      break;
+    }
+    case MsgType::kPublishVersion: {
+      Result<PublishVersion> m = parse_publish_version(frame.body);
+      st = m.is_ok() ? state_.publish(id, m->version) : m.status();
+      if (st.is_ok()) log("version " + std::to_string(m->version) + " published by " + s->peer());
+      break;
+    }
+    case MsgType::kFetchPlan: {
+      Result<int32_t> rank = parse_fetch_plan(frame.body, lim);
+      st = rank.is_ok() ? state_.check_fetch(id, *rank) : rank.status();
+      if (!st.is_ok()) break;
+      if (state_.plan_current()) {
+        answer_fetch(*s, *rank);
+        return;
+      }
+      if (pending_fetches_.size() >= config_.state.max_receivers) {
+        st = Status::unsupported("fetch_plan: the coordinator is busy planning; try again");
+        break;
+      }
+      pending_fetches_.emplace_back(s, *rank);
+      s->pause();
+      start_planning();
+      return;
+    }
+    case MsgType::kLease:
+    case MsgType::kRelease: {
+      Result<StageReport> m = parse_stage_report(frame.body, false, lim, type_name(frame.type));
+      st = !m.is_ok() ? m.status()
+           : frame.type == MsgType::kLease ? state_.lease(id, *m, now) : state_.release(id, *m);
+      break;
+    }
+    case MsgType::kWaitDrained: {
+      Result<PublishVersion> m = parse_publish_version(frame.body, "wait_drained");
+      if (!m.is_ok()) {
+        st = m.status();
+        break;
+      }
+      Result<bool> drained = state_.wait_drained(id, m->version);
+      if (!drained.is_ok()) {
+        st = drained.status();
+        break;
+      }
+      s->send(MsgType::kReply, Json{{"ok", true}, {"drained", *drained}});
+      return;
+    }
+    case MsgType::kReportStaged:
+    case MsgType::kReportFailed: {
+      const bool failed = frame.type == MsgType::kReportFailed;
+      Result<StageReport> m = parse_stage_report(frame.body, failed, lim);
+      st = !m.is_ok() ? m.status() : failed ? state_.report_failed(id, *m) : state_.report_staged(id, *m);
+      break;
+    }
+    default:
+      // Server-to-client types, or a second auth response: out of order.
+      s->refuse_and_close(std::string("sent ") + type_name(frame.type) +
+                          ", which a client may not send after authenticating");
+      return;
+  }
+  if (!st.is_ok()) log("refused a request from " + s->peer() + ": " + st.message());
+  s->send(MsgType::kReply, reply(st));
+  deliver_notices();
+}
+
+void Coordinator::Impl::answer_fetch(Session& s, int32_t rank) {
+  Result<Json> part = state_.cached_part(rank);
+  if (!part.is_ok()) {
+    log("refused a request from " + s.peer() + ": " + part.status().message());
+    s.send(MsgType::kReply, reply(part.status()));
+    return;
+  }
+  Json peers = state_.peers_of(rank, *part);
+  s.send(MsgType::kReply, Json{{"ok", true}, {"version", state_.version()}, {"runs", std::move(part).value()},
+                               {"peers", std::move(peers)}});
+}
+
+// Planning a cluster-scale layout takes seconds: it runs on planner_, one
+// plan at a time, while the I/O thread goes on serving everyone else.
+void Coordinator::Impl::start_planning() {
+  if (planning_ || shutting_down_) return;
+  planning_ = true;
+  asio::post(planner_, [this, input = state_.plan_input()] {
+    const auto t0 = Clock::now();
+    std::shared_ptr<const PlannedParts> plan = compute_plan(input);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+    asio::post(io_, [this, plan, ms] { on_planned(plan, ms); });
+  });
+}
+
+void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int64_t ms) {
+  planning_ = false;
+  if (shutting_down_) return;
+  const uint64_t epoch = plan->epoch;
+  const bool ok = plan->status.is_ok();
+  if (!state_.install_plan(std::move(plan))) {
+    start_planning();  // the membership changed meanwhile: plan the new one
+    return;
+  }
+  log("planned membership " + std::to_string(epoch) + " in " + std::to_string(ms) + " ms" +
+      (ok ? "" : " (it cannot be planned)"));
+  auto pending = std::move(pending_fetches_);
+  pending_fetches_.clear();
+  for (auto& [weak, rank] : pending) {
+    auto s = weak.lock();
+    if (!s || s->closed()) continue;
+    Status st = state_.check_fetch(s->id(), rank);  // it may have left meanwhile
+    if (st.is_ok()) {
+      answer_fetch(*s, rank);
+    } else {
+      s->send(MsgType::kReply, reply(st));
+    }
+    s->resume();
+  }
+  deliver_notices();
+}
+
+void Coordinator::Impl::deliver_notices() {
+  for (Notice& n : state_.take_notices()) {
+    auto it = sessions_.find(n.session);
+    if (it == sessions_.end()) continue;  // its connection is gone; the member will time out
+    if (auto s = it->second.lock()) s->send(n.type, n.body);
+  }
+}
+
+Coordinator::Coordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Coordinator::~Coordinator() { stop(); }
+
+Result<std::unique_ptr<Coordinator>> Coordinator::start(CoordinatorConfig config) {
+  if (config.token.size() < kMinTokenBytes) {
+    return Status::invalid("coordinator: the token must be at least " + std::to_string(kMinTokenBytes) + " bytes");
+  }
+  auto impl = std::make_unique<Impl>(std::move(config));
+  REFIT_RETURN_IF_ERROR(impl->listen());
+  impl->run();
+  return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
+}
+
+uint16_t Coordinator::port() const { return impl_->port_; }
+void Coordinator::stop() {
+  if (impl_) impl_->stop();
+}
+
+Result<CoordinatorStats> Coordinator::stats() const {
+  if (impl_->stopped_) return Status::unsupported("coordinator: stopped");
+  auto p = std::make_shared<std::promise<CoordinatorStats>>();
+  auto f = p->get_future();
+  Impl* impl = impl_.get();
+  asio::post(impl->io_, [impl, p] {
+    CoordinatorStats st;
+    st.connections = impl->sessions_.size();
+    st.sources = impl->state_.num_sources();
+    st.receivers = impl->state_.num_receivers();
+    st.version = impl->state_.version();
+    st.refused = impl->refused_;
+    st.plans = impl->state_.plans_made();
+    p->set_value(st);
+  });
+  if (f.wait_for(std::chrono::seconds(1)) != std::future_status::ready) {
+    return Status::internal("coordinator: the I/O thread did not answer within a second");
+  }
+  return f.get();
+}
+
+}  // namespace refit::control

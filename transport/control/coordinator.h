@@ -1,0 +1,96 @@
+#pragma once
+// The coordinator: a Boost.Asio TCP server that authenticates every
+// connection (auth.h), reads frames (frame_codec.h), parses requests
+// (messages.h) and keeps the membership (control_state.h). Runs on one I/O
+// thread of its own: embedded in a source or receiver process, or standalone
+// (refit-coordinator).
+//
+// Per connection: the server sends a challenge and nothing else until the
+// answer checks out; a wrong answer, a frame before it or a late one closes
+// the connection and logs the peer. After that every request gets one reply
+// in order. A frame must complete within read_timeout of its first byte, a
+// connection may be silent between frames for at most idle_timeout, a write
+// must complete within write_timeout, and a connection may have at most
+// max_queued_bytes waiting to be written: whoever breaks one is dropped, with
+// a log line naming the peer and the reason, while the others go on. Bad
+// bytes (wrong magic, wrong version, oversize, malformed CBOR) close the
+// connection; a bad request (a field out of range, a duplicate registration)
+// gets a refusal with the reason and the connection stays open.
+//
+// Planning (fetch_plan) runs on a second thread of its own, one plan at a
+// time, so a cluster-scale plan does not hold up the other connections; the
+// connection that asked waits (its later requests are not read) until its
+// reply is sent, which keeps replies in request order.
+//
+// Thread safety: start(), stop(), port() and stats() may be called from any
+// thread. Everything else (acceptor, sessions, state) belongs to the I/O
+// thread; `log` is called on it. The planning thread sees only a copy of the
+// layout document.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "planner/status.h"
+#include "transport/control/control_state.h"
+#include "transport/control/frame_codec.h"
+#include "transport/control/messages.h"
+
+namespace refit::control {
+
+struct CoordinatorConfig {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;  // 0: any free port; port() says which
+  std::string token;  // shared secret (read_token_file)
+  DecoderLimits decoder;
+  // Before a peer has authenticated, only its small auth response is
+  // expected: a bigger frame is refused at its header, so a stranger cannot
+  // make the coordinator buffer megabytes.
+  uint32_t max_frame_bytes_before_auth = 1024;
+  MessageLimits messages;
+  StateLimits state;
+  std::chrono::milliseconds auth_timeout{5000};
+  std::chrono::milliseconds read_timeout{10000};
+  std::chrono::milliseconds idle_timeout{60000};
+  std::chrono::milliseconds write_timeout{10000};
+  std::chrono::milliseconds heartbeat_timeout{10000};
+  std::chrono::milliseconds lease_timeout{60000};
+  size_t max_connections = 4096;
+  size_t max_queued_bytes = size_t{256} << 20;
+  // One line per event worth an operator's eye; default: stderr.
+  std::function<void(const std::string&)> log;
+};
+
+struct CoordinatorStats {
+  size_t connections = 0;
+  size_t sources = 0;
+  size_t receivers = 0;
+  int64_t version = 0;
+  uint64_t refused = 0;  // connections closed for a protocol or auth failure
+  uint64_t plans = 0;    // plans made (one per membership asked for a plan)
+};
+
+class Coordinator {
+ public:
+  // Binds, listens and starts the I/O thread.
+  static Result<std::unique_ptr<Coordinator>> start(CoordinatorConfig config);
+  ~Coordinator();  // stops
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  uint16_t port() const;
+  // Closes every connection and joins the I/O thread. Idempotent.
+  void stop();
+  // A snapshot taken on the I/O thread; waits at most a second for it.
+  Result<CoordinatorStats> stats() const;
+
+  class Impl;
+
+ private:
+  explicit Coordinator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace refit::control

@@ -1,0 +1,109 @@
+#pragma once
+// The request bodies a client sends after authenticating, parsed from their
+// decoded CBOR into typed structs. Everything is untrusted: every field is
+// type-checked, every integer range-checked, every string, list and blob
+// bounded by MessageLimits. A refusal names the message, the key path and
+// the problem: `register_source: tensors[2].size must be a non-negative
+// integer, got "x"`. Nesting depth is bounded earlier, by the frame decoder.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "planner/status.h"
+#include "transport/control/frame_codec.h"
+
+namespace refit::control {
+
+struct MessageLimits {
+  int32_t max_rank = 1 << 20;            // ranks, domains and instances lie in [0, max_rank)
+  size_t max_name_bytes = 1024;          // tensor and buffer names
+  size_t max_address_bytes = 4096;       // UCX worker addresses
+  size_t max_rkey_bytes = 4096;          // packed rkeys
+  size_t max_tensors = size_t{1} << 20;  // per source
+  size_t max_buffers = size_t{1} << 16;  // per member
+  size_t max_segments = size_t{1} << 20; // per member, all buffers
+  size_t max_dims = 8;
+};
+
+enum class Role : uint8_t { kSource, kReceiver };
+const char* role_name(Role r);
+
+// Registrations carry the member's part of a refit-layout/1 document
+// (FORMATS.md, explicit form): the coordinator assembles the members' parts
+// into one layout and plans it with the planner.
+
+// A tensor as a source declares it: its global name, dtype and shape.
+struct TensorDecl {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
+// One box of a tensor inside a buffer (refit-layout/1 segment).
+struct Segment {
+  std::string tensor;
+  std::vector<int64_t> start;
+  std::vector<int64_t> size;
+  int64_t offset = 0;  // elements into the buffer
+  std::vector<int64_t> strides;
+};
+
+// A registered buffer of the member's rank: what the planner needs, plus the
+// address and packed rkey that peers need to GET from it.
+struct MemberBuffer {
+  std::string name;
+  std::string dtype;
+  int64_t bytes = 0;
+  uint64_t address = 0;
+  std::vector<uint8_t> rkey;
+  std::vector<Segment> segments;
+};
+
+struct RegisterSource {
+  int32_t rank = 0;
+  int32_t domain = 0;
+  std::vector<uint8_t> worker_address;
+  std::vector<TensorDecl> tensors;
+  std::vector<MemberBuffer> buffers;
+};
+
+struct RegisterReceiver {
+  int32_t rank = 0;
+  int32_t instance = 0;
+  int32_t domain = 0;
+  std::vector<uint8_t> worker_address;
+  std::vector<MemberBuffer> buffers;
+};
+
+struct MemberRef {  // unregister and heartbeat
+  Role role = Role::kSource;
+  int32_t rank = 0;
+};
+
+struct PublishVersion {
+  int64_t version = 0;
+};
+
+Result<RegisterSource> parse_register_source(const Json& body, const MessageLimits& limits);
+Result<RegisterReceiver> parse_register_receiver(const Json& body, const MessageLimits& limits);
+Result<MemberRef> parse_member_ref(const Json& body, const char* message, const MessageLimits& limits);
+// publish_version and wait_drained: {version}; `message` names which.
+Result<PublishVersion> parse_publish_version(const Json& body, const char* message = "publish_version");
+struct StageReport {  // report_staged, report_failed, lease and release
+  int32_t rank = 0;    // receiver rank
+  int64_t version = 0;
+  std::string reason;  // report_failed only
+};
+Result<StageReport> parse_stage_report(const Json& body, bool failed, const MessageLimits& limits,
+                                       const char* message = nullptr);
+
+// fetch_plan: {rank} of a receiver.
+Result<int32_t> parse_fetch_plan(const Json& body, const MessageLimits& limits);
+
+// The bodies, for clients and tests.
+Json to_json(const RegisterSource& m);
+Json to_json(const RegisterReceiver& m);
+Json to_json(const MemberRef& m);
+
+}  // namespace refit::control
