@@ -20,23 +20,14 @@ using json_util::show;
 // lying length from making a caller read gigabytes.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-
 // A SAX pass over the text that records the top-level keys in file order,
 // and where and why the text is not JSON. nlohmann's default object is a
 // std::map (sorted); ordered_json finds keys linearly and the callback
 // parser rescans the parent object at every nested object's end, both
 // quadratic for a 100k-tensor manifest. Lexing twice is cheap.
-class KeyScanner : public nlohmann::json_sax<json> {
+class KeyScanner : public json_util::AcceptAllSax {
  public:
   explicit KeyScanner(std::vector<std::string>* keys) : keys_(keys) {}
-  std::string error;
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
   bool start_object(std::size_t) override { return ++depth_, true; }
   bool key(string_t& k) override {
     if (depth_ == 1) keys_->push_back(k);
@@ -45,10 +36,6 @@ class KeyScanner : public nlohmann::json_sax<json> {
   bool end_object() override { return --depth_, true; }
   bool start_array(std::size_t) override { return ++depth_, true; }
   bool end_array() override { return --depth_, true; }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
-    error = json_util::describe(ex);
-    return false;
-  }
 
  private:
   std::vector<std::string>* keys_;

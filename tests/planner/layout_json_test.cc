@@ -8,6 +8,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "tests/common/small_llama.h"
 #include <nlohmann/json.hpp>
 
 #include "planner/plan.h"
@@ -463,25 +465,7 @@ TEST(WriteLayout, EscapesNames) {
 TEST(WriteLayout, RecipeLayoutRoundTripPlansIdentically) {
   // A small Llama-like model through the recipes: rank sets, fused buffers
   // and padded vocabularies all survive the explicit form.
-  json m = json::object();
-  auto t = [](std::vector<int64_t> shape) { return json{{"shape", shape}, {"dtype", "BF16"}}; };
-  m["model.embed_tokens.weight"] = t({1001, 128});
-  for (int i = 0; i < 2; ++i) {
-    const std::string p = "model.layers." + std::to_string(i);
-    m[p + ".input_layernorm.weight"] = t({128});
-    m[p + ".self_attn.q_proj.weight"] = t({128, 128});
-    m[p + ".self_attn.k_proj.weight"] = t({64, 128});
-    m[p + ".self_attn.v_proj.weight"] = t({64, 128});
-    m[p + ".self_attn.o_proj.weight"] = t({128, 128});
-    m[p + ".self_attn.q_norm.weight"] = t({32});
-    m[p + ".self_attn.k_norm.weight"] = t({32});
-    m[p + ".post_attention_layernorm.weight"] = t({128});
-    m[p + ".mlp.gate_proj.weight"] = t({256, 128});
-    m[p + ".mlp.up_proj.weight"] = t({256, 128});
-    m[p + ".mlp.down_proj.weight"] = t({128, 256});
-  }
-  m["model.norm.weight"] = t({128});
-  m["lm_head.weight"] = t({1001, 128});
+  const json m = refit::testing::small_llama_manifest();
   auto manifest = parse_manifest_json(m.dump(), "m.json");
   ASSERT_TRUE(manifest) << manifest.status().message();
   auto scenario = parse_scenario(R"J({"model": "m",

@@ -15,6 +15,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/common/small_llama.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -108,30 +110,7 @@ const char* kLayout = R"J({"format": "refit-layout/1",
    {"side": "receiver", "rank": 0, "name": "qkv", "dtype": "BF16", "bytes": 64,
     "segments": [{"tensor": "q", "start": [0, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]}]}]})J";
 
-// A small Llama-like manifest: 2 layers, hidden 128, 4 heads and 2 KV heads
-// of 32, q_norm/k_norm, MLP 256, vocabulary 1001.
-json manifest() {
-  json m = json::object();
-  auto t = [](std::vector<int64_t> shape) { return json{{"shape", shape}, {"dtype", "BF16"}}; };
-  m["model.embed_tokens.weight"] = t({1001, 128});
-  for (int i = 0; i < 2; ++i) {
-    const std::string p = "model.layers." + std::to_string(i);
-    m[p + ".input_layernorm.weight"] = t({128});
-    m[p + ".self_attn.q_proj.weight"] = t({128, 128});
-    m[p + ".self_attn.k_proj.weight"] = t({64, 128});
-    m[p + ".self_attn.v_proj.weight"] = t({64, 128});
-    m[p + ".self_attn.o_proj.weight"] = t({128, 128});
-    m[p + ".self_attn.q_norm.weight"] = t({32});
-    m[p + ".self_attn.k_norm.weight"] = t({32});
-    m[p + ".post_attention_layernorm.weight"] = t({128});
-    m[p + ".mlp.gate_proj.weight"] = t({256, 128});
-    m[p + ".mlp.up_proj.weight"] = t({256, 128});
-    m[p + ".mlp.down_proj.weight"] = t({128, 256});
-  }
-  m["model.norm.weight"] = t({128});
-  m["lm_head.weight"] = t({1001, 128});
-  return m;
-}
+json manifest() { return refit::testing::small_llama_manifest(); }
 
 int64_t manifest_bytes(const json& m) {
   int64_t total = 0;
