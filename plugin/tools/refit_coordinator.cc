@@ -13,6 +13,7 @@
 #include <ctime>
 #include <iostream>
 #include <string>
+#include <utility>
 
 #include <CLI/CLI.hpp>
 
@@ -57,6 +58,8 @@ int main(int argc, char** argv) {
   int64_t lease_ms = 60000, heartbeat_ms = 10000, read_ms = 10000, idle_ms = 60000, write_ms = 10000, auth_ms = 5000;
   uint32_t max_frame = refit::control::kDefaultMaxFrameBytes;
   size_t max_connections = 4096;
+  refit::control::CoordinatorConfig defaults;
+  size_t max_queued = defaults.max_queued_bytes, max_buffered = defaults.max_buffered_bytes;
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: any free port, printed)")->required();
   app.add_option("--token-file", token_file, "file holding the shared token (16 to 4096 bytes)")->required();
   app.add_option("--heartbeat-timeout-ms", heartbeat_ms, "silence after which a member is declared dead")
@@ -70,6 +73,14 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--max-frame-bytes", max_frame, "largest frame body accepted")->check(CLI::PositiveNumber);
   app.add_option("--max-connections", max_connections, "connections served at once")->check(CLI::PositiveNumber);
+  app.add_option("--max-queued-bytes", max_queued, "replies waiting to be written to one connection")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-buffered-bytes", max_buffered,
+                 "queued replies and partly read requests of all connections together (at least the largest "
+                 "frame); past it, a big reply is refused and a connection that sends more is dropped")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.footer("Example:\n  refit-coordinator --listen 0.0.0.0:7070 --token-file /etc/refit/token\n"
              "Exit status: 0 after SIGINT/SIGTERM, 2 bad input (one line on stderr), 1 internal error.");
   try {
@@ -99,6 +110,17 @@ int main(int argc, char** argv) {
   config.auth_timeout = std::chrono::milliseconds(auth_ms);
   config.decoder.max_frame_bytes = max_frame;
   config.max_connections = max_connections;
+  config.max_queued_bytes = max_queued;
+  config.max_buffered_bytes = max_buffered;
+  const size_t largest = size_t{max_frame} + refit::control::kHeaderBytes;
+  for (const auto& [flag, value] : {std::pair{"--max-queued-bytes", max_queued},
+                                    std::pair{"--max-buffered-bytes", max_buffered}}) {
+    if (value < largest) {
+      std::cerr << "refit-coordinator: " << flag << " must hold the largest frame, " << largest
+                << " bytes (--max-frame-bytes plus the 12-byte header), got " << value << "\n";
+      return kExitBadInput;
+    }
+  }
   config.log = log_line;
 
   // Block the signals before the I/O thread starts so that only sigwait()

@@ -88,6 +88,7 @@ void ControlState::remove_source(int32_t rank) {
   }
   sources_.erase(it);
   ++epoch_;
+  advance_version();  // it may have been the last source behind
 }
 
 std::vector<int32_t> ControlState::instance_ranks(int32_t instance) const {
@@ -142,23 +143,32 @@ Status ControlState::heartbeat(uint64_t session, const MemberRef& m, Clock::time
 }
 
 Status ControlState::publish(uint64_t session, int64_t version) {
-  bool is_source = false;
-  for (const auto& [rank, s] : sources_) {
-    if (s.session == session) {
-      is_source = true;
-      break;
-    }
+  std::vector<std::pair<int32_t, Member<RegisterSource>*>> mine;
+  for (auto& [rank, s] : sources_) {
+    if (s.session == session) mine.emplace_back(rank, &s);
   }
-  if (!is_source) {
+  if (mine.empty()) {
     return Status::invalid("publish_version: only a connection that registered a source may publish");
   }
-  if (version <= version_) {
-    return Status::invalid("publish_version: version " + std::to_string(version) +
-                           " is not newer than the published version " + std::to_string(version_));
+  for (const auto& [rank, s] : mine) {
+    if (version <= s->published) {
+      return Status::invalid("publish_version: version " + std::to_string(version) +
+                             " is not newer than version " + std::to_string(s->published) +
+                             ", which source rank " + std::to_string(rank) + " already published");
+    }
   }
-  version_ = version;
-  for (uint64_t s : subscribers_) notices_.push_back(Notice{s, MsgType::kVersionNotify, Json{{"version", version}}});
+  for (auto& [rank, s] : mine) s->published = version;
+  advance_version();
   return Status::ok();
+}
+
+void ControlState::advance_version() {
+  if (sources_.empty()) return;  // no source: nothing newer is available
+  int64_t low = sources_.begin()->second.published;
+  for (const auto& [rank, s] : sources_) low = std::min(low, s.published);
+  if (low <= version_) return;
+  version_ = low;
+  for (uint64_t s : subscribers_) notices_.push_back(Notice{s, MsgType::kVersionNotify, Json{{"version", low}}});
 }
 
 Status ControlState::subscribe(uint64_t session) {
@@ -183,13 +193,16 @@ Json ControlState::layout_document() const {
                          {"bytes", b.bytes}, {"segments", std::move(segs)}});
     }
   };
+  // The maps iterate in rank order, so position i is the i-th live rank.
+  int32_t dense = 0;
   for (const auto& [rank, s] : sources_) {
-    sources.push_back({{"rank", rank}, {"domain", s.info.domain}});
-    add_buffers("source", rank, s.info.buffers);
+    sources.push_back({{"rank", dense}, {"domain", s.info.domain}});
+    add_buffers("source", dense++, s.info.buffers);
   }
+  dense = 0;
   for (const auto& [rank, r] : receivers_) {
-    receivers.push_back({{"rank", rank}, {"domain", r.info.domain}, {"instance", r.info.instance}});
-    add_buffers("receiver", rank, r.info.buffers);
+    receivers.push_back({{"rank", dense}, {"domain", r.info.domain}, {"instance", r.info.instance}});
+    add_buffers("receiver", dense++, r.info.buffers);
   }
   std::vector<const Declared*> ordered;
   ordered.reserve(tensors_.size());
@@ -202,33 +215,67 @@ Json ControlState::layout_document() const {
               {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}};
 }
 
+PlanInput ControlState::plan_input() const {
+  PlanInput in{epoch_, layout_document().dump(), {}, {}};
+  in.source_ranks.reserve(sources_.size());
+  for (const auto& [rank, s] : sources_) in.source_ranks.push_back(rank);
+  in.receiver_ranks.reserve(receivers_.size());
+  for (const auto& [rank, r] : receivers_) in.receiver_ranks.push_back(rank);
+  return in;
+}
+
+namespace {
+
+// "receiver ranks 0, 2, 5 as 0..2" when the live ranks have gaps, else "":
+// the planner's messages name dense positions, which an operator must map back.
+std::string renumbering(const char* side, const std::vector<int32_t>& ranks) {
+  bool gaps = false;
+  for (size_t i = 0; i < ranks.size(); ++i) gaps = gaps || ranks[i] != static_cast<int32_t>(i);
+  if (!gaps) return "";
+  std::string out = std::string(side) + " ranks ";
+  const size_t shown = std::min<size_t>(ranks.size(), 16);
+  for (size_t i = 0; i < shown; ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (shown < ranks.size()) out += ", ... (" + std::to_string(ranks.size()) + " in all)";
+  return out + " as 0.." + std::to_string(ranks.size() - 1);
+}
+
+}  // namespace
+
 std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
   auto out = std::make_shared<PlannedParts>();
   out->epoch = input.epoch;
-  Result<Layout> layout = parse_layout_json(input.layout_json, "membership");
-  if (!layout.is_ok()) {
-    out->status = layout.status();
+  std::string note = renumbering("source", input.source_ranks);
+  const std::string receivers_note = renumbering("receiver", input.receiver_ranks);
+  if (!receivers_note.empty()) note += (note.empty() ? "" : "; ") + receivers_note;
+  auto failed = [&](const Status& st) {
+    out->status = note.empty() ? st : st.with_context("the layout numbers the live " + note);
     return out;
-  }
+  };
+  Result<Layout> layout = parse_layout_json(input.layout_json, "membership");
+  if (!layout.is_ok()) return failed(layout.status());
   const Layout& L = *layout;
   Result<Plan> plan = make_plan(L);
-  if (!plan.is_ok()) {
-    out->status = plan.status();
-    return out;
-  }
+  if (!plan.is_ok()) return failed(plan.status());
+  // The document's dense positions back to the registered ranks.
+  auto real = [&input](bool source, int32_t position) {
+    const std::vector<int32_t>& ranks = source ? input.source_ranks : input.receiver_ranks;
+    return position >= 0 && static_cast<size_t>(position) < ranks.size() ? ranks[position] : position;
+  };
   auto append = [&out](int32_t rank, const Json& run) {
     Json& list = out->parts[rank];
     if (list.is_null()) list = Json::array();
     list.push_back(run);
   };
   for_each_run(*plan, [&](const Run& run) {
+    const int32_t from = real(run.from.side == Side::kSource, run.from.rank);
+    const int32_t to = real(false, run.to.rank);
     Json j = {{"kind", run.local ? "local" : "net"},
-              {"from", {{"side", side_name(run.from.side)}, {"rank", run.from.rank},
+              {"from", {{"side", side_name(run.from.side)}, {"rank", from},
                         {"buffer", L.buffers[run.from.buffer].name}, {"offset", run.from.offset}}},
-              {"to", {{"rank", run.to.rank}, {"buffer", L.buffers[run.to.buffer].name}, {"offset", run.to.offset}}},
+              {"to", {{"rank", to}, {"buffer", L.buffers[run.to.buffer].name}, {"offset", run.to.offset}}},
               {"bytes", run.bytes}};
-    if (run.local && run.from.rank != run.to.rank) append(run.from.rank, j);
-    append(run.to.rank, j);
+    if (run.local && from != to) append(from, j);
+    append(to, j);
   });
   return out;
 }
@@ -249,6 +296,13 @@ Result<Json> ControlState::cached_part(int32_t rank) const {
   if (!plan_->status.is_ok()) return plan_->status.with_context("fetch_plan: the membership cannot be planned");
   auto it = plan_->parts.find(rank);
   return it == plan_->parts.end() ? Json::array() : it->second;
+}
+
+Json ControlState::plan_totals() const {
+  if (!plan_) return Json::object();
+  return Json{{"network_bytes", plan_->network_bytes},
+              {"minimum_network_bytes", plan_->minimum_network_bytes},
+              {"local_bytes", plan_->local_bytes}};
 }
 
 Json ControlState::peers_of(int32_t rank, const Json& runs) const {

@@ -1,6 +1,6 @@
 #pragma once
-// What the coordinator knows: registered sources and receivers, the latest
-// published version and who subscribed to it, the plan for the current
+// What the coordinator knows: registered sources and receivers, the group
+// version and who subscribed to it, the plan for the current
 // membership, and each instance's commit barrier. Pure logic, no sockets:
 // the coordinator calls it from its one I/O thread and sends the replies and
 // the notices it queues; tests call it directly.
@@ -16,6 +16,15 @@
 // them into one layout document, compute_plan() (a pure function, run on any
 // thread) plans it with make_plan, and install_plan() keeps the result until
 // the membership changes (a register, an unregister or a death replans).
+//
+// Versions: a trainer group has several source ranks, each of which
+// publishes version v once it has written its own shards. v is available to
+// receivers only when every registered source has published it, so the
+// group version is max(previous group version, min over the registered
+// sources of the last version each published); it never goes back, and
+// subscribers get a version_notify each time it advances (on a publish, or
+// when the last source lagging behind leaves). A source that joins starts at
+// 0 and so holds the group version until it has published a newer one.
 //
 // Commit barrier (DESIGN.md section 6): each receiver rank of an instance
 // reports "staged v"; when every registered rank of the instance has, every
@@ -47,18 +56,30 @@ namespace refit::control {
 using Clock = std::chrono::steady_clock;
 
 // A membership's layout document, to be planned off the I/O thread.
+// refit-layout/1 numbers each side's ranks 0..N-1, but members come and go
+// and leave gaps: the document numbers the live members of each side densely
+// in rank order, and the two lists map those positions back to the
+// registered ranks (source_ranks[i] is the rank of the document's source i).
 struct PlanInput {
   uint64_t epoch = 0;
   std::string layout_json;
+  std::vector<int32_t> source_ranks;
+  std::vector<int32_t> receiver_ranks;
 };
 
 // The plan of one membership epoch, split per receiver rank: the runs each
 // receiver executes, as refit-runs/1 entries (its network GETs and the local
-// runs it sends or receives, in for_each_run order). Immutable once made.
+// runs it sends or receives, in for_each_run order). Ranks, in the keys and
+// in the runs' "from" and "to", are the registered ranks, not the layout
+// document's dense positions. Immutable once made.
 struct PlannedParts {
   uint64_t epoch = 0;
   Status status;  // why planning failed, if it did
   std::map<int32_t, Json> parts;
+  // The whole plan's totals (PlanSummary), for the receivers' reports.
+  int64_t network_bytes = 0;
+  int64_t minimum_network_bytes = 0;
+  int64_t local_bytes = 0;
 };
 
 // Parses and plans `input`. Thread-safe: touches nothing shared.
@@ -86,8 +107,10 @@ class ControlState {
   Status register_receiver(uint64_t session, RegisterReceiver m, Clock::time_point now);
   Status unregister(uint64_t session, const MemberRef& m);
   Status heartbeat(uint64_t session, const MemberRef& m, Clock::time_point now);
-  // Records `version` (which must exceed the latest) from a connection that
-  // registered a source, and notifies the subscribers.
+  // Records `version` for every source rank the connection registered; it
+  // must exceed each one's last published version (else nothing changes).
+  // Advances the group version, and notifies the subscribers, when every
+  // registered source has now published a newer version.
   Status publish(uint64_t session, int64_t version);
   Status subscribe(uint64_t session);
   // fetch_plan in steps, so that planning can run off the I/O thread:
@@ -95,11 +118,13 @@ class ControlState {
   // plan_input() and install the result; then read the part from the cache.
   Status check_fetch(uint64_t session, int32_t rank) const;
   bool plan_current() const { return plan_ && plan_->epoch == epoch_; }
-  PlanInput plan_input() const { return PlanInput{epoch_, layout_document().dump()}; }
+  PlanInput plan_input() const;
   // Keeps `plan` if it is of the current membership; returns whether it did.
   bool install_plan(std::shared_ptr<const PlannedParts> plan);
   // REQUIRES: plan_current(). Fails when the membership could not be planned.
   Result<Json> cached_part(int32_t rank) const;
+  // REQUIRES: plan_current(). The plan's totals, as a fetch_plan reply carries them.
+  Json plan_totals() const;
   // What a receiver needs to execute `runs` (a cached_part): the worker
   // address of every other rank the runs name, and the address and packed
   // rkey of every buffer of theirs they name. Only ever sent to an
@@ -124,12 +149,16 @@ class ControlState {
   // Notices queued since the last call.
   std::vector<Notice> take_notices() { return std::move(notices_); }
 
-  // The refit-layout/1 document of the current membership.
+  // The refit-layout/1 document of the current membership, each side's
+  // ranks numbered densely in rank order (PlanInput says how).
   Json layout_document() const;
 
   size_t num_sources() const { return sources_.size(); }
   size_t num_receivers() const { return receivers_.size(); }
+  // The group version: the newest version every registered source published.
   int64_t version() const { return version_; }
+  // The membership epoch: bumped by every register, unregister and death.
+  uint64_t epoch() const { return epoch_; }
   uint64_t plans_made() const { return plans_made_; }
   bool has_source(int32_t rank) const { return sources_.count(rank) != 0; }
   bool has_receiver(int32_t rank) const { return receivers_.count(rank) != 0; }
@@ -140,6 +169,7 @@ class ControlState {
     uint64_t session = 0;
     Clock::time_point last_seen;
     T info;
+    int64_t published = 0;  // sources only: the last version it published
   };
   struct Barrier {
     int64_t version = 0;
@@ -155,6 +185,9 @@ class ControlState {
   std::vector<int32_t> instance_ranks(int32_t instance) const;
   bool drained(int64_t version) const;
   void notify_drained();
+  // Raises version_ to the lowest version the sources published, if higher,
+  // and queues a version_notify for every subscriber when it does.
+  void advance_version();
 
   StateLimits limits_;
   Clock::duration heartbeat_timeout_;
@@ -181,7 +214,7 @@ class ControlState {
   std::map<int64_t, std::set<uint64_t>> drain_waiters_;  // by version
   size_t num_drain_waiters_ = 0;
   Clock::duration lease_timeout_ = std::chrono::seconds(60);
-  int64_t version_ = 0;
+  int64_t version_ = 0;  // the group version
   uint64_t epoch_ = 0;  // bumped on every membership change
   std::shared_ptr<const PlannedParts> plan_;
   uint64_t plans_made_ = 0;

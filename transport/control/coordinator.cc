@@ -7,6 +7,7 @@
 #include <future>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "transport/control/auth.h"
 
@@ -71,7 +72,7 @@ class Coordinator::Impl {
   }
   void handle_request(const std::shared_ptr<Session>& s, Frame frame);
   void deliver_notices();
-  void answer_fetch(Session& s, int32_t rank);
+  void answer_fetch(Session& s, const FetchPlan& request);
   void start_planning();
   void on_planned(std::shared_ptr<const PlannedParts> plan, int64_t ms);
 
@@ -83,9 +84,12 @@ class Coordinator::Impl {
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions_;
   asio::thread_pool planner_{1};  // runs compute_plan; touches no member
   bool planning_ = false;
-  std::vector<std::pair<std::weak_ptr<Session>, int32_t>> pending_fetches_;  // paused sessions, receiver rank
+  std::vector<std::pair<std::weak_ptr<Session>, FetchPlan>> pending_fetches_;  // paused sessions, their requests
   uint64_t next_id_ = 1;
   uint64_t refused_ = 0;
+  // Bytes the sessions hold: their queued output and their decoders' input.
+  // Each session adds and removes its own share; see Session::count_input.
+  size_t buffered_ = 0;
   bool shutting_down_ = false;
   uint16_t port_ = 0;
   std::atomic<bool> stopped_{false};
@@ -130,7 +134,8 @@ class Session : public std::enable_shared_from_this<Session> {
     read();
   }
 
-  void send(MsgType type, const Json& body) {
+  // `request` names the request a reply answers, for a refusal.
+  void send(MsgType type, const Json& body, const char* request = nullptr) {
     if (closed_) return;
     Result<std::vector<uint8_t>> bytes = encode_frame(type, body, co_.config_.decoder.max_frame_bytes);
     if (!bytes.is_ok()) {
@@ -138,7 +143,28 @@ class Session : public std::enable_shared_from_this<Session> {
       bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", bytes.status().message()}});
       if (!bytes.is_ok()) return;
     }
+    // The error frame before a close is exempt: small, one per connection,
+    // and what it precedes frees this connection's share.
+    if (type != MsgType::kError && !fits(bytes->size())) {
+      const std::string past = " bytes would take the coordinator past its budget of " +
+                               std::to_string(co_.config_.max_buffered_bytes) +
+                               " bytes buffered across all connections (" + std::to_string(co_.buffered_) +
+                               " held)";
+      const std::string size = std::to_string(bytes->size());
+      if (type == MsgType::kReply) {
+        const std::string reason =
+            std::string(request ? request : "request") + ": the reply of " + size + past + "; try again";
+        co_.log("refused a request from " + peer_ + ": " + reason);
+        bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", reason}});
+        if (!bytes.is_ok()) return;
+      }
+      if (!fits(bytes->size())) {
+        close(std::string(type_name(type)) + " of " + size + past + "; dropped", true);
+        return;
+      }
+    }
     queued_bytes_ += bytes->size();
+    co_.buffered_ += bytes->size();
     if (queued_bytes_ > co_.config_.max_queued_bytes) {
       close("does not read its replies: " + std::to_string(queued_bytes_) +
                 " bytes queued, over the limit of " + std::to_string(co_.config_.max_queued_bytes),
@@ -148,6 +174,8 @@ class Session : public std::enable_shared_from_this<Session> {
     queue_.push_back(std::move(bytes).value());
     if (!writing_) write();
   }
+
+  void reply(const char* request, const Json& body) { send(MsgType::kReply, body, request); }
 
   // Sends the reason, then closes once it is written (or at the write deadline).
   void refuse_and_close(const std::string& reason) {
@@ -167,6 +195,8 @@ class Session : public std::enable_shared_from_this<Session> {
     socket_.close(ec);
     read_timer_.cancel();
     write_timer_.cancel();
+    co_.buffered_ -= queued_bytes_ + input_bytes_;
+    queued_bytes_ = input_bytes_ = 0;
     // queue_ is kept: an aborted async_write may still hold its front buffer;
     // it goes with the Session once the last handler has run.
     co_.closed(id_, refused);
@@ -208,20 +238,30 @@ class Session : public std::enable_shared_from_this<Session> {
     process();
   }
 
-  // Handles the buffered frames, then reads more unless paused or closing.
+  // Handles the next buffered frame, if any, and posts itself for the one
+  // after: one frame per turn, so that a peer that pipelines many costly
+  // requests (plan parts of megabytes) does not hold up the other
+  // connections. Once the frames are handled, reads more unless paused or
+  // closing. Never more than one of process() and a read is pending.
   void process() {
-    for (;;) {
-      Result<std::optional<Frame>> f = decoder_.next();
-      if (!f.is_ok()) {
-        if (authenticated_) refuse_and_close(f.status().message());
-        else close(f.status().message() + " (before authenticating)", true);
-        return;
-      }
-      if (!f->has_value()) break;
+    Result<std::optional<Frame>> f = decoder_.next();
+    if (!f.is_ok()) {
+      if (authenticated_) refuse_and_close(f.status().message());
+      else close(f.status().message() + " (before authenticating)", true);
+      return;
+    }
+    if (f->has_value()) {
       frame_deadline_set_ = false;
       on_frame(std::move(**f));
-      if (closed_ || closing_ || paused_) return;
+      if (!count_input() || closing_ || paused_) return;
+      // The peer is not silent while its requests wait their turn.
+      if (authenticated_) set_read_deadline(co_.config_.idle_timeout, "sent nothing");
+      asio::post(co_.io_, [self = shared_from_this()] {
+        if (!self->closed_ && !self->closing_ && !self->paused_) self->process();
+      });
+      return;
     }
+    if (!count_input()) return;
     if (authenticated_) {
       // A started frame must finish within read_timeout of its first byte;
       // between frames the connection may idle for idle_timeout.
@@ -251,6 +291,29 @@ class Session : public std::enable_shared_from_this<Session> {
   bool closed() const { return closed_; }
 
  private:
+  bool fits(size_t more) const {
+    return co_.buffered_ + more <= co_.config_.max_buffered_bytes;
+  }
+
+  // Brings this session's share of co_.buffered_ up to date with its
+  // decoder. Returns false, having dropped the connection, when the input
+  // grew and the total is past the budget.
+  bool count_input() {
+    if (closed_) return false;
+    const size_t now = decoder_.buffered_bytes();
+    const bool grew = now > input_bytes_;
+    co_.buffered_ = co_.buffered_ - input_bytes_ + now;
+    input_bytes_ = now;
+    if (grew && co_.buffered_ > co_.config_.max_buffered_bytes) {
+      close("sent " + std::to_string(now) + " bytes of unfinished frames, which take the coordinator past " +
+                "its budget of " + std::to_string(co_.config_.max_buffered_bytes) +
+                " bytes buffered across all connections (" + std::to_string(co_.buffered_) + " held); dropped",
+            true);
+      return false;
+    }
+    return true;
+  }
+
   void on_frame(Frame frame) {
     if (!authenticated_) {
       if (frame.type != MsgType::kAuthResponse) {
@@ -295,6 +358,7 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     queued_bytes_ -= queue_.front().size();
+    co_.buffered_ -= queue_.front().size();
     queue_.pop_front();
     if (!queue_.empty()) {
       write();
@@ -312,7 +376,8 @@ class Session : public std::enable_shared_from_this<Session> {
   FrameDecoder decoder_;
   std::vector<uint8_t> read_buf_;
   std::deque<std::vector<uint8_t>> queue_;
-  size_t queued_bytes_ = 0;
+  size_t queued_bytes_ = 0;  // of queue_; counted in co_.buffered_
+  size_t input_bytes_ = 0;   // of decoder_, as last counted in co_.buffered_
   bool writing_ = false;
   bool closing_ = false;  // close once the queue is written
   bool closed_ = false;
@@ -441,30 +506,36 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
     case MsgType::kSubscribe: {
       st = state_.subscribe(id);
       if (st.is_ok()) {
-        s->send(MsgType::kReply, Json{{"ok", true}, {"version", state_.version()}});
+        s->reply("subscribe", Json{{"ok", true}, {"version", state_.version()}});
         return;
       }
       break;
     }
     case MsgType::kPublishVersion: {
       Result<PublishVersion> m = parse_publish_version(frame.body);
+      const int64_t before = state_.version();
       st = m.is_ok() ? state_.publish(id, m->version) : m.status();
-      if (st.is_ok()) log("version " + std::to_string(m->version) + " published by " + s->peer());
+      if (st.is_ok()) {
+        log("version " + std::to_string(m->version) + " published by " + s->peer() +
+            (state_.version() != before ? "; the group version is now " + std::to_string(state_.version())
+                                        : "; the group version stays " + std::to_string(before) +
+                                              " until every source has published it"));
+      }
       break;
     }
     case MsgType::kFetchPlan: {
-      Result<int32_t> rank = parse_fetch_plan(frame.body, lim);
-      st = rank.is_ok() ? state_.check_fetch(id, *rank) : rank.status();
+      Result<FetchPlan> request = parse_fetch_plan(frame.body, lim);
+      st = request.is_ok() ? state_.check_fetch(id, request->rank) : request.status();
       if (!st.is_ok()) break;
       if (state_.plan_current()) {
-        answer_fetch(*s, *rank);
+        answer_fetch(*s, *request);
         return;
       }
       if (pending_fetches_.size() >= config_.state.max_receivers) {
         st = Status::unsupported("fetch_plan: the coordinator is busy planning; try again");
         break;
       }
-      pending_fetches_.emplace_back(s, *rank);
+      pending_fetches_.emplace_back(s, *request);
       s->pause();
       start_planning();
       return;
@@ -487,7 +558,7 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
         st = drained.status();
         break;
       }
-      s->send(MsgType::kReply, Json{{"ok", true}, {"drained", *drained}});
+      s->reply("wait_drained", Json{{"ok", true}, {"drained", *drained}});
       return;
     }
     case MsgType::kReportStaged:
@@ -504,20 +575,27 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
       return;
   }
   if (!st.is_ok()) log("refused a request from " + s->peer() + ": " + st.message());
-  s->send(MsgType::kReply, reply(st));
+  s->reply(type_name(frame.type), reply(st));
   deliver_notices();
 }
 
-void Coordinator::Impl::answer_fetch(Session& s, int32_t rank) {
-  Result<Json> part = state_.cached_part(rank);
+void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
+  Result<Json> part = state_.cached_part(request.rank);
   if (!part.is_ok()) {
     log("refused a request from " + s.peer() + ": " + part.status().message());
-    s.send(MsgType::kReply, reply(part.status()));
+    s.reply("fetch_plan", reply(part.status()));
     return;
   }
-  Json peers = state_.peers_of(rank, *part);
-  s.send(MsgType::kReply, Json{{"ok", true}, {"version", state_.version()}, {"runs", std::move(part).value()},
-                               {"peers", std::move(peers)}});
+  // cached_part() succeeded, so the plan is of the current epoch.
+  if (request.have_epoch == state_.epoch()) {  // the receiver holds this part already
+    s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", state_.epoch()},
+                               {"unchanged", true}, {"plan", state_.plan_totals()}});
+    return;
+  }
+  Json peers = state_.peers_of(request.rank, *part);
+  s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", state_.epoch()},
+                             {"plan", state_.plan_totals()}, {"runs", std::move(part).value()},
+                             {"peers", std::move(peers)}});
 }
 
 // Planning a cluster-scale layout takes seconds: it runs on planner_, one
@@ -546,14 +624,14 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
       (ok ? "" : " (it cannot be planned)"));
   auto pending = std::move(pending_fetches_);
   pending_fetches_.clear();
-  for (auto& [weak, rank] : pending) {
+  for (auto& [weak, request] : pending) {
     auto s = weak.lock();
     if (!s || s->closed()) continue;
-    Status st = state_.check_fetch(s->id(), rank);  // it may have left meanwhile
+    Status st = state_.check_fetch(s->id(), request.rank);  // it may have left meanwhile
     if (st.is_ok()) {
-      answer_fetch(*s, rank);
+      answer_fetch(*s, request);
     } else {
-      s->send(MsgType::kReply, reply(st));
+      s->reply("fetch_plan", reply(st));
     }
     s->resume();
   }
@@ -574,6 +652,15 @@ Coordinator::~Coordinator() { stop(); }
 Result<std::unique_ptr<Coordinator>> Coordinator::start(CoordinatorConfig config) {
   if (config.token.size() < kMinTokenBytes) {
     return Status::invalid("coordinator: the token must be at least " + std::to_string(kMinTokenBytes) + " bytes");
+  }
+  const size_t largest = size_t{config.decoder.max_frame_bytes} + kHeaderBytes;
+  for (const auto& [name, value] : {std::pair{"max_buffered_bytes", config.max_buffered_bytes},
+                                    std::pair{"max_queued_bytes", config.max_queued_bytes}}) {
+    if (value < largest) {
+      return Status::invalid(std::string("coordinator: ") + name + " must hold the largest frame, " +
+                             std::to_string(largest) + " bytes (max_frame_bytes plus the header), got " +
+                             std::to_string(value));
+    }
   }
   auto impl = std::make_unique<Impl>(std::move(config));
   REFIT_RETURN_IF_ERROR(impl->listen());
@@ -599,6 +686,7 @@ Result<CoordinatorStats> Coordinator::stats() const {
     st.version = impl->state_.version();
     st.refused = impl->refused_;
     st.plans = impl->state_.plans_made();
+    st.buffered_bytes = impl->buffered_;
     p->set_value(st);
   });
   if (f.wait_for(std::chrono::seconds(1)) != std::future_status::ready) {

@@ -8,11 +8,24 @@
 // Per connection: the server sends a challenge and nothing else until the
 // answer checks out; a wrong answer, a frame before it or a late one closes
 // the connection and logs the peer. After that every request gets one reply
-// in order. A frame must complete within read_timeout of its first byte, a
-// connection may be silent between frames for at most idle_timeout, a write
-// must complete within write_timeout, and a connection may have at most
-// max_queued_bytes waiting to be written: whoever breaks one is dropped, with
-// a log line naming the peer and the reason, while the others go on. Bad
+// in order; a connection's pipelined requests are handled one per turn of
+// the I/O thread, so that one peer's burst of costly requests (plan parts of
+// megabytes) does not hold up the others. A frame must complete within
+// read_timeout of its first byte, a connection may be silent between frames
+// for at most idle_timeout, a write must complete within write_timeout, and a
+// connection may have at most max_queued_bytes waiting to be written:
+// whoever breaks one is dropped, with a log line naming the peer and the
+// reason, while the others go on.
+//
+// All connections together hold at most max_buffered_bytes of queued output
+// and partly read input, so that many peers, each within its own limits,
+// cannot together exhaust memory. What would take the total past it is
+// refused, with a log line: a connection whose input grows past it is
+// dropped; a reply that would is replaced by a refusal saying so (the client
+// may try again once others have taken theirs); any other frame that would,
+// and a refusal that would not fit either, drop the connection. A new
+// connection is refused while its challenge does not fit. The 16 KiB read
+// buffer of each connection is not counted (max_connections bounds it). Bad
 // bytes (wrong magic, wrong version, oversize, malformed CBOR) close the
 // connection; a bad request (a field out of range, a duplicate registration)
 // gets a refusal with the reason and the connection stays open.
@@ -58,7 +71,10 @@ struct CoordinatorConfig {
   std::chrono::milliseconds heartbeat_timeout{10000};
   std::chrono::milliseconds lease_timeout{60000};
   size_t max_connections = 4096;
-  size_t max_queued_bytes = size_t{256} << 20;
+  size_t max_queued_bytes = size_t{256} << 20;  // per connection
+  // All connections together; at least the largest frame, so that one
+  // maximal registration or reply always fits (start() checks).
+  size_t max_buffered_bytes = size_t{1} << 30;
   // One line per event worth an operator's eye; default: stderr.
   std::function<void(const std::string&)> log;
 };
@@ -67,9 +83,10 @@ struct CoordinatorStats {
   size_t connections = 0;
   size_t sources = 0;
   size_t receivers = 0;
-  int64_t version = 0;
+  int64_t version = 0;  // the group version (control_state.h)
   uint64_t refused = 0;  // connections closed for a protocol or auth failure
   uint64_t plans = 0;    // plans made (one per membership asked for a plan)
+  size_t buffered_bytes = 0;  // queued output and partly read input, all connections
 };
 
 class Coordinator {

@@ -272,6 +272,8 @@ Result<std::optional<Frame>> FrameDecoder::next() {
     return error_;
   }
   buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(kHeaderBytes + len));
+  // A big frame must not pin its memory for the connection's lifetime.
+  if (buffer_.empty() && buffer_.capacity() > kKeptCapacity) std::vector<uint8_t>().swap(buffer_);
   return std::optional<Frame>(Frame{type, std::move(body).value()});
 }
 

@@ -45,9 +45,10 @@ enum class MsgType : uint16_t {
   kRegisterReceiver = 17,
   kUnregister = 18,
   kHeartbeat = 19,
-  kPublishVersion = 20,
-  kSubscribe = 21,
-  kFetchPlan = 22,        // {rank}: reply {version, runs, peers}: what receiver `rank` executes
+  kPublishVersion = 20,   // {version}: this connection's sources hold it (control_state.h)
+  kSubscribe = 21,        // {}: reply {version}: the group version; version_notify follows each advance
+  kFetchPlan = 22,        // {rank, epoch?}: reply {version, epoch, plan, runs, peers} (or unchanged): what receiver `rank` executes
+                          // in membership `epoch` (the same runs until the epoch changes)
   kReportStaged = 23,     // {rank, version}
   kReportFailed = 24,     // {rank, version, reason}
   kLease = 25,            // {rank, version}: receiver `rank` reads version v from the sources
@@ -103,6 +104,10 @@ class FrameDecoder {
 
   // True when some bytes of an unfinished frame are buffered.
   bool mid_frame() const { return !buffer_.empty(); }
+  // Bytes fed and not yet returned as frames. Once they are all returned,
+  // the decoder keeps at most kKeptCapacity bytes of memory.
+  size_t buffered_bytes() const { return buffer_.size(); }
+  static constexpr size_t kKeptCapacity = size_t{64} << 10;
   bool failed() const { return !error_.is_ok(); }
 
  private:

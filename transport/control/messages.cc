@@ -269,12 +269,13 @@ Result<StageReport> parse_stage_report(const Json& body, bool failed, const Mess
   return m;
 }
 
-Result<int32_t> parse_fetch_plan(const Json& body, const MessageLimits& lim) {
+Result<FetchPlan> parse_fetch_plan(const Json& body, const MessageLimits& lim) {
   Reader r("fetch_plan");
-  int64_t v = 0;
-  r.int_in(body, "", "rank", 0, lim.max_rank - 1, &v);
+  int64_t rank = 0, epoch = 0;
+  r.int_in(body, "", "rank", 0, lim.max_rank - 1, &rank);
+  r.int_in(body, "", "epoch", 0, std::numeric_limits<int64_t>::max(), &epoch, /*required=*/false);
   if (!r.ok()) return r.status();
-  return static_cast<int32_t>(v);
+  return FetchPlan{static_cast<int32_t>(rank), static_cast<uint64_t>(epoch)};
 }
 
 namespace {

@@ -98,8 +98,14 @@ struct StageReport {  // report_staged, report_failed, lease and release
 Result<StageReport> parse_stage_report(const Json& body, bool failed, const MessageLimits& limits,
                                        const char* message = nullptr);
 
-// fetch_plan: {rank} of a receiver.
-Result<int32_t> parse_fetch_plan(const Json& body, const MessageLimits& limits);
+// fetch_plan: {rank, epoch?} of a receiver. `epoch` is the membership epoch
+// whose part the receiver already holds (0 or absent: none); when it is the
+// current one the reply carries no runs and no peers, only {unchanged: true}.
+struct FetchPlan {
+  int32_t rank = 0;
+  uint64_t have_epoch = 0;
+};
+Result<FetchPlan> parse_fetch_plan(const Json& body, const MessageLimits& limits);
 
 // The bodies, for clients and tests.
 Json to_json(const RegisterSource& m);

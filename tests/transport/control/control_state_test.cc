@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <map>
+
 namespace refit::control {
 namespace {
 
@@ -70,10 +73,108 @@ TEST(ControlState, PublishNeedsASourceAndANewerVersion) {
   EXPECT_EQ(n[0].type, MsgType::kVersionNotify);
   Status old = s.publish(1, 1);
   ASSERT_FALSE(old.is_ok());
-  EXPECT_EQ(old.message(), "publish_version: version 1 is not newer than the published version 1");
+  EXPECT_EQ(old.message(), "publish_version: version 1 is not newer than version 1, which source rank 0 already published");
   s.session_closed(7);
   ASSERT_TRUE(s.publish(1, 2).is_ok());
   EXPECT_TRUE(s.take_notices().empty());
+}
+
+// The versions of the notices in `n`, in order; fails on any other notice.
+std::vector<int64_t> notified(const std::vector<Notice>& n) {
+  std::vector<int64_t> out;
+  for (const Notice& x : n) {
+    EXPECT_EQ(x.type, MsgType::kVersionNotify);
+    out.push_back(x.body["version"].get<int64_t>());
+  }
+  return out;
+}
+
+TEST(ControlState, GroupVersionAdvancesOnlyWhenEverySourcePublished) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), now).is_ok());
+  ASSERT_TRUE(s.register_source(2, source(1), now).is_ok());
+  ASSERT_TRUE(s.subscribe(7).is_ok());
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  EXPECT_EQ(s.version(), 0);
+  EXPECT_TRUE(s.take_notices().empty()) << "source rank 1 has not published version 1";
+  ASSERT_TRUE(s.publish(2, 1).is_ok());
+  EXPECT_EQ(s.version(), 1);
+  EXPECT_EQ(notified(s.take_notices()), std::vector<int64_t>{1});
+  // Rank 1 runs ahead: the group follows the slower source.
+  ASSERT_TRUE(s.publish(2, 3).is_ok());
+  EXPECT_TRUE(s.take_notices().empty());
+  ASSERT_TRUE(s.publish(1, 2).is_ok());
+  EXPECT_EQ(notified(s.take_notices()), std::vector<int64_t>{2});
+  EXPECT_EQ(s.version(), 2);
+  // The slower source leaves: the others' version becomes available.
+  ASSERT_TRUE(s.unregister(1, MemberRef{Role::kSource, 0}).is_ok());
+  EXPECT_EQ(s.version(), 3);
+  EXPECT_EQ(notified(s.take_notices()), std::vector<int64_t>{3});
+  // A source that joins starts at 0 and holds the group until it catches up;
+  // the group version never goes back.
+  ASSERT_TRUE(s.register_source(1, source(0), now).is_ok());
+  EXPECT_EQ(s.version(), 3);
+  ASSERT_TRUE(s.publish(2, 4).is_ok());
+  EXPECT_TRUE(s.take_notices().empty());
+  ASSERT_TRUE(s.publish(1, 4).is_ok());
+  EXPECT_EQ(notified(s.take_notices()), std::vector<int64_t>{4});
+}
+
+TEST(ControlState, LeaseNeedsTheGroupVersion) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), now).is_ok());
+  ASSERT_TRUE(s.register_source(2, source(1), now).is_ok());
+  RegisterReceiver r;
+  r.worker_address = {1};
+  ASSERT_TRUE(s.register_receiver(10, r, now).is_ok());
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  Status early = s.lease(10, StageReport{0, 1, ""}, now);
+  ASSERT_FALSE(early.is_ok());
+  EXPECT_EQ(early.message(), "lease: version 1 is not published (latest is 0)");
+  ASSERT_TRUE(s.publish(2, 1).is_ok());
+  EXPECT_TRUE(s.lease(10, StageReport{0, 1, ""}, now).is_ok());
+}
+
+TEST(ControlState, OneConnectionPublishesForEverySourceItRegistered) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), now).is_ok());
+  ASSERT_TRUE(s.register_source(1, source(1), now).is_ok());
+  ASSERT_TRUE(s.subscribe(7).is_ok());
+  ASSERT_TRUE(s.publish(1, 5).is_ok());
+  EXPECT_EQ(s.version(), 5);
+  EXPECT_EQ(notified(s.take_notices()), std::vector<int64_t>{5});
+}
+
+TEST(ControlState, RefusesANonIncreasingPublish) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), now).is_ok());
+  ASSERT_TRUE(s.register_source(2, source(1), now).is_ok());
+  ASSERT_TRUE(s.subscribe(7).is_ok());
+  ASSERT_TRUE(s.publish(1, 3).is_ok());
+  for (int64_t v : {3, 2}) {
+    Status st = s.publish(1, v);
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_EQ(st.message(), "publish_version: version " + std::to_string(v) +
+                                " is not newer than version 3, which source rank 0 already published");
+  }
+  // The refusals changed nothing: rank 1 publishing 3 makes 3 available.
+  ASSERT_TRUE(s.publish(2, 3).is_ok());
+  EXPECT_EQ(s.version(), 3);
+  EXPECT_EQ(notified(s.take_notices()), std::vector<int64_t>{3});
+  // A connection with two sources at different versions: refused as a whole
+  // when either one would go back.
+  ASSERT_TRUE(s.register_source(2, source(2), now).is_ok());
+  Status st = s.publish(2, 3);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_EQ(st.message(), "publish_version: version 3 is not newer than version 3, which source rank 1 already published");
+  ASSERT_TRUE(s.publish(1, 4).is_ok());
+  EXPECT_EQ(s.version(), 3) << "source rank 2 has published nothing yet";
+  ASSERT_TRUE(s.publish(2, 4).is_ok());
+  EXPECT_EQ(s.version(), 4);
 }
 
 TEST(ControlState, RefusesConflictingTensorDeclarations) {
@@ -94,6 +195,95 @@ RegisterReceiver receiver(int32_t rank, int32_t instance) {
   m.instance = instance;
   m.worker_address = {1};
   return m;
+}
+
+// A member holding all of tensor "w" (1024 BF16) in one buffer; every
+// receiver is in domain 0, so the plan has local runs between receivers.
+RegisterSource whole_source(int32_t rank) {
+  RegisterSource m = source(rank);
+  m.tensors.push_back(TensorDecl{"w", "BF16", {1024}});
+  m.buffers.push_back(MemberBuffer{"w", "BF16", 2048, 0x1000, {1}, {Segment{"w", {0}, {1024}, 0, {1}}}});
+  return m;
+}
+
+RegisterReceiver whole_receiver(int32_t rank) {
+  RegisterReceiver m = receiver(rank, 0);
+  m.buffers.push_back(MemberBuffer{"model", "BF16", 2048, 0, {}, {Segment{"w", {0}, {1024}, 0, {1}}}});
+  return m;
+}
+
+// `runs` with every rank replaced through `source_map` / `receiver_map`.
+Json renamed(Json runs, const std::map<int, int>& source_map, const std::map<int, int>& receiver_map) {
+  for (Json& run : runs) {
+    Json& from = run["from"]["rank"];
+    from = (run["from"]["side"] == "source" ? source_map : receiver_map).at(from.get<int>());
+    run["to"]["rank"] = receiver_map.at(run["to"]["rank"].get<int>());
+  }
+  return runs;
+}
+
+TEST(ControlState, PlansAroundRankGapsAndNamesTheRegisteredRanks) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(s.register_source(1 + r, whole_source(r), now).is_ok());
+    ASSERT_TRUE(s.register_receiver(10 + r, whole_receiver(r), now).is_ok());
+  }
+  ASSERT_TRUE(s.unregister(2, MemberRef{Role::kSource, 1}).is_ok());
+  ASSERT_TRUE(s.unregister(11, MemberRef{Role::kReceiver, 1}).is_ok());
+  Result<Json> p0 = s.plan_part(10, 0);
+  ASSERT_TRUE(p0.is_ok()) << p0.status().message();
+  Result<Json> p2 = s.plan_part(12, 2);
+  ASSERT_TRUE(p2.is_ok()) << p2.status().message();
+  EXPECT_FALSE(s.plan_part(11, 1).is_ok()) << "rank 1 left";
+  // The plan of a membership of just those members, ranks 0 and 1 on each
+  // side, is the same with 1 read as 2.
+  ControlState dense(StateLimits{}, 1s);
+  ASSERT_TRUE(dense.register_source(1, whole_source(0), now).is_ok());
+  ASSERT_TRUE(dense.register_source(3, whole_source(1), now).is_ok());
+  ASSERT_TRUE(dense.register_receiver(10, whole_receiver(0), now).is_ok());
+  ASSERT_TRUE(dense.register_receiver(12, whole_receiver(1), now).is_ok());
+  Result<Json> q0 = dense.plan_part(10, 0);
+  Result<Json> q1 = dense.plan_part(12, 1);
+  ASSERT_TRUE(q0.is_ok() && q1.is_ok());
+  const std::map<int, int> back = {{0, 0}, {1, 2}};
+  EXPECT_EQ(*p0, renamed(*q0, back, back));
+  EXPECT_EQ(*p2, renamed(*q1, back, back));
+  // Every run names live registered ranks only, and receiver 2 takes part.
+  bool names_2 = false;
+  for (const Json* part : {&*p0, &*p2}) {
+    ASSERT_FALSE(part->empty());
+    for (const Json& run : *part) {
+      for (const Json& rank : {run["from"]["rank"], run["to"]["rank"]}) {
+        EXPECT_TRUE(rank == 0 || rank == 2) << run.dump();
+        names_2 = names_2 || rank == 2;
+      }
+    }
+  }
+  EXPECT_TRUE(names_2);
+  // The peers are found under the registered ranks too.
+  const Json peers = s.peers_of(2, *p2);
+  for (const Json& side : {peers["sources"], peers["receivers"]}) {
+    for (const Json& peer : side) EXPECT_TRUE(peer["rank"] == 0 || peer["rank"] == 2) << peers.dump();
+  }
+  std::printf("receiver 0: %zu runs, receiver 2: %zu runs; peers of 2: %s\n", p0->size(), p2->size(),
+              peers.dump().c_str());
+}
+
+TEST(ControlState, APlanningFailureSaysHowRanksWereRenumbered) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  RegisterReceiver odd = whole_receiver(5);
+  odd.buffers[0].segments[0].tensor = "v";  // no source declares it
+  ASSERT_TRUE(s.register_receiver(10, whole_receiver(0), now).is_ok());
+  ASSERT_TRUE(s.register_receiver(15, odd, now).is_ok());
+  Result<Json> p = s.plan_part(15, 5);
+  ASSERT_FALSE(p.is_ok());
+  const std::string prefix =
+      "fetch_plan: the membership cannot be planned: the layout numbers the live receiver ranks 0, 5 as 0..1: ";
+  EXPECT_EQ(p.status().message().substr(0, prefix.size()), prefix) << p.status().message();
+  std::printf("%s\n", p.status().message().c_str());
 }
 
 TEST(ControlState, CommitsAnInstanceOnlyWhenEveryRankStaged) {

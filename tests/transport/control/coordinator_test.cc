@@ -105,6 +105,36 @@ Json source_body(int rank) {
   return to_json(m);
 }
 
+// Tensor "s" [rows, 64] BF16: the source holds it row-major, the receiver
+// its first 32 columns, so the receiver's plan part has one run per row (a
+// reply of about 100 bytes a row).
+Json strided_source_body(int rows) {
+  RegisterSource m;
+  m.rank = 0;
+  m.worker_address = {5, 6};
+  m.tensors.push_back(TensorDecl{"s", "BF16", {rows, 64}});
+  m.buffers.push_back(MemberBuffer{"s", "BF16", int64_t{rows} * 64 * 2, 0x1000, {1, 2},
+                                   {Segment{"s", {0, 0}, {rows, 64}, 0, {64, 1}}}});
+  return to_json(m);
+}
+
+Json strided_receiver_body(int rows) {
+  RegisterReceiver m;
+  m.rank = 0;
+  m.worker_address = {1, 2, 3, 4};
+  m.buffers.push_back(MemberBuffer{"model", "BF16", int64_t{rows} * 32 * 2, 0, {},
+                                   {Segment{"s", {0, 0}, {rows, 32}, 0, {32, 1}}}});
+  return to_json(m);
+}
+
+// The header of a frame that announces `length` body bytes.
+std::vector<uint8_t> header_of(MsgType type, uint32_t length) {
+  const auto t = static_cast<uint16_t>(type);
+  return {'R', 'F', 'C', 'P', 0, 1, static_cast<uint8_t>(t >> 8), static_cast<uint8_t>(t),
+          static_cast<uint8_t>(length >> 24), static_cast<uint8_t>(length >> 16),
+          static_cast<uint8_t>(length >> 8), static_cast<uint8_t>(length)};
+}
+
 TEST_F(Coordinators, TwoHundredClientsRegisterAndHeartbeat) {
   CoordinatorConfig c;
   c.heartbeat_timeout = 20s;
@@ -193,6 +223,166 @@ TEST_F(Coordinators, DropsHalfFrameStallerAtItsDeadlineWhileOthersGoOn) {
   EXPECT_GT(served, 5);
   EXPECT_NE(wait_log({"refused 127.0.0.1:", "sent part of a frame and did not finish it within 500 ms"}), "");
   EXPECT_TRUE(other->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}}).is_ok());
+}
+
+// The coordinator's buffered bytes across all connections, once they equal
+// `want` (within `timeout`); the last value seen otherwise.
+size_t wait_buffered(Coordinator& co, size_t want, std::chrono::milliseconds timeout = 3000ms) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  size_t seen = 0;
+  do {
+    auto st = co.stats();
+    if (st.is_ok()) seen = st->buffered_bytes;
+    if (seen == want) return seen;
+    std::this_thread::sleep_for(5ms);
+  } while (std::chrono::steady_clock::now() < deadline);
+  return seen;
+}
+
+TEST_F(Coordinators, KeepsBufferedBytesWithinAGlobalBudget) {
+  {
+    CoordinatorConfig bad;
+    bad.token = kToken;
+    bad.max_buffered_bytes = 1 << 20;
+    auto r = Coordinator::start(bad);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().message(),
+              "coordinator: max_buffered_bytes must hold the largest frame, 67108876 bytes (max_frame_bytes plus "
+              "the header), got 1048576");
+  }
+  CoordinatorConfig c;
+  c.decoder.max_frame_bytes = 48 << 10;
+  c.max_queued_bytes = 64 << 10;
+  c.max_buffered_bytes = 64 << 10;
+  start(c);
+  auto src = good_client();
+  auto rcv = good_client();
+  ASSERT_TRUE(src && rcv);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, strided_source_body(64)).is_ok());
+  ASSERT_TRUE(rcv->request(MsgType::kRegisterReceiver, strided_receiver_body(64)).is_ok());
+  auto part = rcv->request(MsgType::kFetchPlan, Json{{"rank", 0}});
+  ASSERT_TRUE(part.is_ok()) << part.status().message();
+  const size_t reply_bytes = encode_frame(MsgType::kReply, *part)->size();
+  ASSERT_GT(reply_bytes, 4000u);
+  EXPECT_EQ(wait_buffered(*co_, 0), 0u) << "idle connections hold nothing";
+  // Two peers hold all but 1000 bytes of the budget with unfinished frames,
+  // each within its own limits.
+  auto a = good_client();
+  auto b = good_client();
+  ASSERT_TRUE(a && b);
+  std::vector<uint8_t> part_a = header_of(MsgType::kHeartbeat, 49000);
+  part_a.resize(part_a.size() + 40000);
+  std::vector<uint8_t> part_b = header_of(MsgType::kHeartbeat, 49000);
+  part_b.resize((64 << 10) - 1000 - part_a.size());
+  ASSERT_TRUE(a->send_raw(part_a.data(), part_a.size()).is_ok());
+  ASSERT_EQ(wait_buffered(*co_, part_a.size()), part_a.size());
+  ASSERT_TRUE(b->send_raw(part_b.data(), part_b.size()).is_ok());
+  ASSERT_EQ(wait_buffered(*co_, (64 << 10) - 1000), size_t{(64 << 10) - 1000});
+  // The plan part does not fit: refused with the reason; the connection stays.
+  auto refused = rcv->request(MsgType::kFetchPlan, Json{{"rank", 0}});
+  ASSERT_FALSE(refused.is_ok());
+  const std::string why = refused.status().message();
+  EXPECT_EQ(why.rfind("fetch_plan: the reply of " + std::to_string(reply_bytes) +
+                          " bytes would take the coordinator past its budget of 65536 bytes buffered across all "
+                          "connections (",
+                      0),
+            0u)
+      << why;
+  EXPECT_NE(why.find(" held); try again"), std::string::npos) << why;
+  EXPECT_NE(wait_log({"refused a request from 127.0.0.1:", "fetch_plan: the reply of"}), "");
+  EXPECT_TRUE(rcv->request(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}}).is_ok())
+      << "small replies still fit";
+  // A third peer's unfinished frame does not fit: it is dropped.
+  auto third = good_client();
+  ASSERT_TRUE(third);
+  std::vector<uint8_t> part_c = header_of(MsgType::kHeartbeat, 4000);
+  part_c.resize(part_c.size() + 2000);
+  ASSERT_TRUE(third->send_raw(part_c.data(), part_c.size()).is_ok());
+  EXPECT_TRUE(third->wait_closed(3s));
+  const std::string dropped = wait_log({"refused 127.0.0.1:", "bytes of unfinished frames, which take the coordinator "
+                                        "past its budget of 65536 bytes buffered across all connections"});
+  EXPECT_NE(dropped, "");
+  // Once a peer lets go, the plan part fits again.
+  a.reset();
+  ASSERT_EQ(wait_buffered(*co_, part_b.size()), part_b.size());
+  auto again = rcv->request(MsgType::kFetchPlan, Json{{"rank", 0}});
+  ASSERT_TRUE(again.is_ok()) << again.status().message();
+  EXPECT_EQ((*again)["runs"], (*part)["runs"]);
+  b.reset();
+  EXPECT_EQ(wait_buffered(*co_, 0), 0u);
+  std::printf("budget 65536: a %zu-byte reply refused with \"%s\"; dropped: \"%s\"\n", reply_bytes, why.c_str(),
+              dropped.c_str());
+}
+
+// A client that sends requests but never reads its replies: whichever of
+// write_timeout and max_queued_bytes it breaks first, it is dropped with the
+// reason while another client is served throughout, and what it held is freed.
+class SlowReaders : public Coordinators {
+ protected:
+  // Registers a big-part membership, pipelines `fetches` fetch_plan requests
+  // from a client that never reads, and heartbeats from another client until
+  // the slow one is dropped (at most `limit`). Returns how long that took.
+  std::chrono::milliseconds run_slow_reader(int fetches, std::chrono::milliseconds limit) {
+    src_ = good_client();
+    slow_ = good_client();
+    if (!src_ || !slow_) return limit;
+    EXPECT_TRUE(src_->request(MsgType::kRegisterSource, strided_source_body(4096)).is_ok());
+    EXPECT_TRUE(slow_->request(MsgType::kRegisterReceiver, strided_receiver_body(4096)).is_ok());
+    std::vector<uint8_t> burst;
+    for (int i = 0; i < fetches; ++i) {
+      auto f = encode_frame(MsgType::kFetchPlan, Json{{"rank", 0}});
+      burst.insert(burst.end(), f->begin(), f->end());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(slow_->send_raw(burst.data(), burst.size()).is_ok());
+    for (;;) {
+      auto r = src_->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}});
+      EXPECT_TRUE(r.is_ok()) << r.status().message();
+      ++served_;
+      auto st = co_->stats();
+      const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+      if ((st.is_ok() && st->connections == 1) || took > limit) return took;
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  std::unique_ptr<Client> src_, slow_;
+  int served_ = 0;
+};
+
+TEST_F(SlowReaders, DroppedAtTheWriteDeadline) {
+  CoordinatorConfig c;
+  c.write_timeout = 500ms;
+  start(c);
+  // 100 replies of about 450 KB: far more than the sockets buffer. Making
+  // them takes the I/O thread tens of ms each, hence the loose bound.
+  const auto took = run_slow_reader(100, 10000ms);
+  EXPECT_GE(took, 450ms);
+  EXPECT_LT(took, 8000ms);
+  const std::string line = wait_log({"refused 127.0.0.1:", "did not take a reply within 500 ms; dropped"});
+  EXPECT_NE(line, "");
+  EXPECT_GT(served_, 5) << "the other client was served meanwhile";
+  EXPECT_EQ(wait_buffered(*co_, 0), 0u) << "its queued replies are freed";
+  EXPECT_TRUE(src_->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}}).is_ok());
+  expect_serving();
+  std::printf("slow reader dropped after %lld ms (%d heartbeats served meanwhile): %s\n",
+              static_cast<long long>(took.count()), served_, line.c_str());
+}
+
+TEST_F(SlowReaders, DroppedAtTheQueuedBytesCap) {
+  CoordinatorConfig c;
+  c.decoder.max_frame_bytes = 1 << 20;
+  c.max_queued_bytes = 2 << 20;
+  c.write_timeout = 30s;  // the cap, not the deadline, must drop it
+  start(c);
+  const auto took = run_slow_reader(20, 10000ms);
+  EXPECT_LT(took, 8000ms);
+  const std::string line =
+      wait_log({"refused 127.0.0.1:", "does not read its replies: ", "bytes queued, over the limit of 2097152"});
+  EXPECT_NE(line, "");
+  EXPECT_EQ(wait_buffered(*co_, 0), 0u) << "its queued replies are freed";
+  EXPECT_TRUE(src_->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}}).is_ok());
+  expect_serving();
+  std::printf("slow reader dropped after %lld ms: %s\n", static_cast<long long>(took.count()), line.c_str());
 }
 
 TEST_F(Coordinators, DropsClientThatNeverAnswersTheChallenge) {
@@ -331,6 +521,36 @@ TEST_F(Coordinators, NotifiesSubscribersOfPublishedVersions) {
   EXPECT_FALSE(sub->request(MsgType::kPublishVersion, Json{{"version", 9}}).is_ok()) << "not a source";
 }
 
+TEST_F(Coordinators, NotifiesAVersionOnlyWhenEverySourcePublishedIt) {
+  start();
+  auto src0 = good_client();
+  auto src1 = good_client();
+  auto sub = good_client();
+  ASSERT_TRUE(src0 && src1 && sub);
+  ASSERT_TRUE(src0->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  ASSERT_TRUE(src1->request(MsgType::kRegisterSource, source_body(1)).is_ok());
+  auto r = sub->request(MsgType::kSubscribe, Json::object());
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ((*r)["version"], 0);
+  ASSERT_TRUE(src0->request(MsgType::kPublishVersion, Json{{"version", 1}}).is_ok());
+  EXPECT_FALSE(sub->wait_notice(300ms).is_ok()) << "source rank 1 has not published version 1";
+  EXPECT_EQ((*sub->request(MsgType::kSubscribe, Json::object()))["version"], 0);
+  EXPECT_NE(wait_log({"version 1 published by 127.0.0.1:", "the group version stays 0"}), "");
+  ASSERT_TRUE(src1->request(MsgType::kPublishVersion, Json{{"version", 1}}).is_ok());
+  auto n = sub->wait_notice(2s);
+  ASSERT_TRUE(n.is_ok()) << n.status().message();
+  EXPECT_EQ(n->type, MsgType::kVersionNotify);
+  EXPECT_EQ(n->body["version"], 1);
+  EXPECT_NE(wait_log({"version 1 published by 127.0.0.1:", "the group version is now 1"}), "");
+  auto again = src1->request(MsgType::kPublishVersion, Json{{"version", 1}});
+  ASSERT_FALSE(again.is_ok());
+  EXPECT_EQ(again.status().message(),
+            "publish_version: version 1 is not newer than version 1, which source rank 1 already published");
+  auto st = co_->stats();
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->version, 1);
+}
+
 TEST_F(Coordinators, DeclaresAKilledClientDeadByHeartbeatTimeout) {
   CoordinatorConfig c;
   c.heartbeat_timeout = 400ms;
@@ -433,6 +653,7 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
     ASSERT_TRUE(r.is_ok()) << r.status().message();
   }
   size_t served = 0;
+  uint64_t epoch = 0;
   for (size_t i = 0; i < receivers.size(); ++i) {
     const int rank = doc["receivers"][i]["rank"];
     Json expected = Json::array();
@@ -444,6 +665,11 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
     auto part = receivers[i]->request(MsgType::kFetchPlan, Json{{"rank", rank}});
     ASSERT_TRUE(part.is_ok()) << part.status().message();
     EXPECT_EQ((*part)["runs"], expected) << "receiver rank " << rank;
+    ASSERT_TRUE((*part)["epoch"].is_number_unsigned()) << (*part).dump();
+    if (i > 0) {
+      EXPECT_EQ((*part)["epoch"], epoch) << "one membership, one epoch";
+    }
+    epoch = (*part)["epoch"].get<uint64_t>();
     // The peers it needs: both sources (cross-dim pulls from each), with the
     // rkeys they registered.
     const Json& peers = (*part)["peers"]["sources"];
@@ -464,6 +690,7 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
   ASSERT_TRUE(receivers[1]->request(MsgType::kUnregister, Json{{"role", "receiver"}, {"rank", 1}}).is_ok());
   auto again = receivers[0]->request(MsgType::kFetchPlan, Json{{"rank", 0}});
   ASSERT_TRUE(again.is_ok()) << again.status().message();
+  EXPECT_GT((*again)["epoch"].get<uint64_t>(), epoch) << "a new membership, a new epoch";
   st = co_->stats();
   ASSERT_TRUE(st.is_ok());
   EXPECT_EQ(st->plans, 2u);
@@ -484,6 +711,40 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
   EXPECT_EQ(second->body, (Json{{"ok", true}}));
   std::printf("plan parts: %zu runs served over %zu receivers; %zu runs in refit-plan's output\n", served,
               receivers.size(), runs.size());
+}
+
+// Members leave gaps in the ranks: the coordinator plans the live ones and
+// names them by their registered ranks.
+TEST_F(Coordinators, ServesPlansWhenAMiddleReceiverHasLeft) {
+  start();
+  auto src = good_client();
+  ASSERT_TRUE(src);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  std::vector<std::unique_ptr<Client>> rcv;
+  for (int r = 0; r < 3; ++r) {
+    rcv.push_back(good_client());
+    ASSERT_TRUE(rcv.back());
+    ASSERT_TRUE(rcv.back()->request(MsgType::kRegisterReceiver, receiver_body(r)).is_ok());
+  }
+  ASSERT_TRUE(rcv[1]->request(MsgType::kUnregister, Json{{"role", "receiver"}, {"rank", 1}}).is_ok());
+  size_t runs = 0;
+  for (int r : {0, 2}) {
+    auto part = rcv[r]->request(MsgType::kFetchPlan, Json{{"rank", r}});
+    ASSERT_TRUE(part.is_ok()) << part.status().message();
+    ASSERT_FALSE((*part)["runs"].empty());
+    bool names_itself = false;
+    for (const Json& run : (*part)["runs"]) {
+      const Json& from = run["from"]["rank"];
+      const Json& to = run["to"]["rank"];
+      EXPECT_TRUE(to == 0 || to == 2) << run.dump();
+      EXPECT_TRUE(run["from"]["side"] == "source" ? from == 0 : (from == 0 || from == 2)) << run.dump();
+      names_itself = names_itself || to == r || from == r;
+    }
+    EXPECT_TRUE(names_itself) << (*part)["runs"].dump();
+    for (const Json& peer : (*part)["peers"]["receivers"]) EXPECT_EQ(peer["rank"], 2 - r);
+    runs += (*part)["runs"].size();
+  }
+  std::printf("receivers 0 and 2 (1 left): %zu runs\n", runs);
 }
 
 TEST_F(Coordinators, CommitsAnInstanceWhenAllRanksStaged) {

@@ -29,6 +29,23 @@ TEST(FrameCodec, RoundTripsOneFrame) {
   EXPECT_FALSE(d.mid_frame());
 }
 
+TEST(FrameCodec, CountsTheBytesItBuffers) {
+  auto big = frame_bytes(MsgType::kRegisterSource, Json{{"blob", Json::binary(std::vector<uint8_t>(1 << 20, 7))}});
+  auto small = frame_bytes(MsgType::kHeartbeat, Json{{"rank", 1}});
+  FrameDecoder d;
+  EXPECT_EQ(d.buffered_bytes(), 0u);
+  d.feed(big.data(), big.size() - 1);
+  EXPECT_EQ(d.buffered_bytes(), big.size() - 1);
+  ASSERT_FALSE(d.next()->has_value());
+  d.feed(&big.back(), 1);
+  d.feed(small.data(), 5);
+  ASSERT_TRUE(d.next()->has_value());
+  EXPECT_EQ(d.buffered_bytes(), 5u) << "what is left of the next frame";
+  d.feed(small.data() + 5, small.size() - 5);
+  ASSERT_TRUE(d.next()->has_value());
+  EXPECT_EQ(d.buffered_bytes(), 0u);
+}
+
 TEST(FrameCodec, AssemblesFramesFedOneByteAtATime) {
   std::vector<uint8_t> stream;
   for (int i = 0; i < 5; ++i) {
