@@ -1,18 +1,32 @@
-// refit-ucx-bench [--transport tcp|shm] [--json F]
+// refit-ucx-bench [--transport tcp|shm] [--memory ucx|user] [--peer-errors]
+//                 [--no-peer-errors] [--json F]
 //
 // For message sizes from 64 KiB to 64 MiB: the GET engine's bandwidth (this
 // process pulling from a server process it starts, a window of several MiB
 // in flight) beside `ucx_perftest -t ucp_get` with the same size, transport
-// and window, and their ratio. Both transports when none is named. Prints a
-// table; with --json F also writes {"results": [{"transport", "bytes",
-// "engine_gbps", "perftest_gbps", "ratio"}, ...]}. --no-peer-errors creates
-// the endpoints with UCP_ERR_HANDLING_MODE_NONE: in UCX 1.13 that is what
-// lets shared memory use cma for the GETs (see endpoint.h).
+// and window, and their ratio. Both transports when none is named. Prints
+// the lanes UCX gave the engine's endpoint and perftest's (its "ep_cfg" log
+// line), then a table; with --json F also writes {"results": [{"transport",
+// "memory", "bytes", "engine_gbps", "perftest_gbps", "ratio"}, ...]}.
+//
+// Error handling: tcp endpoints use PeerErrorHandling::kPeer, shm endpoints
+// kNone, as refit does: in UCX 1.13 kPeer takes every shared-memory lane
+// away (posix/sysv have no peer-failure support) and leaves only tcp.
+// --peer-errors / --no-peer-errors force one mode for both.
+//
+// Memory: the server's buffer is allocated by UCX (--memory ucx, the default
+// for shm: a posix/sysv segment the puller maps and GETs from with memcpy,
+// which is also what ucx_perftest uses), or is plain user memory (--memory
+// user, the default for tcp: on shm UCX 1.13 then emulates the GETs with
+// posix/sysv active messages, as strace shows no process_vm_readv; cma only
+// serves rendezvous). Like ucx_perftest, every GET of a size uses
+// the same remote and local range, so both measure the transport, not DRAM.
 //
 // The server is this binary re-executed with --serve (a clean process: UCX
 // does not survive fork). Every wait has a deadline; a server or perftest
 // that does not answer is killed and the row reports the error.
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -27,11 +41,13 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "transport/ucx/am_rma.h"
 #include "transport/ucx/context.h"
 #include "transport/ucx/endpoint.h"
 #include "transport/ucx/get_engine.h"
@@ -94,9 +110,10 @@ ContextConfig context_config(const std::string& transport, const std::string& na
   return cfg;
 }
 
-// --serve TRANSPORT: registers a buffer, sends address, rkey and base on
-// fd 3, progresses until the parent writes a byte or goes away.
-int serve(const std::string& transport) {
+// --serve TRANSPORT MEMORY: registers a buffer, sends address, rkey and base
+// on fd 3, serves tcp GETs (AmRmaServer), progresses until the parent
+// writes a byte or goes away.
+int serve(const std::string& transport, const std::string& memory) {
   const int fd = 3;
   auto ctx = Context::create(context_config(transport, "bench-server"));
   if (!ctx) {
@@ -105,11 +122,24 @@ int serve(const std::string& transport) {
   }
   auto worker = Worker::create(*ctx);
   if (!worker) return 2;
-  std::vector<uint8_t> buf(kBufferBytes, 0x5A);
-  auto region = MemoryRegion::map(*ctx, buf.data(), buf.size(), "bench buffer");
+  std::vector<uint8_t> buf;
+  Result<MemoryRegion> region = Status::internal("unset");
+  if (memory == "ucx") {
+    region = MemoryRegion::allocate(*ctx, kBufferBytes, "bench buffer");
+  } else {
+    buf.assign(kBufferBytes, 0x5A);
+    region = MemoryRegion::map(*ctx, buf.data(), buf.size(), "bench buffer");
+  }
   auto addr = worker->address();
-  if (!region || !addr) return 2;
-  uint64_t base = reinterpret_cast<uint64_t>(buf.data());
+  if (!region || !addr) {
+    std::cerr << (region ? addr.status() : region.status()).message() << "\n";
+    return 2;
+  }
+  std::memset(region->base(), 0x5A, region->length());
+  auto server = AmRmaServer::create(*worker);
+  if (!server) return 2;
+  (*server)->export_region(*region);
+  uint64_t base = reinterpret_cast<uint64_t>(region->base());
   std::vector<uint8_t> b(8);
   std::memcpy(b.data(), &base, 8);
   if (!send_blob(fd, *addr) || !send_blob(fd, region->packed_rkey()) || !send_blob(fd, b)) return 3;
@@ -128,7 +158,29 @@ int serve(const std::string& transport) {
 struct Child {
   pid_t pid = -1;
   int fd = -1;
+  int log_fd = -1;  // the server's stderr, where UCX logs its lanes
 };
+
+// The "ep_cfg[N]: ..." lines UCX logged at info level (the lanes of each
+// endpoint configuration it made) in what `fd` has buffered so far.
+std::string ep_cfg_lines(int fd) {
+  std::string text;
+  char buf[4096];
+  while (true) {
+    pollfd pf = {fd, POLLIN, 0};
+    if (::poll(&pf, 1, 0) <= 0) break;
+    ssize_t k = ::read(fd, buf, sizeof(buf));
+    if (k <= 0) break;
+    text.append(buf, static_cast<size_t>(k));
+  }
+  std::string out;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    auto at = line.find("ep_cfg[");
+    if (at != std::string::npos) out += (out.empty() ? "" : "; ") + line.substr(at);
+  }
+  return out;
+}
 
 void reap(pid_t pid, std::chrono::milliseconds grace) {
   auto deadline = Clock::now() + grace;
@@ -143,21 +195,29 @@ void reap(pid_t pid, std::chrono::milliseconds grace) {
   }
 }
 
-Result<Child> start_server(const std::string& self, const std::string& transport) {
+Result<Child> start_server(const std::string& self, const std::string& transport,
+                           const std::string& memory) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
     return Status::io_error("bench: socketpair failed");
   }
+  int log[2];
+  if (::pipe2(log, O_CLOEXEC) != 0) return Status::io_error("bench: pipe failed");
   pid_t pid = ::fork();
   if (pid < 0) return Status::io_error("bench: fork failed");
   if (pid == 0) {
     ::dup2(sv[1], 3);
-    const char* argv[] = {self.c_str(), "--serve", transport.c_str(), nullptr};
+    ::dup2(log[1], 1);  // UCX logs to stdout
+    ::dup2(log[1], 2);
+    // The server's UCX logs the lanes of its side of each endpoint.
+    ::setenv("UCX_LOG_LEVEL", "info", 1);
+    const char* argv[] = {self.c_str(), "--serve", transport.c_str(), memory.c_str(), nullptr};
     ::execv(self.c_str(), const_cast<char* const*>(argv));
     ::_exit(127);
   }
   ::close(sv[1]);
-  return Child{pid, sv[0]};
+  ::close(log[1]);
+  return Child{pid, sv[0], log[0]};
 }
 
 // Runs a command with extra environment, stdout captured, within `timeout`.
@@ -202,10 +262,16 @@ Result<std::string> run_capture(std::vector<std::string> args,
   return out;
 }
 
+struct Perftest {
+  double gbps = 0;
+  std::string lanes;  // its "ep_cfg[N]: ..." info lines
+};
+
 // ucx_perftest's "Final:" row; overall bandwidth is column 6, in MB/s of
-// 2^20 bytes.
-Result<double> perftest_gbps(const std::string& tls, const std::string& transport,
-                             uint64_t size, uint64_t outstanding, uint64_t iters, int port) {
+// 2^20 bytes. The client runs with UCX_LOG_LEVEL=info so that it logs the
+// lanes it got (ucp_worker_print_used_tls: "ep_cfg[0]: rma(sysv/memory)").
+Result<Perftest> run_perftest(const std::string& tls, const std::string& transport,
+                              uint64_t size, uint64_t outstanding, uint64_t iters, int port) {
   std::vector<std::pair<std::string, std::string>> env = {{"UCX_TLS", tls}};
   if (transport == "tcp") env.push_back({"UCX_NET_DEVICES", "lo"});
   pid_t server = -1;
@@ -213,25 +279,55 @@ Result<double> perftest_gbps(const std::string& tls, const std::string& transpor
                        std::chrono::seconds(60), &server);
   if (!s) return s.status();
   ::usleep(300000);  // the server listens within milliseconds; no readiness signal exists
+  auto client_env = env;
+  client_env.push_back({"UCX_LOG_LEVEL", "info"});
   auto out = run_capture({"ucx_perftest", "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get",
                           "-s", std::to_string(size), "-n", std::to_string(iters), "-O",
                           std::to_string(outstanding), "-w", std::to_string(iters / 10 + 1)},
-                         env, std::chrono::seconds(60));
+                         client_env, std::chrono::seconds(60));
   reap(server, std::chrono::seconds(2));
   if (!out) return out.status();
-  auto pos = out->find("Final:");
-  if (pos == std::string::npos) {
-    return Status::io_error("ucx_perftest gave no result: " + out->substr(0, 300));
+  Perftest result;
+  std::istringstream lines(*out);
+  for (std::string line; std::getline(lines, line);) {
+    auto at = line.find("ep_cfg[");
+    if (at != std::string::npos) result.lanes += (result.lanes.empty() ? "" : "; ") + line.substr(at);
   }
-  std::istringstream row(out->substr(pos + 6));
+  // The row is "Final: <iterations> <typical lat> <avg lat> <overall lat>
+  // <avg MB/s> <overall MB/s> <avg msg/s> <overall msg/s>". The columns are
+  // fixed-width: a wide number (large sizes give bandwidths or latencies
+  // above the column width) runs into its neighbour, so split on
+  // whitespace and insist on all eight fields.
+  auto pos = out->rfind("Final:");
+  if (pos == std::string::npos) {
+    return Status::io_error("ucx_perftest (" + std::to_string(size) +
+                            " bytes) gave no \"Final:\" row: " + out->substr(0, 300));
+  }
+  auto eol = out->find('\n', pos);
+  const std::string final_row = out->substr(pos + 6, eol == std::string::npos ? eol : eol - pos - 6);
+  std::istringstream row(final_row);
   std::vector<double> cols;
-  for (double v; row >> v && cols.size() < 8;) cols.push_back(v);
-  if (cols.size() < 6) return Status::io_error("ucx_perftest: unexpected Final row");
-  return cols[5] * 1048576.0 / 1e9;
+  for (std::string tok; row >> tok;) {
+    char* end = nullptr;
+    double v = std::strtod(tok.c_str(), &end);
+    if (end == tok.c_str() || *end != 0) {
+      return Status::io_error("ucx_perftest (" + std::to_string(size) + " bytes): field \"" +
+                              tok + "\" of its Final row is not a number: \"" + final_row + "\"");
+    }
+    cols.push_back(v);
+  }
+  if (cols.size() != 8) {
+    return Status::io_error("ucx_perftest (" + std::to_string(size) + " bytes): Final row has " +
+                            std::to_string(cols.size()) + " fields, expected 8: \"" + final_row +
+                            "\"");
+  }
+  result.gbps = cols[5] * 1048576.0 / 1e9;
+  return result;
 }
 
 struct Row {
   std::string transport;
+  std::string memory;
   uint64_t bytes = 0;
   double engine_gbps = 0;
   double perftest_gbps = 0;
@@ -239,10 +335,11 @@ struct Row {
 };
 
 Status bench_transport(const std::string& self, const std::string& transport,
-                       PeerErrorHandling err_mode, std::vector<Row>* rows) {
+                       PeerErrorHandling err_mode, const std::string& memory,
+                       std::vector<Row>* rows) {
   auto tls = ucx_tls_string({transport}, "bench");
   if (!tls) return tls.status();
-  auto child = start_server(self, transport);
+  auto child = start_server(self, transport, memory);
   if (!child) return child.status();
   struct Stop {
     Child c;
@@ -251,6 +348,7 @@ Status bench_transport(const std::string& self, const std::string& transport,
       (void)::send(c.fd, &b, 1, MSG_NOSIGNAL);
       reap(c.pid, std::chrono::seconds(3));
       ::close(c.fd);
+      ::close(c.log_fd);
     }
   } stop{*child};
   std::vector<uint8_t> addr, rkey, base_bytes;
@@ -268,14 +366,34 @@ Status bench_transport(const std::string& self, const std::string& transport,
   if (!worker) return worker.status();
   auto ep = Endpoint::create(*worker, addr, "bench-server", err_mode);
   if (!ep) return ep.status();
+  std::printf("%s, %s memory, %s: engine endpoint lanes%s:\n  %s\n", transport.c_str(),
+              memory.c_str(), err_mode == PeerErrorHandling::kPeer ? "kPeer" : "kNone",
+              ep->rma_in_software() ? " (no RMA lane: GETs go as refit active messages)" : "",
+              [&] {
+                std::string l = ep->lanes();
+                for (size_t i = 0; (i = l.find('\n', i)) != std::string::npos; i += 3) {
+                  l.replace(i, 1, "\n  ");
+                }
+                return l;
+              }().c_str());
+  bool printed_perftest_lanes = false;
+  bool printed_server_lanes = false;
   REFIT_RETURN_IF_ERROR(ep->import_rkey(1, rkey));
-  std::vector<uint8_t> local(kBufferBytes);
-  auto region = MemoryRegion::map(*ctx, local.data(), local.size(), "bench local");
+  // Page-aligned, as ucx_perftest's buffers are: on shm a GET is a memcpy,
+  // and a destination off a 64-byte boundary costs it about a tenth.
+  std::unique_ptr<uint8_t, decltype(&std::free)> local_buf(
+      static_cast<uint8_t*>(std::aligned_alloc(4096, kBufferBytes)), &std::free);
+  if (!local_buf) return Status::io_error("bench: cannot allocate the local buffer");
+  std::memset(local_buf.get(), 0, kBufferBytes);
+  uint8_t* const local = local_buf.get();
+  auto region = MemoryRegion::map(*ctx, local, kBufferBytes, "bench local");
   if (!region) return region.status();
 
-  int port = 20000 + (::getpid() % 20000);
+  // A fresh port for every perftest pair, across transports too: a server
+  // that is still going away holds its port for a moment.
+  static int port = 20000 + (::getpid() % 20000);
   for (uint64_t size : kSizes) {
-    Row row{transport, size};
+    Row row{transport, memory, size};
     const uint64_t ops = std::max<uint64_t>(1, kWindowBytes / size);
     GetEngineOptions opts;
     opts.limits.chunk_bytes = size;
@@ -286,16 +404,21 @@ Status bench_transport(const std::string& self, const std::string& transport,
     auto engine = GetEngine::create(*worker, opts);
     if (!engine) return engine.status();
     (*engine)->add_local_region(*region);
-    // Like ucx_perftest, GETs cycle over a window-sized footprint (perftest
-    // reuses one buffer), so both measure the transport, not DRAM.
-    const uint64_t footprint = std::max(kWindowBytes, size);
+    // Like ucx_perftest, every GET uses the same remote and local range
+    // (perftest reuses one buffer), so both measure the transport, not DRAM.
     std::vector<GetRun> runs;
     for (uint64_t i = 0; i < std::max<uint64_t>(1, kBufferBytes / size); ++i) {
-      uint64_t off = (i * size) % footprint;
-      runs.push_back(GetRun{&*ep, 1, remote_base + off, local.data() + off, size});
+      runs.push_back(GetRun{&*ep, 1, remote_base, local, size});
     }
     auto warm = (*engine)->run_batch(runs, Clock::now() + std::chrono::seconds(30));
     if (!warm.status.is_ok()) return warm.status;
+    if (!printed_server_lanes) {  // its side of the endpoint exists by now
+      const std::string lines = ep_cfg_lines(child->log_fd);
+      std::printf("%s: server lanes:\n  %s\n", transport.c_str(),
+                  lines.empty() ? "(none logged: no endpoint config on the server's side)"
+                                : lines.c_str());
+      printed_server_lanes = true;
+    }
     uint64_t bytes = 0;
     const auto start = Clock::now();
     int batches = 0;
@@ -308,9 +431,14 @@ Status bench_transport(const std::string& self, const std::string& transport,
     double secs = std::chrono::duration<double>(Clock::now() - start).count();
     row.engine_gbps = static_cast<double>(bytes) / secs / 1e9;
     uint64_t iters = std::max<uint64_t>(20, bytes / size);
-    auto pt = perftest_gbps(*tls, transport, size, ops, iters, port++);
+    auto pt = run_perftest(*tls, transport, size, ops, iters, port++);
     if (pt) {
-      row.perftest_gbps = *pt;
+      row.perftest_gbps = pt->gbps;
+      if (!printed_perftest_lanes) {
+        std::printf("%s: ucx_perftest lanes:\n  %s\n", transport.c_str(),
+                    pt->lanes.empty() ? "(not logged)" : pt->lanes.c_str());
+        printed_perftest_lanes = true;
+      }
     } else {
       row.error = pt.status().message();
     }
@@ -323,22 +451,29 @@ Status bench_transport(const std::string& self, const std::string& transport,
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.size() == 2 && args[0] == "--serve") return serve(args[1]);
+  if (args.size() == 3 && args[0] == "--serve") return serve(args[1], args[2]);
   std::vector<std::string> transports = {"tcp", "shm"};
   std::string json_path;
-  PeerErrorHandling err_mode = PeerErrorHandling::kPeer;
+  std::optional<PeerErrorHandling> forced_mode;
+  std::string memory;  // empty: per transport
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--no-peer-errors") {
-      err_mode = PeerErrorHandling::kNone;
-      continue;
-    }
-    if (args[i] == "--transport" && i + 1 < args.size()) {
+      forced_mode = PeerErrorHandling::kNone;
+    } else if (args[i] == "--peer-errors") {
+      forced_mode = PeerErrorHandling::kPeer;
+    } else if (args[i] == "--transport" && i + 1 < args.size()) {
       transports = {args[++i]};
+    } else if (args[i] == "--memory" && i + 1 < args.size()) {
+      memory = args[++i];
+      if (memory != "ucx" && memory != "user") {
+        std::cerr << "refit-ucx-bench: --memory must be ucx or user, got \"" << memory << "\"\n";
+        return 2;
+      }
     } else if (args[i] == "--json" && i + 1 < args.size()) {
       json_path = args[++i];
     } else {
-      std::cerr << "usage: refit-ucx-bench [--transport tcp|shm] [--json FILE] "
-                   "[--no-peer-errors]\n";
+      std::cerr << "usage: refit-ucx-bench [--transport tcp|shm] [--memory ucx|user] "
+                   "[--peer-errors|--no-peer-errors] [--json FILE]\n";
       return 2;
     }
   }
@@ -357,21 +492,25 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   int rc = 0;
   for (const auto& t : transports) {
-    Status s = bench_transport(self, t, err_mode, &rows);
+    const PeerErrorHandling mode =
+        forced_mode.value_or(t == "shm" ? PeerErrorHandling::kNone : PeerErrorHandling::kPeer);
+    const std::string mem = !memory.empty() ? memory : t == "shm" ? "ucx" : "user";
+    Status s = bench_transport(self, t, mode, mem, &rows);
     if (!s.is_ok()) {
       std::cerr << "refit-ucx-bench: " << t << ": " << s.message() << "\n";
       rc = 1;
     }
   }
-  std::printf("%-9s %10s %12s %14s %7s\n", "transport", "bytes", "engine GB/s", "perftest GB/s",
-              "ratio");
+  std::printf("%-9s %-6s %10s %12s %14s %7s\n", "transport", "memory", "bytes", "engine GB/s",
+              "perftest GB/s", "ratio");
   nlohmann::json results = nlohmann::json::array();
   for (const auto& r : rows) {
     double ratio = r.perftest_gbps > 0 ? r.engine_gbps / r.perftest_gbps : 0;
-    std::printf("%-9s %10llu %12.2f %14.2f %7.2f%s%s\n", r.transport.c_str(),
-                static_cast<unsigned long long>(r.bytes), r.engine_gbps, r.perftest_gbps, ratio,
+    std::printf("%-9s %-6s %10llu %12.2f %14.2f %7.2f%s%s\n", r.transport.c_str(),
+                r.memory.c_str(), static_cast<unsigned long long>(r.bytes), r.engine_gbps, r.perftest_gbps, ratio,
                 r.error.empty() ? "" : "  ", r.error.c_str());
     nlohmann::json j = {{"transport", r.transport},
+                        {"memory", r.memory},
                         {"bytes", r.bytes},
                         {"engine_gbps", r.engine_gbps},
                         {"perftest_gbps", r.perftest_gbps},

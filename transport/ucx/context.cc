@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
 #include <string_view>
 
 #include "transport/ucx/ucx_status.h"
@@ -20,6 +24,32 @@ constexpr std::array<std::string_view, 36> kUcxTransports = {
     "ud_mlx5",   "cuda",     "cuda_copy", "cuda_ipc", "gdr_copy", "rocm",
     "rocm_copy", "rocm_ipc", "ugni",     "ugni_rdma", "ugni_udt", "ugni_smsg",
 };
+
+// The device names of a context's transport resources, from
+// ucp_context_print_info (UCX 1.13 has no API that lists them): lines like
+// "#      resource 1  :  md 1  dev 1  flags -- tcp/lo" give "lo".
+std::vector<std::string> resource_devices(ucp_context_h context) {
+  std::vector<std::string> devs;
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (f == nullptr) return devs;
+  ucp_context_print_info(context, f);
+  std::fclose(f);
+  std::istringstream in(std::string(buf, len));
+  std::free(buf);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("resource") == std::string::npos) continue;
+    auto slash = line.rfind('/');
+    if (slash == std::string::npos) continue;
+    std::string dev = line.substr(slash + 1);
+    while (!dev.empty() && std::isspace(static_cast<unsigned char>(dev.back()))) dev.pop_back();
+    if (!dev.empty() && std::find(devs.begin(), devs.end(), dev) == devs.end()) {
+      devs.push_back(dev);
+    }
+  }
+  return devs;
+}
 
 std::string join(const std::vector<std::string>& v) {
   std::string out;
@@ -41,11 +71,15 @@ Result<std::string> ucx_tls_string(const std::vector<std::string>& transports,
   };
   for (const auto& t : transports) {
     if (t == "shm") {
-      // cma does the zero-copy GETs from user memory. UCX 1.13's posix and
-      // sysv have no peer-failure support, so with UCP_ERR_HANDLING_MODE_PEER
-      // (which refit needs on every endpoint) UCX refuses them for the
-      // wireup/keepalive AM lane; tcp carries that lane instead. The data
-      // path stays cma (UCX picks the highest-bandwidth RMA lane).
+      // posix and sysv carry the active messages and, for memory UCX
+      // allocated (MemoryRegion::allocate), the GETs themselves: a memcpy
+      // from the peer's mapped segment, as ucx_perftest does; for other
+      // memory UCX 1.13 emulates GETs with posix/sysv active messages (cma
+      // serves only its rendezvous protocol). tcp is there for
+      // endpoints with PeerErrorHandling::kPeer: UCX 1.13's posix/sysv have
+      // no peer-failure support, so such an endpoint gets only a tcp lane
+      // (and refit's active-message GETs, am_rma.h). Measured lanes and
+      // bandwidths: refit-ucx-bench --transport shm.
       add("posix");
       add("sysv");
       add("cma");
@@ -109,7 +143,47 @@ Result<Context> Context::create(const ContextConfig& config) {
                             (config.devices.empty() ? "" : " devices \"" + join(config.devices) + "\"") +
                             "; check that these transports and devices exist here (ucx_info -d)");
   }
-  return Context(handle, config.name);
+  Context context(handle, config.name);
+  REFIT_RETURN_IF_ERROR(check_devices(context, config, *tls));
+  return context;
+}
+
+Status Context::check_devices(const Context& context, const ContextConfig& config,
+                              const std::string& tls) {
+  if (config.devices.empty()) return Status::ok();
+  // UCX only warns about a network device it does not have and runs without
+  // it, which would turn a typo into a context with no network at all.
+  const std::vector<std::string> have = resource_devices(context.get());
+  std::vector<std::string> missing;
+  for (const auto& d : config.devices) {
+    if (d != "all" && std::find(have.begin(), have.end(), d) == have.end()) missing.push_back(d);
+  }
+  if (missing.empty()) return Status::ok();
+  // What is there: the same transports on every device.
+  std::string available = "(none)";
+  ucp_config_t* probe_config = nullptr;
+  if (ucp_config_read(nullptr, nullptr, &probe_config) == UCS_OK) {
+    ucp_params_t params = {};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    ucp_context_h probe = nullptr;
+    if (ucp_config_modify(probe_config, "TLS", tls.c_str()) == UCS_OK &&
+        ucp_config_modify(probe_config, "NET_DEVICES", "all") == UCS_OK &&
+        ucp_init(&params, probe_config, &probe) == UCS_OK) {
+      std::vector<std::string> all = resource_devices(probe);
+      all.erase(std::remove_if(all.begin(), all.end(),
+                               [](const std::string& d) {
+                                 return d.rfind("memory", 0) == 0;  // shm and self
+                               }),
+                all.end());
+      if (!all.empty()) available = join(all);
+      ucp_cleanup(probe);
+    }
+    ucp_config_release(probe_config);
+  }
+  return Status::invalid("ucx context \"" + config.name + "\": device \"" + missing.front() +
+                         "\" in devices is not a UCX network device here for transports \"" +
+                         tls + "\"; UCX reports: " + available);
 }
 
 Context::Context(Context&& other) noexcept

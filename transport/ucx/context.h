@@ -17,14 +17,15 @@ namespace refit::ucx {
 struct ContextConfig {
   // Names this context in error messages ("network", "local").
   std::string name = "ucx";
-  // refit transport names. "tcp", "shm" (cma for the GETs, plus tcp for the
-  // control lane that peer-failure handling needs in UCX 1.13), "self", or a
+  // refit transport names. "tcp", "shm" (posix, sysv and cma, plus tcp for
+  // endpoints with PeerErrorHandling::kPeer: see endpoint.h), "self", or a
   // UCX transport name (rc, dc, ud, cma, posix, ...). Empty means UCX's
   // default ("all"). "self" is always added so that a process can GET from
   // itself.
   std::vector<std::string> transports;
   // Network devices (UCX NET_DEVICES), e.g. {"lo"} or {"mlx5_0:1"}; empty
-  // means all.
+  // means all. A name UCX does not report for these transports is an error
+  // naming it and listing the ones UCX has (UCX itself only warns).
   std::vector<std::string> devices;
   // How soon UCX notices a silent dead peer (UCX KEEPALIVE_INTERVAL). Zero
   // keeps UCX's default.
@@ -34,8 +35,8 @@ struct ContextConfig {
 class Context {
  public:
   // Reads UCX's defaults, applies `config` with ucp_config_modify and calls
-  // ucp_init with RMA, AM and WAKEUP. An unknown transport name or a setting
-  // UCX refuses gives an invalid-argument Status naming the setting.
+  // ucp_init with RMA, AM and WAKEUP. An unknown transport or device name,
+  // or a setting UCX refuses, gives an invalid-argument Status naming it.
   static Result<Context> create(const ContextConfig& config);
 
   Context(Context&& other) noexcept;
@@ -49,6 +50,8 @@ class Context {
 
  private:
   Context(ucp_context_h handle, std::string name) : handle_(handle), name_(std::move(name)) {}
+  static Status check_devices(const Context& context, const ContextConfig& config,
+                              const std::string& tls);
   ucp_context_h handle_ = nullptr;
   std::string name_;
 };

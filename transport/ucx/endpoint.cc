@@ -1,6 +1,9 @@
 #include "transport/ucx/endpoint.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
 
 #include "transport/ucx/ucx_status.h"
 #include "transport/ucx/wire_blob.h"
@@ -27,7 +30,36 @@ Result<Endpoint> Endpoint::create(Worker& worker, std::span<const uint8_t> peer_
   params.err_handler.arg = state.get();
   ucs_status_t st = ucp_ep_create(worker.get(), &params, &state->ep);
   if (st != UCS_OK) return from_ucs(st, where + ": ucp_ep_create");
+  read_lanes(state.get());
   return Endpoint(std::move(state));
+}
+
+void Endpoint::read_lanes(State* s) {
+  // ucp_ep_print_info is the only UCX 1.13 API that tells which transport
+  // carries what; its lane lines look like
+  //   "#   lane[2]:  3:cma/memory.0 md[3]  -> md[3]/cma/sysdev[255] rma_bw#0".
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (f == nullptr) return;
+  ucp_ep_print_info(s->ep, f);
+  std::fclose(f);
+  std::istringstream in(std::string(buf, len));
+  std::free(buf);
+  // UCX prints a "get[N]: <protocols>" line for each RMA lane it would use
+  // for ucp_get_nbx (rc, posix/sysv for memory it allocated, ...); with
+  // none, GETs go through its active-message emulation.
+  bool any_rma = false;
+  for (std::string line; std::getline(in, line);) {
+    auto at = line.find("get[");
+    if (at != std::string::npos) any_rma = true;
+    if (at == std::string::npos) at = line.find("lane[");
+    if (at == std::string::npos) continue;
+    line = line.substr(at);
+    if (!s->lanes.empty()) s->lanes += "\n";
+    s->lanes += line;
+  }
+  s->rma_in_software = !any_rma;
 }
 
 void Endpoint::on_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {

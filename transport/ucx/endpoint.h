@@ -31,9 +31,14 @@ enum class PeerErrorHandling {
   // callback and fails the requests in flight. The default.
   kPeer,
   // UCP_ERR_HANDLING_MODE_NONE. Only for the shared-memory fast path: in UCX
-  // 1.13 neither cma nor posix/sysv support peer failure, so with kPeer UCX
-  // emulates GETs over a tcp control lane at tcp speed. With kNone the batch
-  // deadline is the only guard against a dead peer.
+  // 1.13 posix/sysv have no peer-failure support, so with kPeer UCX leaves a
+  // shared-memory endpoint nothing but a tcp lane (and the engine moves data
+  // as refit active messages over it, am_rma.h). With kNone the endpoint
+  // gets sysv/posix lanes, GETs from UCX-allocated memory become memcpy
+  // from the mapped segment (MemoryRegion::allocate); other memory is
+  // served by UCX's GET emulation over posix/sysv active messages (cma only
+  // serves rendezvous in UCX 1.13; measured 2-10 GB/s against 40-50). The
+  // batch deadline is then the only guard against a dead peer.
   kNone,
 };
 
@@ -55,6 +60,18 @@ class Endpoint {
 
   ucp_ep_h get() const { return state_ ? state_->ep : nullptr; }
   const std::string& name() const { return state_->name; }
+
+  // The lanes UCX chose for this endpoint and its GET protocols per RMA
+  // lane (from ucp_ep_print_info, read once at create), e.g.
+  // "lane[0]: 3:sysv/memory.0 ... am am_bw#0" and "get[0]: 0..<bcopy>..(inf)".
+  // For logs and the bench.
+  const std::string& lanes() const { return state_->lanes; }
+  // True when UCX has no RMA lane to this peer and would emulate GET/PUT
+  // with its internal active messages (tcp in UCX 1.13, and shared memory
+  // with kPeer). The GetEngine then moves data with refit's own active
+  // messages instead, served by the peer's AmRmaServer (am_rma.h), because
+  // UCX 1.13's emulation aborts the target process when the puller dies.
+  bool rma_in_software() const { return state_->rma_in_software; }
 
   // True once UCX reported an error on this endpoint or it was force-closed.
   bool failed() const { return !state_ || state_->failed.load(std::memory_order_acquire); }
@@ -83,6 +100,8 @@ class Endpoint {
     std::atomic<bool> failed{false};
     ucs_status_t ucx_error = UCS_OK;  // set by the error callback
     std::string reason;               // set by force_close
+    std::string lanes;
+    bool rma_in_software = false;
     struct Key {
       std::vector<uint8_t> packed;
       RemoteKey key;
@@ -90,6 +109,7 @@ class Endpoint {
     std::unordered_map<uint64_t, Key> rkeys;
   };
   static void on_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static void read_lanes(State* s);
   void close(bool force, std::chrono::steady_clock::time_point deadline);
 
   explicit Endpoint(std::unique_ptr<State> s) : state_(std::move(s)) {}

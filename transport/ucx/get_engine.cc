@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 
 #include "transport/ucx/ucx_status.h"
 
@@ -18,9 +19,11 @@ std::string hex(uint64_t v) {
   return buf;
 }
 
+const char* op_name(Op op) { return op == Op::kPut ? "PUT" : "GET"; }
+
 std::string run_name(uint32_t i, const GetRun& r) {
-  return "run " + std::to_string(i) + " (" + std::to_string(r.bytes) + " bytes from " +
-         hex(r.remote_address) +
+  return "run " + std::to_string(i) + " (" + op_name(r.op) + " of " + std::to_string(r.bytes) +
+         (r.op == Op::kPut ? " bytes to " : " bytes from ") + hex(r.remote_address) +
          (r.endpoint ? " on endpoint \"" + r.endpoint->name() + "\"" : std::string()) + ")";
 }
 
@@ -34,6 +37,7 @@ Result<std::unique_ptr<GetEngine>> GetEngine::create(Worker& worker, GetEngineOp
                            "ThreadMode::kSerialized");
   }
   std::unique_ptr<GetEngine> engine(new GetEngine(worker, options));
+  REFIT_RETURN_IF_ERROR(engine->set_reply_handlers(true));
   if (options.progress_thread) {
     auto fd = worker.event_fd();
     if (!fd) return fd.status().with_context("ucx get engine: progress thread");
@@ -54,6 +58,28 @@ GetEngine::~GetEngine() {
     (void)worker_.signal();
     thread_.join();
   }
+  std::lock_guard<std::mutex> lock(mutex_);
+  (void)set_reply_handlers(false);
+}
+
+Status GetEngine::set_reply_handlers(bool on) {
+  for (unsigned id : {am_rma::kGetReply, am_rma::kPutReply}) {
+    if (!on) {
+      REFIT_RETURN_IF_ERROR(am_rma::install_fallback_handler(worker_.get(), id));
+      continue;
+    }
+    ucp_am_handler_param_t p = {};
+    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                   UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    p.id = id;
+    p.flags = UCP_AM_FLAG_WHOLE_MSG;
+    p.cb = &GetEngine::on_am_reply;
+    p.arg = this;
+    REFIT_RETURN_IF_ERROR(from_ucs(ucp_worker_set_am_recv_handler(worker_.get(), &p),
+                                   "ucx get engine: registering the handler for AM id " +
+                                       std::to_string(id)));
+  }
+  return Status::ok();
 }
 
 void GetEngine::add_local_region(const MemoryRegion& region) {
@@ -92,6 +118,10 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
         return r.endpoint->failure().with_context(run_name(i, r));
       }
       return Status::invalid(run_name(i, r) + ": no endpoint");
+    }
+    if (r.op != Op::kGet && r.op != Op::kPut) {
+      return Status::invalid(run_name(i, r) + ": unknown op " +
+                             std::to_string(static_cast<unsigned>(r.op)));
     }
     if (r.bytes == 0) {
       return Status::invalid(run_name(i, r) + ": zero bytes; drop empty runs before submitting");
@@ -203,7 +233,7 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   if (timed_out) {
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     cancel_locked("batch deadline exceeded after " + std::to_string(ms.count()) +
-                  " ms; GETs in flight were cancelled by closing the endpoint");
+                  " ms; GETs/PUTs in flight were cancelled by closing the endpoint");
   }
 
   report.runs = run_status_;
@@ -215,13 +245,112 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   if (outstanding_ != 0) {
     report.status = Status::internal(
         "ucx get engine: " + std::to_string(outstanding_) +
-        " GET requests still outstanding after cancel; their slots stay owned by the engine");
+        " GET/PUT requests still outstanding after cancel; their slots stay owned by the engine");
   }
   scheduler_.reset();
   runs_ = {};
   on_run_done_ = nullptr;
   report.elapsed = Clock::now() - start;
   return report;
+}
+
+Status GetEngine::flush(std::span<Endpoint* const> endpoints, Clock::time_point deadline) {
+  const auto start = Clock::now();
+  std::unique_lock<std::mutex> lock(mutex_);
+  // No callback: a flush that is abandoned at the deadline is handed back to
+  // UCX with ucp_request_free and completes later without touching engine
+  // memory, so the engine may be gone by then.
+  struct Pending {
+    Endpoint* ep;
+    void* req;              // nullptr once finished
+    bool reported = false;  // its error is already in `errors`
+  };
+  std::vector<Pending> pending;
+  std::vector<std::string> errors;
+  auto fail = [&](Endpoint* ep, const Status& why) {
+    errors.push_back(why.message());
+    ep->force_close(why.message(), Clock::now() + options_.cancel_grace);
+  };
+  for (Endpoint* ep : endpoints) {
+    if (ep == nullptr) {
+      errors.push_back("ucx flush: null endpoint");
+      continue;
+    }
+    if (std::any_of(pending.begin(), pending.end(), [&](const Pending& p) { return p.ep == ep; })) {
+      continue;  // listed twice
+    }
+    if (ep->failed() || ep->get() == nullptr) {
+      // Its PUTs may not have landed; it is not flushed, only reported.
+      Status why = ep->failure();
+      errors.push_back(why.is_ok() ? "ucx endpoint \"" + ep->name() + "\": closed" : why.message());
+      continue;
+    }
+    ucp_request_param_t param = {};
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->get(), &param);
+    if (UCS_PTR_IS_ERR(req)) {
+      fail(ep, from_ucs(UCS_PTR_STATUS(req), "ucx endpoint \"" + ep->name() + "\": flush"));
+    } else if (req != nullptr) {
+      pending.push_back(Pending{ep, req, false});
+    }
+  }
+
+  // Same progress discipline as run_batch(): spin on progress without a
+  // progress thread, wait on batch_cv_ (signalled after each progress
+  // round) with one.
+  auto collect = [&] {
+    size_t left = 0;
+    for (Pending& p : pending) {
+      if (p.req == nullptr) continue;
+      ucs_status_t st = ucp_request_check_status(p.req);
+      if (st == UCS_INPROGRESS) {
+        ++left;
+        continue;
+      }
+      ucp_request_free(p.req);
+      p.req = nullptr;
+      if (st != UCS_OK && !p.reported) {
+        p.reported = true;
+        fail(p.ep, from_ucs(st, "ucx endpoint \"" + p.ep->name() + "\": flush"));
+      }
+    }
+    return left;
+  };
+  auto last_event = Clock::now();
+  while (collect() > 0) {
+    const auto now = Clock::now();
+    if (now >= deadline) break;
+    if (thread_.joinable()) {
+      (void)worker_.signal();
+      batch_cv_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(5)));
+    } else if (worker_.progress() != 0) {
+      last_event = now;
+    } else if (now - last_event > std::chrono::milliseconds(10)) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+      (void)worker_.wait(std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(1)));
+    }
+  }
+
+  if (collect() > 0) {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    const std::string reason = "flush deadline exceeded after " + std::to_string(ms.count()) +
+                               " ms; the endpoint was closed, so PUTs on it may not have landed";
+    for (Pending& p : pending) {
+      if (p.req == nullptr) continue;
+      errors.push_back("ucx endpoint \"" + p.ep->name() + "\": " + reason);
+      p.reported = true;
+      p.ep->force_close(reason, Clock::now() + options_.cancel_grace);
+    }
+    const auto grace = Clock::now() + options_.cancel_grace;
+    while (collect() > 0 && Clock::now() < grace) worker_.progress();
+    for (Pending& p : pending) {
+      if (p.req != nullptr) ucp_request_free(p.req);  // UCX frees it on completion
+    }
+  }
+  if (errors.empty()) return Status::ok();
+  std::string msg = "ucx flush of " + std::to_string(endpoints.size()) + " endpoint(s) failed: " +
+                    errors.front();
+  if (errors.size() > 1) msg += " (and " + std::to_string(errors.size() - 1) + " more)";
+  return Status::io_error(msg);
 }
 
 void GetEngine::fail_run_locked(uint32_t run, const Status& status) {
@@ -249,6 +378,7 @@ void GetEngine::pump_locked() {
     }
     for (uint32_t run : scheduler_->drop_endpoint(e)) finish_run_locked(run);
     batch_eps_[e]->force_close("peer failed", Clock::now() + options_.cancel_grace);
+    abandon_am_locked(batch_eps_[e]);
   }
   while (auto c = scheduler_->next()) issue_locked(*c);
 }
@@ -261,10 +391,14 @@ GetEngine::Slot* GetEngine::take_slot_locked() {
   } else {
     slots_.emplace_back();
     s = &slots_.back();
+    s->index = static_cast<uint32_t>(slots_.size() - 1);
   }
   s->engine = this;
   s->in_use = true;
   s->generation = generation_;
+  ++s->seq;
+  s->am = false;
+  s->endpoint = nullptr;
   return s;
 }
 
@@ -274,16 +408,25 @@ void GetEngine::issue_locked(const Chunk& c) {
   slot->chunk = c;
   ++outstanding_;
   ++gets_issued_;
+  if (r.endpoint->rma_in_software()) {
+    issue_am_locked(slot, r);
+    return;
+  }
   ucp_request_param_t param = {};
   // No UCP_OP_ATTR_FIELD_MEMH: measured on UCX 1.13 with cma it pushes GETs
   // off the zero-copy lane (0.5 GB/s instead of 10); UCX finds the
   // registration in its cache instead.
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = &GetEngine::on_get_done;
+  param.cb.send = &GetEngine::on_op_done;
   param.user_data = slot;
+  void* local = static_cast<uint8_t*>(r.local_address) + c.offset;
+  ucp_rkey_h rkey = r.endpoint->rkey(r.rkey_id)->get();
   ucs_status_ptr_t req =
-      ucp_get_nbx(r.endpoint->get(), static_cast<uint8_t*>(r.local_address) + c.offset, c.bytes,
-                  r.remote_address + c.offset, r.endpoint->rkey(r.rkey_id)->get(), &param);
+      r.op == Op::kPut
+          ? ucp_put_nbx(r.endpoint->get(), local, c.bytes, r.remote_address + c.offset, rkey,
+                        &param)
+          : ucp_get_nbx(r.endpoint->get(), local, c.bytes, r.remote_address + c.offset, rkey,
+                        &param);
   if (req == nullptr) {
     complete_locked(slot, UCS_OK);  // completed in place; no callback follows
   } else if (UCS_PTR_IS_ERR(req)) {
@@ -292,15 +435,98 @@ void GetEngine::issue_locked(const Chunk& c) {
   // Otherwise the callback completes it.
 }
 
-void GetEngine::on_get_done(void* request, ucs_status_t status, void* user_data) {
+void GetEngine::on_op_done(void* request, ucs_status_t status, void* user_data) {
   auto* slot = static_cast<Slot*>(user_data);
-  slot->engine->complete_locked(slot, status);
   ucp_request_free(request);
+  if (slot->am) {
+    if (status != UCS_OK) {
+      slot->engine->complete_locked(slot, status);
+    } else {
+      slot->am_sent = true;
+      slot->engine->am_progress_locked(slot);
+    }
+    return;
+  }
+  slot->engine->complete_locked(slot, status);
+}
+
+void GetEngine::issue_am_locked(Slot* slot, const GetRun& r) {
+  const Chunk& c = slot->chunk;
+  slot->am = true;
+  slot->am_sent = false;
+  slot->am_replied = false;
+  slot->am_status = UCS_OK;
+  slot->endpoint = r.endpoint;
+  slot->am_header = am_rma::RequestHeader{};
+  slot->am_header.token = (uint64_t{slot->index} << 32) | slot->seq;
+  slot->am_header.address = r.remote_address + c.offset;
+  slot->am_header.length = c.bytes;
+  ucp_request_param_t param = {};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  // REPLY: the server answers on the endpoint the request came from. EAGER:
+  // UCX 1.13's rendezvous would fall back to the RMA emulation avoided here.
+  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  param.cb.send = &GetEngine::on_op_done;
+  param.user_data = slot;
+  const bool put = r.op == Op::kPut;
+  ucs_status_ptr_t req = ucp_am_send_nbx(
+      r.endpoint->get(), put ? am_rma::kPutRequest : am_rma::kGetRequest, &slot->am_header,
+      sizeof(slot->am_header), put ? static_cast<uint8_t*>(r.local_address) + c.offset : nullptr,
+      put ? c.bytes : 0, &param);
+  if (req == nullptr) {
+    slot->am_sent = true;  // sent in place; the reply completes the slot
+  } else if (UCS_PTR_IS_ERR(req)) {
+    complete_locked(slot, UCS_PTR_STATUS(req));
+  }
+}
+
+void GetEngine::am_progress_locked(Slot* slot) {
+  if (slot->am_sent && slot->am_replied) complete_locked(slot, slot->am_status);
+}
+
+ucs_status_t GetEngine::on_am_reply(void* arg, const void* header, size_t header_length,
+                                    void* data, size_t length,
+                                    const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<GetEngine*>(arg);
+  am_rma::ReplyHeader h;
+  if (header_length != sizeof(h)) return UCS_OK;  // not ours
+  std::memcpy(&h, header, sizeof(h));
+  const uint64_t index = h.token >> 32;
+  if (h.magic != am_rma::kMagic || index >= self->slots_.size()) return UCS_OK;
+  Slot* slot = &self->slots_[index];
+  if (!slot->in_use || !slot->am || slot->am_replied ||
+      slot->seq != static_cast<uint32_t>(h.token)) {
+    return UCS_OK;  // a late reply for a slot that was abandoned
+  }
+  ucs_status_t st = static_cast<ucs_status_t>(h.status);
+  const bool current = slot->generation == self->generation_ && self->scheduler_.has_value();
+  if (st == UCS_OK && current && self->runs_[slot->chunk.run].op == Op::kGet) {
+    const GetRun& r = self->runs_[slot->chunk.run];
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != slot->chunk.bytes) {
+      st = UCS_ERR_MESSAGE_TRUNCATED;
+    } else {
+      std::memcpy(static_cast<uint8_t*>(r.local_address) + slot->chunk.offset, data, length);
+    }
+  }
+  slot->am_replied = true;
+  slot->am_status = st;
+  self->am_progress_locked(slot);
+  return UCS_OK;
+}
+
+void GetEngine::abandon_am_locked(const Endpoint* ep) {
+  for (Slot& s : slots_) {
+    if (s.in_use && s.am && s.endpoint == ep && s.am_sent && !s.am_replied) {
+      complete_locked(&s, UCS_ERR_CANCELED);
+    }
+  }
 }
 
 void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
   const Chunk c = slot->chunk;
   const bool current = slot->generation == generation_ && scheduler_.has_value();
+  const bool am_refused = slot->am && slot->am_replied && slot->am_status != UCS_OK;
   slot->in_use = false;
   free_slots_.push_back(slot);
   --outstanding_;
@@ -309,9 +535,17 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
     bytes_done_ += c.bytes;
   } else {
     const GetRun& r = runs_[c.run];
-    fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": GET of " +
+    if (am_refused) {
+      fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer refused the " +
+                                                  op_name(r.op) + " of " + std::to_string(c.bytes) +
+                                                  " bytes at offset " + std::to_string(c.offset) +
+                                                  " (is an AmRmaServer running on its worker, "
+                                                  "with this range exported?)"));
+    } else {
+      fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": " + op_name(r.op) + " of " +
                                                 std::to_string(c.bytes) + " bytes at offset " +
                                                 std::to_string(c.offset)));
+    }
   }
   if (scheduler_->complete(c)) finish_run_locked(c.run);
   if (scheduler_->done()) batch_cv_.notify_all();
@@ -328,7 +562,10 @@ void GetEngine::cancel_locked(const std::string& reason) {
   const auto grace = Clock::now() + options_.cancel_grace;
   for (uint32_t e = 0; e < batch_eps_.size(); ++e) {
     (void)scheduler_->drop_endpoint(e);
-    if (scheduler_->ops_in_flight(e) > 0) batch_eps_[e]->force_close(reason, grace);
+    if (scheduler_->ops_in_flight(e) > 0) {
+      batch_eps_[e]->force_close(reason, grace);
+      abandon_am_locked(batch_eps_[e]);
+    }
   }
   while (outstanding_ > 0 && Clock::now() < grace) worker_.progress();
   for (uint32_t i = 0; i < runs_.size(); ++i) {

@@ -1,19 +1,40 @@
 #pragma once
 // The GET engine: takes runs (endpoint, remote address, rkey, local address,
-// bytes), splits them into chunks, keeps a bounded window of bytes and ops in
-// flight per endpoint and in total (chunking.h), issues ucp_get_nbx, completes
-// by callback and reports each run as it lands so the caller can chain the
-// next step on it. Every batch has a deadline; on error or deadline it
-// cancels what is in flight and returns with no request outstanding.
+// bytes, direction), splits them into chunks, keeps a bounded window of bytes
+// and ops in flight per endpoint and in total (chunking.h), issues
+// ucp_get_nbx (Op::kGet) or ucp_put_nbx (Op::kPut), completes by callback and
+// reports each run as it lands so the caller can chain the next step on it.
+// A batch may mix GETs and PUTs. Every batch has a deadline; on error or
+// deadline it cancels what is in flight and returns with no request
+// outstanding.
+//
+// PUT completion is local: a PUT run is reported done once its source bytes
+// may be reused, not once they are in the peer's memory. flush() on the
+// endpoints is what makes every completed PUT visible at the peer.
+//
+// Endpoints without an RMA lane (Endpoint::rma_in_software(): tcp in UCX
+// 1.13) do not use ucp_get_nbx/ucp_put_nbx: UCX's emulation of those aborts
+// the target process when a puller dies (am_rma.h says how). The engine
+// sends refit active messages instead, which the peer's AmRmaServer serves
+// (a refit peer without one refuses them at once, and the run's error says
+// so). Chunking, windows, deadlines, callbacks and errors are the same; a
+// PUT sent this way is already visible at the peer when it is reported.
+//
+// Speed on shared memory: with PeerErrorHandling::kNone and a peer region
+// from MemoryRegion::allocate, a GET is a memcpy from the peer's mapped
+// segment, at ucx_perftest's bandwidth (refit-ucx-bench --transport shm);
+// keep local buffers 64-byte aligned, a misaligned destination costs that
+// memcpy about a tenth.
 //
 // Cancelling: UCX 1.13 cannot cancel an RMA request, so the engine cancels by
-// closing the endpoints that still have GETs in flight with
+// closing the endpoints that still have GETs or PUTs in flight with
 // UCP_EP_CLOSE_FLAG_FORCE; UCX then completes those requests with an error.
 // Such an endpoint is failed afterwards and the caller reconnects.
 //
 // Threads and ownership:
 //  - mutex_ guards the worker and all batch state (scheduler_, slots_,
-//    run_status_, ...). UCX callbacks run inside ucp_worker_progress, which
+//    run_status_, ...). UCX callbacks (completions, and the handler of the
+//    active-message path's replies) run inside ucp_worker_progress, which
 //    is only ever called with mutex_ held, so they run under it too.
 //  - Without a progress thread, run_batch() drives progress on the calling
 //    thread; the worker may be ThreadMode::kSingle.
@@ -42,6 +63,7 @@
 #include <vector>
 
 #include "planner/status.h"
+#include "transport/ucx/am_rma.h"
 #include "transport/ucx/chunking.h"
 #include "transport/ucx/endpoint.h"
 #include "transport/ucx/memory.h"
@@ -49,12 +71,17 @@
 
 namespace refit::ucx {
 
+// Direction of a run. kGet: remote -> local (the local bytes are written).
+// kPut: local -> remote (the local bytes are read; the peer's are written).
+enum class Op : uint8_t { kGet, kPut };
+
 struct GetRun {
   Endpoint* endpoint = nullptr;  // borrowed; outlives the batch
   uint64_t rkey_id = 0;          // imported on `endpoint` (Endpoint::import_rkey)
   uint64_t remote_address = 0;   // inside that key's region
   void* local_address = nullptr; // inside a region added with add_local_region
   uint64_t bytes = 0;            // > 0
+  Op op = Op::kGet;
 };
 
 struct BatchReport {
@@ -62,7 +89,7 @@ struct BatchReport {
   std::vector<Status> runs;      // one per run, in input order
   uint64_t bytes_done = 0;       // bytes of chunks that completed ok
   std::chrono::nanoseconds elapsed{0};
-  uint64_t gets_issued = 0;
+  uint64_t gets_issued = 0;      // UCX operations issued, GETs and PUTs
 };
 
 struct GetEngineOptions {
@@ -83,8 +110,8 @@ class GetEngine {
   GetEngine(const GetEngine&) = delete;
   GetEngine& operator=(const GetEngine&) = delete;
 
-  // Local GET targets must lie inside a region added here (borrowed; it
-  // must outlive the engine or be removed first).
+  // Local GET targets and PUT sources must lie inside a region added here
+  // (borrowed; it must outlive the engine or be removed first).
   void add_local_region(const MemoryRegion& region);
   void remove_local_region(const MemoryRegion& region);
 
@@ -94,6 +121,18 @@ class GetEngine {
   BatchReport run_batch(std::span<const GetRun> runs,
                         std::chrono::steady_clock::time_point deadline,
                         RunCallback on_run_done = {});
+
+  // Makes every PUT completed so far on `endpoints` visible in the peers'
+  // memory: ucp_ep_flush_nbx on each, then waits until all complete or
+  // `deadline` (driving progress itself, or waiting on the progress thread,
+  // as run_batch does). An endpoint that is already failed is not flushed
+  // and makes the result an error naming it (its PUTs may not have landed);
+  // an endpoint whose flush fails, or is still flushing at the deadline, is
+  // force-closed (failed afterwards; the caller reconnects) and named in the
+  // error. The other endpoints' flushes still run to completion. Ok means
+  // every endpoint flushed. Not concurrently with run_batch().
+  Status flush(std::span<Endpoint* const> endpoints,
+               std::chrono::steady_clock::time_point deadline);
 
   // One round of worker progress, for a caller that drives progress between
   // batches (e.g. to notice peer failures). Without a progress thread only.
@@ -110,10 +149,28 @@ class GetEngine {
     Chunk chunk;
     uint64_t generation = 0;
     bool in_use = false;
+    uint32_t index = 0;  // in slots_
+    uint32_t seq = 0;    // bumped on every use; with index, the AM token
+    // Active-message path (am_rma.h): done when the request's send has
+    // completed and the reply has arrived.
+    bool am = false;
+    bool am_sent = false;
+    bool am_replied = false;
+    ucs_status_t am_status = UCS_OK;  // from the reply
+    Endpoint* endpoint = nullptr;
+    am_rma::RequestHeader am_header;  // must live until the send completes
   };
 
   GetEngine(Worker& worker, GetEngineOptions options);
-  static void on_get_done(void* request, ucs_status_t status, void* user_data);
+  static void on_op_done(void* request, ucs_status_t status, void* user_data);
+  static ucs_status_t on_am_reply(void* arg, const void* header, size_t header_length,
+                                  void* data, size_t length, const ucp_am_recv_param_t* param);
+  void issue_am_locked(Slot* slot, const GetRun& r);
+  void am_progress_locked(Slot* slot);
+  // Fails the AM slots of `ep` still waiting for a reply that can no longer
+  // come (the endpoint was closed).
+  void abandon_am_locked(const Endpoint* ep);
+  Status set_reply_handlers(bool on);
   void complete_locked(Slot* slot, ucs_status_t status);
   void finish_run_locked(uint32_t run);
   void fail_run_locked(uint32_t run, const Status& status);

@@ -52,6 +52,27 @@ Result<MemoryRegion> MemoryRegion::map(const Context& context, void* address, si
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = address;
   params.length = length;
+  return create(context, params, std::move(name), where);
+}
+
+Result<MemoryRegion> MemoryRegion::allocate(const Context& context, size_t length,
+                                            std::string name) {
+  const std::string where =
+      "ucx memory \"" + name + "\" (" + std::to_string(length) + " bytes, allocated by UCX)";
+  if (context.get() == nullptr) return Status::invalid(where + ": context is empty (moved from)");
+  if (length == 0) return Status::invalid(where + ": a region needs a positive length");
+  ucp_mem_map_params_t params = {};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  params.address = nullptr;
+  params.length = length;
+  params.flags = UCP_MEM_MAP_ALLOCATE;
+  return create(context, params, std::move(name), where);
+}
+
+Result<MemoryRegion> MemoryRegion::create(const Context& context,
+                                          const ucp_mem_map_params_t& params, std::string name,
+                                          const std::string& where) {
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context.get(), &params, &memh);
   if (st != UCS_OK) return from_ucs(st, where + ": ucp_mem_map");
@@ -59,15 +80,17 @@ Result<MemoryRegion> MemoryRegion::map(const Context& context, void* address, si
   MemoryRegion region;
   region.context_ = context.get();
   region.memh_ = memh;
-  region.base_ = static_cast<uint8_t*>(address);
-  region.length_ = length;
   region.name_ = std::move(name);
 
   ucp_mem_attr_t attr = {};
-  attr.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE;
+  attr.field_mask =
+      UCP_MEM_ATTR_FIELD_MEM_TYPE | UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
   st = ucp_mem_query(memh, &attr);
   if (st != UCS_OK) return from_ucs(st, where + ": ucp_mem_query");
   region.type_ = from_ucs_memory_type(attr.mem_type);
+  // UCX may round an allocation up; the region is what was asked for.
+  region.base_ = static_cast<uint8_t*>(params.address ? params.address : attr.address);
+  region.length_ = params.length;
 
   void* rkey_buf = nullptr;
   size_t rkey_len = 0;
@@ -76,7 +99,7 @@ Result<MemoryRegion> MemoryRegion::map(const Context& context, void* address, si
   region.packed_rkey_ = frame_blob(
       BlobKind::kRemoteKey,
       std::span<const uint8_t>(static_cast<const uint8_t*>(rkey_buf), rkey_len),
-      RemoteKeyHeader{reinterpret_cast<uint64_t>(address), length});
+      RemoteKeyHeader{reinterpret_cast<uint64_t>(region.base_), region.length_});
   ucp_rkey_buffer_release(rkey_buf);
   return region;
 }

@@ -26,6 +26,16 @@ class MemoryRegion {
   // an invalid-argument Status naming `name`.
   static Result<MemoryRegion> map(const Context& context, void* address, size_t length,
                                   std::string name = "buffer");
+  // Allocates `length` bytes through UCX (UCP_MEM_MAP_ALLOCATE) and registers
+  // them; the region owns the memory and frees it. On a shared-memory
+  // context UCX allocates it as a posix/sysv segment, which peers on the
+  // same host map and GET from with a plain memcpy (what ucx_perftest
+  // measures). For memory from map() UCX 1.13 has no shared-memory RMA
+  // lane (cma only serves rendezvous), so it emulates GETs with active
+  // messages, several times slower (refit-ucx-bench --memory user).
+  // Contents start undefined.
+  static Result<MemoryRegion> allocate(const Context& context, size_t length,
+                                       std::string name = "buffer");
 
   MemoryRegion(MemoryRegion&& other) noexcept;
   MemoryRegion& operator=(MemoryRegion&& other) noexcept;
@@ -46,6 +56,8 @@ class MemoryRegion {
 
  private:
   MemoryRegion() = default;
+  static Result<MemoryRegion> create(const Context& context, const ucp_mem_map_params_t& params,
+                                     std::string name, const std::string& where);
   void release();
   ucp_context_h context_ = nullptr;
   ucp_mem_h memh_ = nullptr;

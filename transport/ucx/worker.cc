@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "transport/ucx/active_message.h"
+#include "transport/ucx/am_rma.h"
 #include "transport/ucx/ucx_status.h"
 #include "transport/ucx/wire_blob.h"
 
@@ -21,7 +23,14 @@ Result<Worker> Worker::create(const Context& context, ThreadMode mode) {
   if (st != UCS_OK) {
     return from_ucs(st, "ucx context \"" + context.name() + "\": ucp_worker_create");
   }
-  return Worker(handle, mode);
+  Worker worker(handle, mode);
+  // Every refit worker answers refit's AM ids, so that a request to a
+  // process without an AmRmaServer is refused instead of crashing it.
+  REFIT_RETURN_IF_ERROR(am_rma::install_fallback_handlers(handle).with_context(
+      "ucx context \"" + context.name() + "\": worker"));
+  REFIT_RETURN_IF_ERROR(active_message::install_fallback_handlers(handle).with_context(
+      "ucx context \"" + context.name() + "\": worker"));
+  return worker;
 }
 
 Worker::Worker(Worker&& other) noexcept : handle_(other.handle_), mode_(other.mode_) { other.handle_ = nullptr; }

@@ -41,17 +41,20 @@ TEST(Context, ShmExpandsToCmaWithTcpControlLane) {
   EXPECT_EQ(*ucx_tls_string({}, "x"), "all");
 }
 
-TEST(Context, UnknownDeviceFailsAtInitNamingTheSetting) {
+TEST(Context, UnknownDeviceIsAnErrorNamingIt) {
   ContextConfig cfg;
   cfg.name = "network";
   cfg.transports = {"tcp"};
-  cfg.devices = {"no-such-nic0"};
+  cfg.devices = {"lo", "no-such-nic0"};
   auto ctx = Context::create(cfg);
-  // UCX may start with only "self" left; then an endpoint to a peer cannot
-  // be made. Either way nothing crashes; if init fails it names the devices.
-  if (!ctx.is_ok()) {
-    EXPECT_TRUE(contains(ctx.status(), "no-such-nic0")) << ctx.status().message();
-  }
+  // UCX 1.13 only warns and would start without the device.
+  ASSERT_FALSE(ctx.is_ok());
+  EXPECT_TRUE(contains(ctx.status(), "\"no-such-nic0\"")) << ctx.status().message();
+  EXPECT_TRUE(contains(ctx.status(), "network")) << ctx.status().message();
+  // And it says what there is.
+  EXPECT_TRUE(contains(ctx.status(), "lo")) << ctx.status().message();
+  cfg.devices = {"lo"};
+  EXPECT_TRUE(Context::create(cfg).is_ok());
 }
 
 class LoopbackFixture : public ::testing::Test {
@@ -88,8 +91,15 @@ class LoopbackFixture : public ::testing::Test {
     ASSERT_TRUE(engine.is_ok());
     engine_ = std::move(*engine);
     engine_->add_local_region(*dst_region_);
+    // This process is its own peer over tcp, so it serves the GETs too
+    // (am_rma.h).
+    auto server = AmRmaServer::create(*worker_);
+    ASSERT_TRUE(server.is_ok()) << server.status().message();
+    server_ = std::move(*server);
+    server_->export_region(*src_region_);
   }
   void TearDown() override {
+    server_.reset();
     engine_.reset();
     ep_.reset();
     src_region_.reset();
@@ -119,7 +129,28 @@ class LoopbackFixture : public ::testing::Test {
   std::vector<uint8_t> src_, dst_;
   std::optional<MemoryRegion> src_region_, dst_region_;
   std::unique_ptr<GetEngine> engine_;
+  std::unique_ptr<AmRmaServer> server_;
 };
+
+// A peer without an AmRmaServer (or one that does not export the range)
+// refuses tcp GETs at once, with a message that says what is missing,
+// rather than leaving them to the deadline or crashing (UCX 1.13 crashes on
+// an AM with UCP_AM_SEND_FLAG_REPLY that has no handler).
+TEST_F(LoopbackFixture, PeerWithoutAmRmaServerRefusesClearly) {
+  server_->unexport_region(*src_region_);
+  GetRun run = good_run(0, 4096);
+  auto start = Clock::now();
+  auto report = engine_->run_batch({&run, 1}, start + std::chrono::seconds(5));
+  EXPECT_FALSE(report.status.is_ok());
+  EXPECT_TRUE(contains(report.status, "AmRmaServer")) << report.status.message();
+  EXPECT_EQ(server_->refused(), 1u);
+  server_.reset();  // the worker's fallback handler refuses now
+  report = engine_->run_batch({&run, 1}, Clock::now() + std::chrono::seconds(5));
+  EXPECT_FALSE(report.status.is_ok());
+  EXPECT_TRUE(contains(report.status, "refused")) << report.status.message();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+}
 
 TEST_F(LoopbackFixture, GoodBatchLandsAndReportsEachRun) {
   std::vector<GetRun> runs = {good_run(0, 1), good_run(5, 300000), good_run(400001, 600000)};

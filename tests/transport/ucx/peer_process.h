@@ -2,7 +2,7 @@
 // Test helper: a forked process that serves one registered buffer over UCX.
 // It sends its framed worker address and packed rkey to the parent through a
 // socketpair, then progresses its worker until the parent closes the socket
-// or writes a byte. The buffer holds pattern_byte(seed, i) at offset i, so
+// or writes a byte (dump_peer() asks it for its buffer). The buffer holds pattern_byte(seed, i) at offset i, so
 // the parent can check every byte it pulls.
 
 #include <poll.h>
@@ -54,6 +54,13 @@ inline bool read_all(int fd, void* p, size_t n, std::chrono::steady_clock::time_
   return true;
 }
 
+// Active-message ids the test peer serves (peer_main.cc).
+constexpr unsigned kEchoId = 0x301;
+constexpr unsigned kFailId = 0x302;
+
+// The byte that asks a peer for a copy of its buffer (see peer_main.cc).
+constexpr uint8_t kDumpCommand = 'D';
+
 inline bool send_blob(int fd, const std::vector<uint8_t>& v) {
   uint32_t n = static_cast<uint32_t>(v.size());
   return write_all(fd, &n, 4) && write_all(fd, v.data(), v.size());
@@ -77,32 +84,62 @@ struct Peer {
   std::string error;             // from the child, when it could not start
 };
 
-// Starts a peer serving `bytes` of pattern(seed): fork, then exec the
-// ucx_test_peer binary (path in $REFIT_UCX_TEST_PEER), so the child starts
-// with a clean UCX rather than a forked copy of this process's. Returns
-// false with `error` set if it could not start.
-inline bool start_peer(Peer* p, const std::string& transports, uint32_t seed, uint64_t bytes) {
-  const char* exe = std::getenv("REFIT_UCX_TEST_PEER");
+// Starting a peer (a target serving `bytes` of pattern(seed)) or a puller:
+// fork, then exec the test binary, so the child starts with a clean UCX
+// rather than a forked copy of this process's. Return false with `error` set
+// if it could not start.
+namespace internal {
+// fork + exec `exe` with `args`, fd 3 being our end of a socketpair.
+inline bool spawn(Peer* p, const char* env_var, const std::vector<std::string>& args) {
+  const char* exe = std::getenv(env_var);
   if (exe == nullptr) {
-    p->error = "REFIT_UCX_TEST_PEER is not set (run through meson test)";
+    p->error = std::string(env_var) + " is not set (run through meson test)";
     return false;
   }
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return false;
-  std::string seed_s = std::to_string(seed), bytes_s = std::to_string(bytes);
+  std::vector<const char*> argv = {exe};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  argv.push_back(nullptr);
   pid_t pid = ::fork();
   if (pid < 0) return false;
   if (pid == 0) {
     ::dup2(sv[1], 3);  // dup2 clears CLOEXEC on fd 3
-    const char* argv[] = {exe, transports.c_str(), seed_s.c_str(), bytes_s.c_str(), nullptr};
-    ::execv(exe, const_cast<char* const*>(argv));
+    ::execv(exe, const_cast<char* const*>(argv.data()));
     ::_exit(127);
   }
   ::close(sv[1]);
   p->pid = pid;
   p->fd = sv[0];
+  return true;
+}
+}  // namespace internal
+
+// `ucx_memory`: the peer's buffer comes from MemoryRegion::allocate.
+inline bool start_peer(Peer* p, const std::string& transports, uint32_t seed, uint64_t bytes,
+                       bool ucx_memory = false) {
+  std::vector<std::string> args = {transports, std::to_string(seed), std::to_string(bytes)};
+  if (ucx_memory) args.push_back("ucx");
+  if (!internal::spawn(p, "REFIT_UCX_TEST_PEER", args)) {
+    return false;
+  }
   p->bytes = bytes;
   return true;
+}
+
+// Starts a ucx_test_puller (path in $REFIT_UCX_TEST_PULLER) that pulls the
+// whole buffer of `target` (serving pattern(seed)) over and over; see
+// puller_main.cc. Its first byte on p->fd is 'P' once it pulls ok.
+inline bool start_puller(Peer* p, const std::string& transports, uint32_t seed,
+                         const Peer& target) {
+  if (!internal::spawn(p, "REFIT_UCX_TEST_PULLER", {transports, std::to_string(seed)})) {
+    return false;
+  }
+  std::vector<uint8_t> base(8), bytes(8);
+  std::memcpy(base.data(), &target.base, 8);
+  std::memcpy(bytes.data(), &target.bytes, 8);
+  return send_blob(p->fd, target.address) && send_blob(p->fd, target.rkey) &&
+         send_blob(p->fd, base) && send_blob(p->fd, bytes);
 }
 
 inline bool handshake(Peer* p, std::chrono::seconds timeout = std::chrono::seconds(15)) {
@@ -125,6 +162,15 @@ inline bool handshake(Peer* p, std::chrono::seconds timeout = std::chrono::secon
   }
   std::memcpy(&p->base, base.data(), 8);
   return true;
+}
+
+// Reads the peer's whole buffer back through the socket: what PUTs wrote
+// there, as the peer's own CPU sees it.
+inline bool dump_peer(Peer* p, std::vector<uint8_t>* out,
+                      std::chrono::seconds timeout = std::chrono::seconds(15)) {
+  if (!write_all(p->fd, &kDumpCommand, 1)) return false;
+  return recv_blob(p->fd, out, std::chrono::steady_clock::now() + timeout) &&
+         out->size() == p->bytes;
 }
 
 // Tells the peer to stop and reaps it; kills it if it does not exit in 5 s.

@@ -1,0 +1,207 @@
+#include "transport/ucx/am_rma.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "transport/ucx/ucx_status.h"
+
+namespace refit::ucx {
+namespace {
+
+// Lives until UCX completes the reply's send: holds the header (UCX 1.13
+// has no UCP_AM_SEND_FLAG_COPY_HEADER) and the in-flight count.
+struct PendingReply {
+  am_rma::ReplyHeader header;
+  std::shared_ptr<std::atomic<uint64_t>> inflight;  // may be null
+};
+
+void release(PendingReply* p) {
+  if (p->inflight) p->inflight->fetch_sub(1, std::memory_order_relaxed);
+  delete p;
+}
+
+void on_reply_sent(void* request, ucs_status_t /*status*/, void* user_data) {
+  // A failed reply (the puller is gone) is dropped: the puller's own
+  // deadline or error handling covers it.
+  release(static_cast<PendingReply*>(user_data));
+  ucp_request_free(request);
+}
+
+// Sends a reply from inside an AM handler. A send that fails (the puller is
+// gone) completes with an error status: no abort, unlike UCX's own RMA
+// emulation.
+void send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, const void* data,
+                size_t length, std::shared_ptr<std::atomic<uint64_t>> inflight) {
+  auto* p = new PendingReply{};
+  p->header.token = token;
+  p->header.status = status;
+  p->inflight = std::move(inflight);
+  if (p->inflight) p->inflight->fetch_add(1, std::memory_order_relaxed);
+  ucp_request_param_t param = {};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  // Eager only: UCX 1.13's rendezvous would make the puller fetch the data
+  // with the very RMA emulation this file exists to avoid.
+  param.flags = UCP_AM_SEND_FLAG_EAGER;
+  param.cb.send = &on_reply_sent;
+  param.user_data = p;
+  ucs_status_ptr_t req =
+      ucp_am_send_nbx(ep, id, &p->header, sizeof(p->header), data, length, &param);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    // Sent in place, or failed at once: either way no callback follows.
+    release(p);
+  }
+}
+
+Status set_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t p = {};
+  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                 UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  p.id = id;
+  p.flags = UCP_AM_FLAG_WHOLE_MSG;
+  p.cb = cb;
+  p.arg = arg;
+  return from_ucs(ucp_worker_set_am_recv_handler(worker, &p),
+                  "ucx: registering the handler for AM id " + std::to_string(id));
+}
+
+ucs_status_t refuse_request(void* arg, const void* header, size_t header_length, void*, size_t,
+                            const ucp_am_recv_param_t* param) {
+  am_rma::RequestHeader h;
+  if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    return UCS_OK;
+  }
+  std::memcpy(&h, header, sizeof(h));
+  const unsigned reply_id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
+  send_reply(param->reply_ep, reply_id, h.token, UCS_ERR_UNSUPPORTED, nullptr, 0, nullptr);
+  return UCS_OK;
+}
+
+ucs_status_t drop(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+  return UCS_OK;
+}
+
+}  // namespace
+
+namespace am_rma {
+
+Status install_fallback_handler(ucp_worker_h worker, unsigned id) {
+  switch (id) {
+    case kGetRequest:
+      return set_handler(worker, id, &refuse_request,
+                         reinterpret_cast<void*>(static_cast<uintptr_t>(kGetReply)));
+    case kPutRequest:
+      return set_handler(worker, id, &refuse_request,
+                         reinterpret_cast<void*>(static_cast<uintptr_t>(kPutReply)));
+    default:
+      return set_handler(worker, id, &drop, nullptr);
+  }
+}
+
+Status install_fallback_handlers(ucp_worker_h worker) {
+  for (unsigned id : {kGetRequest, kGetReply, kPutRequest, kPutReply}) {
+    REFIT_RETURN_IF_ERROR(install_fallback_handler(worker, id));
+  }
+  return Status::ok();
+}
+
+}  // namespace am_rma
+
+Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker) {
+  if (worker.get() == nullptr) return Status::invalid("ucx am rma server: worker is empty");
+  std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker));
+  REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGetRequest, &AmRmaServer::on_get, s.get()));
+  REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kPutRequest, &AmRmaServer::on_put, s.get()));
+  return s;
+}
+
+Status AmRmaServer::set_handler(unsigned id, ucp_am_recv_callback_t cb, void* arg) {
+  return refit::ucx::set_handler(worker_.get(), id, cb, arg)
+      .with_context("ucx am rma server");
+}
+
+AmRmaServer::~AmRmaServer() {
+  (void)am_rma::install_fallback_handler(worker_.get(), am_rma::kGetRequest);
+  (void)am_rma::install_fallback_handler(worker_.get(), am_rma::kPutRequest);
+  // Replies still in flight read exported memory: give them a moment.
+  // Their callbacks do not touch the server, so any left are harmless to
+  // the server's memory (not to the regions': see the header).
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (inflight_->load() > 0 && std::chrono::steady_clock::now() < until) worker_.progress();
+}
+
+void AmRmaServer::export_region(const MemoryRegion& region) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  regions_.push_back(&region);
+}
+
+void AmRmaServer::unexport_region(const MemoryRegion& region) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  regions_.erase(std::remove(regions_.begin(), regions_.end(), &region), regions_.end());
+}
+
+bool AmRmaServer::exported(uint64_t address, uint64_t length) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::any_of(regions_.begin(), regions_.end(), [&](const MemoryRegion* r) {
+    return r->contains(reinterpret_cast<const void*>(address), length);
+  });
+}
+
+void AmRmaServer::reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status,
+                        const void* data, size_t length) {
+  send_reply(ep, id, token, status, data, length, inflight_);
+}
+
+ucs_status_t AmRmaServer::on_get(void* arg, const void* header, size_t header_length,
+                                 void* /*data*/, size_t /*length*/,
+                                 const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<AmRmaServer*>(arg);
+  am_rma::RequestHeader h;
+  if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    return UCS_OK;  // malformed, and no way to answer
+  }
+  std::memcpy(&h, header, sizeof(h));
+  if (h.magic != am_rma::kMagic) {
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_UNSUPPORTED, nullptr, 0);
+  } else if (h.length == 0 || !self->exported(h.address, h.length)) {
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_INVALID_ADDR, nullptr, 0);
+  } else {
+    self->served_.fetch_add(1, std::memory_order_relaxed);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_OK,
+                reinterpret_cast<const void*>(h.address), h.length);
+  }
+  return UCS_OK;
+}
+
+ucs_status_t AmRmaServer::on_put(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<AmRmaServer*>(arg);
+  am_rma::RequestHeader h;
+  if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    return UCS_OK;
+  }
+  std::memcpy(&h, header, sizeof(h));
+  ucs_status_t st = UCS_OK;
+  if (h.magic != am_rma::kMagic) {
+    st = UCS_ERR_UNSUPPORTED;
+  } else if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    st = UCS_ERR_UNSUPPORTED;  // the engine always sends eager
+  } else if (h.length != length || length == 0 || !self->exported(h.address, h.length)) {
+    st = UCS_ERR_INVALID_ADDR;
+  }
+  if (st == UCS_OK) {
+    std::memcpy(reinterpret_cast<void*>(h.address), data, length);
+    self->served_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+  }
+  self->reply(param->reply_ep, am_rma::kPutReply, h.token, st, nullptr, 0);
+  return UCS_OK;
+}
+
+}  // namespace refit::ucx

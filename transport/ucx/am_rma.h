@@ -1,0 +1,133 @@
+#pragma once
+// GET and PUT over refit's own active messages, for peers to which UCX has
+// no RMA lane (tcp in UCX 1.13; shared memory with PeerErrorHandling::kPeer).
+//
+// Why: without an RMA lane UCX 1.13 emulates GET/PUT with internal active
+// messages, and the target answers them from inside its AM handler
+// (rma_sw.c: ucp_get_req_handler -> ucp_progress_get_reply; PUTs take the
+// same path through ucp_put_handler -> ucp_rma_sw_send_cmpl, read in the
+// source, not reproduced). When the puller is gone (killed,
+// or it force-closed the endpoint at a deadline) while its requests are
+// still queued at the target, that reply's send() fails (EPIPE), UCX
+// destroys the target's internal endpoint, and ucp_request_try_send() calls
+// ucs_fatal("unexpected error: Endpoint timeout") (ucp_request.inl:346 in
+// 1.13.1): the target aborts. Seen with UCX_LOG_LEVEL=debug in the target:
+// "send(14) failed: Broken pipe", "tcp_ep ...: remote disconnected", "ep
+// ...: destroy endpoint which is not exposed to a user due to peer
+// failure", then the Fatal. No setting avoids it, because the failing send
+// happens inside the handler, before UCX knows the peer is gone: tried
+// UCP_ERR_HANDLING_MODE_NONE on the puller (worse: the target then aborts
+// even when it keeps up) and UCX_PROTO_ENABLE=y (same abort); keepalive and
+// UCX_TCP_* timeouts only act later. Reproduced by
+// tests/transport/ucx/dead_puller_test.cc, and by a puller that cancels at
+// its deadline (force-close) while the target is busy. User active messages
+// (ucp_am_send_nbx) complete with an error status instead, so refit
+// carries the data itself:
+//
+//   GET: puller --kGetRequest{token, address, length}--> target
+//        target --kGetReply{token, status} + bytes-----> puller (copies)
+//   PUT: puller --kPutRequest{token, address, length} + bytes--> target
+//        target copies, --kPutReply{token, status}-------------> puller
+//
+// The puller side is part of the GetEngine (get_engine.h); the target side
+// is the AmRmaServer below, which every process that exports memory over
+// tcp must run on its worker. A PUT done this way completes when the target
+// has copied it, so it is already visible when the engine reports it.
+//
+// Threads: create() and the destructor (un)register UCX handlers, so call
+// them while nobody progresses the worker (as for registering memory). The
+// handlers run inside ucp_worker_progress on whichever thread progresses the
+// worker; export/unexport may be called from any thread at any time
+// (mutex_). Regions must stay exported (and mapped) until the server
+// is destroyed or no reply from them is in flight.
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "planner/status.h"
+#include "transport/ucx/memory.h"
+#include "transport/ucx/worker.h"
+
+namespace refit::ucx {
+
+namespace am_rma {
+// AM ids refit reserves on every worker. Small on purpose: UCX keeps its
+// handlers in an array indexed by id. ActiveMessages uses 0x300..0x33f and
+// 0x3e0 (active_message.h).
+constexpr unsigned kGetRequest = 0x3F0;
+constexpr unsigned kGetReply = 0x3F1;
+constexpr unsigned kPutRequest = 0x3F2;
+constexpr unsigned kPutReply = 0x3F3;
+constexpr uint32_t kMagic = 0x52464d31;  // "RFM1": format version 1
+
+struct RequestHeader {
+  uint32_t magic = kMagic;
+  uint32_t reserved = 0;
+  uint64_t token = 0;    // the puller's; echoed in the reply
+  uint64_t address = 0;  // in the target's exported memory
+  uint64_t length = 0;
+};
+
+struct ReplyHeader {
+  uint32_t magic = kMagic;
+  int32_t status = 0;  // ucs_status_t: UCS_OK, or why the target refused
+  uint64_t token = 0;
+};
+
+// Registers refit's fallback handlers for the four ids on a new worker (the
+// Worker does this at create): requests are refused with
+// UCS_ERR_UNSUPPORTED (no AmRmaServer here), stray replies are dropped.
+// Without a handler, UCX 1.13 crashes in ucp_am_handler_reply on an AM sent
+// with UCP_AM_SEND_FLAG_REPLY; with them a puller gets a clear error. The
+// server and the engine put the fallback back when they go.
+Status install_fallback_handlers(ucp_worker_h worker);
+Status install_fallback_handler(ucp_worker_h worker, unsigned id);
+}  // namespace am_rma
+
+class AmRmaServer {
+ public:
+  // Registers the request handlers on `worker` (borrowed; must outlive the
+  // server). One server per worker.
+  static Result<std::unique_ptr<AmRmaServer>> create(Worker& worker);
+  ~AmRmaServer();
+  AmRmaServer(const AmRmaServer&) = delete;
+  AmRmaServer& operator=(const AmRmaServer&) = delete;
+
+  // Peers may GET from and PUT to [base, base + length) of `region`
+  // (borrowed). Requests outside every exported region are refused with
+  // UCS_ERR_INVALID_ADDR in the reply.
+  void export_region(const MemoryRegion& region);
+  void unexport_region(const MemoryRegion& region);
+
+  // Requests served and refused so far (for tests and logs).
+  uint64_t served() const { return served_.load(std::memory_order_relaxed); }
+  uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
+  // Replies whose send has not completed yet.
+  uint64_t replies_in_flight() const { return inflight_->load(std::memory_order_relaxed); }
+
+ private:
+  explicit AmRmaServer(Worker& worker) : worker_(worker) {}
+  static ucs_status_t on_get(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_put(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
+  bool exported(uint64_t address, uint64_t length) const;
+  void reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, const void* data,
+             size_t length);
+  Status set_handler(unsigned id, ucp_am_recv_callback_t cb, void* arg);
+
+  Worker& worker_;
+  mutable std::mutex mutex_;
+  std::vector<const MemoryRegion*> regions_;  // guarded by mutex_
+  std::atomic<uint64_t> served_{0};
+  std::atomic<uint64_t> refused_{0};
+  // Shared with the send callbacks, which may run after the server is gone.
+  std::shared_ptr<std::atomic<uint64_t>> inflight_ = std::make_shared<std::atomic<uint64_t>>(0);
+};
+
+}  // namespace refit::ucx
