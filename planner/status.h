@@ -16,6 +16,7 @@ enum class Code {
   kIoError,          // reading or writing a file failed
   kUnsupported,      // valid input that this build cannot handle
   kInternal,         // a broken invariant inside refit: a bug
+  kTimeout,          // a deadline passed (a peer or the coordinator too slow or gone)
 };
 
 class Status {
@@ -27,6 +28,7 @@ class Status {
   static Status io_error(std::string msg) { return Status(Code::kIoError, std::move(msg)); }
   static Status unsupported(std::string msg) { return Status(Code::kUnsupported, std::move(msg)); }
   static Status internal(std::string msg) { return Status(Code::kInternal, std::move(msg)); }
+  static Status timeout(std::string msg) { return Status(Code::kTimeout, std::move(msg)); }
 
   bool is_ok() const { return code_ == Code::kOk; }
   explicit operator bool() const { return is_ok(); }

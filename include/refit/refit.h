@@ -1,10 +1,69 @@
 /*
  * refit: the C ABI of librefit.so.
  *
- * Plain C, no C++ types, no exceptions across it. Only symbols that start
- * with refit_ are exported from the library.
+ * Plain C: opaque handles, a status enum, a thread-local last-error string,
+ * no C++ types and no exceptions across it. Only symbols that start with
+ * refit_ are exported. Nothing in the library calls abort() or exit(); every
+ * failure is a status and a message from refit_last_error().
+ *
+ * Two kinds of agent:
+ *  - A source lives in a trainer process. It registers the trainer's shards
+ *    (refit_source_add_tensor), then publishes versions: after the trainer
+ *    has written version v into its shards it calls refit_source_publish(v).
+ *    Version v is available to receivers once every source rank of the
+ *    group has published it. The shards must stay unchanged until
+ *    refit_source_wait_drained(v) returns REFIT_OK.
+ *  - A receiver lives in an inference process. It registers the buffers it
+ *    wants filled (refit_receiver_add_buffer), then refreshes to a version:
+ *    it pulls exactly its slices from the sources over the network, once per
+ *    domain, and the slices are passed on to the other ranks of its domain
+ *    over the local fabric while the next ones arrive.
+ *
+ * Configuration is one JSON document per agent. Unknown keys and wrong types
+ * are errors that name the key. Keys (defaults in brackets):
+ *
+ *   Both agents:
+ *     "rank"         integer >= 0, required: this rank on its side
+ *     "domain"       integer >= 0 [0]: ranks of one domain share a fast local
+ *                    fabric (one NVLink domain; one host in the tests)
+ *     "coordinator"  object, required:
+ *        "address"     "HOST:PORT" of the coordinator, required
+ *        "token_file"  file holding the shared secret (16 to 4096 bytes), required
+ *        "embedded"    bool [false]: start the coordinator inside this process,
+ *                      listening on "address", before connecting to it
+ *        "timeout_ms"  integer [10000]: deadline of each coordinator call
+ *     "network"      object: the UCX context the data crosses the network on
+ *        "transports"  list of strings ["tcp"]: "tcp", "shm", or UCX names (rc, dc, ...)
+ *        "devices"     list of strings [all]: e.g. ["lo"] or ["mlx5_0:1"]
+ *     "heartbeat_ms" integer [1000]: how often the agent tells the coordinator it lives
+ *     "log_level"    "error" | "warn" | "info" | "debug" ["warn"]; REFIT_LOG_LEVEL overrides
+ *
+ *   Receiver only:
+ *     "instance"     integer >= 0 [0]: the inference replica this rank belongs to
+ *     "local"        object: the local fabric, which passes slices on inside the domain
+ *        "fabric"      "cma" | "ucx" ["cma"]: cross-memory attach (process_vm_writev),
+ *                      or UCX PUTs; "cma" falls back to "ucx" where the kernel forbids it
+ *        "transports"  list of strings ["shm"]: the UCX fabric's transports
+ *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
+ *     "chunk_bytes"  integer [1048576]: largest single GET or PUT
+ *     "recipe"       object, for buffers added by recipe name:
+ *        "model"       path of a model manifest (safetensors header JSON), required
+ *        "framework"   "vllm" ["vllm"]
+ *        "tp", "pp", "dp"       integers [1]: the inference side's parallelism
+ *        "expert_parallel"      bool [false]
+ *        "gpus_per_domain"      integer [tp*pp*dp]
+ *
+ * Descriptions of tensors and buffers are JSON too (see each function).
+ * dtype names are the safetensors ones: BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8
+ * U8 I16 I32 I64 BOOL.
+ *
+ * Threads: a handle may be used by one thread at a time; different handles
+ * are independent. refit_last_error() is per thread.
  */
 #pragma once
+
+#include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -16,15 +75,193 @@ extern "C" {
 #define REFIT_EXPORT
 #endif
 
-/**
- * The library's version, "MAJOR.MINOR.PATCH".
- *
- * @return a static string owned by the library; never NULL.
- * @note   Any thread may call it, at any time, before or without any other call.
- */
+/* The version of the function table refit_get_api() returns. */
+#define REFIT_ABI_VERSION 1u
+
+/* refit_receiver_refresh*(): the newest version every source has published. */
+#define REFIT_LATEST ((int64_t)-1)
+
+typedef enum refit_status {
+  REFIT_OK = 0,
+  REFIT_INVALID_ARGUMENT = 1, /* bad config, description, buffer or call order */
+  REFIT_NOT_FOUND = 2,        /* a named thing (file, tensor, version) does not exist */
+  REFIT_IO_ERROR = 3,         /* the network or a file failed; a peer died */
+  REFIT_TIMEOUT = 4,          /* a deadline passed */
+  REFIT_UNSUPPORTED = 5,      /* valid, but not possible with this build */
+  REFIT_INTERNAL = 6,         /* a bug in refit */
+  REFIT_IN_PROGRESS = 7       /* poll/wait: the refresh is still running */
+} refit_status_t;
+
+typedef struct refit_source refit_source_t;
+typedef struct refit_receiver refit_receiver_t;
+
+/** The library's version, "MAJOR.MINOR.PATCH". Static; never NULL; any thread. */
 REFIT_EXPORT const char* refit_version(void);
+
+/**
+ * Why the last call on this thread that returned an error failed: a message
+ * that names the problem (the key, tensor, rank or peer). Owned by the
+ * library, valid until this thread's next refit call; "" when there was none.
+ */
+REFIT_EXPORT const char* refit_last_error(void);
+
+/** A static name for a status ("REFIT_OK", ...); "unknown" for other values. */
+REFIT_EXPORT const char* refit_status_name(refit_status_t status);
+
+/* ---- Source (trainer side) ---------------------------------------------- */
+
+/** Creates a source from its JSON config and connects to the coordinator. */
+REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_source_t** out);
+
+/**
+ * Registers a tensor's shard held by this rank in [data, data + bytes), which
+ * must stay valid until refit_source_destroy(). Either a DTensor spec:
+ *
+ *   {"name": "w", "dtype": "BF16", "shape": [4096, 4096],
+ *    "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]}}
+ *
+ * where the buffer holds this rank's local shard, row-major and contiguous,
+ * and `bytes` must equal its size; or explicit segments:
+ *
+ *   {"name": "q", "dtype": "BF16", "shape": [8, 4], "buffer": "qkv",
+ *    "segments": [{"start": [0, 0], "size": [8, 4], "offset": 0, "strides": [4, 1]}]}
+ *
+ * where each segment puts the box start/size of the tensor at element
+ * `offset` of the buffer with element `strides` (row-major when left out).
+ * Several tensors may share one buffer (a fused one): the same "buffer" name
+ * with the same data and bytes. "buffer" defaults to the tensor's name.
+ * Registered with the coordinator at refit_source_join() (or the first
+ * publish); tensors added later re-register the source.
+ */
+REFIT_EXPORT refit_status_t refit_source_add_tensor(refit_source_t* source, const char* tensor_json,
+                                                    void* data, uint64_t bytes);
+
+/**
+ * Registers this source's tensors with the coordinator, so that receivers
+ * can plan with it. Called by the first publish if not before.
+ */
+REFIT_EXPORT refit_status_t refit_source_join(refit_source_t* source);
+
+/**
+ * Says that this rank's shards now hold version `version` (> every version
+ * this source published before). Returns once the coordinator has it.
+ */
+REFIT_EXPORT refit_status_t refit_source_publish(refit_source_t* source, int64_t version);
+
+/**
+ * Waits until no receiver reads `version` or an older one from the sources
+ * (every lease on it released or expired): then the trainer may overwrite
+ * its shards. REFIT_TIMEOUT after `timeout_ms`.
+ */
+REFIT_EXPORT refit_status_t refit_source_wait_drained(refit_source_t* source, int64_t version,
+                                                      int64_t timeout_ms);
+
+/** Leaves the membership and frees everything. NULL is a no-op. */
+REFIT_EXPORT void refit_source_destroy(refit_source_t* source);
+
+/* ---- Receiver (inference side) ------------------------------------------ */
+
+/** Creates a receiver from its JSON config and connects to the coordinator. */
+REFIT_EXPORT refit_status_t refit_receiver_create(const char* config_json, refit_receiver_t** out);
+
+/**
+ * Registers a buffer to be filled on refresh, [data, data + bytes), valid
+ * until refit_receiver_destroy(). One of:
+ *
+ *   explicit segments (several tensors may share the buffer):
+ *     {"name": "qkv", "dtype": "BF16",
+ *      "segments": [{"tensor": "q", "start": [0, 0], "size": [4, 4],
+ *                    "offset": 0, "strides": [4, 1]}, ...]}
+ *   a DTensor spec (the buffer holds this rank's shard, contiguous):
+ *     {"name": "w", "dtype": "BF16", "shape": [10, 6],
+ *      "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]}}
+ *   a recipe parameter name (the config's "recipe" says how it is laid out):
+ *     {"recipe": "model.layers.0.self_attn.qkv_proj.weight"}
+ *
+ * `bytes` must be at least what the description needs. Bytes outside every
+ * segment are never written.
+ */
+REFIT_EXPORT refit_status_t refit_receiver_add_buffer(refit_receiver_t* receiver, const char* buffer_json,
+                                                      void* data, uint64_t bytes);
+
+/**
+ * Registers this receiver's buffers with the coordinator. Called by the
+ * first refresh if not before. Every rank of a domain should have joined
+ * before any of them refreshes: a domain's ranks execute one plan together.
+ */
+REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
+
+/**
+ * Fills the buffers with `version` (or REFIT_LATEST), blocking until done,
+ * failed, or `timeout_ms` passed. The server must not read the buffers while
+ * a refresh runs (direct mode): on failure they are torn and the status
+ * says so; refit_receiver_version() then returns 0.
+ */
+REFIT_EXPORT refit_status_t refit_receiver_refresh(refit_receiver_t* receiver, int64_t version,
+                                                   int64_t timeout_ms);
+
+/** Starts the same refresh on a thread of the library and returns at once. */
+REFIT_EXPORT refit_status_t refit_receiver_refresh_start(refit_receiver_t* receiver, int64_t version,
+                                                         int64_t timeout_ms);
+
+/** REFIT_IN_PROGRESS while the started refresh runs, then its result. */
+REFIT_EXPORT refit_status_t refit_receiver_refresh_poll(refit_receiver_t* receiver);
+
+/**
+ * Waits at most `timeout_ms` for the started refresh: its result, or
+ * REFIT_IN_PROGRESS if it still runs.
+ */
+REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiver, int64_t timeout_ms);
+
+/**
+ * The report of the last finished refresh, JSON: {"version", "mode", "ok",
+ * "error", "network_bytes", "local_bytes", "minimum_network_bytes",
+ * "pulls", "pushes", "retries", "seconds": {"plan", "network", "local",
+ * "total"}, "pause_seconds"}. "{}" before the first. Owned by the receiver,
+ * valid until its next refresh starts or it is destroyed.
+ */
+REFIT_EXPORT const char* refit_receiver_report(refit_receiver_t* receiver);
+
+/** The version the buffers hold: 0 before the first refresh or after a failed one. */
+REFIT_EXPORT int64_t refit_receiver_version(refit_receiver_t* receiver);
+
+/** Leaves the membership (waiting for a started refresh) and frees everything. NULL is a no-op. */
+REFIT_EXPORT void refit_receiver_destroy(refit_receiver_t* receiver);
+
+/* ---- The function table ------------------------------------------------- */
+
+typedef struct refit_api {
+  uint32_t abi_version; /* REFIT_ABI_VERSION */
+  uint32_t size;        /* sizeof(refit_api_t) of the library */
+  const char* (*version)(void);
+  const char* (*last_error)(void);
+  const char* (*status_name)(refit_status_t status);
+  refit_status_t (*source_create)(const char* config_json, refit_source_t** out);
+  refit_status_t (*source_add_tensor)(refit_source_t* source, const char* tensor_json, void* data,
+                                      uint64_t bytes);
+  refit_status_t (*source_join)(refit_source_t* source);
+  refit_status_t (*source_publish)(refit_source_t* source, int64_t version);
+  refit_status_t (*source_wait_drained)(refit_source_t* source, int64_t version, int64_t timeout_ms);
+  void (*source_destroy)(refit_source_t* source);
+  refit_status_t (*receiver_create)(const char* config_json, refit_receiver_t** out);
+  refit_status_t (*receiver_add_buffer)(refit_receiver_t* receiver, const char* buffer_json, void* data,
+                                        uint64_t bytes);
+  refit_status_t (*receiver_join)(refit_receiver_t* receiver);
+  refit_status_t (*receiver_refresh)(refit_receiver_t* receiver, int64_t version, int64_t timeout_ms);
+  refit_status_t (*receiver_refresh_start)(refit_receiver_t* receiver, int64_t version, int64_t timeout_ms);
+  refit_status_t (*receiver_refresh_poll)(refit_receiver_t* receiver);
+  refit_status_t (*receiver_refresh_wait)(refit_receiver_t* receiver, int64_t timeout_ms);
+  const char* (*receiver_report)(refit_receiver_t* receiver);
+  int64_t (*receiver_version)(refit_receiver_t* receiver);
+  void (*receiver_destroy)(refit_receiver_t* receiver);
+} refit_api_t;
+
+/**
+ * The table of every entry point for `abi_version`, or NULL (and a last
+ * error) for a version this library does not serve. Static; any thread.
+ */
+REFIT_EXPORT const refit_api_t* refit_get_api(uint32_t abi_version);
 
 #ifdef __cplusplus
 }
 #endif
-

@@ -333,7 +333,18 @@ Json ControlState::peers_of(int32_t rank, const Json& runs) const {
       if (it != receivers_.end()) receivers.push_back(describe(key.second, it->second.info.worker_address, it->second.info.buffers, names));
     }
   }
-  return Json{{"sources", std::move(sources)}, {"receivers", std::move(receivers)}};
+  // Every receiver of the rank's domain, with its contact: a fabric that
+  // needs the whole domain (one NCCL communicator) builds it from this list.
+  Json domain = Json::array();
+  auto me = receivers_.find(rank);
+  if (me != receivers_.end()) {
+    for (const auto& [r, m] : receivers_) {
+      if (m.info.domain == me->second.info.domain) {
+        domain.push_back({{"rank", r}, {"worker_address", Json::binary(m.info.worker_address)}});
+      }
+    }
+  }
+  return Json{{"sources", std::move(sources)}, {"receivers", std::move(receivers)}, {"domain", std::move(domain)}};
 }
 
 Result<Json> ControlState::plan_part(uint64_t session, int32_t rank) {

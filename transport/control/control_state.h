@@ -127,7 +127,8 @@ class ControlState {
   Json plan_totals() const;
   // What a receiver needs to execute `runs` (a cached_part): the worker
   // address of every other rank the runs name, and the address and packed
-  // rkey of every buffer of theirs they name. Only ever sent to an
+  // rkey of every buffer of theirs they name; and every receiver of its
+  // domain with its worker address ("domain", in rank order). Only ever sent to an
   // authenticated connection that owns the receiver.
   Json peers_of(int32_t rank, const Json& runs) const;
   // All of the above on the calling thread.

@@ -1,0 +1,124 @@
+#include "plugin/config.h"
+
+#include <cstdlib>
+
+#include "plugin/json_reader.h"
+
+namespace refit::plugin {
+
+Status parse_host_port(const std::string& text, const std::string& key, std::string* host, uint16_t* port) {
+  const size_t colon = text.rfind(':');
+  auto bad = [&] {
+    return Status::invalid("config: \"" + key + "\" must be \"HOST:PORT\" with a port in 0..65535, got \"" +
+                           text + "\"");
+  };
+  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) return bad();
+  std::string h = text.substr(0, colon);
+  if (h.size() > 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  const std::string p = text.substr(colon + 1);
+  if (p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos) return bad();
+  const long value = std::strtol(p.c_str(), nullptr, 10);
+  if (value > 65535) return bad();
+  *host = h;
+  *port = static_cast<uint16_t>(value);
+  return Status::ok();
+}
+
+namespace {
+
+LogLevel level_from(JsonReader& r, const std::string& text, const std::string& path) {
+  if (text == "error") return LogLevel::kError;
+  if (text == "warn") return LogLevel::kWarn;
+  if (text == "info") return LogLevel::kInfo;
+  if (text == "debug") return LogLevel::kDebug;
+  r.fail(path, "must be one of \"error\", \"warn\", \"info\", \"debug\", got \"" + text + "\"");
+  return LogLevel::kWarn;
+}
+
+void read_transport(JsonReader& r, const Json& doc, const char* key, bool with_devices, TransportConfig* out,
+                    std::string* fabric = nullptr) {
+  const Json* t = r.member(doc, "", key, false);
+  if (!t) return;
+  if (with_devices) {
+    r.object(*t, key, {"transports", "devices"});
+  } else {
+    r.object(*t, key, {"fabric", "transports"});
+    *fabric = r.string(*t, key, "fabric", *fabric);
+    if (r.ok() && *fabric != "cma" && *fabric != "ucx") {
+      r.fail(JsonReader::join(key, "fabric"), "must be \"cma\" or \"ucx\", got \"" + *fabric + "\"");
+    }
+  }
+  out->transports = r.strings(*t, key, "transports", out->transports);
+  if (with_devices) out->devices = r.strings(*t, key, "devices", out->devices);
+  if (r.ok() && out->transports.empty()) r.fail(JsonReader::join(key, "transports"), "must not be empty");
+}
+
+}  // namespace
+
+Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver) {
+  Result<Json> parsed = parse_object(json_text, "config");
+  if (!parsed.is_ok()) return parsed.status();
+  const Json& doc = *parsed;
+  JsonReader r("config");
+  AgentConfig c;
+  c.receiver = receiver;
+  if (receiver) {
+    r.object(doc, "", {"rank", "domain", "instance", "coordinator", "network", "local", "window_bytes",
+                       "chunk_bytes", "heartbeat_ms", "log_level", "recipe"});
+  } else {
+    r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level"});
+  }
+  constexpr int64_t kMaxRank = (1 << 20) - 1;  // the coordinator's limit
+  c.rank = static_cast<int32_t>(r.integer(doc, "", "rank", std::nullopt, 0, kMaxRank));
+  c.domain = static_cast<int32_t>(r.integer(doc, "", "domain", 0, 0, kMaxRank));
+  if (receiver) c.instance = static_cast<int32_t>(r.integer(doc, "", "instance", 0, 0, kMaxRank));
+
+  if (const Json* co = r.member(doc, "", "coordinator", true)) {
+    r.object(*co, "coordinator", {"address", "token_file", "embedded", "timeout_ms"});
+    const std::string address = r.string(*co, "coordinator", "address", std::nullopt);
+    c.coordinator.token_file = r.string(*co, "coordinator", "token_file", std::nullopt);
+    c.coordinator.embedded = r.boolean(*co, "coordinator", "embedded", false);
+    c.coordinator.timeout =
+        std::chrono::milliseconds(r.integer(*co, "coordinator", "timeout_ms", 10000, 1, 24ll * 3600 * 1000));
+    if (r.ok()) {
+      REFIT_RETURN_IF_ERROR(
+          parse_host_port(address, "coordinator.address", &c.coordinator.host, &c.coordinator.port));
+      if (c.coordinator.port == 0 && !c.coordinator.embedded) {
+        return Status::invalid("config: \"coordinator.address\" needs a port other than 0 to connect to");
+      }
+    }
+  }
+  read_transport(r, doc, "network", true, &c.network);
+  if (receiver) {
+    read_transport(r, doc, "local", false, &c.local, &c.local_fabric);
+    c.window_bytes = static_cast<uint64_t>(r.integer(doc, "", "window_bytes", int64_t{32} << 20, 4096));
+    c.chunk_bytes = static_cast<uint64_t>(r.integer(doc, "", "chunk_bytes", int64_t{1} << 20, 4096));
+    if (r.ok() && c.chunk_bytes > c.window_bytes) {
+      r.fail("chunk_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + ")");
+    }
+    if (const Json* rc = r.member(doc, "", "recipe", false)) {
+      r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});
+      RecipeConfig recipe;
+      recipe.model = r.string(*rc, "recipe", "model", std::nullopt);
+      recipe.framework = r.string(*rc, "recipe", "framework", std::string("vllm"));
+      if (r.ok() && recipe.framework != "vllm") {
+        r.fail("recipe.framework", "must be \"vllm\" (the only inference layout refit knows), got \"" +
+                                       recipe.framework + "\"");
+      }
+      recipe.tp = r.integer(*rc, "recipe", "tp", 1, 1, 1 << 16);
+      recipe.pp = r.integer(*rc, "recipe", "pp", 1, 1, 1 << 16);
+      recipe.dp = r.integer(*rc, "recipe", "dp", 1, 1, 1 << 16);
+      recipe.expert_parallel = r.boolean(*rc, "recipe", "expert_parallel", false);
+      recipe.gpus_per_domain = r.integer(*rc, "recipe", "gpus_per_domain", 0, 1, 1 << 20);
+      c.recipe = recipe;
+    }
+  }
+  c.heartbeat = std::chrono::milliseconds(r.integer(doc, "", "heartbeat_ms", 1000, 10, 3600 * 1000));
+  if (r.member(doc, "", "log_level", false)) {
+    c.log_level = level_from(r, r.string(doc, "", "log_level", std::nullopt), "log_level");
+  }
+  if (!r.ok()) return r.status();
+  return c;
+}
+
+}  // namespace refit::plugin

@@ -1,0 +1,63 @@
+#pragma once
+// The agents' JSON configuration (the keys are documented in
+// include/refit/refit.h). Parsing is strict: an unknown key, a wrong type or
+// a value out of range is an error that names the key path, e.g.
+// `config: "coordinator.timeout_ms" must be an integer >= 1, got "5s"`.
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "planner/status.h"
+
+namespace refit::plugin {
+
+enum class LogLevel { kError, kWarn, kInfo, kDebug };
+
+struct CoordinatorEndpoint {
+  std::string host;
+  uint16_t port = 0;
+  std::string token_file;
+  bool embedded = false;
+  std::chrono::milliseconds timeout{10000};
+};
+
+struct TransportConfig {
+  std::vector<std::string> transports;
+  std::vector<std::string> devices;
+};
+
+struct RecipeConfig {
+  std::string model;  // manifest path
+  std::string framework = "vllm";
+  int64_t tp = 1, pp = 1, dp = 1;
+  bool expert_parallel = false;
+  int64_t gpus_per_domain = 0;  // 0: tp*pp*dp
+};
+
+struct AgentConfig {
+  bool receiver = false;
+  int32_t rank = 0;
+  int32_t domain = 0;
+  int32_t instance = 0;  // receivers
+  CoordinatorEndpoint coordinator;
+  TransportConfig network{{"tcp"}, {}};
+  TransportConfig local{{"shm"}, {}};  // receivers: the UCX fabric's transports
+  std::string local_fabric = "cma";    // receivers: "cma" or "ucx"
+  uint64_t window_bytes = 32ull << 20;
+  uint64_t chunk_bytes = 1ull << 20;
+  std::chrono::milliseconds heartbeat{1000};
+  LogLevel log_level = LogLevel::kWarn;
+  std::optional<RecipeConfig> recipe;
+};
+
+// Parses a source's (receiver = false) or a receiver's config document.
+Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver);
+
+// "HOST:PORT" (HOST may be a name, an IPv4 address or [IPv6]).
+Status parse_host_port(const std::string& text, const std::string& key, std::string* host, uint16_t* port);
+
+}  // namespace refit::plugin

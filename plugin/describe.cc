@@ -1,0 +1,270 @@
+#include "plugin/describe.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "planner/dtype.h"
+#include "planner/manifest.h"
+#include "planner/placement.h"
+#include "planner/recipes/recipe.h"
+#include "planner/scenario.h"
+#include "plugin/json_reader.h"
+
+namespace refit::plugin {
+namespace {
+
+constexpr size_t kMaxDims = 8;
+
+std::vector<int64_t> row_major(const std::vector<int64_t>& size) {
+  std::vector<int64_t> strides(size.size(), 1);
+  for (size_t d = size.size(); d-- > 1;) strides[d - 1] = strides[d] * std::max<int64_t>(size[d], 1);
+  return strides;
+}
+
+// Reads one segment; `tensor` is set from the description when the key is
+// allowed (receivers), else from `fixed_tensor`.
+control::Segment read_segment(JsonReader& r, const Json& s, const std::string& path, bool with_tensor,
+                              const std::string& fixed_tensor) {
+  control::Segment seg;
+  if (with_tensor) {
+    r.object(s, path, {"tensor", "start", "size", "offset", "strides"});
+    seg.tensor = r.string(s, path, "tensor", std::nullopt);
+  } else {
+    r.object(s, path, {"start", "size", "offset", "strides"});
+    seg.tensor = fixed_tensor;
+  }
+  seg.start = r.integers(s, path, "start", true, 0, kMaxDims);
+  seg.size = r.integers(s, path, "size", true, 1, kMaxDims);
+  seg.offset = r.integer(s, path, "offset", std::nullopt, 0);
+  seg.strides = r.integers(s, path, "strides", false, 0, kMaxDims);
+  if (!r.ok()) return seg;
+  if (seg.start.size() != seg.size.size() || seg.start.empty()) {
+    r.fail(path, "needs \"start\" and \"size\" of the same, non-zero length");
+  } else if (seg.strides.empty()) {
+    seg.strides = row_major(seg.size);
+  } else if (seg.strides.size() != seg.size.size()) {
+    r.fail(JsonReader::join(path, "strides"), "must have one entry per dim (" + std::to_string(seg.size.size()) + ")");
+  }
+  return seg;
+}
+
+std::string read_dtype(JsonReader& r, const Json& obj, const std::string& path) {
+  const std::string name = r.string(obj, path, "dtype", std::nullopt);
+  if (r.ok() && !parse_dtype(name)) {
+    r.fail(JsonReader::join(path, "dtype"),
+           "must be one of BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 U8 I16 I32 I64 BOOL, got \"" + name + "\"");
+  }
+  return name;
+}
+
+Result<DTensorSpec> read_dtensor(JsonReader& r, const Json& d) {
+  DTensorSpec spec;
+  r.object(d, "dtensor", {"mesh", "ranks", "placements"});
+  spec.mesh = r.integers(d, "dtensor", "mesh", true, 1, kMaxDims);
+  for (int64_t rank : r.integers(d, "dtensor", "ranks", true, 0, size_t{1} << 20)) {
+    spec.ranks.push_back(static_cast<int32_t>(std::min<int64_t>(rank, INT32_MAX)));
+  }
+  const std::vector<std::string> placements = r.strings(d, "dtensor", "placements", {});
+  if (!r.ok()) return r.status();
+  for (size_t i = 0; i < placements.size(); ++i) {
+    Result<Placement> p = parse_placement(placements[i]);
+    if (!p.is_ok()) {
+      return p.status().with_context("\"dtensor.placements[" + std::to_string(i) + "]\"");
+    }
+    spec.placements.push_back(*p);
+  }
+  return spec;
+}
+
+// Expands a DTensor spec for one tensor on `side` and returns `rank`'s buffer.
+Result<BufferPart> dtensor_part(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                                const DTensorSpec& spec, Side side, int32_t rank, const std::string& what) {
+  if (std::find(spec.ranks.begin(), spec.ranks.end(), rank) == spec.ranks.end()) {
+    return Status::invalid(what + ": this rank (" + std::to_string(rank) + ") is not in \"dtensor.ranks\"");
+  }
+  Layout scratch;
+  const int32_t nranks = *std::max_element(spec.ranks.begin(), spec.ranks.end()) + 1;
+  if (side == Side::kSource) scratch.sources.resize(nranks);
+  else scratch.receivers.resize(nranks);
+  const uint32_t t = scratch.add_tensor(name, dtype, shape);
+  REFIT_RETURN_IF_ERROR(add_dtensor(scratch, t, side, spec, name).with_context(what));
+  std::vector<BufferPart> parts = rank_buffers(scratch, side, rank);
+  if (parts.empty()) {  // an empty shard: nothing to register
+    return BufferPart{name, std::string(dtype_name(dtype)), 0, {}};
+  }
+  return parts.front();
+}
+
+}  // namespace
+
+std::vector<BufferPart> rank_buffers(const Layout& layout, Side side, int32_t rank) {
+  std::map<uint32_t, BufferPart> by_buffer;
+  const RankSets& sets = layout.sets(side);
+  for (const Tensor& t : layout.tensors) {
+    for (const Region& region : layout.regions(static_cast<uint32_t>(&t - layout.tensors.data()), side)) {
+      const std::vector<int32_t>& ranks = sets.get(region.ranks);
+      if (!std::binary_search(ranks.begin(), ranks.end(), rank)) continue;
+      const uint32_t bi = t.buffer_of(side, region);
+      const Buffer& b = layout.buffers[bi];
+      BufferPart& part = by_buffer[bi];
+      if (part.name.empty()) {
+        part.name = b.name;
+        part.dtype = std::string(dtype_name(b.dtype));
+        part.bytes = b.bytes;
+      }
+      control::Segment s;
+      s.tensor = t.name;
+      s.start.assign(region.box.start.begin(), region.box.start.begin() + region.box.ndim);
+      s.size.assign(region.box.size.begin(), region.box.size.begin() + region.box.ndim);
+      s.offset = region.offset;
+      s.strides.assign(region.strides.begin(), region.strides.begin() + region.box.ndim);
+      part.segments.push_back(std::move(s));
+    }
+  }
+  std::vector<BufferPart> out;
+  for (auto& [bi, part] : by_buffer) out.push_back(std::move(part));
+  return out;
+}
+
+Status check_segments_fit(const BufferPart& part, uint64_t bytes) {
+  const std::optional<DType> dtype = parse_dtype(part.dtype);
+  if (!dtype) return Status::invalid("buffer \"" + part.name + "\": unknown dtype \"" + part.dtype + "\"");
+  const int64_t elem = dtype_bytes(*dtype);
+  for (size_t i = 0; i < part.segments.size(); ++i) {
+    const control::Segment& s = part.segments[i];
+    __int128 last = s.offset;
+    for (size_t d = 0; d < s.size.size(); ++d) last += static_cast<__int128>(s.size[d] - 1) * s.strides[d];
+    const __int128 end = (last + 1) * elem;
+    if (end > static_cast<__int128>(bytes)) {
+      return Status::invalid("buffer \"" + part.name + "\" of " + std::to_string(bytes) + " bytes is too small: segment " +
+                             std::to_string(i) + " (tensor \"" + s.tensor + "\") reaches byte " +
+                             std::to_string(static_cast<int64_t>(end)));
+    }
+  }
+  return Status::ok();
+}
+
+Result<SourceTensor> parse_source_tensor(std::string_view json_text, int32_t rank) {
+  Result<Json> parsed = parse_object(json_text, "tensor description");
+  if (!parsed.is_ok()) return parsed.status();
+  const Json& d = *parsed;
+  JsonReader r("tensor description");
+  r.object(d, "", {"name", "dtype", "shape", "buffer", "dtensor", "segments"});
+  SourceTensor out;
+  out.decl.name = r.string(d, "", "name", std::nullopt);
+  out.decl.dtype = read_dtype(r, d, "");
+  out.decl.shape = r.integers(d, "", "shape", true, 0, kMaxDims);
+  const Json* dt = r.member(d, "", "dtensor", false);
+  const Json* segs = r.member(d, "", "segments", false);
+  if (r.ok() && (dt == nullptr) == (segs == nullptr)) r.fail("", "needs exactly one of \"dtensor\" and \"segments\"");
+  if (r.ok() && dt && d.contains("buffer")) r.fail("buffer", "is for \"segments\"; a DTensor shard has a buffer of its own");
+  if (!r.ok()) return r.status();
+  const std::string what = "tensor \"" + out.decl.name + "\"";
+  const DType dtype = *parse_dtype(out.decl.dtype);
+  if (dt) {
+    Result<DTensorSpec> spec = read_dtensor(r, *dt);
+    if (!spec.is_ok()) return spec.status().with_context("tensor description: " + what);
+    Result<BufferPart> part = dtensor_part(out.decl.name, dtype, out.decl.shape, *spec, Side::kSource, rank, what);
+    if (!part.is_ok()) return part.status();
+    out.buffer = std::move(part).value();
+    return out;
+  }
+  out.buffer.name = r.string(d, "", "buffer", out.decl.name);
+  out.buffer.dtype = out.decl.dtype;
+  if (!segs->is_array() || segs->empty()) {
+    return Status::invalid("tensor description: \"segments\" must be a non-empty list of segments");
+  }
+  for (size_t i = 0; i < segs->size(); ++i) {
+    const std::string path = "segments[" + std::to_string(i) + "]";
+    control::Segment s = read_segment(r, (*segs)[i], path, false, out.decl.name);
+    if (!r.ok()) return r.status();
+    if (s.start.size() != out.decl.shape.size()) {
+      return Status::invalid("tensor description: " + what + " \"" + path + "\" has " +
+                             std::to_string(s.start.size()) + " dims, the tensor " +
+                             std::to_string(out.decl.shape.size()));
+    }
+    for (size_t k = 0; k < s.start.size(); ++k) {
+      if (s.start[k] + s.size[k] > out.decl.shape[k]) {
+        return Status::invalid("tensor description: " + what + " \"" + path + "\" ends at " +
+                               std::to_string(s.start[k] + s.size[k]) + " in dim " + std::to_string(k) +
+                               ", past the shape's " + std::to_string(out.decl.shape[k]));
+      }
+    }
+    out.buffer.segments.push_back(std::move(s));
+  }
+  return out;
+}
+
+Result<std::shared_ptr<const RecipeLayout>> load_recipe(const RecipeConfig& recipe) {
+  std::ifstream in(recipe.model, std::ios::binary);
+  if (!in) return Status::not_found("config: \"recipe.model\": cannot open \"" + recipe.model + "\"");
+  std::stringstream text;
+  text << in.rdbuf();
+  Result<Manifest> model = parse_manifest_json(text.str(), recipe.model);
+  if (!model.is_ok()) return model.status();
+  auto out = std::make_shared<RecipeLayout>();
+  for (const ManifestTensor& t : *model) out->layout.add_tensor(t.name, t.dtype, t.shape);
+  InferSide infer;
+  infer.tp = recipe.tp;
+  infer.pp = recipe.pp;
+  infer.dp = recipe.dp;
+  infer.gpus = recipe.tp * recipe.pp * recipe.dp;
+  infer.expert_parallel = recipe.expert_parallel;
+  infer.gpus_per_domain = recipe.gpus_per_domain > 0 ? recipe.gpus_per_domain : infer.gpus;
+  REFIT_RETURN_IF_ERROR(add_vllm_receivers(out->layout, infer, *model).with_context("config: \"recipe\""));
+  return std::shared_ptr<const RecipeLayout>(std::move(out));
+}
+
+Result<BufferPart> parse_receiver_buffer(std::string_view json_text, int32_t rank, const RecipeLayout* recipe) {
+  Result<Json> parsed = parse_object(json_text, "buffer description");
+  if (!parsed.is_ok()) return parsed.status();
+  const Json& d = *parsed;
+  JsonReader r("buffer description");
+  r.object(d, "", {"name", "dtype", "shape", "dtensor", "segments", "recipe"});
+  if (const Json* name = r.member(d, "", "recipe", false)) {
+    if (d.size() != 1) return Status::invalid("buffer description: \"recipe\" takes no other key");
+    const std::string param = r.string(d, "", "recipe", std::nullopt);
+    if (!r.ok()) return r.status();
+    (void)name;
+    if (!recipe) {
+      return Status::invalid("buffer description: \"recipe\": the receiver's config has no \"recipe\" to lay out \"" +
+                             param + "\"");
+    }
+    for (BufferPart& part : rank_buffers(recipe->layout, Side::kReceiver, rank)) {
+      if (part.name == param) return std::move(part);
+    }
+    return Status::not_found("buffer description: the recipe gives receiver rank " + std::to_string(rank) +
+                             " no buffer \"" + param + "\"");
+  }
+  BufferPart part;
+  part.name = r.string(d, "", "name", std::nullopt);
+  part.dtype = read_dtype(r, d, "");
+  const Json* dt = r.member(d, "", "dtensor", false);
+  const Json* segs = r.member(d, "", "segments", false);
+  if (r.ok() && (dt == nullptr) == (segs == nullptr)) {
+    r.fail("", "needs exactly one of \"dtensor\", \"segments\" and \"recipe\"");
+  }
+  if (!r.ok()) return r.status();
+  if (dt) {
+    const std::vector<int64_t> shape = r.integers(d, "", "shape", true, 0, kMaxDims);
+    Result<DTensorSpec> spec = read_dtensor(r, *dt);
+    if (!r.ok()) return r.status();
+    if (!spec.is_ok()) return spec.status().with_context("buffer description: \"" + part.name + "\"");
+    return dtensor_part(part.name, *parse_dtype(part.dtype), shape, *spec, Side::kReceiver, rank,
+                        "buffer \"" + part.name + "\"");
+  }
+  if (d.contains("shape")) return Status::invalid("buffer description: \"shape\" is for \"dtensor\"");
+  if (!segs->is_array() || segs->empty()) {
+    return Status::invalid("buffer description: \"segments\" must be a non-empty list of segments");
+  }
+  for (size_t i = 0; i < segs->size(); ++i) {
+    control::Segment s = read_segment(r, (*segs)[i], "segments[" + std::to_string(i) + "]", true, "");
+    if (!r.ok()) return r.status();
+    part.segments.push_back(std::move(s));
+  }
+  return part;
+}
+
+}  // namespace refit::plugin

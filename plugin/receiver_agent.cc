@@ -1,0 +1,609 @@
+#include "plugin/receiver_agent.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <set>
+#include <tuple>
+
+#include "transport/fabric/cma_fabric.h"
+#include "transport/fabric/ucx_fabric.h"
+#include "transport/ucx/get_engine.h"
+
+namespace refit::plugin {
+
+using control::Json;
+using control::MsgType;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+// One receiver's part of the plan of one membership epoch, compiled.
+struct CompiledPart {
+  struct Get {
+    int32_t source = 0;
+    std::vector<uint8_t> address;  // the source's worker address
+    uint64_t rkey_id = 0;
+    uint64_t remote = 0;
+    uint8_t* local = nullptr;
+    uint64_t bytes = 0;
+  };
+  uint64_t epoch = 0;
+  std::vector<Get> net;
+  std::map<int32_t, std::vector<std::pair<uint64_t, std::vector<uint8_t>>>> source_keys;  // rank -> (id, packed)
+  std::map<int32_t, std::vector<uint8_t>> source_addresses;
+  fabric::Schedule schedule;                       // version set per refresh
+  std::vector<uint32_t> send_deps;                 // per send: network runs still to land
+  std::vector<std::vector<uint32_t>> dependents;   // per network run: the sends it feeds
+  uint64_t network_bytes = 0;
+  uint64_t local_bytes = 0;
+  int64_t minimum_network_bytes = -1;
+};
+
+namespace {
+
+// The local fabric the config asks for. "cma" falls back to "ucx" where the
+// kernel forbids cross-memory attach (the ranks of a host all decide alike).
+Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& config, const Log& log) {
+  if (config.local_fabric == "cma") {
+    Result<std::unique_ptr<fabric::CmaFabric>> cma = fabric::CmaFabric::create({config.rank});
+    if (cma.is_ok()) return std::unique_ptr<fabric::LocalFabric>(std::move(cma).value());
+    if (cma.status().code() != Code::kUnsupported) return cma.status();
+    log.warn(cma.status().message() + "; using the UCX fabric");
+  }
+  fabric::UcxFabricConfig fc;
+  fc.rank = config.rank;
+  fc.transports = config.local.transports;
+  fc.limits.chunk_bytes = config.chunk_bytes;
+  fc.limits.max_bytes_in_flight = config.window_bytes;
+  fc.limits.max_bytes_per_endpoint = config.window_bytes;
+  Result<std::unique_ptr<fabric::UcxFabric>> ucx = fabric::UcxFabric::create(fc);
+  if (!ucx.is_ok()) return ucx.status();
+  return std::unique_ptr<fabric::LocalFabric>(std::move(ucx).value());
+}
+
+}  // namespace
+
+struct ReceiverAgent::Report {
+  int64_t version = 0;
+  uint64_t epoch = 0;
+  uint64_t network_bytes = 0;
+  uint64_t local_bytes = 0;
+  int64_t minimum_network_bytes = -1;
+  uint64_t pulls = 0;
+  uint64_t pushes = 0;
+  double plan_s = 0, network_s = 0, local_s = 0, total_s = 0;
+};
+
+ReceiverAgent::ReceiverAgent(AgentConfig config)
+    : config_(std::move(config)), log_("receiver " + std::to_string(config_.rank), config_.log_level) {}
+
+Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view config_json) {
+  Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/true);
+  if (!config.is_ok()) return config.status();
+  std::unique_ptr<ReceiverAgent> a(new ReceiverAgent(std::move(config).value()));
+  if (a->config_.recipe) {
+    Result<std::shared_ptr<const RecipeLayout>> recipe = load_recipe(*a->config_.recipe);
+    if (!recipe.is_ok()) return recipe.status();
+    a->recipe_ = std::move(recipe).value();
+  }
+  ucx::ContextConfig net;
+  net.name = "network";
+  net.transports = a->config_.network.transports;
+  net.devices = a->config_.network.devices;
+  Result<ucx::Context> nc = ucx::Context::create(net);
+  if (!nc.is_ok()) return nc.status().with_context("config: \"network\"");
+  a->net_context_.emplace(std::move(nc).value());
+  Result<ucx::Worker> worker = ucx::Worker::create(*a->net_context_, ucx::ThreadMode::kSerialized);
+  if (!worker.is_ok()) return worker.status();
+  a->net_worker_.emplace(std::move(worker).value());
+  Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(a->config_, a->log_);
+  if (!fabric.is_ok()) return fabric.status().with_context("config: \"local\"");
+  a->fabric_ = std::move(fabric).value();
+  Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_);
+  if (!link.is_ok()) return link.status();
+  a->link_ = std::move(link).value();
+  return a;
+}
+
+ReceiverAgent::~ReceiverAgent() {
+  if (async_.joinable()) async_.join();
+  if (link_ && joined_) {
+    link_->stop_heartbeat();
+    Result<Json> r = link_->request(MsgType::kUnregister,
+                                    control::to_json(control::MemberRef{control::Role::kReceiver, config_.rank}));
+    if (!r.is_ok()) log_.info("leaving: " + r.status().message());
+  }
+  link_.reset();
+  compiled_.reset();
+  fabric_.reset();
+  sources_.clear();  // endpoints before their worker
+  buffers_.clear();  // memory before the context
+  net_worker_.reset();
+  net_context_.reset();
+}
+
+Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint64_t bytes) {
+  if (refresh_running()) return Status::invalid("add_buffer: a refresh is running");
+  Result<BufferPart> part = parse_receiver_buffer(description, config_.rank, recipe_.get());
+  if (!part.is_ok()) return part.status();
+  for (const Buf& b : buffers_) {
+    if (b.part.name == part->name) return Status::invalid("buffer \"" + b.part.name + "\" was already added");
+  }
+  if (data == nullptr || bytes == 0) return Status::invalid("buffer \"" + part->name + "\": data is NULL or bytes is 0");
+  if (part->bytes > 0 && static_cast<uint64_t>(part->bytes) > bytes) {
+    return Status::invalid("buffer \"" + part->name + "\": its layout needs " + std::to_string(part->bytes) +
+                           " bytes, the buffer given has " + std::to_string(bytes));
+  }
+  REFIT_RETURN_IF_ERROR(check_segments_fit(*part, bytes));
+  if (part->segments.empty()) return Status::ok();  // this rank holds no part of it
+  Buf b;
+  b.part = std::move(part).value();
+  b.part.bytes = static_cast<int64_t>(bytes);
+  b.data = static_cast<uint8_t*>(data);
+  b.bytes = bytes;
+  Result<ucx::MemoryRegion> net = ucx::MemoryRegion::map(*net_context_, data, bytes, b.part.name);
+  if (!net.is_ok()) return net.status();
+  Result<std::vector<uint8_t>> key = fabric_->register_buffer(b.part.name, data, bytes);
+  if (!key.is_ok()) return key.status();
+  b.net_region.emplace(std::move(net).value());
+  b.local_key = std::move(key).value();
+  buffers_.push_back(std::move(b));
+  changed_ = true;
+  return Status::ok();
+}
+
+Status ReceiverAgent::join() {
+  if (joined_ && !changed_) return Status::ok();
+  if (buffers_.empty()) return Status::invalid("join: add at least one buffer first");
+  const control::MemberRef me{control::Role::kReceiver, config_.rank};
+  if (joined_) {
+    link_->stop_heartbeat();
+    Result<Json> r = link_->request(MsgType::kUnregister, control::to_json(me));
+    if (!r.is_ok()) return r.status().with_context("re-registering");
+    joined_ = false;
+  }
+  control::RegisterReceiver m;
+  m.rank = config_.rank;
+  m.instance = config_.instance;
+  m.domain = config_.domain;
+  m.worker_address = fabric_->contact();
+  for (const Buf& b : buffers_) {
+    control::MemberBuffer mb;
+    mb.name = b.part.name;
+    mb.dtype = b.part.dtype;
+    mb.bytes = static_cast<int64_t>(b.bytes);
+    mb.address = reinterpret_cast<uint64_t>(b.data);
+    mb.rkey = b.local_key;
+    mb.segments = b.part.segments;
+    m.buffers.push_back(std::move(mb));
+  }
+  Result<Json> r = link_->request(MsgType::kRegisterReceiver, control::to_json(m));
+  if (!r.is_ok()) return r.status();
+  joined_ = true;
+  changed_ = false;
+  compiled_.reset();
+  link_->start_heartbeat(me);
+  return Status::ok();
+}
+
+Result<ucx::Endpoint*> ReceiverAgent::endpoint(int32_t rank, const std::vector<uint8_t>& address) {
+  Peer& p = sources_[rank];
+  if (p.ep && (p.ep->failed() || p.address != address)) {
+    p.ep.reset();
+    p.rkey_ids.clear();
+  }
+  if (!p.ep) {
+    Result<ucx::Endpoint> ep = ucx::Endpoint::create(*net_worker_, address, "source " + std::to_string(rank));
+    if (!ep.is_ok()) return ep.status();
+    p.ep.emplace(std::move(ep).value());
+    p.address = address;
+  }
+  return &*p.ep;
+}
+
+uint64_t ReceiverAgent::rkey_id(int32_t rank, const std::string& buffer, const std::vector<uint8_t>& rkey) {
+  Peer& p = sources_[rank];
+  std::string key = buffer;
+  key.push_back('\0');
+  key.append(rkey.begin(), rkey.end());
+  auto [it, inserted] = p.rkey_ids.emplace(std::move(key), 0);
+  if (inserted) it->second = next_rkey_id_++;
+  return it->second;
+}
+
+Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) {
+  auto part = std::make_shared<CompiledPart>();
+  part->epoch = reply.value("epoch", uint64_t{0});
+  part->schedule.epoch = part->epoch;
+  if (reply.contains("plan")) part->minimum_network_bytes = reply["plan"].value("minimum_network_bytes", int64_t{-1});
+  const int32_t me = config_.rank;
+  auto bad = [](const std::string& why) { return Status::invalid("plan from the coordinator: " + why); };
+  try {
+    // Where the peers' buffers are. Sources: address and rkey id for the
+    // GETs. Receivers of the domain: a fabric peer with the buffers named.
+    struct SourceBuf {
+      uint64_t address = 0;
+      uint64_t rkey_id = 0;
+    };
+    std::map<std::pair<int32_t, std::string>, SourceBuf> source_bufs;
+    std::map<int32_t, uint32_t> fabric_peer;                          // receiver rank -> schedule peer
+    std::map<std::pair<int32_t, std::string>, uint32_t> fabric_buf;   // (rank, buffer) -> index in its peer
+    const Json& peers = reply.at("peers");
+    for (const Json& p : peers.at("sources")) {
+      const int32_t rank = p.at("rank").get<int32_t>();
+      part->source_addresses[rank] = p.at("worker_address").get_binary();
+      for (const Json& b : p.at("buffers")) {
+        const std::string name = b.at("name").get<std::string>();
+        const std::vector<uint8_t>& key = b.at("rkey").get_binary();
+        const uint64_t id = rkey_id(rank, name, key);
+        part->source_keys[rank].emplace_back(id, key);
+        source_bufs[{rank, name}] = SourceBuf{b.at("address").get<uint64_t>(), id};
+      }
+    }
+    if (peers.contains("domain")) {
+      for (const Json& m : peers.at("domain")) {
+        part->schedule.domain.push_back(
+            fabric::DomainMember{m.at("rank").get<int32_t>(), m.at("worker_address").get_binary()});
+      }
+    }
+    for (const Json& p : peers.at("receivers")) {
+      fabric::Peer peer;
+      peer.rank = p.at("rank").get<int32_t>();
+      peer.contact = p.at("worker_address").get_binary();
+      for (const Json& b : p.at("buffers")) {
+        fabric_buf[{peer.rank, b.at("name").get<std::string>()}] = static_cast<uint32_t>(peer.buffers.size());
+        peer.buffers.push_back(fabric::RemoteBuffer{b.at("address").get<uint64_t>(), b.at("rkey").get_binary()});
+      }
+      fabric_peer[peer.rank] = static_cast<uint32_t>(part->schedule.peers.size());
+      part->schedule.peers.push_back(std::move(peer));
+    }
+    std::map<std::string, const Buf*> mine;
+    for (const Buf& b : buffers_) mine[b.part.name] = &b;
+    auto my_range = [&](const Json& end, uint64_t bytes, const std::string& what, uint8_t** out) -> Status {
+      const std::string name = end.at("buffer").get<std::string>();
+      const uint64_t offset = end.at("offset").get<uint64_t>();
+      auto it = mine.find(name);
+      if (it == mine.end()) return bad(what + " names buffer \"" + name + "\", which this rank does not have");
+      if (offset > it->second->bytes || bytes > it->second->bytes - offset) {
+        return bad(what + " [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") lies outside buffer \"" +
+                   name + "\" (" + std::to_string(it->second->bytes) + " bytes)");
+      }
+      *out = it->second->data + offset;
+      return Status::ok();
+    };
+    struct Interval {
+      const uint8_t* begin;
+      const uint8_t* end;
+      uint32_t net;
+    };
+    std::vector<Interval> landed;
+    std::vector<std::pair<const uint8_t*, const uint8_t*>> reads;  // per send
+    const Json& runs = reply.at("runs");
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Json& run = runs[i];
+      const std::string what = "run " + std::to_string(i);
+      const uint64_t bytes = run.at("bytes").get<uint64_t>();
+      if (bytes == 0) return bad(what + " has no bytes");
+      const Json& from = run.at("from");
+      const Json& to = run.at("to");
+      const int32_t from_rank = from.at("rank").get<int32_t>();
+      const int32_t to_rank = to.at("rank").get<int32_t>();
+      if (run.at("kind") == "net") {
+        if (to_rank != me || from.at("side") != "source") return bad(what + " is a network run for another rank");
+        CompiledPart::Get g;
+        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &g.local));
+        auto sb = source_bufs.find({from_rank, from.at("buffer").get<std::string>()});
+        if (sb == source_bufs.end()) {
+          return bad(what + " reads buffer \"" + from.at("buffer").get<std::string>() + "\" of source rank " +
+                     std::to_string(from_rank) + ", which is not among the peers");
+        }
+        g.source = from_rank;
+        g.rkey_id = sb->second.rkey_id;
+        g.remote = sb->second.address + from.at("offset").get<uint64_t>();
+        g.bytes = bytes;
+        landed.push_back({g.local, g.local + bytes, static_cast<uint32_t>(part->net.size())});
+        part->net.push_back(std::move(g));
+        part->network_bytes += bytes;
+        continue;
+      }
+      if (from.at("side") != "receiver") return bad(what + " is a local run that reads a source");
+      if (from_rank != me) {
+        if (to_rank != me) return bad(what + " is a local run between two other ranks");
+        auto fp = fabric_peer.find(from_rank);
+        if (fp == fabric_peer.end()) return bad(what + " comes from receiver rank " + std::to_string(from_rank) + ", not among the peers");
+        fabric::Recv r;
+        r.peer = fp->second;
+        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &r.dst));
+        r.bytes = bytes;
+        part->schedule.recvs.push_back(r);
+        continue;
+      }
+      fabric::Send s;
+      uint8_t* src = nullptr;
+      REFIT_RETURN_IF_ERROR(my_range(from, bytes, what, &src));
+      s.src = src;
+      s.bytes = bytes;
+      if (to_rank == me) {
+        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &s.self_dst));
+      } else {
+        auto fp = fabric_peer.find(to_rank);
+        auto fb = fabric_buf.find({to_rank, to.at("buffer").get<std::string>()});
+        if (fp == fabric_peer.end() || fb == fabric_buf.end()) {
+          return bad(what + " writes buffer \"" + to.at("buffer").get<std::string>() + "\" of receiver rank " +
+                     std::to_string(to_rank) + ", which is not among the peers");
+        }
+        s.peer = fp->second;
+        s.buffer = fb->second;
+        s.offset = to.at("offset").get<uint64_t>();
+        part->local_bytes += bytes;
+      }
+      reads.push_back({src, src + bytes});
+      part->schedule.sends.push_back(s);
+    }
+    // Each send waits for the network runs that bring the bytes it reads.
+    std::sort(landed.begin(), landed.end(), [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
+    part->dependents.assign(part->net.size(), {});
+    part->send_deps.assign(reads.size(), 0);
+    for (uint32_t op = 0; op < reads.size(); ++op) {
+      const auto [begin, end] = reads[op];
+      auto it = std::upper_bound(landed.begin(), landed.end(), begin,
+                                 [](const uint8_t* p, const Interval& iv) { return p < iv.begin; });
+      if (it != landed.begin()) --it;
+      const uint8_t* covered = begin;
+      for (; it != landed.end() && it->begin < end; ++it) {
+        if (it->end <= covered) continue;
+        if (it->begin > covered) break;
+        part->dependents[it->net].push_back(op);
+        ++part->send_deps[op];
+        covered = it->end;
+      }
+      if (covered < end) {
+        return bad("local run " + std::to_string(op) + " passes on bytes that this rank does not pull");
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return bad(std::string("malformed: ") + e.what());
+  }
+  return part;
+}
+
+Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::time_point deadline, Report* report) {
+  // Network endpoints and keys, while no engine runs.
+  std::map<int32_t, ucx::Endpoint*> eps;
+  for (const auto& [rank, address] : part.source_addresses) {
+    Result<ucx::Endpoint*> ep = endpoint(rank, address);
+    if (!ep.is_ok()) return ep.status();
+    auto keys = part.source_keys.find(rank);
+    if (keys != part.source_keys.end()) {
+      for (const auto& [id, packed] : keys->second) REFIT_RETURN_IF_ERROR((*ep)->import_rkey(id, packed));
+    }
+    eps[rank] = *ep;
+  }
+  ucx::GetEngineOptions options;
+  options.progress_thread = true;
+  options.limits.chunk_bytes = config_.chunk_bytes;
+  options.limits.max_bytes_in_flight = config_.window_bytes;
+  options.limits.max_bytes_per_endpoint = config_.window_bytes;
+  Result<std::unique_ptr<ucx::GetEngine>> net = ucx::GetEngine::create(*net_worker_, options);
+  if (!net.is_ok()) return net.status();
+  for (const Buf& b : buffers_) (*net)->add_local_region(*b.net_region);
+  std::vector<ucx::GetRun> gets(part.net.size());
+  for (size_t i = 0; i < part.net.size(); ++i) {
+    const CompiledPart::Get& g = part.net[i];
+    gets[i] = ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote, g.local, g.bytes};
+  }
+  fabric::Schedule schedule = part.schedule;  // a copy: the version is this refresh's
+  schedule.version = version;
+
+  // The fan-out: sends become ready as the network runs they read land.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint32_t> ready;
+  bool net_done = false;
+  bool net_ok = false;
+  std::vector<uint32_t> deps = part.send_deps;
+  for (uint32_t i = 0; i < deps.size(); ++i) {
+    if (deps[i] == 0) ready.push_back(i);
+  }
+  Status fan_status = fabric_->begin(schedule, deadline);
+  Clock::time_point fan_end = Clock::now();
+  std::thread fan;
+  if (fan_status.is_ok()) {
+    fan = std::thread([&] {
+      size_t done = 0;
+      bool finished = false;
+      while (fan_status.is_ok() && !finished) {
+        std::vector<uint32_t> take;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] { return !ready.empty() || net_done; });
+          take.swap(ready);
+          finished = net_done;
+        }
+        if (!take.empty()) fan_status = fabric_->send(take);
+        done += take.size();
+      }
+      if (fan_status.is_ok() && net_ok && done != schedule.sends.size()) {
+        fan_status = Status::internal(std::to_string(schedule.sends.size() - done) + " local runs never became ready");
+      }
+      const Status finished_status = fabric_->finish(!fan_status.is_ok() || !net_ok);
+      if (fan_status.is_ok() && net_ok) fan_status = finished_status;
+      fan_end = Clock::now();
+    });
+  }
+
+  const Clock::time_point start = Clock::now();
+  ucx::BatchReport r;
+  if (fan_status.is_ok()) {
+    r = (*net)->run_batch(gets, deadline, [&](uint32_t run, const Status& st) {
+      if (!st.is_ok()) return;
+      std::lock_guard<std::mutex> lock(mu);
+      bool any = false;
+      for (uint32_t op : part.dependents[run]) {
+        if (--deps[op] == 0) {
+          ready.push_back(op);
+          any = true;
+        }
+      }
+      if (any) cv.notify_one();
+    });
+  }
+  const Clock::time_point net_end = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    net_done = true;
+    net_ok = r.status.is_ok();
+  }
+  cv.notify_one();
+  if (fan.joinable()) fan.join();
+  fabric_->end();
+  report->network_s = seconds_between(start, net_end);
+  report->local_s = seconds_between(start, fan_end);
+  report->pulls = part.net.size();
+  report->pushes = schedule.sends.size();
+  report->network_bytes = r.bytes_done;
+  report->local_bytes = part.local_bytes;
+  if (!r.status.is_ok()) return r.status.with_context("network");
+  return fan_status;
+}
+
+Status ReceiverAgent::run_refresh(int64_t requested, Clock::time_point deadline, Report* report) {
+  const Clock::time_point t0 = Clock::now();
+  REFIT_RETURN_IF_ERROR(join());
+  Result<Json> sub = link_->request(MsgType::kSubscribe, Json::object());
+  if (!sub.is_ok()) return sub.status();
+  int64_t latest = sub->value("version", int64_t{0});
+  const int64_t want = requested == -1 ? 1 : requested;
+  while (latest < want) {
+    Result<std::optional<Json>> n = link_->wait_notice(MsgType::kVersionNotify, deadline);
+    if (!n.is_ok()) return n.status();
+    if (!n->has_value()) {
+      return Status::timeout(requested == -1 ? std::string("no version was published before the deadline")
+                                             : "version " + std::to_string(requested) +
+                                                   " was not published before the deadline (the latest is " +
+                                                   std::to_string(latest) + ")");
+    }
+    latest = std::max(latest, (**n).value("version", int64_t{0}));
+  }
+  const int64_t version = requested == -1 ? latest : requested;
+  if (version < latest) {
+    return Status::not_found("version " + std::to_string(version) + " is older than " + std::to_string(latest) +
+                             ", the latest published: the sources hold only the latest");
+  }
+  report->version = version;
+  if (log_.enabled(LogLevel::kDebug)) {
+    log_.debug("refresh to " + std::to_string(version) + ": version known after " +
+               std::to_string(seconds_between(t0, Clock::now())) + " s");
+  }
+  const Json lease{{"rank", config_.rank}, {"version", version}};
+  Result<Json> leased = link_->request(MsgType::kLease, lease);
+  if (!leased.is_ok()) return leased.status();
+  Json fetch{{"rank", config_.rank}};
+  if (compiled_) fetch["epoch"] = compiled_->epoch;  // the coordinator then sends only "unchanged"
+  Result<Json> plan = link_->request(MsgType::kFetchPlan, fetch);
+  Status st = plan.status();
+  if (st.is_ok() && !plan->value("unchanged", false)) {
+    Result<std::shared_ptr<CompiledPart>> c = compile(*plan);
+    st = c.status();
+    if (st.is_ok()) compiled_ = std::move(c).value();
+  }
+  const Clock::time_point t1 = Clock::now();
+  report->plan_s = seconds_between(t0, t1);
+  if (log_.enabled(LogLevel::kDebug)) {
+    log_.debug("refresh to " + std::to_string(version) + ": plan " +
+               (plan.is_ok() && plan->value("unchanged", false) ? "unchanged" : "fetched") + " after " +
+               std::to_string(report->plan_s) + " s");
+  }
+  if (st.is_ok()) {
+    report->epoch = compiled_->epoch;
+    report->minimum_network_bytes = compiled_->minimum_network_bytes;
+    st = execute(*compiled_, version, deadline, report);
+  }
+  Result<Json> released = link_->request(MsgType::kRelease, lease);
+  if (st.is_ok() && !released.is_ok()) log_.warn(released.status().message());
+  return st;
+}
+
+void ReceiverAgent::finish(Status status, const Report& r) {
+  Json j{{"version", r.version},
+         {"mode", "direct"},
+         {"ok", status.is_ok()},
+         {"error", status.message()},
+         {"epoch", r.epoch},
+         {"network_bytes", r.network_bytes},
+         {"local_bytes", r.local_bytes},
+         {"pulls", r.pulls},
+         {"pushes", r.pushes},
+         {"retries", 0},
+         {"seconds", {{"plan", r.plan_s}, {"network", r.network_s}, {"local", r.local_s}, {"total", r.total_s}}},
+         {"pause_seconds", r.total_s}};
+  if (r.minimum_network_bytes >= 0) j["minimum_network_bytes"] = r.minimum_network_bytes;
+  report_ = j.dump();
+  version_.store(status.is_ok() ? r.version : 0);
+  if (!status.is_ok()) log_.warn("refresh failed; the buffers are torn: " + status.message());
+}
+
+Status ReceiverAgent::refresh(int64_t version, std::chrono::milliseconds timeout) {
+  if (refresh_running()) return Status::invalid("refresh: a started refresh is still running");
+  if (version < 1 && version != -1) {
+    return Status::invalid("refresh: version must be positive or REFIT_LATEST, got " + std::to_string(version));
+  }
+  if (async_.joinable()) async_.join();
+  return refresh_now(version, timeout);
+}
+
+Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds timeout) {
+  const Clock::time_point t0 = Clock::now();
+  Report report;
+  Status st = run_refresh(version, t0 + timeout, &report);
+  report.total_s = seconds_between(t0, Clock::now());
+  finish(st, report);
+  return st;
+}
+
+bool ReceiverAgent::refresh_running() const {
+  std::lock_guard<std::mutex> lock(async_mutex_);
+  return !async_done_;
+}
+
+Status ReceiverAgent::refresh_start(int64_t version, std::chrono::milliseconds timeout) {
+  if (refresh_running()) return Status::invalid("refresh_start: a started refresh is still running");
+  if (version < 1 && version != -1) {
+    return Status::invalid("refresh_start: version must be positive or REFIT_LATEST, got " + std::to_string(version));
+  }
+  if (async_.joinable()) async_.join();
+  {
+    std::lock_guard<std::mutex> lock(async_mutex_);
+    async_done_ = false;
+    async_status_ = Status::ok();
+  }
+  report_ = "{}";
+  async_ = std::thread([this, version, timeout] {
+    Status st = refresh_now(version, timeout);
+    {
+      std::lock_guard<std::mutex> lock(async_mutex_);
+      async_status_ = st;
+      async_done_ = true;
+    }
+    async_cv_.notify_all();
+  });
+  return Status::ok();
+}
+
+std::optional<Status> ReceiverAgent::refresh_poll() { return refresh_wait(std::chrono::milliseconds(0)); }
+
+std::optional<Status> ReceiverAgent::refresh_wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(async_mutex_);
+  if (!async_cv_.wait_for(lock, timeout, [this] { return async_done_; })) return std::nullopt;
+  return async_status_;
+}
+
+}  // namespace refit::plugin

@@ -1,0 +1,189 @@
+#include "plugin/source_agent.h"
+
+#include <algorithm>
+
+#include "plugin/describe.h"
+
+namespace refit::plugin {
+
+using control::MsgType;
+
+SourceAgent::SourceAgent(AgentConfig config)
+    : config_(std::move(config)), log_("source " + std::to_string(config_.rank), config_.log_level) {}
+
+Result<std::unique_ptr<SourceAgent>> SourceAgent::create(std::string_view config_json) {
+  Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/false);
+  if (!config.is_ok()) return config.status();
+  std::unique_ptr<SourceAgent> a(new SourceAgent(std::move(config).value()));
+  ucx::ContextConfig cc;
+  cc.name = "network";
+  cc.transports = a->config_.network.transports;
+  cc.devices = a->config_.network.devices;
+  Result<ucx::Context> context = ucx::Context::create(cc);
+  if (!context.is_ok()) return context.status().with_context("config: \"network\"");
+  a->context_.emplace(std::move(context).value());
+  Result<ucx::Worker> worker = ucx::Worker::create(*a->context_, ucx::ThreadMode::kSerialized);
+  if (!worker.is_ok()) return worker.status();
+  a->worker_.emplace(std::move(worker).value());
+  Result<std::vector<uint8_t>> address = a->worker_->address();
+  if (!address.is_ok()) return address.status();
+  a->worker_address_ = std::move(address).value();
+  Result<std::unique_ptr<ucx::AmRmaServer>> server = ucx::AmRmaServer::create(*a->worker_);
+  if (!server.is_ok()) return server.status();
+  a->rma_server_ = std::move(server).value();
+  Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_);
+  if (!link.is_ok()) return link.status();
+  a->link_ = std::move(link).value();
+  a->log_.info("connected to the coordinator");
+  return a;
+}
+
+SourceAgent::~SourceAgent() {
+  if (link_ && joined_) {
+    link_->stop_heartbeat();
+    Result<control::Json> r =
+        link_->request(MsgType::kUnregister, control::to_json(control::MemberRef{control::Role::kSource, config_.rank}));
+    if (!r.is_ok()) log_.info("leaving: " + r.status().message());
+  }
+  link_.reset();
+  stop_progress();
+  rma_server_.reset();
+  buffers_.clear();  // memory regions before the worker and context
+  worker_.reset();
+  context_.reset();
+}
+
+void SourceAgent::start_progress() {
+  if (progress_.joinable()) return;
+  stop_.store(false);
+  progress_ = std::thread([this] {
+    while (!stop_.load(std::memory_order_acquire)) {
+      Status st = worker_->wait(std::chrono::milliseconds(100));
+      if (!st.is_ok()) {
+        log_.error("progress: " + st.message());
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  });
+}
+
+void SourceAgent::stop_progress() {
+  if (!progress_.joinable()) return;
+  stop_.store(true, std::memory_order_release);
+  (void)worker_->signal();
+  progress_.join();
+}
+
+Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_t bytes) {
+  Result<SourceTensor> t = parse_source_tensor(description, config_.rank);
+  if (!t.is_ok()) return t.status();
+  for (const control::TensorDecl& d : tensors_) {
+    if (d.name == t->decl.name) return Status::invalid("tensor \"" + d.name + "\" was already added");
+  }
+  if (t->buffer.segments.empty()) {  // this rank holds no part of it
+    tensors_.push_back(t->decl);
+    changed_ = true;
+    return Status::ok();
+  }
+  if (data == nullptr || bytes == 0) {
+    return Status::invalid("tensor \"" + t->decl.name + "\": data is NULL or bytes is 0");
+  }
+  if (t->buffer.bytes > 0 && static_cast<uint64_t>(t->buffer.bytes) != bytes) {
+    return Status::invalid("tensor \"" + t->decl.name + "\": this rank's shard is " +
+                           std::to_string(t->buffer.bytes) + " bytes, the buffer given is " + std::to_string(bytes));
+  }
+  REFIT_RETURN_IF_ERROR(check_segments_fit(t->buffer, bytes).with_context("tensor \"" + t->decl.name + "\""));
+  auto it = std::find_if(buffers_.begin(), buffers_.end(), [&](const Buf& b) { return b.name == t->buffer.name; });
+  if (it != buffers_.end()) {  // a fused buffer: one more tensor in it
+    if (it->data != data || it->bytes != bytes || it->dtype != t->buffer.dtype) {
+      return Status::invalid("tensor \"" + t->decl.name + "\": buffer \"" + it->name +
+                             "\" was added with another address, size or dtype");
+    }
+    it->segments.insert(it->segments.end(), t->buffer.segments.begin(), t->buffer.segments.end());
+  } else {
+    Buf b;
+    b.name = t->buffer.name;
+    b.dtype = t->buffer.dtype;
+    b.data = static_cast<uint8_t*>(data);
+    b.bytes = bytes;
+    b.segments = t->buffer.segments;
+    const bool running = progress_.joinable();
+    stop_progress();  // registration must not race the worker's progress
+    Result<ucx::MemoryRegion> region = ucx::MemoryRegion::map(*context_, data, bytes, b.name);
+    if (running) start_progress();
+    if (!region.is_ok()) return region.status();
+    buffers_.push_back(std::move(b));
+    buffers_.back().region.emplace(std::move(region).value());
+    rma_server_->export_region(*buffers_.back().region);
+  }
+  tensors_.push_back(t->decl);
+  changed_ = true;
+  return Status::ok();
+}
+
+Status SourceAgent::join() {
+  if (joined_ && !changed_) return Status::ok();
+  if (tensors_.empty()) return Status::invalid("join: add at least one tensor first");
+  if (joined_) {
+    link_->stop_heartbeat();
+    Result<control::Json> r =
+        link_->request(MsgType::kUnregister, control::to_json(control::MemberRef{control::Role::kSource, config_.rank}));
+    if (!r.is_ok()) return r.status().with_context("re-registering");
+    joined_ = false;
+  }
+  control::RegisterSource m;
+  m.rank = config_.rank;
+  m.domain = config_.domain;
+  m.worker_address = worker_address_;
+  m.tensors = tensors_;
+  for (const Buf& b : buffers_) {
+    control::MemberBuffer mb;
+    mb.name = b.name;
+    mb.dtype = b.dtype;
+    mb.bytes = static_cast<int64_t>(b.bytes);
+    mb.address = reinterpret_cast<uint64_t>(b.data);
+    mb.rkey = b.region->packed_rkey();
+    mb.segments = b.segments;
+    m.buffers.push_back(std::move(mb));
+  }
+  start_progress();
+  Result<control::Json> r = link_->request(MsgType::kRegisterSource, control::to_json(m));
+  if (!r.is_ok()) return r.status();
+  joined_ = true;
+  changed_ = false;
+  link_->start_heartbeat(control::MemberRef{control::Role::kSource, config_.rank});
+  log_.info("joined with " + std::to_string(tensors_.size()) + " tensors in " + std::to_string(buffers_.size()) +
+            " buffers");
+  return Status::ok();
+}
+
+Status SourceAgent::publish(int64_t version) {
+  if (version <= published_) {
+    return Status::invalid("publish: version " + std::to_string(version) + " is not newer than " +
+                           std::to_string(published_) + ", the last this source published");
+  }
+  REFIT_RETURN_IF_ERROR(join());
+  Result<control::Json> r = link_->request(MsgType::kPublishVersion, control::Json{{"version", version}});
+  if (!r.is_ok()) return r.status();
+  published_ = version;
+  return Status::ok();
+}
+
+Status SourceAgent::wait_drained(int64_t version, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (!joined_) return Status::invalid("wait_drained: this source has not joined");
+  Result<control::Json> r = link_->request(MsgType::kWaitDrained, control::Json{{"version", version}});
+  if (!r.is_ok()) return r.status();
+  if (r->value("drained", false)) return Status::ok();
+  while (true) {
+    Result<std::optional<control::Json>> n = link_->wait_notice(MsgType::kDrained, deadline);
+    if (!n.is_ok()) return n.status();
+    if (!n->has_value()) {
+      return Status::timeout("wait_drained: version " + std::to_string(version) + " still leased after " +
+                              std::to_string(timeout.count()) + " ms");
+    }
+    if ((**n).value("version", int64_t{0}) >= version) return Status::ok();
+  }
+}
+
+}  // namespace refit::plugin

@@ -1,0 +1,77 @@
+#pragma once
+// The source agent, inside a trainer process (include/refit/refit.h,
+// refit_source_*): registers the trainer's shards with UCX and with the
+// coordinator, serves the receivers' GETs from them, and publishes versions.
+//
+// Threads: the caller's thread (one at a time, as the C ABI says) runs every
+// public method. A progress thread owns the UCX worker while the agent is
+// joined: receivers' GETs over tcp need the target's worker to progress (UCX
+// emulates RMA with active messages there); it sleeps on the worker's event
+// fd between events. Memory is registered, and the AM server's handlers
+// installed, only while that thread is stopped.
+
+#include <atomic>
+#include <deque>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "planner/status.h"
+#include "plugin/config.h"
+#include "plugin/coordinator_link.h"
+#include "plugin/log.h"
+#include "transport/control/messages.h"
+#include "transport/ucx/am_rma.h"
+#include "transport/ucx/context.h"
+#include "transport/ucx/memory.h"
+#include "transport/ucx/worker.h"
+
+namespace refit::plugin {
+
+class SourceAgent {
+ public:
+  static Result<std::unique_ptr<SourceAgent>> create(std::string_view config_json);
+  ~SourceAgent();
+  SourceAgent(const SourceAgent&) = delete;
+  SourceAgent& operator=(const SourceAgent&) = delete;
+
+  Status add_tensor(std::string_view description, void* data, uint64_t bytes);
+  Status join();
+  Status publish(int64_t version);
+  Status wait_drained(int64_t version, std::chrono::milliseconds timeout);
+
+ private:
+  struct Buf {
+    std::string name;
+    std::string dtype;
+    uint8_t* data = nullptr;
+    uint64_t bytes = 0;
+    std::vector<control::Segment> segments;
+    std::optional<ucx::MemoryRegion> region;
+  };
+  SourceAgent(AgentConfig config);
+  void start_progress();
+  void stop_progress();
+
+  AgentConfig config_;
+  Log log_;
+  std::optional<ucx::Context> context_;
+  std::optional<ucx::Worker> worker_;
+  std::vector<uint8_t> worker_address_;
+  // Serves GETs over tcp from the registered buffers (ucx/am_rma.h says why).
+  std::unique_ptr<ucx::AmRmaServer> rma_server_;
+  std::unique_ptr<CoordinatorLink> link_;
+  std::vector<control::TensorDecl> tensors_;
+  std::deque<Buf> buffers_;  // stable addresses: the AM server holds the regions
+  bool joined_ = false;
+  bool changed_ = false;  // tensors added since the last registration
+  int64_t published_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+};
+
+}  // namespace refit::plugin

@@ -1,0 +1,152 @@
+// The C ABI's contract where no peer is needed: the function table, NULL
+// handles and arguments, configs with unknown, missing or mistyped keys, a
+// coordinator that is not there. Every call returns a status and a message
+// that names the problem; none aborts.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "refit/refit.h"
+
+namespace {
+
+class Abi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ofstream(token_) << "0123456789abcdef0123456789abcdef";
+  }
+  void TearDown() override { std::remove(token_.c_str()); }
+  std::string config(const std::string& extra, int port = 1) {
+    return "{\"rank\": 0, \"coordinator\": {\"address\": \"127.0.0.1:" + std::to_string(port) +
+           "\", \"token_file\": \"" + token_ + "\", \"timeout_ms\": 2000}" + extra + "}";
+  }
+  std::string token_ = "/tmp/refit-abi-test-token-" + std::to_string(::getpid());
+};
+
+TEST_F(Abi, TableServesItsVersionOnly) {
+  const refit_api_t* api = refit_get_api(REFIT_ABI_VERSION);
+  ASSERT_NE(api, nullptr);
+  EXPECT_EQ(api->abi_version, REFIT_ABI_VERSION);
+  EXPECT_EQ(api->size, sizeof(refit_api_t));
+  EXPECT_EQ(api->version, &refit_version);
+  EXPECT_EQ(api->receiver_refresh_wait, &refit_receiver_refresh_wait);
+  EXPECT_EQ(api->receiver_destroy, &refit_receiver_destroy);
+  EXPECT_EQ(refit_get_api(REFIT_ABI_VERSION + 1), nullptr);
+  EXPECT_NE(std::string(refit_last_error()).find("serves ABI version 1, not 2"), std::string::npos)
+      << refit_last_error();
+  EXPECT_STREQ(refit_status_name(REFIT_TIMEOUT), "REFIT_TIMEOUT");
+  EXPECT_STREQ(refit_status_name(static_cast<refit_status_t>(99)), "unknown");
+}
+
+TEST_F(Abi, NullHandlesAndArgumentsAreRefused) {
+  refit_source_t* s = nullptr;
+  refit_receiver_t* r = nullptr;
+  EXPECT_EQ(refit_source_create(nullptr, &s), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("config_json is NULL"), std::string::npos);
+  EXPECT_EQ(refit_receiver_create("{}", nullptr), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_source_add_tensor(nullptr, "{}", nullptr, 0), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_source_join(nullptr), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_source_publish(nullptr, 1), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_source_wait_drained(nullptr, 1, 0), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_receiver_add_buffer(nullptr, "{}", nullptr, 0), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_receiver_join(nullptr), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_receiver_refresh(nullptr, 1, 0), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_receiver_refresh_start(nullptr, 1, 0), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_receiver_refresh_poll(nullptr), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_receiver_refresh_wait(nullptr, 0), REFIT_INVALID_ARGUMENT);
+  EXPECT_STREQ(refit_receiver_report(nullptr), "{}");
+  EXPECT_EQ(refit_receiver_version(nullptr), 0);
+  refit_source_destroy(nullptr);
+  refit_receiver_destroy(nullptr);
+  EXPECT_EQ(r, nullptr);
+}
+
+TEST_F(Abi, ConfigErrorsNameTheKey) {
+  struct Case {
+    std::string json;
+    bool receiver;
+    std::string expect;
+  } cases[] = {
+      {"not json", false, "config: not JSON"},
+      {"[1]", true, "must be a JSON object"},
+      {config(", \"rnak\": 1"), true, "\"rnak\" is not a known key"},
+      {config(", \"instance\": 1"), false, "\"instance\" is not a known key"},
+      {"{\"rank\": \"0\", \"coordinator\": {}}", true, "\"rank\" must be an integer >= 0 and <= 1048575, got \"0\""},
+      {"{\"coordinator\": {}}", true, "\"rank\" is required"},
+      {"{\"rank\": 0}", true, "\"coordinator\" is required"},
+      {config(", \"window_bytes\": 1"), true, "\"window_bytes\" must be an integer >= 4096, got 1"},
+      {config(", \"network\": {\"transports\": \"tcp\"}"), true, "\"network.transports\" must be a list of strings"},
+      {config(", \"network\": {\"transports\": [\"tcpp\"]}"), true, "tcpp"},
+      {config(", \"log_level\": \"loud\""), false, "\"log_level\" must be one of"},
+      {config(", \"recipe\": {\"model\": \"/nonexistent/model.json\"}"), true, "cannot open \"/nonexistent/model.json\""},
+      {"{\"rank\": 0, \"coordinator\": {\"address\": \"nohost\", \"token_file\": \"t\"}}", true,
+       "\"coordinator.address\" must be \"HOST:PORT\""},
+      {"{\"rank\": 0, \"coordinator\": {\"address\": \"127.0.0.1:1\", \"token_file\": \"/nonexistent/token\"}}",
+       true, "token_file"},
+  };
+  for (const Case& c : cases) {
+    refit_status_t st;
+    if (c.receiver) {
+      refit_receiver_t* r = nullptr;
+      st = refit_receiver_create(c.json.c_str(), &r);
+      EXPECT_EQ(r, nullptr);
+    } else {
+      refit_source_t* s = nullptr;
+      st = refit_source_create(c.json.c_str(), &s);
+      EXPECT_EQ(s, nullptr);
+    }
+    EXPECT_NE(st, REFIT_OK) << c.json;
+    EXPECT_NE(std::string(refit_last_error()).find(c.expect), std::string::npos)
+        << c.json << "\n  got: " << refit_last_error();
+  }
+}
+
+TEST_F(Abi, ACoordinatorThatIsNotThereFailsPromptly) {
+  const auto t0 = std::chrono::steady_clock::now();
+  refit_receiver_t* r = nullptr;
+  EXPECT_EQ(refit_receiver_create(config("", 1).c_str(), &r), REFIT_IO_ERROR);
+  EXPECT_EQ(r, nullptr);
+  EXPECT_NE(std::string(refit_last_error()).find("127.0.0.1:1"), std::string::npos) << refit_last_error();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
+TEST_F(Abi, DescriptionsAreCheckedBeforeAnythingIsRegistered) {
+  // An embedded coordinator, so that the agents can be created.
+  refit_source_t* s = nullptr;
+  const std::string cfg = "{\"rank\": 0, \"coordinator\": {\"address\": \"127.0.0.1:0\", \"embedded\": true,"
+                          " \"token_file\": \"" + token_ + "\"}}";
+  ASSERT_EQ(refit_source_create(cfg.c_str(), &s), REFIT_OK) << refit_last_error();
+  float w[8] = {};
+  struct Case {
+    std::string json;
+    uint64_t bytes;
+    std::string expect;
+  } cases[] = {
+      {R"J({"name": "w", "dtype": "F32", "shape": [4, 4], "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]}})J",
+       16, "this rank's shard is 32 bytes, the buffer given is 16"},
+      {R"J({"name": "w", "dtype": "F33", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J", 32,
+       "\"dtype\" must be one of"},
+      {R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [2], "size": [4], "offset": 0}]})J", 32,
+       "ends at 6 in dim 0, past the shape's 4"},
+      {R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 6}]})J", 32,
+       "reaches byte 40"},
+      {R"J({"name": "w", "dtype": "F32", "shape": [4], "dtensor": {"mesh": [2], "ranks": [1, 2], "placements": ["R"]}})J",
+       32, "this rank (0) is not in \"dtensor.ranks\""},
+      {R"J({"name": "w", "dtype": "F32", "shape": [4], "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": ["P"]}})J",
+       32, "placements[0]"},
+      {R"J({"name": "w", "dtype": "F32", "shape": [4], "extra": 1, "segments": []})J", 32, "\"extra\" is not a known key"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(refit_source_add_tensor(s, c.json.c_str(), w, c.bytes), REFIT_INVALID_ARGUMENT) << c.json;
+    EXPECT_NE(std::string(refit_last_error()).find(c.expect), std::string::npos)
+        << c.json << "\n  got: " << refit_last_error();
+  }
+  EXPECT_EQ(refit_source_publish(s, 1), REFIT_INVALID_ARGUMENT);  // nothing added
+  EXPECT_NE(std::string(refit_last_error()).find("add at least one tensor"), std::string::npos);
+  refit_source_destroy(s);
+}
+
+}  // namespace

@@ -1,0 +1,242 @@
+#include "transport/fabric/cma_fabric.h"
+
+#include <sys/prctl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "transport/fabric/mailbox.h"
+
+namespace refit::fabric {
+namespace {
+
+constexpr char kMagic[4] = {'R', 'F', 'C', 'M'};
+
+// Field 22 of /proc/PID/stat: the process's start time in clock ticks after
+// boot. With the pid it names one process for the life of the machine.
+Result<uint64_t> start_time_of(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!in || !std::getline(in, text)) return Status::not_found("process " + std::to_string(pid) + " is gone");
+  const size_t paren = text.rfind(')');  // the command name may hold spaces
+  if (paren == std::string::npos) return Status::io_error("cannot read /proc/" + std::to_string(pid) + "/stat");
+  std::istringstream fields(text.substr(paren + 2));
+  std::string f;
+  for (int i = 3; i <= 22 && fields >> f; ++i) {
+    if (i == 22) return static_cast<uint64_t>(std::strtoull(f.c_str(), nullptr, 10));
+  }
+  return Status::io_error("cannot read the start time in /proc/" + std::to_string(pid) + "/stat");
+}
+
+int read_ptrace_scope() {
+  std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
+  int scope = 0;
+  if (in >> scope) return scope;
+  return 0;  // no Yama: classic ptrace rules (same user)
+}
+
+void put(std::vector<uint8_t>& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+uint64_t get(const uint8_t* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CmaFabric>> CmaFabric::create(const CmaFabricConfig& config) {
+  const int scope = read_ptrace_scope();
+  if (scope >= 2) {
+    return Status::unsupported("local fabric \"cma\": kernel.yama.ptrace_scope is " + std::to_string(scope) +
+                               ", which forbids process_vm_writev between ranks; use \"local\": {\"fabric\": \"ucx\"}");
+  }
+  if (scope == 1 && prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0) {
+    return Status::unsupported(std::string("local fabric \"cma\": prctl(PR_SET_PTRACER) failed: ") +
+                               std::strerror(errno) + "; use \"local\": {\"fabric\": \"ucx\"}");
+  }
+  std::unique_ptr<CmaFabric> f(new CmaFabric(config));
+  f->pid_ = static_cast<int>(getpid());
+  Result<uint64_t> start = start_time_of(f->pid_);
+  if (!start.is_ok()) return start.status();
+  f->start_time_ = *start;
+  f->mailbox_.reset(new uint64_t[mailbox::kSlots]());
+  return f;
+}
+
+Result<std::vector<uint8_t>> CmaFabric::register_buffer(const std::string& name, void* data, uint64_t bytes) {
+  if (data == nullptr || bytes == 0) {
+    return Status::invalid("local fabric: buffer \"" + name + "\" is empty or NULL");
+  }
+  std::vector<uint8_t> key;
+  put(key, bytes, 8);  // peers check every write against it
+  return key;
+}
+
+std::vector<uint8_t> CmaFabric::contact() const {
+  std::vector<uint8_t> out(kMagic, kMagic + 4);
+  put(out, static_cast<uint64_t>(pid_), 4);
+  put(out, start_time_, 8);
+  put(out, reinterpret_cast<uint64_t>(mailbox_.get()), 8);
+  return out;
+}
+
+Result<CmaFabric::PeerProcess> CmaFabric::parse_contact(const std::vector<uint8_t>& b, int32_t rank) {
+  if (b.size() != 24 || std::memcmp(b.data(), kMagic, 4) != 0) {
+    return Status::invalid("receiver rank " + std::to_string(rank) +
+                           " registered a contact that is not the cma fabric's (do all ranks of the domain use"
+                           " the same \"local.fabric\"?)");
+  }
+  PeerProcess p;
+  p.pid = static_cast<int>(get(b.data() + 4, 4));
+  p.start_time = get(b.data() + 8, 8);
+  p.mailbox = get(b.data() + 16, 8);
+  if (p.pid <= 0 || p.mailbox == 0) return Status::invalid("receiver rank " + std::to_string(rank) + ": malformed contact");
+  return p;
+}
+
+Status CmaFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
+  end();
+  schedule_ = &schedule;
+  deadline_ = deadline;
+  procs_.clear();
+  for (const Peer& peer : schedule.peers) {
+    Result<PeerProcess> p = parse_contact(peer.contact, peer.rank);
+    if (!p.is_ok()) return p.status();
+    Result<uint64_t> start = start_time_of(p->pid);
+    if (!start.is_ok() || *start != p->start_time) {
+      return Status::io_error("local fabric: receiver rank " + std::to_string(peer.rank) + " (pid " +
+                              std::to_string(p->pid) + ") is gone");
+    }
+    for (const RemoteBuffer& b : peer.buffers) {
+      if (b.key.size() != 8) {
+        return Status::invalid("local fabric: receiver rank " + std::to_string(peer.rank) +
+                               " registered a buffer key that is not the cma fabric's");
+      }
+    }
+    procs_.push_back(*p);
+  }
+  std::set<uint32_t> out;
+  for (size_t i = 0; i < schedule.sends.size(); ++i) {
+    const Send& s = schedule.sends[i];
+    if (s.peer == kSelf) continue;
+    if (s.peer >= schedule.peers.size() || s.buffer >= schedule.peers[s.peer].buffers.size()) {
+      return Status::invalid("local fabric: send " + std::to_string(i) + " names a peer or buffer outside the schedule");
+    }
+    const uint64_t length = get(schedule.peers[s.peer].buffers[s.buffer].key.data(), 8);
+    if (s.offset > length || s.bytes > length - s.offset) {
+      return Status::invalid("local fabric: send " + std::to_string(i) + " [" + std::to_string(s.offset) + ", +" +
+                             std::to_string(s.bytes) + ") lies outside the " + std::to_string(length) +
+                             "-byte buffer of receiver rank " + std::to_string(schedule.peers[s.peer].rank));
+    }
+    out.insert(s.peer);
+  }
+  out_peers_.assign(out.begin(), out.end());
+  std::set<int32_t> in;
+  for (const Recv& r : schedule.recvs) {
+    if (r.peer >= schedule.peers.size()) return Status::invalid("local fabric: a receive names an unknown peer");
+    in.insert(schedule.peers[r.peer].rank);
+  }
+  in_ranks_.assign(in.begin(), in.end());
+  return Status::ok();
+}
+
+Status CmaFabric::write(uint32_t peer, const struct iovec* local, const struct iovec* remote, size_t n) {
+  const int pid = procs_[peer].pid;
+  // process_vm_writev may stop short (at a page it cannot touch); go on
+  // from where it stopped.
+  std::vector<struct iovec> l(local, local + n), r(remote, remote + n);
+  size_t li = 0, ri = 0;
+  while (li < l.size()) {
+    const ssize_t w = process_vm_writev(pid, l.data() + li, l.size() - li, r.data() + ri, r.size() - ri, 0);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      return Status::io_error("local fabric: writing to receiver rank " + std::to_string(schedule_->peers[peer].rank) +
+                              " (pid " + std::to_string(pid) + "): " + std::strerror(err) +
+                              (err == EPERM ? "; the kernel forbids cross-memory attach here, use \"local\": "
+                                              "{\"fabric\": \"ucx\"}"
+                                            : ""));
+    }
+    if (w == 0) return Status::io_error("local fabric: writing to receiver rank " +
+                                        std::to_string(schedule_->peers[peer].rank) + " made no progress");
+    size_t left = static_cast<size_t>(w);
+    for (auto* v : {&l, &r}) {
+      size_t& i = v == &l ? li : ri;
+      size_t k = left;
+      while (k > 0) {
+        struct iovec& e = (*v)[i];
+        const size_t take = std::min(k, e.iov_len);
+        e.iov_base = static_cast<uint8_t*>(e.iov_base) + take;
+        e.iov_len -= take;
+        k -= take;
+        if (e.iov_len == 0) ++i;
+      }
+    }
+  }
+  return Status::ok();
+}
+
+Status CmaFabric::send(std::span<const uint32_t> ready) {
+  if (!schedule_) return Status::internal("local fabric: send() outside begin()/end()");
+  std::vector<struct iovec> local, remote;
+  uint32_t batch_peer = kSelf;
+  auto flush = [&]() -> Status {
+    Status st = local.empty() ? Status::ok() : write(batch_peer, local.data(), remote.data(), local.size());
+    local.clear();
+    remote.clear();
+    return st;
+  };
+  for (uint32_t i : ready) {
+    const Send& s = schedule_->sends[i];
+    if (s.peer == kSelf) {
+      std::memcpy(s.self_dst, s.src, s.bytes);
+      continue;
+    }
+    if (s.peer != batch_peer || local.size() >= config_.max_iov) {
+      REFIT_RETURN_IF_ERROR(flush());
+      batch_peer = s.peer;
+    }
+    const RemoteBuffer& b = schedule_->peers[s.peer].buffers[s.buffer];
+    local.push_back({const_cast<uint8_t*>(s.src), s.bytes});
+    remote.push_back({reinterpret_cast<void*>(b.address + s.offset), s.bytes});
+  }
+  REFIT_RETURN_IF_ERROR(flush());
+  if (Clock::now() > deadline_) return Status::timeout("local fabric: the deadline passed while passing on slices");
+  return Status::ok();
+}
+
+Status CmaFabric::finish(bool failed) {
+  if (!schedule_) return Status::internal("local fabric: finish() outside begin()/end()");
+  Status status;
+  // The data writes above returned before this point, and the fence keeps
+  // the flag's write after them, as the peer's acquire load expects.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  uint64_t value = mailbox::flag(schedule_->version, schedule_->epoch, failed);
+  for (uint32_t p : out_peers_) {
+    struct iovec l{&value, sizeof value};
+    struct iovec r{reinterpret_cast<void*>(procs_[p].mailbox + mailbox::slot_of(config_.rank) * sizeof(uint64_t)),
+                   sizeof value};
+    Status st = write(p, &l, &r, 1);
+    if (!st.is_ok() && status.is_ok()) status = st.with_context("signalling the peers");
+  }
+  if (status.is_ok() && !failed) {
+    status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_);
+  }
+  mailbox::clear(mailbox_.get(), in_ranks_);
+  return status;
+}
+
+void CmaFabric::end() {
+  schedule_ = nullptr;
+  procs_.clear();
+}
+
+}  // namespace refit::fabric

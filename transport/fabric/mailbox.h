@@ -1,0 +1,40 @@
+#pragma once
+// Completion flags of the host fabrics (ucx_fabric.h, cma_fabric.h). Every
+// rank has kSlots u64 slots that its peers write into: slot (sender rank mod
+// kSlots). When a sender's data to a peer is visible there, it writes one
+// flag into its slot there:
+//   (version << 21) | ((epoch mod 2^20) << 1) | failed
+// A failed refresh still writes its flag, with the failed bit, so that the
+// peer stops waiting at once instead of at its deadline. The receiving rank
+// polls its own memory: no message, no progress of any engine needed.
+// Pure C++.
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "planner/status.h"
+
+namespace refit::fabric::mailbox {
+
+inline constexpr size_t kSlots = 4096;
+inline constexpr int kEpochBits = 20;
+
+inline uint64_t flag(int64_t version, uint64_t epoch, bool failed) {
+  return (static_cast<uint64_t>(version) << (kEpochBits + 1)) | ((epoch & ((1u << kEpochBits) - 1)) << 1) |
+         (failed ? 1 : 0);
+}
+inline size_t slot_of(int32_t rank) { return static_cast<size_t>(rank) % kSlots; }
+
+// Waits until every rank of `from` has flagged (version, epoch) in `slots`
+// (kSlots of them, written by other processes), polling every 100 us until
+// `deadline`. Fails at once when a sender flagged this version failed or
+// with another epoch; the message names the rank.
+Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uint64_t epoch,
+            std::chrono::steady_clock::time_point deadline);
+
+// Zeroes the slots of `from`, once their flags are consumed.
+void clear(uint64_t* slots, std::span<const int32_t> from);
+
+}  // namespace refit::fabric::mailbox
