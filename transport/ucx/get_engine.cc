@@ -3,8 +3,10 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <random>
 
 #include "transport/ucx/ucx_status.h"
 
@@ -32,6 +34,10 @@ std::string run_name(uint32_t i, const GetRun& r) {
 Result<std::unique_ptr<GetEngine>> GetEngine::create(Worker& worker, GetEngineOptions options) {
   REFIT_RETURN_IF_ERROR(validate(options.limits));
   if (worker.get() == nullptr) return Status::invalid("ucx get engine: worker is empty");
+  if (options.limits.max_ops_in_flight > 0xFFFF) {  // a slot's index is 16 bits of an AM token
+    return Status::invalid("ucx get engine: \"max_ops_in_flight\" must be at most 65535, got " +
+                           std::to_string(options.limits.max_ops_in_flight));
+  }
   if (options.progress_thread && worker.mode() != ThreadMode::kSerialized) {
     return Status::invalid("ucx get engine: a progress thread needs a worker created with "
                            "ThreadMode::kSerialized");
@@ -46,8 +52,19 @@ Result<std::unique_ptr<GetEngine>> GetEngine::create(Worker& worker, GetEngineOp
   return engine;
 }
 
+namespace {
+
+// Engine instances of this process, from a random start so that two runs of
+// a process do not repeat each other's tokens either.
+uint16_t next_instance() {
+  static std::atomic<uint16_t> next{static_cast<uint16_t>(std::random_device{}())};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace
+
 GetEngine::GetEngine(Worker& worker, GetEngineOptions options)
-    : worker_(worker), options_(options) {}
+    : worker_(worker), options_(options), instance_(next_instance()) {}
 
 GetEngine::~GetEngine() {
   if (thread_.joinable()) {
@@ -458,7 +475,7 @@ void GetEngine::issue_am_locked(Slot* slot, const GetRun& r) {
   slot->am_status = UCS_OK;
   slot->endpoint = r.endpoint;
   slot->am_header = am_rma::RequestHeader{};
-  slot->am_header.token = (uint64_t{slot->index} << 32) | slot->seq;
+  slot->am_header.token = (uint64_t{instance_} << 48) | (uint64_t{slot->index & 0xFFFF} << 32) | slot->seq;
   slot->am_header.address = r.remote_address + c.offset;
   slot->am_header.length = c.bytes;
   ucp_request_param_t param = {};
@@ -492,8 +509,10 @@ ucs_status_t GetEngine::on_am_reply(void* arg, const void* header, size_t header
   am_rma::ReplyHeader h;
   if (header_length != sizeof(h)) return UCS_OK;  // not ours
   std::memcpy(&h, header, sizeof(h));
-  const uint64_t index = h.token >> 32;
-  if (h.magic != am_rma::kMagic || index >= self->slots_.size()) return UCS_OK;
+  const uint64_t index = (h.token >> 32) & 0xFFFF;
+  if (h.magic != am_rma::kMagic || (h.token >> 48) != self->instance_ || index >= self->slots_.size()) {
+    return UCS_OK;  // not this engine's (an earlier engine's late reply)
+  }
   Slot* slot = &self->slots_[index];
   if (!slot->in_use || !slot->am || slot->am_replied ||
       slot->seq != static_cast<uint32_t>(h.token)) {

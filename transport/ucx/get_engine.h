@@ -184,6 +184,11 @@ class GetEngine {
 
   Worker& worker_;
   const GetEngineOptions options_;
+  // Tells this engine's AM tokens from those of an earlier engine on the
+  // same worker: a reply to a request of an engine that is gone (its
+  // endpoint force-closed at a deadline) may still arrive, and must not be
+  // taken for the reply to a new request in the same slot.
+  const uint16_t instance_;
 
   mutable std::mutex mutex_;
   std::condition_variable batch_cv_;  // signalled when the batch may be done
