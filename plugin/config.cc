@@ -36,17 +36,18 @@ LogLevel level_from(JsonReader& r, const std::string& text, const std::string& p
 }
 
 void read_transport(JsonReader& r, const Json& doc, const char* key, bool with_devices, TransportConfig* out,
-                    std::string* fabric = nullptr) {
+                    std::string* fabric = nullptr, int* device = nullptr) {
   const Json* t = r.member(doc, "", key, false);
   if (!t) return;
   if (with_devices) {
     r.object(*t, key, {"transports", "devices"});
   } else {
-    r.object(*t, key, {"fabric", "transports"});
+    r.object(*t, key, {"fabric", "transports", "device"});
     *fabric = r.string(*t, key, "fabric", *fabric);
-    if (r.ok() && *fabric != "cma" && *fabric != "ucx") {
-      r.fail(JsonReader::join(key, "fabric"), "must be \"cma\" or \"ucx\", got \"" + *fabric + "\"");
+    if (r.ok() && *fabric != "cma" && *fabric != "ucx" && *fabric != "nccl") {
+      r.fail(JsonReader::join(key, "fabric"), "must be \"cma\", \"ucx\" or \"nccl\", got \"" + *fabric + "\"");
     }
+    *device = static_cast<int>(r.integer(*t, key, "device", -1, -1, 1024));
   }
   out->transports = r.strings(*t, key, "transports", out->transports);
   if (with_devices) out->devices = r.strings(*t, key, "devices", out->devices);
@@ -64,9 +65,15 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   c.receiver = receiver;
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "coordinator", "network", "local", "window_bytes",
-                       "chunk_bytes", "heartbeat_ms", "log_level", "recipe"});
+                       "chunk_bytes", "heartbeat_ms", "log_level", "recipe", "mode"});
+    const std::string mode = r.string(doc, "", "mode", std::string("direct"));
+    if (r.ok() && mode != "direct" && mode != "staged") {
+      r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
+    }
+    c.staged = mode == "staged";
   } else {
-    r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level"});
+    r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "snapshot"});
+    c.snapshot = r.boolean(doc, "", "snapshot", false);
   }
   constexpr int64_t kMaxRank = (1 << 20) - 1;  // the coordinator's limit
   c.rank = static_cast<int32_t>(r.integer(doc, "", "rank", std::nullopt, 0, kMaxRank));
@@ -90,7 +97,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   }
   read_transport(r, doc, "network", true, &c.network);
   if (receiver) {
-    read_transport(r, doc, "local", false, &c.local, &c.local_fabric);
+    read_transport(r, doc, "local", false, &c.local, &c.local_fabric, &c.local_device);
     c.window_bytes = static_cast<uint64_t>(r.integer(doc, "", "window_bytes", int64_t{32} << 20, 4096));
     c.chunk_bytes = static_cast<uint64_t>(r.integer(doc, "", "chunk_bytes", int64_t{1} << 20, 4096));
     if (r.ok() && c.chunk_bytes > c.window_bytes) {

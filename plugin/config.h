@@ -46,12 +46,15 @@ struct AgentConfig {
   CoordinatorEndpoint coordinator;
   TransportConfig network{{"tcp"}, {}};
   TransportConfig local{{"shm"}, {}};  // receivers: the UCX fabric's transports
-  std::string local_fabric = "cma";    // receivers: "cma" or "ucx"
+  std::string local_fabric = "cma";    // receivers: "cma", "ucx" or "nccl"
+  int local_device = -1;               // receivers, "nccl": the CUDA device; -1: the current one
   uint64_t window_bytes = 32ull << 20;
   uint64_t chunk_bytes = 1ull << 20;
   std::chrono::milliseconds heartbeat{1000};
   LogLevel log_level = LogLevel::kWarn;
   std::optional<RecipeConfig> recipe;
+  bool staged = false;    // receivers: "mode": "staged" (else "direct")
+  bool snapshot = false;  // sources: copy the shards at publish
 };
 
 // Parses a source's (receiver = false) or a receiver's config document.

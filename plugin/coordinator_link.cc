@@ -58,10 +58,18 @@ Result<control::Json> CoordinatorLink::request(MsgType type, const control::Json
 
 Result<std::optional<control::Json>> CoordinatorLink::wait_notice(MsgType type,
                                                                    std::chrono::steady_clock::time_point deadline) {
+  Result<std::optional<control::Frame>> f = wait_notice_of({type}, deadline);
+  if (!f.is_ok()) return f.status();
+  if (!f->has_value()) return std::optional<control::Json>();
+  return std::optional<control::Json>(std::move((**f).body));
+}
+
+Result<std::optional<control::Frame>> CoordinatorLink::wait_notice_of(
+    std::initializer_list<MsgType> types, std::chrono::steady_clock::time_point deadline) {
   using namespace std::chrono;
   while (true) {
     const auto now = steady_clock::now();
-    if (now >= deadline) return std::optional<control::Json>();
+    if (now >= deadline) return std::optional<control::Frame>();
     // Short slices, so that heartbeats get the client in between.
     const auto slice = std::min(duration_cast<milliseconds>(deadline - now) + milliseconds(1), milliseconds(50));
     std::lock_guard<std::mutex> lock(mutex_);
@@ -75,7 +83,9 @@ Result<std::optional<control::Json>> CoordinatorLink::wait_notice(MsgType type,
       }
       return frame.status().with_context("waiting for a notice");
     }
-    if (frame->type == type) return std::optional<control::Json>(std::move(frame->body));
+    for (MsgType t : types) {
+      if (frame->type == t) return std::optional<control::Frame>(std::move(frame).value());
+    }
   }
 }
 

@@ -39,6 +39,9 @@ class CoordinatorLink {
   // other types that arrive meanwhile are dropped. nullopt on timeout.
   Result<std::optional<control::Json>> wait_notice(control::MsgType type,
                                                    std::chrono::steady_clock::time_point deadline);
+  // The same for any of `types`; the frame says which came.
+  Result<std::optional<control::Frame>> wait_notice_of(std::initializer_list<control::MsgType> types,
+                                                       std::chrono::steady_clock::time_point deadline);
 
   // Starts heartbeating `member` (once registered); stop_heartbeat() ends it.
   void start_heartbeat(control::MemberRef member);

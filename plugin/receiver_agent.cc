@@ -7,6 +7,11 @@
 #include <set>
 #include <tuple>
 
+#ifdef HAVE_NCCL
+#include "transport/cuda/cuda_copy_ops.h"
+#include "transport/cuda/nccl_comm.h"
+#include "transport/fabric/nccl_fabric.h"
+#endif
 #include "transport/fabric/cma_fabric.h"
 #include "transport/fabric/ucx_fabric.h"
 #include "transport/ucx/get_engine.h"
@@ -18,6 +23,9 @@ using control::MsgType;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// Between attempts of a refresh that failed in a way a new attempt can fix.
+constexpr std::chrono::milliseconds kRetryPause{200};
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -45,6 +53,9 @@ struct CompiledPart {
   uint64_t network_bytes = 0;
   uint64_t local_bytes = 0;
   int64_t minimum_network_bytes = -1;
+  // Per buffer (index in buffers_): the byte ranges a refresh writes, sorted
+  // and merged; staged mode commits exactly these.
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> written;
 };
 
 namespace {
@@ -52,6 +63,25 @@ namespace {
 // The local fabric the config asks for. "cma" falls back to "ucx" where the
 // kernel forbids cross-memory attach (the ranks of a host all decide alike).
 Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& config, const Log& log) {
+  if (config.local_fabric == "nccl") {
+#ifdef HAVE_NCCL
+    int device = config.local_device;
+    if (device < 0) {
+      Result<int> current = cuda::current_device();
+      if (!current.is_ok()) return current.status();
+      device = *current;
+    }
+    Result<std::unique_ptr<cuda::CommFactory>> comms = cuda::nccl_comm_factory(device, /*upstream=*/nullptr);
+    if (!comms.is_ok()) return comms.status();
+    fabric::NcclFabricConfig nc;
+    nc.rank = config.rank;
+    Result<std::unique_ptr<fabric::NcclFabric>> f = fabric::NcclFabric::create(nc, std::move(comms).value());
+    if (!f.is_ok()) return f.status();
+    return std::unique_ptr<fabric::LocalFabric>(std::move(f).value());
+#else
+    return Status::unsupported("\"fabric\": \"nccl\" needs a build of refit with CUDA and NCCL");
+#endif
+  }
   if (config.local_fabric == "cma") {
     Result<std::unique_ptr<fabric::CmaFabric>> cma = fabric::CmaFabric::create({config.rank});
     if (cma.is_ok()) return std::unique_ptr<fabric::LocalFabric>(std::move(cma).value());
@@ -79,6 +109,7 @@ struct ReceiverAgent::Report {
   int64_t minimum_network_bytes = -1;
   uint64_t pulls = 0;
   uint64_t pushes = 0;
+  uint64_t retries = 0;
   double plan_s = 0, network_s = 0, local_s = 0, total_s = 0;
 };
 
@@ -147,11 +178,20 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   Buf b;
   b.part = std::move(part).value();
   b.part.bytes = static_cast<int64_t>(bytes);
-  b.data = static_cast<uint8_t*>(data);
+  b.live = static_cast<uint8_t*>(data);
+  b.data = b.live;
   b.bytes = bytes;
-  Result<ucx::MemoryRegion> net = ucx::MemoryRegion::map(*net_context_, data, bytes, b.part.name);
+  if (config_.staged) {  // refreshes land here; commit() copies them into `live`
+    const uint64_t rounded = (bytes + 4095) / 4096 * 4096;
+    b.staging.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
+    if (!b.staging) return Status::invalid("buffer \"" + b.part.name + "\": cannot allocate " +
+                                           std::to_string(bytes) + " bytes of staging memory");
+    std::memcpy(b.staging.get(), b.live, bytes);  // bytes outside the segments stay as they were
+    b.data = b.staging.get();
+  }
+  Result<ucx::MemoryRegion> net = ucx::MemoryRegion::map(*net_context_, b.data, bytes, b.part.name);
   if (!net.is_ok()) return net.status();
-  Result<std::vector<uint8_t>> key = fabric_->register_buffer(b.part.name, data, bytes);
+  Result<std::vector<uint8_t>> key = fabric_->register_buffer(b.part.name, b.data, bytes);
   if (!key.is_ok()) return key.status();
   b.net_region.emplace(std::move(net).value());
   b.local_key = std::move(key).value();
@@ -265,18 +305,23 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
       fabric_peer[peer.rank] = static_cast<uint32_t>(part->schedule.peers.size());
       part->schedule.peers.push_back(std::move(peer));
     }
-    std::map<std::string, const Buf*> mine;
-    for (const Buf& b : buffers_) mine[b.part.name] = &b;
-    auto my_range = [&](const Json& end, uint64_t bytes, const std::string& what, uint8_t** out) -> Status {
+    std::map<std::string, size_t> mine;
+    for (size_t i = 0; i < buffers_.size(); ++i) mine[buffers_[i].part.name] = i;
+    part->written.assign(buffers_.size(), {});
+    // Resolves a run's end in this rank; `writes` records the range as written.
+    auto my_range = [&](const Json& end, uint64_t bytes, const std::string& what, uint8_t** out,
+                        bool writes = false) -> Status {
       const std::string name = end.at("buffer").get<std::string>();
       const uint64_t offset = end.at("offset").get<uint64_t>();
       auto it = mine.find(name);
       if (it == mine.end()) return bad(what + " names buffer \"" + name + "\", which this rank does not have");
-      if (offset > it->second->bytes || bytes > it->second->bytes - offset) {
+      const Buf& b = buffers_[it->second];
+      if (offset > b.bytes || bytes > b.bytes - offset) {
         return bad(what + " [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") lies outside buffer \"" +
-                   name + "\" (" + std::to_string(it->second->bytes) + " bytes)");
+                   name + "\" (" + std::to_string(b.bytes) + " bytes)");
       }
-      *out = it->second->data + offset;
+      *out = b.data + offset;
+      if (writes) part->written[it->second].emplace_back(offset, bytes);
       return Status::ok();
     };
     struct Interval {
@@ -299,7 +344,7 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
       if (run.at("kind") == "net") {
         if (to_rank != me || from.at("side") != "source") return bad(what + " is a network run for another rank");
         CompiledPart::Get g;
-        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &g.local));
+        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &g.local, /*writes=*/true));
         auto sb = source_bufs.find({from_rank, from.at("buffer").get<std::string>()});
         if (sb == source_bufs.end()) {
           return bad(what + " reads buffer \"" + from.at("buffer").get<std::string>() + "\" of source rank " +
@@ -321,7 +366,7 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
         if (fp == fabric_peer.end()) return bad(what + " comes from receiver rank " + std::to_string(from_rank) + ", not among the peers");
         fabric::Recv r;
         r.peer = fp->second;
-        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &r.dst));
+        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &r.dst, /*writes=*/true));
         r.bytes = bytes;
         part->schedule.recvs.push_back(r);
         continue;
@@ -332,7 +377,7 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
       s.src = src;
       s.bytes = bytes;
       if (to_rank == me) {
-        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &s.self_dst));
+        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &s.self_dst, /*writes=*/true));
       } else {
         auto fp = fabric_peer.find(to_rank);
         auto fb = fabric_buf.find({to_rank, to.at("buffer").get<std::string>()});
@@ -371,6 +416,18 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
     }
   } catch (const nlohmann::json::exception& e) {
     return bad(std::string("malformed: ") + e.what());
+  }
+  for (auto& ranges : part->written) {  // sort and merge
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<std::pair<uint64_t, uint64_t>> merged;
+    for (const auto& [off, n] : ranges) {
+      if (!merged.empty() && merged.back().first + merged.back().second >= off) {
+        merged.back().second = std::max(merged.back().first + merged.back().second, off + n) - merged.back().first;
+      } else {
+        merged.emplace_back(off, n);
+      }
+    }
+    ranges = std::move(merged);
   }
   return part;
 }
@@ -415,6 +472,28 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   }
   Status fan_status = fabric_->begin(schedule, deadline);
   Clock::time_point fan_end = Clock::now();
+  // Staged: an abort of the instance (another rank failed) cancels the wait
+  // for peers at once instead of at the deadline.
+  std::atomic<bool> watching{config_.staged && fan_status.is_ok()};
+  std::string abort_reason;
+  std::thread watcher;
+  if (watching.load()) {
+    watcher = std::thread([&] {
+      while (watching.load(std::memory_order_acquire)) {
+        Result<std::optional<control::Frame>> n =
+            link_->wait_notice_of({MsgType::kAbort}, std::min(deadline, Clock::now() + std::chrono::milliseconds(100)));
+        if (!n.is_ok() || !n->has_value()) {
+          if (Clock::now() >= deadline) return;
+          continue;
+        }
+        if ((**n).body.value("version", int64_t{0}) == version) {
+          abort_reason = (**n).body.value("reason", std::string("no reason given"));
+          fabric_->cancel();
+          return;
+        }
+      }
+    });
+  }
   std::thread fan;
   if (fan_status.is_ok()) {
     fan = std::thread([&] {
@@ -464,7 +543,15 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   }
   cv.notify_one();
   if (fan.joinable()) fan.join();
+  watching.store(false, std::memory_order_release);
+  if (watcher.joinable()) watcher.join();
   fabric_->end();
+  if (fabric_->contact_changed()) changed_ = true;  // registered anew before the next refresh
+  if (!abort_reason.empty()) {
+    aborted_ = true;
+    return Status::io_error("instance " + std::to_string(config_.instance) + " aborted version " +
+                            std::to_string(version) + ": " + abort_reason);
+  }
   report->network_s = seconds_between(start, net_end);
   report->local_s = seconds_between(start, fan_end);
   report->pulls = part.net.size();
@@ -532,9 +619,66 @@ Status ReceiverAgent::run_refresh(int64_t requested, Clock::time_point deadline,
   return st;
 }
 
+Status ReceiverAgent::stage_barrier(Status st, int64_t version, Clock::time_point deadline) {
+  // All or nothing for the instance: say how this rank did, then wait for
+  // the coordinator's word for the whole instance.
+  const Json body{{"rank", config_.rank}, {"version", version}};
+  if (!st.is_ok()) {
+    Json failed = body;
+    failed["reason"] = st.message().substr(0, 1000);
+    Result<Json> r = link_->request(MsgType::kReportFailed, failed);
+    if (!r.is_ok()) log_.warn(r.status().message());
+    return st;
+  }
+  Result<Json> r = link_->request(MsgType::kReportStaged, body);
+  if (!r.is_ok()) return r.status();
+  while (true) {
+    Result<std::optional<control::Frame>> n = link_->wait_notice_of({MsgType::kCommit, MsgType::kAbort}, deadline);
+    if (!n.is_ok()) return n.status();
+    if (!n->has_value()) {
+      Json failed = body;
+      failed["reason"] = "no commit before the deadline";
+      (void)link_->request(MsgType::kReportFailed, failed);
+      return Status::timeout("staged version " + std::to_string(version) +
+                             ", but the instance did not commit before the deadline");
+    }
+    const control::Frame& f = **n;
+    if (f.body.value("version", int64_t{0}) != version) continue;  // an old barrier's word
+    if (f.type == MsgType::kAbort) {
+      aborted_ = true;
+      return Status::io_error("instance " + std::to_string(config_.instance) + " aborted version " +
+                              std::to_string(version) + ": " + f.body.value("reason", std::string()));
+    }
+    staged_version_ = version;
+    staged_ranges_ = compiled_->written;
+    return Status::ok();
+  }
+}
+
+Status ReceiverAgent::commit() {
+  if (refresh_running()) return Status::invalid("commit: a refresh is running");
+  if (!config_.staged) return Status::invalid("commit: this receiver refreshes in \"direct\" mode");
+  if (staged_version_ == 0) return Status::invalid("commit: no version is staged");
+  const Clock::time_point t0 = Clock::now();
+  for (size_t i = 0; i < buffers_.size() && i < staged_ranges_.size(); ++i) {
+    const Buf& b = buffers_[i];
+    for (const auto& [off, n] : staged_ranges_[i]) std::memcpy(b.live + off, b.data + off, n);
+  }
+  const double pause = seconds_between(t0, Clock::now());
+  version_.store(staged_version_);
+  Json report = Json::parse(report_, nullptr, false);
+  if (report.is_object()) {
+    report["pause_seconds"] = pause;
+    report["committed"] = true;
+    report_ = report.dump();
+  }
+  staged_version_ = 0;
+  return Status::ok();
+}
+
 void ReceiverAgent::finish(Status status, const Report& r) {
   Json j{{"version", r.version},
-         {"mode", "direct"},
+         {"mode", config_.staged ? "staged" : "direct"},
          {"ok", status.is_ok()},
          {"error", status.message()},
          {"epoch", r.epoch},
@@ -542,11 +686,19 @@ void ReceiverAgent::finish(Status status, const Report& r) {
          {"local_bytes", r.local_bytes},
          {"pulls", r.pulls},
          {"pushes", r.pushes},
-         {"retries", 0},
+         {"retries", r.retries},
          {"seconds", {{"plan", r.plan_s}, {"network", r.network_s}, {"local", r.local_s}, {"total", r.total_s}}},
-         {"pause_seconds", r.total_s}};
+         // Direct: the server pauses for the whole refresh. Staged: only for
+         // commit(), which fills this in.
+         {"pause_seconds", config_.staged ? 0.0 : r.total_s}};
+  if (config_.staged) j["committed"] = false;
   if (r.minimum_network_bytes >= 0) j["minimum_network_bytes"] = r.minimum_network_bytes;
   report_ = j.dump();
+  if (config_.staged) {
+    if (!status.is_ok()) log_.warn("refresh failed; the live buffers keep version " + std::to_string(version_.load()) +
+                                   ": " + status.message());
+    return;
+  }
   version_.store(status.is_ok() ? r.version : 0);
   if (!status.is_ok()) log_.warn("refresh failed; the buffers are torn: " + status.message());
 }
@@ -561,9 +713,33 @@ Status ReceiverAgent::refresh(int64_t version, std::chrono::milliseconds timeout
 }
 
 Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds timeout) {
+  staged_version_ = 0;  // a staged version not committed is overwritten
   const Clock::time_point t0 = Clock::now();
+  const Clock::time_point deadline = t0 + timeout;
   Report report;
-  Status st = run_refresh(version, t0 + timeout, &report);
+  Status st;
+  uint64_t retries = 0;
+  while (true) {
+    aborted_ = false;
+    report = Report{};
+    st = run_refresh(version, deadline, &report);
+    // Retry what a new attempt can fix: a peer or source that failed (the
+    // coordinator replans without it once it is declared dead, and the
+    // ranks of the domain fail and retry together), or ranks of the domain
+    // on different memberships. Not an abort of the instance, nor bad input.
+    const bool retryable = !aborted_ && report.version > 0 &&
+                           (st.code() == Code::kIoError ||
+                            st.message().find("another membership") != std::string::npos);
+    if (st.is_ok() || !retryable || Clock::now() + kRetryPause * 2 >= deadline) break;
+    ++retries;
+    log_.info("refresh to " + std::to_string(report.version) + ", attempt " + std::to_string(retries) +
+              " failed, retrying: " + st.message());
+    std::this_thread::sleep_for(kRetryPause);
+  }
+  report.retries = retries;
+  // Staged: the instance commits all or nothing, failures included (a rank
+  // that failed says so, and the others are told to abort).
+  if (config_.staged && report.version > 0) st = stage_barrier(st, report.version, deadline);
   report.total_s = seconds_between(t0, Clock::now());
   finish(st, report);
   return st;

@@ -5,7 +5,7 @@
 // the slices it pulled for its domain on to the other ranks of the domain
 // over the local fabric, each as soon as it has landed.
 //
-// One refresh, as executed here (direct mode):
+// One refresh, as executed here:
 //   1. the version: the group's latest (REFIT_LATEST) or the one asked for,
 //      waiting for it to be published until the deadline; lease it.
 //   2. the plan part of this rank for the current membership (fetch_plan),
@@ -20,6 +20,14 @@
 //      and tells them; this rank waits until every peer that sends to it
 //      has done the same.
 //   5. release the lease; the report.
+// Direct mode writes into the server's buffers (the server pauses for the
+// whole refresh; a failure leaves them torn). Staged mode writes into
+// staging copies the agent allocates and registers instead, while the server
+// goes on reading the live buffers; then it reports "staged v" and waits for
+// the coordinator's commit (every rank of the instance staged) or abort, and
+// commit() copies the bytes the refresh wrote into the live buffers: the
+// only pause. A failure anywhere in the instance leaves the live buffers on
+// the old version.
 //
 // How the fabric signals completion is its own business
 // (transport/fabric/ucx_fabric.h: mailbox flags).
@@ -35,6 +43,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -74,14 +83,19 @@ class ReceiverAgent {
   std::optional<Status> refresh_poll();
   std::optional<Status> refresh_wait(std::chrono::milliseconds timeout);
   bool refresh_running() const;
+  // Staged mode: copies the staged version into the live buffers (the
+  // server pauses around it). Fails when no version is staged.
+  Status commit();
   const std::string& report() const { return report_; }
   int64_t version() const { return version_.load(); }
 
  private:
   struct Buf {
     BufferPart part;
-    uint8_t* data = nullptr;
+    uint8_t* live = nullptr;  // the server's buffer
+    uint8_t* data = nullptr;  // where refreshes write: `live`, or the staging copy
     uint64_t bytes = 0;
+    std::unique_ptr<uint8_t, void (*)(void*)> staging{nullptr, &std::free};
     std::optional<ucx::MemoryRegion> net_region;
     std::vector<uint8_t> local_key;  // the fabric's key for it
   };
@@ -94,6 +108,7 @@ class ReceiverAgent {
 
   explicit ReceiverAgent(AgentConfig config);
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
+  Status stage_barrier(Status st, int64_t version, std::chrono::steady_clock::time_point deadline);
   Status run_refresh(int64_t version, std::chrono::steady_clock::time_point deadline, Report* report);
   Status execute(const CompiledPart& part, int64_t version, std::chrono::steady_clock::time_point deadline,
                  Report* report);
@@ -116,6 +131,11 @@ class ReceiverAgent {
   bool joined_ = false;
   bool changed_ = false;
   std::atomic<int64_t> version_{0};
+  // Staged mode: the version staged and committed by the instance, waiting
+  // for commit(), and the byte ranges of each buffer it wrote.
+  int64_t staged_version_ = 0;
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> staged_ranges_;  // per buffer: offset, bytes
+  bool aborted_ = false;  // the last attempt ended in an abort of the instance
   std::string report_ = "{}";
 
   // The started refresh (refresh_start).

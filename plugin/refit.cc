@@ -170,6 +170,13 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh(refit_receiver_t* receiver, i
   });
 }
 
+REFIT_EXPORT refit_status_t refit_receiver_commit(refit_receiver_t* receiver) {
+  return guarded("refit_receiver_commit", [&]() -> Status {
+    if (!receiver) return null_arg("refit_receiver_commit", "receiver");
+    return receiver->agent->commit();
+  });
+}
+
 REFIT_EXPORT refit_status_t refit_receiver_refresh_start(refit_receiver_t* receiver, int64_t version,
                                                          int64_t timeout_ms) {
   return guarded("refit_receiver_refresh_start", [&]() -> Status {
@@ -243,6 +250,7 @@ REFIT_EXPORT const refit_api_t* refit_get_api(uint32_t abi_version) {
       refit_receiver_report,
       refit_receiver_version,
       refit_receiver_destroy,
+      refit_receiver_commit,
   };
   if (abi_version != REFIT_ABI_VERSION) {
     g_last_error = "refit_get_api: this library serves ABI version " + std::to_string(REFIT_ABI_VERSION) +

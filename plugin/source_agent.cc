@@ -1,6 +1,7 @@
 #include "plugin/source_agent.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "plugin/describe.h"
 
@@ -107,9 +108,16 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
     b.data = static_cast<uint8_t*>(data);
     b.bytes = bytes;
     b.segments = t->buffer.segments;
+    if (config_.snapshot) {
+      b.snapshot.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)));
+      if (!b.snapshot) {
+        return Status::invalid("tensor \"" + t->decl.name + "\": cannot allocate " + std::to_string(bytes) +
+                               " bytes for its snapshot");
+      }
+    }
     const bool running = progress_.joinable();
     stop_progress();  // registration must not race the worker's progress
-    Result<ucx::MemoryRegion> region = ucx::MemoryRegion::map(*context_, data, bytes, b.name);
+    Result<ucx::MemoryRegion> region = ucx::MemoryRegion::map(*context_, b.served(), bytes, b.name);
     if (running) start_progress();
     if (!region.is_ok()) return region.status();
     buffers_.push_back(std::move(b));
@@ -141,7 +149,7 @@ Status SourceAgent::join() {
     mb.name = b.name;
     mb.dtype = b.dtype;
     mb.bytes = static_cast<int64_t>(b.bytes);
-    mb.address = reinterpret_cast<uint64_t>(b.data);
+    mb.address = reinterpret_cast<uint64_t>(b.served());
     mb.rkey = b.region->packed_rkey();
     mb.segments = b.segments;
     m.buffers.push_back(std::move(mb));
@@ -163,6 +171,14 @@ Status SourceAgent::publish(int64_t version) {
                            std::to_string(published_) + ", the last this source published");
   }
   REFIT_RETURN_IF_ERROR(join());
+  if (config_.snapshot) {
+    // The copy receivers read must not change under a lease on it.
+    if (published_ > 0) {
+      REFIT_RETURN_IF_ERROR(wait_drained(published_, config_.coordinator.timeout)
+                                .with_context("publish " + std::to_string(version) + " (snapshot mode)"));
+    }
+    for (Buf& b : buffers_) std::memcpy(b.snapshot.get(), b.data, b.bytes);
+  }
   Result<control::Json> r = link_->request(MsgType::kPublishVersion, control::Json{{"version", version}});
   if (!r.is_ok()) return r.status();
   published_ = version;

@@ -7,12 +7,16 @@
 // public method. A progress thread owns the UCX worker while the agent is
 // joined: receivers' GETs over tcp need the target's worker to progress (UCX
 // emulates RMA with active messages there); it sleeps on the worker's event
-// fd between events. Memory is registered, and the AM server's handlers
+// fd between events. In snapshot mode the agent serves copies of the shards
+// taken at publish, so the trainer may write again at once; a publish then
+// first waits (up to the coordinator timeout) until no receiver still reads
+// the previous copy. Memory is registered, and the AM server's handlers
 // installed, only while that thread is stopped.
 
 #include <atomic>
 #include <deque>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,8 +52,11 @@ class SourceAgent {
   struct Buf {
     std::string name;
     std::string dtype;
-    uint8_t* data = nullptr;
+    uint8_t* data = nullptr;  // the trainer's shard
     uint64_t bytes = 0;
+    // Snapshot mode: the copy receivers read, taken at publish.
+    std::unique_ptr<uint8_t, void (*)(void*)> snapshot{nullptr, &std::free};
+    uint8_t* served() const { return snapshot ? snapshot.get() : data; }
     std::vector<control::Segment> segments;
     std::optional<ucx::MemoryRegion> region;
   };

@@ -38,11 +38,23 @@
  *     "heartbeat_ms" integer [1000]: how often the agent tells the coordinator it lives
  *     "log_level"    "error" | "warn" | "info" | "debug" ["warn"]; REFIT_LOG_LEVEL overrides
  *
+ *   Source only:
+ *     "snapshot"     bool [false]: publish copies the shards into buffers of the
+ *                    library's own, and the trainer may write its shards again as
+ *                    soon as publish returns (instead of after wait_drained)
+ *
  *   Receiver only:
  *     "instance"     integer >= 0 [0]: the inference replica this rank belongs to
+ *     "mode"         "direct" | "staged" ["direct"]: direct refreshes write the
+ *                    server's buffers (pause for the whole refresh); staged ones
+ *                    write staging copies while the server goes on, and
+ *                    refit_receiver_commit() copies them in (the only pause)
  *     "local"        object: the local fabric, which passes slices on inside the domain
- *        "fabric"      "cma" | "ucx" ["cma"]: cross-memory attach (process_vm_writev),
- *                      or UCX PUTs; "cma" falls back to "ucx" where the kernel forbids it
+ *        "fabric"      "cma" | "ucx" | "nccl" ["cma"]: host memory by cross-memory
+ *                      attach (process_vm_writev) or UCX PUTs ("cma" falls back to
+ *                      "ucx" where the kernel forbids it); GPU memory by NCCL (a
+ *                      build with CUDA and NCCL)
+ *        "device"      integer [the current CUDA device]: "nccl" only
  *        "transports"  list of strings ["shm"]: the UCX fabric's transports
  *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
  *     "chunk_bytes"  integer [1048576]: largest single GET or PUT
@@ -193,12 +205,28 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
 
 /**
  * Fills the buffers with `version` (or REFIT_LATEST), blocking until done,
- * failed, or `timeout_ms` passed. The server must not read the buffers while
- * a refresh runs (direct mode): on failure they are torn and the status
- * says so; refit_receiver_version() then returns 0.
+ * failed, or `timeout_ms` passed.
+ *
+ * Direct mode: the server must not read the buffers while a refresh runs;
+ * on failure they are torn, the status says so, and refit_receiver_version()
+ * returns 0 until a refresh succeeds.
+ *
+ * Staged mode: the server goes on reading its buffers. REFIT_OK means the
+ * version is staged on every rank of this instance and the coordinator has
+ * said commit: call refit_receiver_commit() in a pause. On failure (here or
+ * on any rank of the instance) the buffers keep the old version.
  */
 REFIT_EXPORT refit_status_t refit_receiver_refresh(refit_receiver_t* receiver, int64_t version,
                                                    int64_t timeout_ms);
+
+/**
+ * Staged mode, after a refresh returned REFIT_OK: copies the staged version
+ * into the server's buffers (only the bytes the refresh wrote) and makes it
+ * the version refit_receiver_version() returns. The server pauses reading
+ * around this call; its duration is the report's "pause_seconds".
+ * REFIT_INVALID_ARGUMENT when nothing is staged or in direct mode.
+ */
+REFIT_EXPORT refit_status_t refit_receiver_commit(refit_receiver_t* receiver);
 
 /** Starts the same refresh on a thread of the library and returns at once. */
 REFIT_EXPORT refit_status_t refit_receiver_refresh_start(refit_receiver_t* receiver, int64_t version,
@@ -217,7 +245,8 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * The report of the last finished refresh, JSON: {"version", "mode", "ok",
  * "error", "network_bytes", "local_bytes", "minimum_network_bytes",
  * "pulls", "pushes", "retries", "seconds": {"plan", "network", "local",
- * "total"}, "pause_seconds"}. "{}" before the first. Owned by the receiver,
+ * "total"}, "pause_seconds", and in staged mode "committed"}. "{}" before
+ * the first. Owned by the receiver,
  * valid until its next refresh starts or it is destroyed.
  */
 REFIT_EXPORT const char* refit_receiver_report(refit_receiver_t* receiver);
@@ -254,6 +283,7 @@ typedef struct refit_api {
   const char* (*receiver_report)(refit_receiver_t* receiver);
   int64_t (*receiver_version)(refit_receiver_t* receiver);
   void (*receiver_destroy)(refit_receiver_t* receiver);
+  refit_status_t (*receiver_commit)(refit_receiver_t* receiver);
 } refit_api_t;
 
 /**

@@ -40,18 +40,22 @@ struct Pipe {
 bool read_byte(int fd, char* c) { return read(fd, c, 1) == 1; }
 void write_byte(int fd, char c) { (void)!write(fd, &c, 1); }
 
-std::string config(int rank, int domain, uint16_t port, const std::string& token_file, bool receiver) {
+std::string config(int rank, int domain, uint16_t port, const std::string& token_file, bool receiver,
+                   bool staged = false) {
   nlohmann::json c = {{"rank", rank},
                       {"domain", domain},
                       {"coordinator", {{"address", "127.0.0.1:" + std::to_string(port)}, {"token_file", token_file}}},
                       {"heartbeat_ms", 200}};
-  if (receiver) c["instance"] = rank;
+  if (receiver) {
+    c["instance"] = staged ? 0 : rank;  // staged: one instance, which commits all or nothing
+    if (staged) c["mode"] = "staged";
+  }
   return c.dump();
 }
 
-[[noreturn]] void fail(const char* what) {
+[[noreturn]] void fail(const char* what, int code = 1) {
   std::fprintf(stderr, "child: %s: %s\n", what, refit_last_error());
-  _exit(1);
+  _exit(code);
 }
 
 void source_child(int rank, uint16_t port, const std::string& token, int up, int down) {
@@ -71,7 +75,7 @@ void source_child(int rank, uint16_t port, const std::string& token, int up, int
   write_byte(up, 'r');
   char c;
   for (int v = 1; v <= kVersions; ++v) {
-    if (!read_byte(down, &c)) _exit(2);
+    if (!read_byte(down, &c)) fail("the parent is gone", 2);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t col = 0; col < kCols; ++col) w[r * kCols + col] = w_value(rank * rows + r, col, v);
     for (int64_t col = 0; col < kCols; ++col) b[col] = b_value(col, v);
@@ -83,10 +87,17 @@ void source_child(int rank, uint16_t port, const std::string& token, int up, int
   _exit(0);
 }
 
-void receiver_child(int rank, uint16_t port, const std::string& token, int up, int down) {
+// What a receiver does with version v: refresh normally, or fail on purpose
+// (staged mode: a timeout of 1 ms) or fail because its peer did.
+enum class Step { kRefresh, kFailOnPurpose, kExpectFailure };
+
+// staged: every refresh is checked to leave the live buffers alone until
+// commit, and a failed one to leave them on the last committed version.
+void receiver_child(int rank, uint16_t port, const std::string& token, int up, int down, bool staged = false,
+                    const std::vector<Step>& steps = {}) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   refit_receiver_t* r = nullptr;
-  if (refit_receiver_create(config(rank, 0, port, token, true).c_str(), &r) != REFIT_OK) fail("create");
+  if (refit_receiver_create(config(rank, 0, port, token, true, staged).c_str(), &r) != REFIT_OK) fail("create");
   // Rank 0 wants all of w; rank 1 the columns [500, 1000) through explicit segments.
   const int64_t c0 = rank == 0 ? 0 : 500, cols = rank == 0 ? kCols : 500;
   std::vector<float> w(kRows * cols);
@@ -102,17 +113,38 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
   if (refit_receiver_join(r) != REFIT_OK) fail("join");
   write_byte(up, 'r');
   char c;
-  for (int v = 1; v <= kVersions; ++v) {
-    if (!read_byte(down, &c)) _exit(2);
-    if (refit_receiver_refresh(r, v, 20000) != REFIT_OK) fail("refresh");
+  auto check = [&](int v) {  // v == 0: never written
     for (int64_t row = 0; row < kRows; ++row)
       for (int64_t col = 0; col < cols; ++col)
-        if (w[row * cols + col] != w_value(row, c0 + col, v)) {
+        if (w[row * cols + col] != (v == 0 ? 0.0f : w_value(row, c0 + col, v))) {
           std::fprintf(stderr, "rank %d v%d: w[%ld, %ld] wrong\n", rank, v, (long)row, (long)(c0 + col));
           _exit(3);
         }
     for (int64_t col = 0; col < kCols; ++col)
-      if (b[col] != b_value(col, v)) _exit(4);
+      if (b[col] != (v == 0 ? 0 : b_value(col, v))) fail("b wrong", 4);
+  };
+  int live = 0;  // the version the live buffers hold
+  for (int v = 1; v <= kVersions; ++v) {
+    if (!read_byte(down, &c)) fail("the parent is gone", 2);
+    const Step step = steps.empty() ? Step::kRefresh : steps[v - 1];
+    const refit_status_t st = refit_receiver_refresh(r, v, step == Step::kFailOnPurpose ? 1 : 20000);
+    if (step != Step::kRefresh) {
+      if (st == REFIT_OK) fail("a refresh that should fail succeeded");
+      if (!staged) fail("a failure expected in direct mode", 5);
+      check(live);  // staged: the live buffers keep the old version
+      if (refit_receiver_version(r) != live) fail("the version moved on a failed refresh", 6);
+      if (refit_receiver_commit(r) != REFIT_INVALID_ARGUMENT) fail("commit after a failed refresh", 7);
+      write_byte(up, 'd');
+      continue;
+    }
+    if (st != REFIT_OK) fail("refresh");
+    if (staged) {
+      check(live);  // not yet committed: the server still reads the old version
+      if (refit_receiver_commit(r) != REFIT_OK) fail("commit");
+      live = v;
+      if (refit_receiver_version(r) != v) fail("the version after commit", 8);
+    }
+    check(v);
     std::fprintf(stderr, "rank %d: %s\n", rank, refit_receiver_report(r));
     write_byte(up, 'd');
   }
@@ -121,18 +153,12 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
   _exit(0);
 }
 
-TEST(Agents, TwoSourcesToTwoReceiversOfOneDomainThreeVersions) {
+void run_agents(bool staged, const std::vector<std::vector<Step>>& steps) {
+  signal(SIGPIPE, SIG_IGN);  // a child that died must fail the test, not kill it
   char dir[] = "/tmp/refit-agents-XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
+  if (mkdtemp(dir) == nullptr) FAIL();
   const std::string token_file = std::string(dir) + "/token";
   std::ofstream(token_file) << "0123456789abcdef0123456789abcdef";
-  refit::control::CoordinatorConfig cc;
-  cc.token = "0123456789abcdef0123456789abcdef";
-  cc.log = [](const std::string&) {};
-  auto coordinator = refit::control::Coordinator::start(cc);
-  ASSERT_TRUE(coordinator.is_ok()) << coordinator.status().message();
-  const uint16_t port = (*coordinator)->port();
-
   struct Child {
     pid_t pid;
     Pipe up, down;
@@ -140,13 +166,37 @@ TEST(Agents, TwoSourcesToTwoReceiversOfOneDomainThreeVersions) {
   std::vector<Child> kids(4);
   for (int i = 0; i < 4; ++i) {
     pid_t pid = fork();
-    ASSERT_GE(pid, 0);
+    if (pid < 0) FAIL();
     if (pid == 0) {
+      // Keep only this child's ends, so that a child that exits gives its
+      // parent EOF instead of a read that never returns.
+      for (int j = 0; j < 4; ++j) {
+        if (j == i) continue;
+        close(kids[j].up.fd[0]), close(kids[j].up.fd[1]), close(kids[j].down.fd[0]), close(kids[j].down.fd[1]);
+      }
+      close(kids[i].up.fd[0]);
+      close(kids[i].down.fd[1]);
+      uint16_t port = 0;
+      if (read(kids[i].down.fd[0], &port, sizeof port) != sizeof port) _exit(2);
       if (i < 2) source_child(i, port, token_file, kids[i].up.fd[1], kids[i].down.fd[0]);
-      receiver_child(i - 2, port, token_file, kids[i].up.fd[1], kids[i].down.fd[0]);
+      receiver_child(i - 2, port, token_file, kids[i].up.fd[1], kids[i].down.fd[0], staged, steps[i - 2]);
     }
     kids[i].pid = pid;
   }
+  for (Child& k : kids) close(k.up.fd[1]), close(k.down.fd[0]);
+  // The coordinator's threads start after the forks: a fork while another
+  // thread holds a lock (UCX's memory hooks take one on every mmap) leaves
+  // the child a lock nobody will release.
+  refit::control::CoordinatorConfig cc;
+  cc.token = "0123456789abcdef0123456789abcdef";
+  cc.log = [](const std::string&) {};
+  auto coordinator = refit::control::Coordinator::start(cc);
+  if (!coordinator.is_ok()) {
+    for (Child& k : kids) kill(k.pid, SIGKILL), waitpid(k.pid, nullptr, 0);
+    FAIL() << coordinator.status().message();
+  }
+  const uint16_t port = (*coordinator)->port();
+  for (Child& k : kids) (void)!write(k.down.fd[1], &port, sizeof port);
   auto await = [&](int i) {
     char c;
     return read_byte(kids[i].up.fd[0], &c);
@@ -169,6 +219,16 @@ TEST(Agents, TwoSourcesToTwoReceiversOfOneDomainThreeVersions) {
   EXPECT_TRUE(ok);
   std::remove(token_file.c_str());
   rmdir(dir);
+}
+
+TEST(Agents, TwoSourcesToTwoReceiversOfOneDomainThreeVersions) { run_agents(false, {{}, {}}); }
+
+// Staged: the live buffers change only at commit; when one rank of the
+// instance fails version 2, neither commits it and both keep version 1;
+// version 3 then commits on both.
+TEST(Agents, StagedRefreshCommitsAllOrNothing) {
+  run_agents(true, {{Step::kRefresh, Step::kExpectFailure, Step::kRefresh},
+                    {Step::kRefresh, Step::kFailOnPurpose, Step::kRefresh}});
 }
 
 }  // namespace

@@ -104,6 +104,7 @@ Result<CmaFabric::PeerProcess> CmaFabric::parse_contact(const std::vector<uint8_
 
 Status CmaFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   end();
+  clear_cancel();
   schedule_ = &schedule;
   deadline_ = deadline;
   procs_.clear();
@@ -228,7 +229,7 @@ Status CmaFabric::finish(bool failed) {
     if (!st.is_ok() && status.is_ok()) status = st.with_context("signalling the peers");
   }
   if (status.is_ok() && !failed) {
-    status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_);
+    status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_, &cancelled_);
   }
   mailbox::clear(mailbox_.get(), in_ranks_);
   return status;

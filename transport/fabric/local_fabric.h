@@ -24,6 +24,7 @@
 // (the agent's fan-out thread); register_buffer and contact only while no
 // refresh runs.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -97,11 +98,25 @@ class LocalFabric {
   virtual Result<std::vector<uint8_t>> register_buffer(const std::string& name, void* data, uint64_t bytes) = 0;
   // What peers need to reach this rank, for the coordinator to carry.
   virtual std::vector<uint8_t> contact() const = 0;
+  // Whether contact() changed since it was last called (NCCL: a unique id
+  // serves one communicator); the agent then registers the new one before
+  // its next refresh.
+  virtual bool contact_changed() const { return false; }
 
   virtual Status begin(const Schedule& schedule, Clock::time_point deadline) = 0;
   virtual Status send(std::span<const uint32_t> ready) = 0;
   virtual Status finish(bool failed) = 0;
   virtual void end() = 0;
+
+  // Makes a finish() that waits for peers return promptly with an error
+  // (the instance aborted, the membership changed). Any thread, any time;
+  // begin() clears it.
+  void cancel() { cancelled_.store(true, std::memory_order_release); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+ protected:
+  void clear_cancel() { cancelled_.store(false, std::memory_order_release); }
+  std::atomic<bool> cancelled_{false};
 };
 
 }  // namespace refit::fabric

@@ -7,7 +7,7 @@
 namespace refit::fabric::mailbox {
 
 Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uint64_t epoch,
-            std::chrono::steady_clock::time_point deadline) {
+            std::chrono::steady_clock::time_point deadline, const std::atomic<bool>* cancel) {
   const uint64_t want = flag(version, epoch, false);
   std::vector<int32_t> waiting(from.begin(), from.end());
   while (!waiting.empty()) {
@@ -28,6 +28,9 @@ Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uin
       ++i;
     }
     if (waiting.empty()) break;
+    if (cancel && cancel->load(std::memory_order_acquire)) {
+      return Status::io_error("local fabric: the wait for the peers was cancelled");
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
       std::string names;
       for (int32_t r : waiting) names += (names.empty() ? "" : ", ") + std::to_string(r);

@@ -9,6 +9,7 @@
 // polls its own memory: no message, no progress of any engine needed.
 // Pure C++.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <span>
@@ -29,10 +30,10 @@ inline size_t slot_of(int32_t rank) { return static_cast<size_t>(rank) % kSlots;
 
 // Waits until every rank of `from` has flagged (version, epoch) in `slots`
 // (kSlots of them, written by other processes), polling every 100 us until
-// `deadline`. Fails at once when a sender flagged this version failed or
-// with another epoch; the message names the rank.
+// `deadline` or `*cancel`. Fails at once when a sender flagged this version
+// failed or with another epoch; the message names the rank.
 Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uint64_t epoch,
-            std::chrono::steady_clock::time_point deadline);
+            std::chrono::steady_clock::time_point deadline, const std::atomic<bool>* cancel = nullptr);
 
 // Zeroes the slots of `from`, once their flags are consumed.
 void clear(uint64_t* slots, std::span<const int32_t> from);

@@ -127,6 +127,7 @@ Result<uint64_t> UcxFabric::import(PeerState& p, const std::vector<uint8_t>& rke
 
 Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   end();
+  clear_cancel();
   schedule_ = &schedule;
   deadline_ = deadline;
   const size_t n = schedule.peers.size();
@@ -235,7 +236,7 @@ Status UcxFabric::finish(bool failed) {
   }
   // Wait for every peer that sends here.
   if (status.is_ok() && !failed) {
-    status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_);
+    status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_, &cancelled_);
   }
   mailbox::clear(mailbox_.get(), in_ranks_);
   return status;

@@ -1,0 +1,98 @@
+// The same fan-out schedule through both local fabrics: the UCX fabric over
+// shared memory, and the NCCL fabric's logic over the host communicator
+// (host_comm.h). The same bytes must land, whatever order the sends become
+// ready in.
+
+#include <gtest/gtest.h>
+
+#include "fanout_case.h"
+#include "host_comm.h"
+#include "transport/fabric/nccl_fabric.h"
+#ifdef REFIT_TEST_UCX_FABRIC
+#include "transport/fabric/ucx_fabric.h"
+#endif
+
+namespace refit::fabric {
+namespace {
+
+using testing::FanoutCase;
+using testing::RankFabric;
+
+Result<RankFabric> make_nccl(int32_t rank, std::vector<uint8_t>& buffer) {
+  NcclFabricConfig config;
+  config.rank = rank;
+  config.max_sends_per_round = 5;  // several rounds per pair
+  Result<std::unique_ptr<NcclFabric>> f = NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
+  if (!f.is_ok()) return f.status();
+  RankFabric out;
+  Result<std::vector<uint8_t>> key = (*f)->register_buffer("t", buffer.data(), buffer.size());
+  if (!key.is_ok()) return key.status();
+  out.key = *key;
+  out.contact = (*f)->contact();
+  out.fabric = std::move(f).value();
+  return out;
+}
+
+#ifdef REFIT_TEST_UCX_FABRIC
+Result<RankFabric> make_ucx(int32_t rank, std::vector<uint8_t>& buffer) {
+  UcxFabricConfig config;
+  config.rank = rank;
+  config.limits.chunk_bytes = 4096;
+  Result<std::unique_ptr<UcxFabric>> f = UcxFabric::create(config);
+  if (!f.is_ok()) return f.status();
+  RankFabric out;
+  Result<std::vector<uint8_t>> key = (*f)->register_buffer("t", buffer.data(), buffer.size());
+  if (!key.is_ok()) return key.status();
+  out.key = *key;
+  out.contact = (*f)->contact();
+  out.fabric = std::move(f).value();
+  return out;
+}
+#endif
+
+class Fanout : public ::testing::TestWithParam<std::string> {
+ protected:
+  testing::MakeFabric maker() {
+#ifdef REFIT_TEST_UCX_FABRIC
+    if (GetParam() == "ucx") return make_ucx;
+#endif
+    return make_nccl;
+  }
+};
+
+TEST_P(Fanout, SameBytesLandThroughEveryFabric) {
+#ifndef REFIT_TEST_UCX_FABRIC
+  if (GetParam() == "ucx") GTEST_SKIP() << "this build has no UCX";
+#endif
+  for (uint32_t seed : {1u, 2u, 3u}) {
+    const int32_t ranks = 2 + static_cast<int32_t>(seed % 3);
+    const FanoutCase c = testing::make_case(ranks, 48 << 10, 4096, seed);
+    std::vector<std::vector<uint8_t>> buffers = c.start;
+    std::vector<RankFabric> fabrics;
+    for (int32_t r = 0; r < ranks; ++r) {
+      Result<RankFabric> f = maker()(r, buffers[r]);
+      if (!f.is_ok() && GetParam() == "ucx") GTEST_SKIP() << "no UCX shared memory here: " << f.status().message();
+      ASSERT_TRUE(f.is_ok()) << f.status().message();
+      fabrics.push_back(std::move(f).value());
+    }
+    // Two refreshes on the same fabrics: the second reuses what the first
+    // connected (endpoints, the communicator).
+    for (int64_t version = 1; version <= 2; ++version) {
+      buffers = c.start;
+      std::vector<Schedule> schedules;
+      for (int32_t r = 0; r < ranks; ++r) schedules.push_back(testing::schedule_of(c, r, buffers, fabrics, version));
+      const std::vector<Status> st =
+          testing::run_refresh(fabrics, schedules, Clock::now() + std::chrono::seconds(30), seed * 7 + version);
+      for (int32_t r = 0; r < ranks; ++r) {
+        ASSERT_TRUE(st[r].is_ok()) << GetParam() << " rank " << r << ": " << st[r].message();
+        EXPECT_EQ(buffers[r], c.expected[r]) << GetParam() << " seed " << seed << " rank " << r;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fabrics, Fanout, ::testing::Values("ucx", "nccl"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace refit::fabric

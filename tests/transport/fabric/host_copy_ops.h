@@ -1,0 +1,88 @@
+#pragma once
+// CopyOps on the host: a thread of its own runs the copies in issue order,
+// like a CUDA stream, optionally slowed down, so that the staging pipeline's
+// overlap and ordering are exercised for real on a machine without a GPU.
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "transport/cuda/device_ops.h"
+
+namespace refit::cuda::testing {
+
+class HostCopyOps final : public CopyOps {
+ public:
+  explicit HostCopyOps(std::chrono::microseconds per_copy = std::chrono::microseconds(0))
+      : per_copy_(per_copy), thread_([this] { loop(); }) {}
+  ~HostCopyOps() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  Status copy(const Copy& c) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail_next_) {
+      fail_next_ = false;
+      return Status::io_error("host copy: failing as the test asked");
+    }
+    queue_.push_back(Item{c, 0});
+    cv_.notify_all();
+    return Status::ok();
+  }
+  Result<uint64_t> record() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t t = ++issued_;
+    queue_.push_back(Item{Copy{}, t});
+    cv_.notify_all();
+    return t;
+  }
+  Result<bool> done(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ticket <= completed_;
+  }
+  void fail_next_copy() {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_next_ = true;
+  }
+
+ private:
+  struct Item {
+    Copy copy;
+    uint64_t ticket = 0;  // a record() when non-zero
+  };
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      Item item = queue_.front();
+      queue_.pop_front();
+      if (item.ticket != 0) {
+        completed_ = item.ticket;
+        continue;
+      }
+      lock.unlock();
+      if (per_copy_.count() > 0) std::this_thread::sleep_for(per_copy_);
+      copy_on_host(item.copy);
+      lock.lock();
+    }
+  }
+
+  const std::chrono::microseconds per_copy_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  uint64_t issued_ = 0;
+  uint64_t completed_ = 0;
+  bool stop_ = false;
+  bool fail_next_ = false;
+  std::thread thread_;
+};
+
+}  // namespace refit::cuda::testing

@@ -1,0 +1,280 @@
+// The NCCL fabric's logic (rounds, per-peer order, failure, deadline, the
+// communicator cache) over the host communicator (host_comm.h).
+
+#include "transport/fabric/nccl_fabric.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "fanout_case.h"
+#include "host_comm.h"
+
+namespace refit::fabric {
+namespace {
+
+using testing::FanoutCase;
+using testing::RankFabric;
+
+struct Domain {
+  FanoutCase c;
+  std::vector<std::vector<uint8_t>> buffers;
+  std::vector<RankFabric> fabrics;
+  std::vector<NcclFabric*> nccl;
+
+  Domain(int32_t ranks, uint32_t seed) : c(testing::make_case(ranks, 24 << 10, 4096, seed)), buffers(c.start) {
+    for (int32_t r = 0; r < ranks; ++r) add(r);
+  }
+  void add(int32_t r) {
+    NcclFabricConfig config;
+    config.rank = r;
+    Result<std::unique_ptr<NcclFabric>> f =
+        NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
+    EXPECT_TRUE(f.is_ok()) << f.status().message();
+    RankFabric rf;
+    rf.contact = (*f)->contact();
+    if (static_cast<size_t>(r) < nccl.size()) {
+      nccl[r] = f->get();
+      rf.fabric = std::move(f).value();
+      fabrics[r] = std::move(rf);
+    } else {
+      nccl.push_back(f->get());
+      rf.fabric = std::move(f).value();
+      fabrics.push_back(std::move(rf));
+    }
+  }
+  std::vector<Schedule> schedules(int64_t version) {
+    buffers = c.start;
+    for (size_t r = 0; r < fabrics.size(); ++r) {
+      // What the coordinator would carry after a re-registration.
+      if (nccl[r]->contact_changed()) fabrics[r].contact = nccl[r]->contact();
+    }
+    std::vector<Schedule> s;
+    for (int32_t r = 0; r < c.ranks; ++r) s.push_back(testing::schedule_of(c, r, buffers, fabrics, version));
+    return s;
+  }
+};
+
+TEST(NcclFabric, KeepsTheCommunicatorWhileTheDomainIsUnchanged) {
+  Domain d(3, 21);
+  const std::vector<uint8_t> root_contact = d.fabrics[0].contact;
+  const std::vector<uint8_t> other_contact = d.fabrics[1].contact;
+  for (int64_t v = 1; v <= 3; ++v) {
+    std::vector<Schedule> s = d.schedules(v);
+    std::vector<Status> st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 5);
+    for (int32_t r = 0; r < 3; ++r) {
+      ASSERT_TRUE(st[r].is_ok()) << st[r].message();
+      EXPECT_EQ(d.buffers[r], d.c.expected[r]);
+      EXPECT_EQ(d.nccl[r]->communicators_built(), 1u) << "rank " << r << " version " << v;
+    }
+  }
+  // The root's id served its one communicator: its contact changed (and was
+  // re-registered by schedules()), the others' did not, and neither change
+  // made the domain rebuild.
+  EXPECT_NE(d.fabrics[0].contact, root_contact);
+  EXPECT_EQ(d.fabrics[1].contact, other_contact);
+  // A member that restarts (a new instance) changes the domain: everyone builds anew.
+  d.add(2);
+  std::vector<Schedule> s = d.schedules(4);
+  std::vector<Status> st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 6);
+  for (int32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << st[r].message();
+    EXPECT_EQ(d.buffers[r], d.c.expected[r]);
+  }
+  EXPECT_EQ(d.nccl[0]->communicators_built(), 2u);
+  EXPECT_EQ(d.nccl[1]->communicators_built(), 2u);
+  EXPECT_EQ(d.nccl[2]->communicators_built(), 1u);
+}
+
+TEST(NcclFabric, AFailedRankTellsItsPeersAtOnce) {
+  Domain d(3, 4);
+  std::vector<Schedule> s = d.schedules(1);
+  const auto t0 = Clock::now();
+  std::vector<Status> st =
+      testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(30), 9, {}, /*fail=*/{0});
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10)) << "the peers waited for their deadline";
+  EXPECT_FALSE(st[0].is_ok());
+  for (int32_t r : {1, 2}) {
+    bool gets_from_0 = false;
+    for (const Recv& x : s[r].recvs) gets_from_0 |= s[r].peers[x.peer].rank == 0;
+    if (!gets_from_0) {
+      EXPECT_TRUE(st[r].is_ok()) << st[r].message();
+      continue;
+    }
+    EXPECT_EQ(st[r].code(), Code::kIoError) << st[r].message();
+    EXPECT_NE(st[r].message().find("rank 0"), std::string::npos) << st[r].message();
+  }
+  // The next refresh, with nobody failing, works on the same communicator.
+  s = d.schedules(2);
+  st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(30), 10);
+  for (int32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << st[r].message();
+    EXPECT_EQ(d.buffers[r], d.c.expected[r]);
+  }
+}
+
+TEST(NcclFabric, AMissingRankIsATimeoutNotAHangAndTheDomainRebuilds) {
+  Domain d(3, 8);
+  std::vector<Schedule> s = d.schedules(1);
+  const auto t0 = Clock::now();
+  std::vector<Status> st =
+      testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::milliseconds(300), 3, /*skip=*/{2});
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  for (int32_t r : {0, 1}) {
+    EXPECT_EQ(st[r].code(), Code::kTimeout) << st[r].message();
+    EXPECT_TRUE(d.nccl[r]->contact_changed()) << "an aborted rank must publish a new contact";
+  }
+  // Once the contacts are re-registered, the whole domain builds a new communicator.
+  s = d.schedules(2);
+  st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 4);
+  for (int32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].message();
+    EXPECT_EQ(d.buffers[r], d.c.expected[r]);
+  }
+}
+
+TEST(NcclFabric, RanksThatRunDifferentPlansFailInsteadOfWritingWrongBytes) {
+  uint32_t seed = 12;
+  auto crosses = [](const FanoutCase& c) {
+    for (const testing::Transfer& t : c.plan) {
+      if (t.from != t.to) return true;
+    }
+    return false;
+  };
+  while (!crosses(testing::make_case(2, 24 << 10, 4096, seed))) ++seed;
+  Domain d(2, seed);
+  std::vector<Schedule> s = d.schedules(1);
+  // Rank 1 expects one byte less of the first slice from rank 0.
+  Schedule* receiver = nullptr;
+  for (Schedule& x : s) {
+    if (!x.recvs.empty() && !receiver) receiver = &x;
+  }
+  ASSERT_NE(receiver, nullptr);
+  receiver->recvs[0].bytes -= 1;
+  std::vector<Status> st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::milliseconds(500), 1);
+  bool plan_error = false;
+  for (const Status& x : st) {
+    EXPECT_FALSE(x.is_ok());
+    plan_error |= x.message().find("different plans") != std::string::npos;
+  }
+  EXPECT_TRUE(plan_error);
+}
+
+TEST(NcclFabric, ASingleRankDomainCopiesToItself) {
+  FanoutCase c = testing::make_case(1, 16 << 10, 1024, 2);
+  std::vector<std::vector<uint8_t>> buffers = c.start;
+  Result<std::unique_ptr<NcclFabric>> f =
+      NcclFabric::create(NcclFabricConfig{}, std::make_unique<cuda::testing::HostCommFactory>());
+  ASSERT_TRUE(f.is_ok());
+  // make_case with one rank has no consumers: add mirror copies of everything.
+  c.plan.clear();
+  for (uint64_t o = 0; o < c.half; o += 1024) c.plan.push_back(testing::Transfer{0, 0, o, 1024});
+  for (uint64_t i = 0; i < c.half; ++i) c.expected[0][c.half + i] = c.start[0][i];
+  std::vector<RankFabric> fabrics(1);
+  fabrics[0].contact = (*f)->contact();
+  fabrics[0].fabric = std::move(f).value();
+  std::vector<Schedule> s = {testing::schedule_of(c, 0, buffers, fabrics, 1)};
+  std::vector<Status> st = testing::run_refresh(fabrics, s, Clock::now() + std::chrono::seconds(10), 1);
+  ASSERT_TRUE(st[0].is_ok()) << st[0].message();
+  EXPECT_EQ(buffers[0], c.expected[0]);
+}
+
+TEST(NcclFabric, RefusesAScheduleItCannotRun) {
+  Domain d(2, 1);
+  std::vector<Schedule> s = d.schedules(1);
+  LocalFabric& f = *d.fabrics[0].fabric;
+  Schedule bad = s[0];
+  bad.domain[1].contact = {'R', 'F', 'C', 'T', 0, 0};  // a UCX fabric's contact
+  Status st = f.begin(bad, Clock::now() + std::chrono::seconds(1));
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("receiver rank 1"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("same \"local\" fabric"), std::string::npos) << st.message();
+  f.end();
+  bad = s[0];
+  std::swap(bad.domain[0], bad.domain[1]);
+  st = f.begin(bad, Clock::now() + std::chrono::seconds(1));
+  EXPECT_NE(st.message().find("increasing rank order"), std::string::npos) << st.message();
+  f.end();
+  bad = s[0];
+  if (!bad.sends.empty()) {
+    bad.sends[0].peer = 7;
+    bad.sends[0].self_dst = nullptr;
+    st = f.begin(bad, Clock::now() + std::chrono::seconds(1));
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.message();
+    f.end();
+  }
+  EXPECT_FALSE(f.send(std::vector<uint32_t>{0}).is_ok()) << "send() outside begin() must fail, not crash";
+  EXPECT_FALSE(f.finish(false).is_ok());
+  EXPECT_FALSE(d.nccl[0]->register_buffer("x", nullptr, 0).is_ok());
+}
+
+}  // namespace
+}  // namespace refit::fabric
+
+namespace refit::fabric {
+namespace {
+
+TEST(NcclFabric, CancelEndsTheWaitForPeersAtOnce) {
+  // Rank 1 owes rank 0 bytes but never passes them on; both are cancelled
+  // long before their deadline (as the agent does when its instance aborts).
+  uint32_t seed = 30;
+  auto owes = [](const testing::FanoutCase& c) {
+    for (const testing::Transfer& t : c.plan) {
+      if (t.from == 1 && t.to == 0) return true;
+    }
+    return false;
+  };
+  while (!owes(testing::make_case(2, 24 << 10, 4096, seed))) ++seed;
+  testing::FanoutCase c = testing::make_case(2, 24 << 10, 4096, seed);
+  std::vector<std::vector<uint8_t>> buffers = c.start;
+  std::vector<RankFabric> fabrics;
+  std::vector<NcclFabric*> nccl;
+  for (int32_t r = 0; r < 2; ++r) {
+    NcclFabricConfig config;
+    config.rank = r;
+    Result<std::unique_ptr<NcclFabric>> f =
+        NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
+    ASSERT_TRUE(f.is_ok());
+    RankFabric rf;
+    rf.contact = (*f)->contact();
+    nccl.push_back(f->get());
+    rf.fabric = std::move(f).value();
+    fabrics.push_back(std::move(rf));
+  }
+  std::vector<Schedule> s;
+  for (int32_t r = 0; r < 2; ++r) s.push_back(testing::schedule_of(c, r, buffers, fabrics, 1));
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  std::vector<Status> st(2);
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Status b = nccl[r]->begin(s[r], deadline);
+      if (!b.is_ok()) {
+        st[r] = b;
+        return;
+      }
+      if (r == 0) {
+        std::vector<uint32_t> all(s[0].sends.size());
+        for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+        b = nccl[0]->send(all);
+      }
+      if (r == 1) {
+        // Stalls (its network never lands) until its instance is aborted.
+        while (!nccl[1]->cancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      st[r] = nccl[r]->finish(r == 1);
+      nccl[r]->end();
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t0 = Clock::now();
+  nccl[0]->cancel();
+  nccl[1]->cancel();
+  for (std::thread& t : threads) t.join();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_FALSE(st[0].is_ok());
+  EXPECT_NE(st[0].message().find("cancelled"), std::string::npos) << st[0].message();
+}
+
+}  // namespace
+}  // namespace refit::fabric

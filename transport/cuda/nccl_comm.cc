@@ -1,0 +1,251 @@
+#include "transport/cuda/nccl_comm.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <thread>
+
+#include "transport/cuda/cuda_status.h"
+#include "transport/cuda/nccl_status.h"
+
+namespace refit::cuda {
+namespace {
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Polls a non-blocking communicator until it is no longer in progress.
+Status settle(ncclComm_t comm, Clock::time_point deadline, const std::string& what) {
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    REFIT_RETURN_IF_ERROR(from_nccl(ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError"));
+    if (state != ncclInProgress) return from_nccl(state, what);
+    if (Clock::now() >= deadline) {
+      return Status::timeout(what + ": still in progress at the deadline (a rank of the domain did not join)");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// Owns the communicator, its stream, the count words (device) and their
+// pinned mirror. Move-free: held by unique_ptr. Threads: one at a time.
+class NcclDomainComm final : public DomainComm {
+ public:
+  NcclDomainComm(int device, void* upstream, ncclComm_t comm, int32_t rank, int32_t size)
+      : device_(device), upstream_(upstream), comm_(comm), rank_(rank), size_(size) {}
+  ~NcclDomainComm() override {
+    cudaSetDevice(device_);
+    if (comm_) {
+      // A comm with work still in flight (a peer gone) is aborted. An idle
+      // one is finalized (non-blocking: polled, for a bounded time) and
+      // destroyed; if finalizing does not settle, it is aborted too.
+      Result<bool> idle = pending_ || launching_ ? this->idle() : Result<bool>(true);
+      bool clean = idle.is_ok() && *idle && from_nccl(ncclCommFinalize(comm_), "ncclCommFinalize").is_ok();
+      clean = clean && settle(comm_, Clock::now() + std::chrono::seconds(2), "ncclCommFinalize").is_ok();
+      if (clean) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+    }
+    if (done_) cudaEventDestroy(done_);
+    if (upstream_event_) cudaEventDestroy(upstream_event_);
+    if (stream_) cudaStreamDestroy(as_stream(stream_));
+    if (words_) cudaFree(words_);
+    if (host_words_) cudaFreeHost(host_words_);
+  }
+
+  Status init() {
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    cudaStream_t s = nullptr;
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
+    stream_ = s;
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate"));
+    REFIT_RETURN_IF_ERROR(
+        from_cuda(cudaEventCreateWithFlags(&upstream_event_, cudaEventDisableTiming), "cudaEventCreate"));
+    word_count_ = 4 * static_cast<size_t>(size_);
+    void* w = nullptr;
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&w, word_count_ * 8), "cudaMalloc(count words)"));
+    words_ = static_cast<uint64_t*>(w);
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaHostAlloc(&w, word_count_ * 8, cudaHostAllocPortable), "cudaHostAlloc(count words)"));
+    host_words_ = static_cast<uint64_t*>(w);
+    std::memset(host_words_, 0, word_count_ * 8);
+    return Status::ok();
+  }
+  ncclComm_t release() { return std::exchange(comm_, nullptr); }
+
+  int32_t rank() const override { return rank_; }
+  int32_t size() const override { return size_; }
+  void set_deadline(Clock::time_point deadline) override { deadline_ = deadline; }
+  uint64_t* words() override { return words_; }
+  uint64_t* host_words() override { return host_words_; }
+  size_t word_count() const override { return word_count_; }
+
+  Status put_words(size_t n) override {
+    REFIT_RETURN_IF_ERROR(launched());
+    REFIT_RETURN_IF_ERROR(current());
+    return stream_op(cudaMemcpyAsync(words_, host_words_, n * 8, cudaMemcpyHostToDevice, as_stream(stream_)),
+                     "cudaMemcpyAsync(count words to the device)");
+  }
+  Status get_words(size_t from, size_t n) override {
+    REFIT_RETURN_IF_ERROR(launched());
+    REFIT_RETURN_IF_ERROR(current());
+    return stream_op(
+        cudaMemcpyAsync(host_words_ + from, words_ + from, n * 8, cudaMemcpyDeviceToHost, as_stream(stream_)),
+        "cudaMemcpyAsync(count words to the host)");
+  }
+  Status order_after_upstream() override {
+    if (upstream_ == nullptr) return Status::ok();
+    REFIT_RETURN_IF_ERROR(launched());
+    REFIT_RETURN_IF_ERROR(current());
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaEventRecord(upstream_event_, as_stream(upstream_)), "cudaEventRecord(upstream)"));
+    return from_cuda(cudaStreamWaitEvent(as_stream(stream_), upstream_event_, 0), "cudaStreamWaitEvent(upstream)");
+  }
+  Status issue(std::span<const P2p> group) override {
+    REFIT_RETURN_IF_ERROR(launched());
+    REFIT_RETURN_IF_ERROR(current());
+    Status st = from_nccl(ncclGroupStart(), "ncclGroupStart");
+    if (!st.is_ok()) return st;
+    for (const P2p& op : group) {
+      if (!st.is_ok()) break;
+      st = op.kind == P2p::Kind::kSend
+               ? from_nccl(ncclSend(op.data, op.bytes, ncclUint8, op.peer, comm_, as_stream(stream_)),
+                           "ncclSend(" + std::to_string(op.bytes) + " bytes to rank " + std::to_string(op.peer) + ")")
+               : from_nccl(ncclRecv(op.data, op.bytes, ncclUint8, op.peer, comm_, as_stream(stream_)),
+                           "ncclRecv(" + std::to_string(op.bytes) + " bytes from rank " + std::to_string(op.peer) + ")");
+    }
+    const Status end = from_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    REFIT_RETURN_IF_ERROR(st);
+    REFIT_RETURN_IF_ERROR(end);
+    launching_ = true;  // on the stream once the communicator settles
+    pending_ = true;
+    return Status::ok();
+  }
+  Result<bool> idle() override {
+    if (!comm_) return Status::internal("nccl: the communicator was aborted");
+    REFIT_RETURN_IF_ERROR(current());
+    if (launching_) {
+      ncclResult_t state = ncclSuccess;
+      REFIT_RETURN_IF_ERROR(from_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError"));
+      if (state == ncclInProgress) return false;
+      REFIT_RETURN_IF_ERROR(from_nccl(state, "a group of sends and receives"));
+      launching_ = false;
+      REFIT_RETURN_IF_ERROR(from_cuda(cudaEventRecord(done_, as_stream(stream_)), "cudaEventRecord"));
+    }
+    if (!pending_) return true;
+    ncclResult_t state = ncclSuccess;
+    REFIT_RETURN_IF_ERROR(from_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError"));
+    REFIT_RETURN_IF_ERROR(from_nccl(state, "the communicator"));
+    const cudaError_t q = cudaEventQuery(done_);
+    if (q == cudaErrorNotReady) return false;
+    REFIT_RETURN_IF_ERROR(from_cuda(q, "cudaEventQuery(fabric stream)"));
+    pending_ = false;
+    return true;
+  }
+  void abort() override {
+    if (comm_) ncclCommAbort(comm_);
+    comm_ = nullptr;
+    launching_ = pending_ = false;
+  }
+
+ private:
+  // Waits (to the deadline) until the last group is on the stream: nothing
+  // may be issued behind a group NCCL is still launching.
+  // The round thread is new for every refresh: make the device current on it.
+  Status current() { return from_cuda(cudaSetDevice(device_), "cudaSetDevice(" + std::to_string(device_) + ")"); }
+  Status launched() {
+    if (!comm_) return Status::internal("nccl: the communicator was aborted");
+    if (!launching_) return Status::ok();
+    REFIT_RETURN_IF_ERROR(current());
+    REFIT_RETURN_IF_ERROR(settle(comm_, deadline_, "launching a group of sends and receives"));
+    launching_ = false;
+    return from_cuda(cudaEventRecord(done_, as_stream(stream_)), "cudaEventRecord");
+  }
+  Status stream_op(cudaError_t e, const std::string& what) {
+    REFIT_RETURN_IF_ERROR(from_cuda(e, what));
+    pending_ = true;
+    return from_cuda(cudaEventRecord(done_, as_stream(stream_)), "cudaEventRecord");
+  }
+
+  int device_ = 0;
+  void* upstream_ = nullptr;
+  ncclComm_t comm_ = nullptr;
+  int32_t rank_ = 0;
+  int32_t size_ = 0;
+  void* stream_ = nullptr;
+  cudaEvent_t done_ = nullptr;            // after the last thing issued
+  cudaEvent_t upstream_event_ = nullptr;
+  uint64_t* words_ = nullptr;
+  uint64_t* host_words_ = nullptr;
+  size_t word_count_ = 0;
+  bool launching_ = false;  // a group NCCL has not yet put on the stream
+  bool pending_ = false;    // something issued since the stream was last idle
+  Clock::time_point deadline_ = Clock::time_point::max();
+};
+
+class NcclCommFactory final : public CommFactory {
+ public:
+  NcclCommFactory(int device, void* upstream) : device_(device), upstream_(upstream) {}
+
+  Result<std::vector<uint8_t>> unique_id() override {
+    ncclUniqueId id;
+    REFIT_RETURN_IF_ERROR(from_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId"));
+    return std::vector<uint8_t>(id.internal, id.internal + NCCL_UNIQUE_ID_BYTES);
+  }
+
+  Result<std::unique_ptr<DomainComm>> connect(const std::vector<uint8_t>& id, int32_t size, int32_t rank,
+                                              Clock::time_point deadline) override {
+    if (id.size() != NCCL_UNIQUE_ID_BYTES) {
+      return Status::invalid("nccl: a unique id has " + std::to_string(NCCL_UNIQUE_ID_BYTES) + " bytes, got " +
+                             std::to_string(id.size()));
+    }
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaSetDevice(device_), "cudaSetDevice(" + std::to_string(device_) + ")"));
+    ncclUniqueId uid;
+    std::memcpy(uid.internal, id.data(), NCCL_UNIQUE_ID_BYTES);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    const std::string what =
+        "ncclCommInitRankConfig(rank " + std::to_string(rank) + " of " + std::to_string(size) + ")";
+    Status st = from_nccl(ncclCommInitRankConfig(&comm, size, uid, rank, &config), what);
+    if (st.is_ok() && comm != nullptr) st = settle(comm, deadline, what);
+    if (!st.is_ok() || comm == nullptr) {
+      if (comm != nullptr) ncclCommAbort(comm);
+      return st.is_ok() ? Status::internal(what + " returned no communicator") : st;
+    }
+    auto c = std::make_unique<NcclDomainComm>(device_, upstream_, comm, rank, size);
+    c->set_deadline(deadline);
+    Status init = c->init();
+    if (!init.is_ok()) {
+      ncclCommAbort(c->release());
+      return init;
+    }
+    return std::unique_ptr<DomainComm>(std::move(c));
+  }
+
+ private:
+  int device_;
+  void* upstream_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CommFactory>> nccl_comm_factory(int device, void* upstream) {
+  REFIT_RETURN_IF_ERROR(probe_device());
+  int count = 0;
+  REFIT_RETURN_IF_ERROR(from_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
+  if (device < 0 || device >= count) {
+    return Status::invalid("nccl: device " + std::to_string(device) + " does not exist (this machine has " +
+                           std::to_string(count) + ")");
+  }
+  return std::unique_ptr<CommFactory>(new NcclCommFactory(device, upstream));
+}
+
+std::string nccl_version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
+  // Since 2.9: major * 10000 + minor * 100 + patch.
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+}  // namespace refit::cuda

@@ -1,0 +1,465 @@
+#include "transport/fabric/nccl_fabric.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+namespace refit::fabric {
+namespace {
+
+constexpr char kMagic[4] = {'R', 'F', 'N', 'C'};
+constexpr uint32_t kFormat = 1;
+
+void put_u32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void put_u64(std::vector<uint8_t>& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<NcclFabric>> NcclFabric::create(const NcclFabricConfig& config,
+                                                       std::unique_ptr<cuda::CommFactory> factory) {
+  if (!factory) return Status::invalid("nccl fabric: no communicator factory");
+  if (config.max_sends_per_round == 0) {
+    return Status::invalid("nccl fabric: \"max_sends_per_round\" must be positive, got 0");
+  }
+  std::unique_ptr<NcclFabric> f(new NcclFabric(config, std::move(factory)));
+  std::random_device rd;
+  f->instance_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  Result<std::vector<uint8_t>> id = f->factory_->unique_id();
+  if (!id.is_ok()) return id.status().with_context("nccl fabric");
+  f->id_ = std::move(id).value();
+  return f;
+}
+
+NcclFabric::~NcclFabric() {
+  end();
+  comm_.reset();
+}
+
+Result<std::vector<uint8_t>> NcclFabric::register_buffer(const std::string& name, void* data, uint64_t bytes) {
+  if (data == nullptr || bytes == 0) {
+    return Status::invalid("nccl fabric: buffer \"" + name + "\": data is NULL or bytes is 0");
+  }
+  return std::vector<uint8_t>{};
+}
+
+std::vector<uint8_t> NcclFabric::contact() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  contact_changed_ = false;
+  std::vector<uint8_t> out(kMagic, kMagic + 4);
+  put_u32(out, kFormat);
+  put_u64(out, instance_);
+  put_u64(out, comm_epoch_);
+  put_u32(out, static_cast<uint32_t>(id_.size()));
+  out.insert(out.end(), id_.begin(), id_.end());
+  return out;
+}
+
+bool NcclFabric::contact_changed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return contact_changed_;
+}
+
+Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(const std::vector<uint8_t>& b, int32_t rank) {
+  auto bad = [rank](const std::string& why) {
+    return Status::invalid("receiver rank " + std::to_string(rank) + " registered a contact that is not an NCCL " +
+                           "fabric's (" + why + "): every rank of a domain must use the same \"local\" fabric");
+  };
+  auto u64 = [&b](size_t at) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(b[at + i]) << (8 * i);
+    return v;
+  };
+  auto u32 = [&b](size_t at) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(b[at + i]) << (8 * i);
+    return v;
+  };
+  if (b.size() < 28 || std::memcmp(b.data(), kMagic, 4) != 0) return bad("wrong magic");
+  if (u32(4) != kFormat) return bad("format " + std::to_string(u32(4)) + ", this build reads " + std::to_string(kFormat));
+  ContactInfo c;
+  c.instance = u64(8);
+  c.comm_epoch = u64(16);
+  const uint32_t n = u32(24);
+  if (n == 0 || b.size() - 28 != n) return bad("truncated unique id");
+  c.id.assign(b.begin() + 28, b.end());
+  return c;
+}
+
+Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
+  end();
+  clear_cancel();
+  // The domain: rank order, this rank in it exactly once.
+  const size_t n = schedule.domain.size();
+  key_.clear();
+  ranks_.clear();
+  me_ = -1;
+  for (size_t i = 0; i < n; ++i) {
+    const DomainMember& m = schedule.domain[i];
+    if (i > 0 && m.rank <= schedule.domain[i - 1].rank) {
+      return Status::invalid("nccl fabric: the domain must list its receivers in increasing rank order, got rank " +
+                             std::to_string(m.rank) + " after " + std::to_string(schedule.domain[i - 1].rank));
+    }
+    Result<ContactInfo> c = parse_contact(m.contact, m.rank);
+    if (!c.is_ok()) return c.status();
+    if (i == 0) root_id_ = c->id;
+    key_.emplace_back(m.rank, c->instance, c->comm_epoch);
+    ranks_.push_back(m.rank);
+    if (m.rank == config_.rank) me_ = static_cast<int32_t>(i);
+  }
+  const bool traffic = !schedule.sends.empty() || !schedule.recvs.empty();
+  if (me_ < 0 && (traffic || n > 0)) {
+    return Status::invalid("nccl fabric: receiver rank " + std::to_string(config_.rank) +
+                           " is not in its own domain's member list");
+  }
+  std::vector<int32_t> comm_rank(schedule.peers.size());
+  for (size_t p = 0; p < schedule.peers.size(); ++p) {
+    auto it = std::lower_bound(ranks_.begin(), ranks_.end(), schedule.peers[p].rank);
+    if (it == ranks_.end() || *it != schedule.peers[p].rank || *it == config_.rank) {
+      return Status::invalid("nccl fabric: peer receiver rank " + std::to_string(schedule.peers[p].rank) +
+                             " is not another member of this rank's domain");
+    }
+    comm_rank[p] = static_cast<int32_t>(it - ranks_.begin());
+  }
+  out_.assign(n, {});
+  in_.assign(n, {});
+  self_.clear();
+  for (uint32_t i = 0; i < schedule.sends.size(); ++i) {
+    const Send& s = schedule.sends[i];
+    if (s.bytes == 0) return Status::invalid("nccl fabric: send " + std::to_string(i) + " has no bytes");
+    if (s.peer == kSelf) {
+      if (s.self_dst == nullptr) return Status::invalid("nccl fabric: send " + std::to_string(i) + " to itself has no destination");
+      self_.push_back(i);
+      continue;
+    }
+    if (s.peer >= schedule.peers.size()) {
+      return Status::invalid("nccl fabric: send " + std::to_string(i) + " names peer " + std::to_string(s.peer) +
+                             ", outside the schedule");
+    }
+    out_[comm_rank[s.peer]].push_back(i);
+  }
+  for (uint32_t i = 0; i < schedule.recvs.size(); ++i) {
+    const Recv& r = schedule.recvs[i];
+    if (r.peer >= schedule.peers.size() || r.bytes == 0) {
+      return Status::invalid("nccl fabric: receive " + std::to_string(i) + " names peer " + std::to_string(r.peer) +
+                             " or has no bytes");
+    }
+    in_[comm_rank[r.peer]].push_back(i);
+  }
+  out_next_.assign(n, 0);
+  in_next_.assign(n, 0);
+  self_next_ = 0;
+  out_closed_.assign(n, 0);
+  in_failed_.assign(n, 0);
+  schedule_ = &schedule;
+  deadline_ = deadline;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_.assign(schedule.sends.size(), 0);
+    passed_all_ = false;
+    failing_ = false;
+  }
+  result_ = Status::ok();
+  // Building the communicator runs on the round thread, overlapped with the
+  // network GETs the agent issues after begin().
+  thread_ = std::thread([this] { rounds(); });
+  return Status::ok();
+}
+
+Status NcclFabric::send(std::span<const uint32_t> ready) {
+  if (!thread_.joinable()) return Status::internal("nccl fabric: send() outside begin()/finish()");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint32_t i : ready) {
+      if (i >= ready_.size() || ready_[i]) {
+        return Status::internal("nccl fabric: send " + std::to_string(i) + " passed twice or outside the schedule");
+      }
+      ready_[i] = 1;
+    }
+    ++ready_generation_;
+  }
+  cv_.notify_one();
+  return Status::ok();
+}
+
+Status NcclFabric::finish(bool failed) {
+  if (!thread_.joinable()) return Status::internal("nccl fabric: finish() outside begin()/end()");
+  Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed && std::find(ready_.begin(), ready_.end(), 0) != ready_.end()) {
+      status = Status::internal("nccl fabric: finish() before every send was passed");
+      failed = true;
+    }
+    passed_all_ = true;
+    failing_ = failed;
+  }
+  cv_.notify_one();
+  thread_.join();
+  return status.is_ok() ? result_ : status;
+}
+
+void NcclFabric::end() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      passed_all_ = true;
+      failing_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  schedule_ = nullptr;
+}
+
+void NcclFabric::drop_comm() {
+  if (comm_) comm_->abort();
+  comm_.reset();
+  comm_key_.clear();
+  // This rank's id may be half used and the others must rebuild too: a new
+  // id, and a new comm epoch so that every member's key changes.
+  Result<std::vector<uint8_t>> id = factory_->unique_id();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (id.is_ok()) id_ = std::move(id).value();
+  ++comm_epoch_;
+  contact_changed_ = true;
+}
+
+Status NcclFabric::ensure_comm() {
+  if (comm_ && comm_key_ == key_) return Status::ok();
+  if (comm_) {
+    comm_.reset();  // membership changed: a clean destroy, the old comm is idle
+    comm_key_.clear();
+  }
+  Result<std::unique_ptr<cuda::DomainComm>> comm =
+      factory_->connect(root_id_, static_cast<int32_t>(ranks_.size()), me_, deadline_);
+  if (!comm.is_ok()) {
+    drop_comm();
+    return comm.status().with_context("nccl fabric: building the communicator of the domain (ranks " +
+                                      std::to_string(ranks_.front()) + ".." + std::to_string(ranks_.back()) + ")");
+  }
+  comm_ = std::move(comm).value();
+  comm_key_ = key_;
+  ++built_;
+  if (me_ == 0) {
+    // The root's id is spent: the next communicator needs a fresh one.
+    Result<std::vector<uint8_t>> id = factory_->unique_id();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (id.is_ok()) id_ = std::move(id).value();
+    contact_changed_ = true;
+  }
+  return Status::ok();
+}
+
+std::string NcclFabric::owed_ranks() const {
+  std::string names;
+  for (size_t p = 0; p < ranks_.size(); ++p) {
+    const bool owed = in_next_[p] < in_[p].size() && !in_failed_[p];
+    const bool owing = out_next_[p] < out_[p].size() && !out_closed_[p];
+    if (static_cast<int32_t>(p) != me_ && (owed || owing)) names += (names.empty() ? "" : ", ") + std::to_string(ranks_[p]);
+  }
+  return names.empty() ? "none" : names;
+}
+
+Status NcclFabric::wait_idle(const char* what) {
+  while (true) {
+    Result<bool> idle = comm_->idle();
+    if (!idle.is_ok()) {
+      const std::string owed = owed_ranks();
+      drop_comm();
+      return idle.status().with_context(std::string("nccl fabric: ") + what + " (peers " + owed + ")");
+    }
+    if (*idle) return Status::ok();
+    if (cancelled()) {
+      drop_comm();
+      return Status::io_error(std::string("nccl fabric: the wait for the peers was cancelled (") + what +
+                              "); the communicator was aborted");
+    }
+    if (Clock::now() >= deadline_) {
+      const std::string owed = owed_ranks();
+      drop_comm();
+      return Status::timeout("nccl fabric: receiver rank(s) " + owed + " of this domain did not pass on or take " +
+                             "their slices before the deadline (" + what + "); the communicator was aborted");
+    }
+    std::this_thread::yield();
+  }
+}
+
+void NcclFabric::rounds() {
+  const Schedule& s = *schedule_;
+  const size_t n = ranks_.size();
+  const bool need_comm = n > 1 || !self_.empty();
+  if (need_comm) {
+    Status st = ensure_comm();
+    if (!st.is_ok()) {
+      result_ = st;
+      return;
+    }
+    comm_->set_deadline(deadline_);
+    if (comm_->word_count() < 4 * n) {
+      result_ = Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
+                                 " count words, a round needs " + std::to_string(4 * n));
+      return;
+    }
+  }
+  Status peer_failed;
+  std::vector<int32_t> act_out, act_in;
+  std::vector<uint64_t> out_count(n, 0), out_bytes(n, 0);
+  std::vector<cuda::P2p> group;
+  bool failing = false;
+  while (true) {
+    act_out.clear();
+    act_in.clear();
+    for (size_t p = 0; p < n; ++p) {
+      if (static_cast<int32_t>(p) == me_) continue;
+      if (out_next_[p] < out_[p].size() && !out_closed_[p]) act_out.push_back(static_cast<int32_t>(p));
+      if (in_next_[p] < in_[p].size() && !in_failed_[p]) act_in.push_back(static_cast<int32_t>(p));
+    }
+    // What this round passes on: per peer the ready prefix of its sends
+    // (capped), and the ready prefix of the copies to itself.
+    bool passed_all = false;
+    uint64_t generation = 0;
+    size_t self_ready = self_next_;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      generation = ready_generation_;
+      passed_all = passed_all_;
+      failing = failing_;
+      for (int32_t p : act_out) {
+        uint64_t count = 0, bytes = 0;
+        if (failing) {
+          count = kFailedMarker;
+        } else {
+          for (size_t i = out_next_[p]; i < out_[p].size() && count < config_.max_sends_per_round && ready_[out_[p][i]];
+               ++i) {
+            bytes += s.sends[out_[p][i]].bytes;
+            ++count;
+          }
+        }
+        out_count[p] = count;
+        out_bytes[p] = bytes;
+      }
+      while (!failing && self_ready < self_.size() && ready_[self_[self_ready]]) ++self_ready;
+    }
+    const bool self_left = self_next_ < self_.size() && !failing;
+    if (act_out.empty() && act_in.empty() && !self_left) break;
+
+    // Counts.
+    uint64_t* host = need_comm ? comm_->host_words() : nullptr;
+    if (!act_out.empty() || !act_in.empty()) {
+      group.clear();
+      for (int32_t p : act_out) {
+        host[2 * p] = out_count[p];
+        host[2 * p + 1] = out_bytes[p];
+        group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 2 * p, 16});
+      }
+      for (int32_t p : act_in) {
+        group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 2 * n + 2 * p, 16});
+      }
+      Status st = comm_->put_words(2 * n);
+      if (st.is_ok()) st = comm_->issue(group);
+      if (st.is_ok()) st = comm_->get_words(2 * n, 2 * n);
+      if (st.is_ok()) st = wait_idle("exchanging the counts of a round");
+      if (!st.is_ok()) {
+        if (comm_) drop_comm();
+        result_ = st;
+        return;
+      }
+    }
+
+    // Data.
+    group.clear();
+    bool moved = false;
+    bool sends = false;
+    for (; self_next_ < self_ready; ++self_next_) {
+      const Send& x = s.sends[self_[self_next_]];
+      group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, me_, const_cast<uint8_t*>(x.src), x.bytes});
+      group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, me_, x.self_dst, x.bytes});
+      sends = true;
+    }
+    for (int32_t p : act_out) {
+      if (out_count[p] == kFailedMarker) {
+        out_closed_[p] = 1;
+        moved = true;
+        continue;
+      }
+      for (uint64_t k = 0; k < out_count[p]; ++k) {
+        const Send& x = s.sends[out_[p][out_next_[p]++]];
+        group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, const_cast<uint8_t*>(x.src), x.bytes});
+        sends = true;
+      }
+    }
+    for (int32_t p : act_in) {
+      const uint64_t count = host[2 * n + 2 * p];
+      const uint64_t bytes = host[2 * n + 2 * p + 1];
+      if (count == kFailedMarker) {
+        in_failed_[p] = 1;
+        moved = true;
+        if (peer_failed.is_ok()) {
+          peer_failed = Status::io_error("nccl fabric: receiver rank " + std::to_string(ranks_[p]) +
+                                         " of this domain failed to pass on its slices");
+        }
+        continue;
+      }
+      uint64_t sum = 0;
+      const size_t end = in_next_[p] + count;
+      if (count <= in_[p].size() - in_next_[p]) {
+        for (size_t i = in_next_[p]; i < end; ++i) sum += s.recvs[in_[p][i]].bytes;
+      }
+      if (count > in_[p].size() - in_next_[p] || sum != bytes) {
+        // The peer's plan is not this rank's: receiving would write the
+        // wrong bytes, or wait for bytes that never come.
+        drop_comm();
+        result_ = Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
+                                  std::to_string(count) + " slices of " + std::to_string(bytes) +
+                                  " bytes, this rank's plan expects other sizes from it; the ranks ran " +
+                                  "different plans, retry the refresh");
+        return;
+      }
+      for (; in_next_[p] < end; ++in_next_[p]) {
+        const Recv& r = s.recvs[in_[p][in_next_[p]]];
+        group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, r.dst, r.bytes});
+      }
+    }
+    if (!group.empty()) {
+      moved = true;
+      Status st = sends ? comm_->order_after_upstream() : Status::ok();
+      if (st.is_ok()) st = comm_->issue(group);
+      if (!st.is_ok()) {
+        drop_comm();
+        result_ = st.with_context("nccl fabric");
+        return;
+      }
+    }
+    if (!moved) {
+      if (cancelled()) {
+        if (comm_) drop_comm();
+        result_ = Status::io_error("nccl fabric: the wait for the peers was cancelled; the communicator was aborted");
+        return;
+      }
+      if (Clock::now() >= deadline_) {
+        result_ = Status::timeout("nccl fabric: sends for receiver rank(s) " + owed_ranks() +
+                                  " never became ready before the deadline");
+        if (comm_) drop_comm();
+        return;
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, config_.idle_wait, [&] {
+        return failing_ != failing || passed_all_ != passed_all || ready_generation_ != generation;
+      });
+    }
+  }
+  if (comm_) {
+    Status st = wait_idle("the last round");
+    if (!st.is_ok()) {
+      result_ = st;
+      return;
+    }
+  }
+  result_ = peer_failed;
+}
+
+}  // namespace refit::fabric

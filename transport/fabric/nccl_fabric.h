@@ -1,0 +1,156 @@
+#pragma once
+// The local fabric over NCCL (device buffers of the ranks of one NVLink
+// domain). The data movement is a DomainComm (transport/cuda/device_ops.h):
+// NCCL in production (transport/cuda/nccl_comm.h), an in-process host
+// implementation in the CPU tests, which run this whole class.
+//
+// One communicator per domain. Every rank's contact carries a fresh NCCL
+// unique id; the communicator of a domain is built from the id of the first
+// (lowest) rank of Schedule::domain, NCCL rank = index in that list. It is
+// kept across refreshes while the list of (rank, instance, comm epoch) read
+// from the contacts is unchanged, and rebuilt when it changes. Building is
+// collective: every member of the domain must begin a refresh of the same
+// membership, also one that passes nothing on.
+//
+// An NCCL unique id serves one communicator (its bootstrap root answers
+// once), so a rank's contact changes (contact_changed()) when its id was
+// used as the root's, and when it had to abort a communicator; in that case
+// its comm epoch goes up too, which makes every member rebuild. The agent
+// re-registers the contact before the next refresh.
+//
+// Why rounds, not receives posted up front: operations of one NCCL
+// communicator run one after another, in issue order. Ranks that both send
+// to and receive from each other (the usual case: every rank pulls some
+// units for the others) would each wait in their up-front receives for
+// sends queued behind them: a deadlock. Instead the round thread runs
+// rounds, each two groups on the communicator's stream:
+//   counts  to every peer it still sends to: (n, bytes) of the sends it
+//           passes on in this round (the ready prefix of its plan-order
+//           sends to that peer, capped), or kFailedMarker; from every peer it
+//           still receives from: theirs;
+//   data    those sends, and the receives the counts announce, in per-peer
+//           order (Schedule::recvs is per peer in the order the peer sends,
+//           so the n-th send matches the n-th receive).
+// A pair (a to b) takes part in rounds 1, 2, ... until its last item at
+// both ends, so the k-th round of a pair is the k-th round of both of its
+// ranks: every group of round k matches only groups of round k, and the
+// rounds run like a sequence of collectives. A rank's copies to itself
+// (kSelf) ride in the data group as a send and a receive to its own rank.
+//
+// Failure and deadline: finish(true) sends kFailedMarker to every peer it
+// still owes bytes, then goes on receiving until its peers are done, so
+// nobody waits for it until the deadline. A peer's marker fails this rank's
+// refresh with an io_error naming it. At the deadline (a peer gone, or hung)
+// the communicator is aborted (ncclCommAbort) and the refresh fails with a
+// timeout naming the ranks still owed; every rank does the same at its own
+// deadline, so no rank hangs. cancel() (LocalFabric) ends the waits the
+// same way, at once, except the building of the communicator, which only
+// its deadline ends. The sizes each round announces are checked
+// against the receives: a mismatch is an error, not a corrupt write.
+//
+// Threads: begin, send, finish and end from the agent's fan-out thread, as
+// LocalFabric says. begin() fills the per-refresh members and starts the
+// round thread, which owns them, comm_ and comm_key_ until finish()/end()
+// join it. mu_ guards ready_, ready_generation_, passed_all_, failing_,
+// id_, comm_epoch_ and contact_changed_; cv_ wakes the round thread when
+// sends become ready or the refresh finishes.
+//
+// Cost: a round is two small groups and a 16-byte count per pair and way;
+// the round thread polls (yields) while a round is in flight.
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+#include "transport/cuda/device_ops.h"
+#include "transport/fabric/local_fabric.h"
+
+namespace refit::fabric {
+
+struct NcclFabricConfig {
+  int32_t rank = 0;
+  uint32_t max_sends_per_round = 256;  // per peer and round
+  std::chrono::microseconds idle_wait{50};  // between rounds that moved nothing
+};
+
+class NcclFabric final : public LocalFabric {
+ public:
+  static constexpr uint64_t kFailedMarker = UINT64_MAX;
+
+  static Result<std::unique_ptr<NcclFabric>> create(const NcclFabricConfig& config,
+                                                    std::unique_ptr<cuda::CommFactory> factory);
+  ~NcclFabric() override;
+
+  const char* name() const override { return "nccl"; }
+  // NCCL needs no registration: returns an empty key.
+  Result<std::vector<uint8_t>> register_buffer(const std::string& name, void* data, uint64_t bytes) override;
+  std::vector<uint8_t> contact() const override;
+  Status begin(const Schedule& schedule, Clock::time_point deadline) override;
+  // Marks the sends ready; the round thread passes them on. The caller must
+  // not write their source bytes until finish() returned.
+  Status send(std::span<const uint32_t> ready) override;
+  Status finish(bool failed) override;
+  void end() override;
+
+  // Whether contact() changed since it was last called: the agent
+  // re-registers it with the coordinator before the next refresh.
+  bool contact_changed() const override;
+  // How many communicators this fabric has built (tests).
+  uint64_t communicators_built() const { return built_; }
+
+  struct ContactInfo {
+    uint64_t instance = 0;    // random per fabric
+    uint64_t comm_epoch = 0;  // goes up when the fabric aborted a communicator
+    std::vector<uint8_t> id;  // the NCCL unique id
+  };
+  static Result<ContactInfo> parse_contact(const std::vector<uint8_t>& bytes, int32_t rank);
+
+ private:
+  using Key = std::vector<std::tuple<int32_t, uint64_t, uint64_t>>;
+  NcclFabric(NcclFabricConfig config, std::unique_ptr<cuda::CommFactory> factory)
+      : config_(config), factory_(std::move(factory)) {}
+  void rounds();
+  Status ensure_comm();
+  Status wait_idle(const char* what);
+  void drop_comm();
+  std::string owed_ranks() const;
+
+  const NcclFabricConfig config_;
+  std::unique_ptr<cuda::CommFactory> factory_;
+  uint64_t instance_ = 0;
+  std::atomic<uint64_t> built_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint8_t> id_;             // mu_
+  uint64_t comm_epoch_ = 0;             // mu_
+  mutable bool contact_changed_ = false;  // mu_
+  std::vector<uint8_t> ready_;          // mu_: per send
+  uint64_t ready_generation_ = 0;       // mu_: goes up with every send()
+  bool passed_all_ = false;             // mu_
+  bool failing_ = false;                // mu_
+
+  // Kept across refreshes; the round thread's while it runs.
+  std::unique_ptr<cuda::DomainComm> comm_;
+  Key comm_key_;
+
+  // One refresh (begin .. end): set by begin(), then the round thread's.
+  const Schedule* schedule_ = nullptr;
+  Clock::time_point deadline_;
+  Key key_;
+  std::vector<uint8_t> root_id_;
+  int32_t me_ = 0;                                 // NCCL rank
+  std::vector<int32_t> ranks_;                     // NCCL rank -> receiver rank
+  std::vector<std::vector<uint32_t>> out_;         // per NCCL rank: sends, plan order
+  std::vector<std::vector<uint32_t>> in_;          // per NCCL rank: receives, peer's order
+  std::vector<uint32_t> self_;                     // kSelf sends, plan order
+  std::vector<size_t> out_next_, in_next_;
+  size_t self_next_ = 0;
+  std::vector<uint8_t> out_closed_, in_failed_;
+  std::thread thread_;
+  Status result_;                                  // the round thread's, read after join
+};
+
+}  // namespace refit::fabric
