@@ -19,6 +19,8 @@ test: all
 	@meson test -C $(BUILD) --print-errorlogs; status=$$?; \
 	  scripts/test-summary $(BUILD)/meson-logs/testlog.json; exit $$status
 
+# Plans the shipped scenarios (one table), then refreshes tp2-to-tp2x2 live with
+# refit-bench: one process per rank, 3 versions, every byte verified.
 demo: all
 	@scripts/demo $(BUILD)
 

@@ -1,0 +1,247 @@
+#include "plugin/tools/bench/agent.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "planner/plan.h"
+#include "plugin/tools/bench/pattern.h"
+#include "plugin/tools/bench/rank_buffers.h"
+#include "plugin/tools/bench/strategy_layouts.h"
+#include "refit/refit.h"
+
+namespace refit::bench {
+
+namespace {
+
+struct FreeDeleter {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
+struct Memory {
+  std::unique_ptr<uint8_t, FreeDeleter> data;
+  int64_t bytes = 0;
+};
+
+double seconds_between(int64_t t0_ns, int64_t t1_ns) { return static_cast<double>(t1_ns - t0_ns) * 1e-9; }
+
+class Agent {
+ public:
+  explicit Agent(const AgentSpec& spec) : spec_(spec) {}
+  ~Agent() {
+    // Receivers first: they read from sources, possibly this process's.
+    if (api_ != nullptr) {
+      api_->receiver_destroy(receiver_);
+      api_->source_destroy(source_);
+    }
+  }
+
+  Result<Json> handle(const Json& cmd) {
+    const std::string what = cmd.value("cmd", std::string());
+    if (what == "source") return create_source(cmd);
+    if (what == "receiver") return create_receiver(cmd);
+    if (what == "fill") return fill_sources(cmd);
+    if (what == "drain") return drain(cmd);
+    if (what == "publish") return publish(cmd);
+    if (what == "refresh") return refresh(cmd);
+    if (what == "unpack") return unpack();
+    if (what == "verify") return verify_buffers(cmd);
+    return Status::invalid("unknown command \"" + what + "\"");
+  }
+
+ private:
+  Status load_api() {
+    if (api_ != nullptr) return Status::ok();
+    api_ = refit_get_api(REFIT_ABI_VERSION);
+    if (api_ == nullptr) return Status::internal(std::string("refit_get_api: ") + refit_last_error());
+    return Status::ok();
+  }
+
+  // "refit_source_publish(3): REFIT_TIMEOUT: <the library's message>"
+  Status abi_error(const std::string& call, refit_status_t s) const {
+    return Status::internal(call + ": " + api_->status_name(s) + ": " + api_->last_error());
+  }
+
+  Result<uint8_t*> memory(const std::string& name, int64_t bytes, uint8_t initial) {
+    auto it = memory_.find(name);
+    if (it != memory_.end()) {
+      if (it->second.bytes != bytes)
+        return Status::invalid("buffer \"" + name + "\" is wanted with " + std::to_string(bytes) + " and " +
+                               std::to_string(it->second.bytes) + " bytes");
+      return it->second.data.get();
+    }
+    const size_t n = static_cast<size_t>((std::max<int64_t>(bytes, 1) + 63) / 64 * 64);
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, n));
+    if (p == nullptr) return Status::internal("out of memory for buffer \"" + name + "\" (" + std::to_string(bytes) + " bytes)");
+    std::memset(p, initial, n);
+    Memory& m = memory_[name];
+    m.data.reset(p);
+    m.bytes = bytes;
+    return p;
+  }
+
+  static int64_t version_of(const Json& cmd) { return cmd.value("version", int64_t{0}); }
+
+  Result<Json> create_source(const Json& cmd) {
+    if (spec_.source_layout == nullptr) return Status::invalid("this process has no source rank");
+    if (source_ != nullptr) return Status::invalid("the source exists already");
+    REFIT_RETURN_IF_ERROR(load_api());
+    auto bufs = rank_buffers(*spec_.source_layout, Side::kSource, spec_.source_rank);
+    if (!bufs) return bufs.status();
+    source_buffers_ = std::move(*bufs);
+    const std::string config = cmd.value("config", std::string());
+    refit_status_t s = api_->source_create(config.c_str(), &source_);
+    if (s != REFIT_OK) return abi_error("refit_source_create", s);
+    int tensors = 0;
+    for (const RankBuffer& b : source_buffers_) {
+      auto mem = memory(b.name, b.bytes, 0);
+      if (!mem) return mem.status();
+      for (const std::string& desc : source_tensor_jsons(*spec_.source_layout, b)) {
+        s = api_->source_add_tensor(source_, desc.c_str(), *mem, static_cast<uint64_t>(b.bytes));
+        if (s != REFIT_OK) return abi_error("refit_source_add_tensor(" + desc + ")", s);
+        ++tensors;
+      }
+    }
+    s = api_->source_join(source_);
+    if (s != REFIT_OK) return abi_error("refit_source_join", s);
+    return Json{{"ok", true}, {"buffers", source_buffers_.size()}, {"tensors", tensors}};
+  }
+
+  Result<Json> create_receiver(const Json& cmd) {
+    if (spec_.receiver_layout == nullptr) return Status::invalid("this process has no receiver rank");
+    if (receiver_ != nullptr) return Status::invalid("the receiver exists already");
+    REFIT_RETURN_IF_ERROR(load_api());
+    auto bufs = rank_buffers(*spec_.receiver_layout, Side::kReceiver, spec_.receiver_rank);
+    if (!bufs) return bufs.status();
+    receiver_buffers_ = std::move(*bufs);
+    if (spec_.final_layout != nullptr) {
+      auto fin = rank_buffers(*spec_.final_layout, Side::kReceiver, spec_.final_rank);
+      if (!fin) return fin.status();
+      final_buffers_ = std::move(*fin);
+      for (const RankBuffer& b : final_buffers_) {
+        auto mem = memory(b.name, b.bytes, kGuardByte);
+        if (!mem) return mem.status();
+      }
+    }
+    const std::string config = cmd.value("config", std::string());
+    refit_status_t s = api_->receiver_create(config.c_str(), &receiver_);
+    if (s != REFIT_OK) return abi_error("refit_receiver_create", s);
+    for (const RankBuffer& b : receiver_buffers_) {
+      auto mem = memory(b.name, b.bytes, kGuardByte);
+      if (!mem) return mem.status();
+      const std::string desc = receiver_buffer_json(*spec_.receiver_layout, b);
+      s = api_->receiver_add_buffer(receiver_, desc.c_str(), *mem, static_cast<uint64_t>(b.bytes));
+      if (s != REFIT_OK) return abi_error("refit_receiver_add_buffer(" + desc + ")", s);
+    }
+    s = api_->receiver_join(receiver_);
+    if (s != REFIT_OK) return abi_error("refit_receiver_join", s);
+    return Json{{"ok", true}, {"buffers", receiver_buffers_.size()}};
+  }
+
+  Result<Json> fill_sources(const Json& cmd) {
+    const int64_t t0 = monotonic_ns();
+    for (const RankBuffer& b : source_buffers_)
+      fill(*spec_.source_layout, b, memory_.at(b.name).data.get(), version_of(cmd));
+    const int64_t t1 = monotonic_ns();
+    return Json{{"ok", true}, {"seconds", seconds_between(t0, t1)}};
+  }
+
+  Result<Json> drain(const Json& cmd) {
+    if (source_ == nullptr) return Status::invalid("drain before \"source\"");
+    const int64_t v = version_of(cmd);
+    refit_status_t s = api_->source_wait_drained(source_, v, cmd.value("timeout_ms", int64_t{10000}));
+    if (s != REFIT_OK) return abi_error("refit_source_wait_drained(" + std::to_string(v) + ")", s);
+    return Json{{"ok", true}};
+  }
+
+  Result<Json> publish(const Json& cmd) {
+    if (source_ == nullptr) return Status::invalid("publish before \"source\"");
+    const int64_t v = version_of(cmd);
+    refit_status_t s = api_->source_publish(source_, v);
+    if (s != REFIT_OK) return abi_error("refit_source_publish(" + std::to_string(v) + ")", s);
+    return Json{{"ok", true}, {"end_ns", monotonic_ns()}};
+  }
+
+  Result<Json> refresh(const Json& cmd) {
+    if (receiver_ == nullptr) return Status::invalid("refresh before \"receiver\"");
+    const int64_t v = version_of(cmd);
+    const int64_t t0 = monotonic_ns();
+    refit_status_t s = api_->receiver_refresh(receiver_, v, cmd.value("timeout_ms", int64_t{30000}));
+    const int64_t t1 = monotonic_ns();
+    if (s != REFIT_OK) {
+      Status e = abi_error("refit_receiver_refresh(" + std::to_string(v) + ")", s);
+      return Json{{"ok", false}, {"status", api_->status_name(s)}, {"error", e.message()},
+                  {"seconds", seconds_between(t0, t1)}};
+    }
+    Json report = Json::parse(api_->receiver_report(receiver_), nullptr, false);
+    if (report.is_discarded()) return Status::internal("refit_receiver_report is not JSON");
+    return Json{{"ok", true},
+                {"seconds", seconds_between(t0, t1)},
+                {"end_ns", t1},
+                {"version", api_->receiver_version(receiver_)},
+                {"report", std::move(report)}};
+  }
+
+  Result<Json> unpack() {
+    if (spec_.final_layout == nullptr) return Status::invalid("this process has no final buffers to unpack into");
+    const Layout& fin = *spec_.final_layout;
+    const Layout& scratch = *spec_.receiver_layout;
+    const int64_t t0 = monotonic_ns();
+    for (const RankBuffer& b : final_buffers_) {
+      uint8_t* to = memory_.at(b.name).data.get();
+      for (const Placed& p : b.placed) {
+        const Tensor& t = fin.tensors[p.tensor];
+        const Tensor& st = scratch.tensors[p.tensor];  // same index (strategy_layouts.h)
+        if (st.receivers.empty()) return Status::internal("no scratch buffer for tensor \"" + t.name + "\"");
+        const Region& whole = st.receivers[0];
+        auto it = memory_.find(scratch_buffer_name(t.name));
+        if (it == memory_.end()) return Status::internal("no scratch memory for tensor \"" + t.name + "\"");
+        const uint8_t* from = it->second.data.get();
+        for_each_copy(p.region->box, whole, *p.region, dtype_bytes(t.dtype),
+                      [&](int64_t fo, int64_t too, int64_t n) { std::memcpy(to + too, from + fo, static_cast<size_t>(n)); });
+      }
+    }
+    const int64_t t1 = monotonic_ns();
+    return Json{{"ok", true}, {"seconds", seconds_between(t0, t1)}, {"end_ns", t1}};
+  }
+
+  Result<Json> verify_buffers(const Json& cmd) {
+    const bool final = spec_.final_layout != nullptr;
+    const Layout& L = final ? *spec_.final_layout : *spec_.receiver_layout;
+    const std::vector<RankBuffer>& bufs = final ? final_buffers_ : receiver_buffers_;
+    int64_t bytes = 0;
+    for (const RankBuffer& b : bufs) {
+      REFIT_RETURN_IF_ERROR(verify(L, b, memory_.at(b.name).data.get(), version_of(cmd)));
+      bytes += b.covered_bytes(L);
+    }
+    return Json{{"ok", true}, {"bytes", bytes}};
+  }
+
+  const AgentSpec& spec_;
+  const refit_api_t* api_ = nullptr;
+  refit_source_t* source_ = nullptr;
+  refit_receiver_t* receiver_ = nullptr;
+  std::vector<RankBuffer> source_buffers_, receiver_buffers_, final_buffers_;
+  std::map<std::string, Memory> memory_;
+};
+
+}  // namespace
+
+int run_agent(const AgentSpec& spec, Channel& channel) {
+  Agent agent(spec);
+  for (;;) {
+    auto cmd = channel.receive(Clock::now() + spec.idle_timeout);
+    if (!cmd) return 3;
+    if (cmd->value("cmd", std::string()) == "exit") {
+      channel.send(Json{{"ok", true}});
+      return 0;
+    }
+    Result<Json> reply = agent.handle(*cmd);
+    Status sent = reply ? channel.send(*reply) : channel.send(Json{{"ok", false}, {"error", reply.status().message()}});
+    if (!sent.is_ok()) return 3;
+  }
+}
+
+}  // namespace refit::bench

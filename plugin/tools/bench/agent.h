@@ -1,0 +1,54 @@
+#pragma once
+// The body of one rank's child process: a command loop over its Channel that
+// drives librefit through the C ABI only (the function table of
+// refit_get_api), on host buffers laid out as a planner Layout says.
+//
+// A process may hold a source, a receiver, or both (the broadcast baseline's
+// gatherer is a receiver of the trainers and a source for everyone else).
+// Buffers are allocated once per name: a source buffer and a receiver buffer
+// of the same name and size are the same memory. Receiver buffers start out
+// holding kGuardByte, so that verification also sees bytes written outside
+// every segment.
+//
+// Commands (JSON objects with "cmd"), each answered by {"ok": true, ...} or
+// {"ok": false, "error": "..."}:
+//   {"cmd": "source", "config": "<JSON text>"}     create, add every tensor, join
+//   {"cmd": "receiver", "config": "<JSON text>"}   create, add every buffer, join
+//   {"cmd": "fill", "version": v}                  write the pattern of v into the source buffers
+//   {"cmd": "drain", "version": v, "timeout_ms": t} refit_source_wait_drained
+//   {"cmd": "publish", "version": v}
+//   {"cmd": "refresh", "version": v, "timeout_ms": t}
+//       -> {"seconds", "end_ns", "report": {...}}
+//   {"cmd": "unpack"}  copy the final layout's slices out of the scratch buffers
+//       -> {"seconds", "end_ns"}
+//   {"cmd": "verify", "version": v}                check every receiver (or final) buffer byte
+//   {"cmd": "exit"}                                destroy the agents and leave with 0
+// Times are stamped with monotonic_ns() when the work ended.
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "planner/layout.h"
+#include "plugin/tools/bench/process_group.h"
+
+namespace refit::bench {
+
+struct AgentSpec {
+  const Layout* source_layout = nullptr;  // with source_rank: the tensors this process serves
+  int32_t source_rank = -1;
+  const Layout* receiver_layout = nullptr;  // with receiver_rank: the buffers this process refreshes
+  int32_t receiver_rank = -1;
+  // Broadcast stage 2: the buffers the receiver's scratch buffers are copied
+  // into ("unpack") and that "verify" then checks.
+  const Layout* final_layout = nullptr;
+  int32_t final_rank = -1;
+  // How long the child waits for its next command before it gives up.
+  std::chrono::milliseconds idle_timeout{300000};
+};
+
+// Runs the command loop until "exit" (returns 0) or until the parent goes
+// away or stays silent past idle_timeout (returns 3).
+int run_agent(const AgentSpec& spec, Channel& channel);
+
+}  // namespace refit::bench

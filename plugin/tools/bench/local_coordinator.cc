@@ -1,0 +1,79 @@
+#include "plugin/tools/bench/local_coordinator.h"
+
+#include <errno.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "transport/control/auth.h"
+
+namespace refit::bench {
+
+namespace {
+constexpr size_t kKeptLogLines = 20;
+}
+
+Result<std::string> write_token_file() {
+  const char* dir = std::getenv("TMPDIR");
+  std::string path = std::string(dir != nullptr && *dir != '\0' ? dir : "/tmp") + "/refit-token-XXXXXX";
+  int fd = ::mkstemp(path.data());  // mode 0600
+  if (fd < 0) return Status::io_error("cannot create a token file " + path + ": " + std::strerror(errno));
+  std::random_device rd;
+  std::string token;
+  static const char kHex[] = "0123456789abcdef";
+  for (int i = 0; i < 64; ++i) token += kHex[rd() & 15];
+  token += '\n';
+  const bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+  ::close(fd);
+  if (!ok) {
+    ::unlink(path.c_str());
+    return Status::io_error("cannot write the token file " + path);
+  }
+  return path;
+}
+
+Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start() {
+  std::unique_ptr<LocalCoordinator> c(new LocalCoordinator());
+  auto path = write_token_file();
+  if (!path) return path.status();
+  c->token_file_ = *path;
+  auto token = control::read_token_file(c->token_file_);
+  if (!token) return token.status();
+  control::CoordinatorConfig cfg;
+  cfg.host = "127.0.0.1";
+  cfg.port = 0;
+  cfg.token = *token;
+  LocalCoordinator* self = c.get();
+  cfg.log = [self](const std::string& line) {
+    std::lock_guard<std::mutex> lock(self->mu_);
+    self->logs_.push_back(line);
+    if (self->logs_.size() > kKeptLogLines) self->logs_.pop_front();
+  };
+  auto started = control::Coordinator::start(std::move(cfg));
+  if (!started) return started.status().with_context("coordinator");
+  c->coordinator_ = std::move(*started);
+  c->address_ = "127.0.0.1:" + std::to_string(c->coordinator_->port());
+  return c;
+}
+
+LocalCoordinator::~LocalCoordinator() {
+  stop();
+  if (!token_file_.empty()) ::unlink(token_file_.c_str());
+}
+
+void LocalCoordinator::stop() {
+  if (coordinator_) coordinator_->stop();
+  coordinator_.reset();
+}
+
+std::string LocalCoordinator::logs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  for (const std::string& l : logs_) out += l + "\n";
+  return out;
+}
+
+}  // namespace refit::bench

@@ -1,0 +1,46 @@
+#pragma once
+// A coordinator embedded in the calling process (transport/control's
+// Coordinator on 127.0.0.1, any free port) with a fresh random token in a
+// private temporary file, for the bench and the tests. Its log lines are kept
+// (the last few) instead of printed, so that a failure can show them.
+//
+// Starting it starts threads: fork every child before, not after.
+// Thread safety: logs() may be called from any thread.
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "planner/status.h"
+#include "transport/control/coordinator.h"
+
+namespace refit::bench {
+
+class LocalCoordinator {
+ public:
+  static Result<std::unique_ptr<LocalCoordinator>> start();
+  ~LocalCoordinator();  // stops it and removes the token file
+  LocalCoordinator(const LocalCoordinator&) = delete;
+  LocalCoordinator& operator=(const LocalCoordinator&) = delete;
+
+  // "127.0.0.1:PORT"
+  const std::string& address() const { return address_; }
+  const std::string& token_file() const { return token_file_; }
+  // The last log lines, one per line; "" when there were none.
+  std::string logs() const;
+  void stop();
+
+ private:
+  LocalCoordinator() = default;
+  std::unique_ptr<control::Coordinator> coordinator_;
+  std::string address_, token_file_;
+  mutable std::mutex mu_;
+  std::deque<std::string> logs_;  // guarded by mu_
+};
+
+// Writes a fresh random token (64 hex digits) to a new private file under
+// $TMPDIR (or /tmp) and returns its path.
+Result<std::string> write_token_file();
+
+}  // namespace refit::bench

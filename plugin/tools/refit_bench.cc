@@ -1,0 +1,337 @@
+// refit-bench: live refreshes of a scenario on this machine, refit against
+// the two strategies it replaces. One process per rank (sources and
+// receivers), host memory, a coordinator embedded in this process, UCX tcp as
+// the network and UCX shared memory as the local fabric. Every receiver byte
+// is verified after every refresh. Prints one row per strategy; --json writes
+// the same figures for other tools.
+//
+// Exit status: 0 when every strategy ran and verified, 1 when one failed or
+// a byte was wrong, 2 on bad arguments or input files.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "planner/layout.h"
+#include "planner/manifest.h"
+#include "planner/plan.h"
+#include "planner/recipes/recipe.h"
+#include "planner/scenario.h"
+#include "planner/status.h"
+#include "plugin/tools/bench/rank_buffers.h"
+#include "plugin/tools/bench/refresh_run.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using refit::Layout;
+using refit::Manifest;
+using refit::Result;
+using refit::Status;
+using refit::Strategy;
+using ordered_json = nlohmann::ordered_json;
+
+constexpr int kExitFailed = 1;
+constexpr int kExitBadInput = 2;
+constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
+
+Result<std::string> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::not_found(path + ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return Status::io_error(path + ": read failed");
+  return ss.str();
+}
+
+Result<Manifest> read_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::not_found(path + ": cannot open");
+  std::error_code ec;
+  const uint64_t file_size = fs::file_size(path, ec);
+  if (ec) return Status::io_error(path + ": " + ec.message());
+  std::string bytes(8, '\0');
+  in.read(bytes.data(), 8);
+  bytes.resize(static_cast<size_t>(in.gcount()));
+  if (bytes.size() == 8) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = n << 8 | static_cast<uint8_t>(bytes[i]);
+    if (n <= kMaxSafetensorsHeader && n <= file_size - 8) {
+      bytes.resize(8 + n);
+      in.read(bytes.data() + 8, static_cast<std::streamsize>(n));
+      bytes.resize(8 + static_cast<size_t>(in.gcount()));
+    }
+  }
+  return refit::parse_safetensors_header(bytes, file_size, path);
+}
+
+// <dir>/<model>.json, <dir>/<model>.safetensors, or the folder <dir>/<model>/
+// of .safetensors files, as refit-plan looks for them.
+Result<Manifest> read_model(const std::string& dir, const std::string& model, const std::string& scenario) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return Status::not_found(dir + ": no such folder (--models)");
+  const fs::path base(dir);
+  if (fs::exists(base / (model + ".json"), ec)) {
+    const std::string p = (base / (model + ".json")).string();
+    auto text = read_file(p);
+    if (!text) return text.status();
+    return refit::parse_manifest_json(*text, p);
+  }
+  if (fs::exists(base / (model + ".safetensors"), ec)) return read_safetensors((base / (model + ".safetensors")).string());
+  if (fs::is_directory(base / model, ec)) {
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(base / model, ec))
+      if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    if (files.empty()) return Status::not_found((base / model).string() + ": the folder holds no .safetensors files");
+    Manifest all;
+    for (const std::string& f : files) {
+      auto m = read_safetensors(f);
+      if (!m) return m.status();
+      REFIT_RETURN_IF_ERROR(refit::merge_manifest(all, std::move(*m), f));
+    }
+    return all;
+  }
+  return Status::not_found(dir + ": no manifest for model \"" + model + "\" of " + scenario + " (looked for " + model +
+                           ".json, " + model + ".safetensors and the folder " + model + "/)");
+}
+
+std::string fixed(double v, int digits) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string human_bytes(int64_t b) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? std::to_string(b) + " B" : fixed(v, 2) + " " + kUnits[u];
+}
+
+// The progress of the whole run on stderr: a bar redrawn in place on a
+// terminal; elsewhere (a log file, a pipe) one line per finished strategy.
+class Progress {
+ public:
+  Progress() : tty_(::isatty(STDERR_FILENO) == 1) {}
+  void update(const std::string& strategy, const std::string& step, int done, int total) {
+    if (!tty_) return;
+    constexpr int kWidth = 24;
+    const int filled = total > 0 ? std::min(kWidth, done * kWidth / total) : 0;
+    std::string line = "\r[" + std::string(filled, '#') + std::string(kWidth - filled, '.') + "] " + strategy + ": " + step;
+    if (line.size() > 100) line.resize(100);
+    std::fprintf(stderr, "%s\x1b[K", line.c_str());
+    std::fflush(stderr);
+  }
+  void finish(const std::string& strategy, const refit::bench::RunResult& r) {
+    if (tty_) std::fprintf(stderr, "\r\x1b[K");
+    if (!r.status.is_ok()) {
+      std::fprintf(stderr, "refit-bench: %s failed: %s\n", strategy.c_str(), r.status.message().c_str());
+    } else if (!tty_) {
+      std::fprintf(stderr, "refit-bench: %s: %zu refreshes verified, median %.3f s\n", strategy.c_str(),
+                   r.versions.size(), r.median_seconds());
+    }
+    std::fflush(stderr);
+  }
+
+ private:
+  bool tty_;
+};
+
+struct Row {
+  std::string strategy;
+  double seconds_median = 0;
+  double gbps = 0;
+  int64_t network_bytes = 0;
+  int64_t minimum_network_bytes = 0;
+  int64_t local_bytes = 0;
+  bool verified = false;
+};
+
+void print_table(const std::vector<Row>& rows, int64_t payload) {
+  std::printf("%-10s %10s %8s %14s %14s %14s %9s\n", "strategy", "median s", "GB/s", "network", "minimum", "local",
+              "verified");
+  for (const Row& r : rows) {
+    std::printf("%-10s %10s %8s %14s %14s %14s %9s\n", r.strategy.c_str(), fixed(r.seconds_median, 4).c_str(),
+                fixed(r.gbps, 3).c_str(), human_bytes(r.network_bytes).c_str(),
+                human_bytes(r.minimum_network_bytes).c_str(), human_bytes(r.local_bytes).c_str(),
+                r.verified ? "yes" : "NO");
+  }
+  std::printf("GB/s: %s delivered to the receivers per refresh (10^9 bytes per second of the median)\n",
+              human_bytes(payload).c_str());
+}
+
+Result<std::vector<Strategy>> parse_strategies(const std::string& text) {
+  std::vector<Strategy> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    Strategy s;
+    if (item == "refit") s = Strategy::kRefit;
+    else if (item == "no-dedup") s = Strategy::kNoDedup;
+    else if (item == "broadcast") s = Strategy::kBroadcast;
+    else return Status::invalid("--strategies: unknown strategy \"" + item + "\" (refit, no-dedup, broadcast)");
+    if (std::find(out.begin(), out.end(), s) != out.end())
+      return Status::invalid("--strategies: \"" + item + "\" is listed twice");
+    out.push_back(s);
+  }
+  if (out.empty()) return Status::invalid("--strategies: name at least one of refit, no-dedup, broadcast");
+  return out;
+}
+
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "refit-bench: %s\n(run refit-bench --help for the options)\n", message.c_str());
+  return kExitBadInput;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
+  int versions = 3;
+  double timeout_s = 60;
+  CLI::App app(
+      "refit-bench: live weight refreshes of a scenario on this machine, refit against its baselines.\n"
+      "\n"
+      "One process per rank (every source and receiver of the scenario), host memory, a\n"
+      "coordinator inside refit-bench, UCX tcp on the loopback device as the network and UCX\n"
+      "shared memory as the local fabric. For each strategy and each version v = 1..N the\n"
+      "sources write a pattern that changes with v and publish v, then every receiver\n"
+      "refreshes to v at once; the time is from that command to the last receiver done, and\n"
+      "every receiver byte is verified afterwards (bytes outside the segments must be\n"
+      "untouched).\n"
+      "\n"
+      "Strategies:\n"
+      "  refit      the scenario's domains: each domain pulls a slice once, fans it out locally\n"
+      "  no-dedup   every receiver rank in a domain of its own: each pulls all it needs itself\n"
+      "  broadcast  the conventional refit, executed with the same library: one gatherer\n"
+      "             process pulls every whole tensor from the sources, then every receiver\n"
+      "             rank pulls the whole tensors it touches from it (a second coordinator)\n"
+      "             and copies its slices out with memcpy (timed)\n"
+      "\n"
+      "Columns: median seconds of the N refreshes; GB/s = bytes delivered to the receivers\n"
+      "per refresh / median seconds; network and local bytes summed over the receivers'\n"
+      "refresh reports (broadcast: the gatherer's too); the minimum network bytes of the\n"
+      "scenario from the planner (each domain receives each needed byte once).\n"
+      "\n"
+      "A progress bar is drawn on stderr when it is a terminal; otherwise one line per\n"
+      "strategy. Exit status: 0 all verified, 1 a strategy failed or a byte was wrong,\n"
+      "2 bad arguments or input files.",
+      "refit-bench");
+  app.add_option("--scenario", scenario_path, "scenario file (FORMATS.md)")->required();
+  app.add_option("--models", models_dir, "folder of model manifests: <model>.json, <model>.safetensors or <model>/")
+      ->required();
+  app.add_option("--versions", versions, "refreshes per strategy (default 3)")->check(CLI::Range(1, 1000));
+  app.add_option("--json", json_out,
+                 "write {\"scenario\", \"results\": [{\"strategy\", \"seconds_median\", \"gbps\", \"network_bytes\", "
+                 "\"minimum_network_bytes\", \"local_bytes\", \"verified\"}]} to this file");
+  app.add_option("--reports", reports_out,
+                 "write every receiver's refresh report (refit_receiver_report) of every version and strategy, "
+                 "as {\"<strategy>\": [{\"version\", \"seconds\", \"reports\": [...]}]}, to this file");
+  app.add_option("--strategies", strategies_text, "comma-separated, run in this order (default refit,no-dedup,broadcast)");
+  app.add_option("--timeout", timeout_s, "seconds each step may take before the run fails (default 60)")
+      ->check(CLI::Range(1.0, 3600.0));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    return usage_error(e.what());
+  }
+
+  auto strategies = parse_strategies(strategies_text);
+  if (!strategies) return usage_error(strategies.status().message());
+  auto scenario_text = read_file(scenario_path);
+  if (!scenario_text) return usage_error(scenario_text.status().message());
+  auto scenario = refit::parse_scenario(*scenario_text, scenario_path);
+  if (!scenario) return usage_error(scenario.status().message());
+  auto model = read_model(models_dir, scenario->model, scenario_path);
+  if (!model) return usage_error(model.status().message());
+  auto layout = refit::layout_from_scenario(*scenario, *model);
+  if (!layout) return usage_error(layout.status().message());
+  auto plan = refit::make_plan(*layout);
+  if (!plan) return usage_error(plan.status().message());
+  const int64_t minimum = plan->summary().minimum_network_bytes;
+  const int64_t payload = refit::bench::receiver_payload_bytes(*layout);
+
+  refit::bench::RunOptions options;
+  options.versions = versions;
+  options.step_timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  options.refresh_timeout = options.step_timeout;
+  Progress progress;
+  std::vector<Row> rows;
+  ordered_json all_reports = ordered_json::object();
+  bool all_ok = true;
+  for (Strategy s : *strategies) {
+    const std::string name = refit::strategy_name(s);
+    options.progress = [&](const std::string& step, int done, int total) { progress.update(name, step, done, total); };
+    refit::bench::RunResult r = refit::bench::run_refreshes(*layout, s, options);
+    progress.finish(name, r);
+    Row row;
+    row.strategy = name;
+    row.seconds_median = r.median_seconds();
+    row.gbps = row.seconds_median > 0 ? static_cast<double>(payload) / row.seconds_median * 1e-9 : 0;
+    if (!r.versions.empty()) {
+      row.network_bytes = r.versions.back().network_bytes;
+      row.local_bytes = r.versions.back().local_bytes;
+    }
+    row.minimum_network_bytes = minimum;
+    row.verified = r.verified();
+    ordered_json per_version = ordered_json::array();
+    for (const auto& v : r.versions)
+      per_version.push_back({{"version", v.version}, {"seconds", v.seconds}, {"reports", v.reports}});
+    all_reports[name] = std::move(per_version);
+    all_ok = all_ok && row.verified;
+    rows.push_back(row);
+  }
+
+  std::printf("%s: %s, %zu sources, %zu receivers, %d refreshes per strategy\n", fs::path(scenario_path).stem().c_str(),
+              scenario->model.c_str(), layout->sources.size(), layout->receivers.size(), versions);
+  print_table(rows, payload);
+
+  if (!json_out.empty()) {
+    ordered_json doc = ordered_json::object();
+    doc["scenario"] = fs::path(scenario_path).stem().string();
+    ordered_json results = ordered_json::array();
+    for (const Row& r : rows) {
+      results.push_back({{"strategy", r.strategy},
+                         {"seconds_median", r.seconds_median},
+                         {"gbps", r.gbps},
+                         {"network_bytes", r.network_bytes},
+                         {"minimum_network_bytes", r.minimum_network_bytes},
+                         {"local_bytes", r.local_bytes},
+                         {"verified", r.verified}});
+    }
+    doc["results"] = std::move(results);
+    std::ofstream out(json_out);
+    out << doc.dump(2) << "\n";
+    if (!out) {
+      std::fprintf(stderr, "refit-bench: cannot write %s\n", json_out.c_str());
+      return kExitFailed;
+    }
+  }
+  if (!reports_out.empty()) {
+    std::ofstream out(reports_out);
+    out << all_reports.dump(2) << "\n";
+    if (!out) {
+      std::fprintf(stderr, "refit-bench: cannot write %s\n", reports_out.c_str());
+      return kExitFailed;
+    }
+  }
+  return all_ok ? 0 : kExitFailed;
+}

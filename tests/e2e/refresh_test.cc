@@ -1,0 +1,240 @@
+// End-to-end refreshes: one process per source and receiver rank, librefit
+// through its C ABI only, a coordinator in the test process, UCX tcp on the
+// loopback as the network and shared memory as the local fabric. Each layout
+// is refreshed to three versions; after each, every receiver byte is checked
+// against the pattern (and bytes outside the segments against the guard),
+// and the bytes the receivers report pulling over the network must equal the
+// plan's minimum: each domain receives each byte it needs exactly once.
+
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "planner/layout.h"
+#include "planner/layout_json.h"
+#include "planner/manifest.h"
+#include "planner/plan.h"
+#include "planner/recipes/recipe.h"
+#include "planner/scenario.h"
+#include "plugin/tools/bench/refresh_run.h"
+
+namespace {
+
+using refit::Layout;
+using refit::Strategy;
+using refit::bench::RunOptions;
+using refit::bench::RunResult;
+
+// A test that runs longer than this is killed by SIGALRM; its rank
+// processes die with it (PR_SET_PDEATHSIG).
+constexpr unsigned kTestSeconds = 55;
+
+class Refresh : public ::testing::Test {
+ protected:
+  void SetUp() override { ::alarm(kTestSeconds); }
+  void TearDown() override { ::alarm(0); }
+
+  static Layout parse(const std::string& text) {
+    auto layout = refit::parse_layout_json(text, "test layout");
+    EXPECT_TRUE(layout.is_ok()) << layout.status().message();
+    return layout.is_ok() ? std::move(*layout) : Layout();
+  }
+
+  static RunOptions options() {
+    RunOptions o;
+    o.versions = 3;
+    o.step_timeout = std::chrono::seconds(20);
+    o.refresh_timeout = std::chrono::seconds(15);
+    return o;
+  }
+
+  // Refreshes `layout` three times and checks every byte and the network bytes.
+  static void refresh_and_check(const Layout& layout) {
+    ASSERT_FALSE(layout.tensors.empty());
+    auto plan = refit::make_plan(layout);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    const int64_t minimum = plan->summary().minimum_network_bytes;
+    ASSERT_GT(minimum, 0);
+
+    RunResult r = refit::bench::run_refreshes(layout, Strategy::kRefit, options());
+    ASSERT_TRUE(r.status.is_ok()) << r.status.message();
+    ASSERT_EQ(r.versions.size(), 3u);
+    for (const auto& v : r.versions) {
+      EXPECT_TRUE(v.verified) << "version " << v.version;
+      EXPECT_EQ(v.network_bytes, minimum) << "version " << v.version << ": the receivers pulled "
+                                          << v.network_bytes << " bytes over the network, the minimum is " << minimum;
+      for (const auto& report : v.reports) {
+        EXPECT_EQ(report.value("version", int64_t{-1}), v.version) << report.dump();
+        EXPECT_TRUE(report.value("ok", false)) << report.dump();
+      }
+    }
+  }
+};
+
+// TP2 column- and row-parallel shards to TP4 in one domain; the norm is
+// replicated on both sides, so the domain pulls it once and fans it out.
+TEST_F(Refresh, TensorParallel2To4) {
+  refresh_and_check(parse(R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                  {"rank": 2, "domain": 0, "instance": 0}, {"rank": 3, "domain": 0, "instance": 0}],
+    "tensors": [
+      {"name": "w", "dtype": "BF16", "shape": [64, 48],
+       "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
+       "receiver": {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["S(0)"]}},
+      {"name": "o", "dtype": "F32", "shape": [48, 64],
+       "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]},
+       "receiver": {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["S(1)"]}},
+      {"name": "norm", "dtype": "F16", "shape": [48],
+       "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["R"]},
+       "receiver": {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["R"]}}]})json"));
+}
+
+// Rows on the trainers, columns on the servers (S(0) -> S(1)): every
+// receiver needs a strided piece of every source. Two instances of TP2 in
+// two domains of two ranks.
+TEST_F(Refresh, CrossDimShardsInTwoDomains) {
+  refresh_and_check(parse(R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}, {"rank": 2, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                  {"rank": 2, "domain": 1, "instance": 1}, {"rank": 3, "domain": 1, "instance": 1}],
+    "tensors": [
+      {"name": "w", "dtype": "BF16", "shape": [30, 20],
+       "source":   {"mesh": [3], "ranks": [0, 1, 2], "placements": ["S(0)"]},
+       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}},
+      {"name": "x", "dtype": "F32", "shape": [6, 9, 4],
+       "source":   {"mesh": [3], "ranks": [0, 1, 2], "placements": ["S(1)"]},
+       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(2)"]}}]})json"));
+}
+
+// Two data-parallel replicas of TP2 on the trainers (every piece has two
+// holders) to two instances of TP3 in two domains of three ranks.
+TEST_F(Refresh, ReplicatedSourcesToSixReceivers) {
+  refresh_and_check(parse(R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}, {"rank": 2, "domain": 1}, {"rank": 3, "domain": 1}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                  {"rank": 2, "domain": 0, "instance": 0}, {"rank": 3, "domain": 1, "instance": 1},
+                  {"rank": 4, "domain": 1, "instance": 1}, {"rank": 5, "domain": 1, "instance": 1}],
+    "tensors": [
+      {"name": "w", "dtype": "F32", "shape": [48, 32],
+       "source":   {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(0)"]},
+       "receiver": {"mesh": [2, 3], "ranks": [0, 1, 2, 3, 4, 5], "placements": ["R", "S(0)"]}},
+      {"name": "bias", "dtype": "BF16", "shape": [10],
+       "source":   {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["R"]},
+       "receiver": {"mesh": [6], "ranks": [0, 1, 2, 3, 4, 5], "placements": ["R"]}}]})json"));
+}
+
+// vLLM's qkv_proj: each TP4 receiver holds cat(q_t, k_(t/2), v_(t/2)) in
+// one buffer, the two KV heads replicated over the four ranks, and 64
+// trailing bytes that no segment covers. The TP2 trainers hold a fused
+// buffer too: cat(q_t, k_t, v_t), one data pointer for three tensors.
+// head_dim 4, 8 query heads, 2 KV heads, hidden 16.
+TEST_F(Refresh, FusedQkvWithReplicatedKvHeads) {
+  std::ostringstream j;
+  j << R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                  {"rank": 2, "domain": 0, "instance": 0}, {"rank": 3, "domain": 0, "instance": 0}],
+    "tensors": [{"name": "q", "dtype": "BF16", "shape": [32, 16]},
+                {"name": "k", "dtype": "BF16", "shape": [8, 16]},
+                {"name": "v", "dtype": "BF16", "shape": [8, 16]}],
+    "buffers": [)json";
+  bool first = true;
+  auto seg = [](const char* t, int row0, int rows, int offset_rows) {
+    std::ostringstream s;
+    s << R"({"tensor": ")" << t << R"(", "start": [)" << row0 << R"(, 0], "size": [)" << rows
+      << R"(, 16], "offset": )" << offset_rows * 16 << R"(, "strides": [16, 1]})";
+    return s.str();
+  };
+  for (int t = 0; t < 2; ++t) {  // trainers: q rows 16t.., k rows 4t.., v rows 4t..
+    j << (first ? "" : ",") << R"({"side": "source", "rank": )" << t
+      << R"(, "name": "qkv", "dtype": "BF16", "bytes": )" << 24 * 16 * 2 << R"(, "segments": [)"
+      << seg("q", 16 * t, 16, 0) << "," << seg("k", 4 * t, 4, 16) << "," << seg("v", 4 * t, 4, 20) << "]}";
+    first = false;
+  }
+  for (int t = 0; t < 4; ++t) {  // servers: q rows 8t.., kv head t/2
+    j << R"(,{"side": "receiver", "rank": )" << t << R"(, "name": "qkv_proj", "dtype": "BF16", "bytes": )"
+      << 16 * 16 * 2 + 64 << R"(, "segments": [)" << seg("q", 8 * t, 8, 0) << "," << seg("k", 4 * (t / 2), 4, 8)
+      << "," << seg("v", 4 * (t / 2), 4, 12) << "]}";
+  }
+  j << "]}";
+  refresh_and_check(parse(j.str()));
+}
+
+// torch.chunk sizes: 10 rows over 3 trainers (4, 4, 2) to 4 servers
+// (3, 3, 3, 1); 7 columns over 3 (3, 3, 1) to 4 (2, 2, 2, 1); and 2 rows over
+// 4 servers, where two servers get nothing and so have no buffer.
+TEST_F(Refresh, UnevenTorchChunkShards) {
+  refresh_and_check(parse(R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}, {"rank": 2, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                  {"rank": 2, "domain": 1, "instance": 0}, {"rank": 3, "domain": 1, "instance": 0}],
+    "tensors": [
+      {"name": "w", "dtype": "F32", "shape": [10, 6],
+       "source":   {"mesh": [3], "ranks": [0, 1, 2], "placements": ["S(0)"]},
+       "receiver": {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["S(0)"]}},
+      {"name": "u", "dtype": "BF16", "shape": [5, 7],
+       "source":   {"mesh": [3], "ranks": [0, 1, 2], "placements": ["S(1)"]},
+       "receiver": {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["S(1)"]}},
+      {"name": "e", "dtype": "I64", "shape": [2, 5],
+       "source":   {"mesh": [3], "ranks": [0, 1, 2], "placements": ["R"]},
+       "receiver": {"mesh": [4], "ranks": [0, 1, 2, 3], "placements": ["S(0)"]}}]})json"));
+}
+
+// A layout made by the recipes from the project's own scenario: Megatron TP2
+// trainers to two vLLM TP2 replicas in one 4-GPU domain (small-dense: fused
+// qkv_proj and gate_up_proj, vocab-parallel embedding with padding rows).
+TEST_F(Refresh, RecipeScenarioTp2ToTwoTp2Replicas) {
+  const std::string root = REFIT_SOURCE_ROOT;
+  auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  };
+  auto scenario = refit::parse_scenario(read(root + "/examples/scenarios/tp2-to-tp2x2.json"), "tp2-to-tp2x2.json");
+  ASSERT_TRUE(scenario.is_ok()) << scenario.status().message();
+  auto model = refit::parse_manifest_json(read(root + "/examples/models/small-dense.json"), "small-dense.json");
+  ASSERT_TRUE(model.is_ok()) << model.status().message();
+  auto layout = refit::layout_from_scenario(*scenario, *model);
+  ASSERT_TRUE(layout.is_ok()) << layout.status().message();
+  ASSERT_EQ(layout->sources.size(), 2u);
+  ASSERT_EQ(layout->receivers.size(), 4u);
+  refresh_and_check(*layout);
+}
+
+// The baselines run and verify too, and move what their names say: no-dedup
+// pulls every rank's bytes itself, broadcast moves whole tensors.
+TEST_F(Refresh, BaselinesVerifyAndMoveMoreBytes) {
+  Layout layout = parse(R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                  {"rank": 2, "domain": 0, "instance": 1}, {"rank": 3, "domain": 0, "instance": 1}],
+    "tensors": [
+      {"name": "w", "dtype": "BF16", "shape": [64, 32],
+       "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
+       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}}]})json");
+  auto plan = refit::make_plan(layout);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const int64_t minimum = plan->summary().minimum_network_bytes;
+  RunOptions o = options();
+  o.versions = 2;
+
+  RunResult no_dedup = refit::bench::run_refreshes(layout, Strategy::kNoDedup, o);
+  ASSERT_TRUE(no_dedup.status.is_ok()) << no_dedup.status.message();
+  EXPECT_TRUE(no_dedup.verified());
+  EXPECT_EQ(no_dedup.versions.back().network_bytes, 2 * minimum);  // two replicas, nothing shared
+  EXPECT_EQ(no_dedup.versions.back().local_bytes, 0);
+
+  RunResult broadcast = refit::bench::run_refreshes(layout, Strategy::kBroadcast, o);
+  ASSERT_TRUE(broadcast.status.is_ok()) << broadcast.status.message();
+  EXPECT_TRUE(broadcast.verified());
+  // The gatherer pulls the tensor once, then each of 4 ranks pulls it whole.
+  EXPECT_EQ(broadcast.versions.back().network_bytes, 5 * 64 * 32 * 2);
+}
+
+}  // namespace
