@@ -243,7 +243,8 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
 
 /**
  * The report of the last finished refresh, JSON: {"version", "mode", "ok",
- * "error", "network_bytes", "local_bytes", "minimum_network_bytes",
+ * "error", "epoch", "network_bytes" (this rank pulled), "local_bytes" (this
+ * rank passed on), "minimum_network_bytes" (of the whole plan, all domains),
  * "pulls", "pushes", "retries", "seconds": {"plan", "network", "local",
  * "total"}, "pause_seconds", and in staged mode "committed"}. "{}" before
  * the first. Owned by the receiver,

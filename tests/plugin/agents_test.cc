@@ -145,6 +145,11 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
       if (refit_receiver_version(r) != v) fail("the version after commit", 8);
     }
     check(v);
+    const nlohmann::json report = nlohmann::json::parse(refit_receiver_report(r));
+    // The whole plan's minimum: all of w (rank 0 needs it) and b, once for the one domain.
+    if (report.value("minimum_network_bytes", int64_t{-1}) != kRows * kCols * 4 + kCols * 4) {
+      fail("the report's minimum_network_bytes", 9);
+    }
     std::fprintf(stderr, "rank %d: %s\n", rank, refit_receiver_report(r));
     write_byte(up, 'd');
   }

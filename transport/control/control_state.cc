@@ -256,6 +256,9 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
   const Layout& L = *layout;
   Result<Plan> plan = make_plan(L);
   if (!plan.is_ok()) return failed(plan.status());
+  out->network_bytes = plan->summary().network_bytes;
+  out->minimum_network_bytes = plan->summary().minimum_network_bytes;
+  out->local_bytes = plan->summary().local_bytes;
   // The document's dense positions back to the registered ranks.
   auto real = [&input](bool source, int32_t position) {
     const std::vector<int32_t>& ranks = source ? input.source_ranks : input.receiver_ranks;
