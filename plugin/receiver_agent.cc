@@ -433,32 +433,44 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
 }
 
 Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::time_point deadline, Report* report) {
-  // Network endpoints and keys, while no engine runs.
+  fabric::Schedule schedule = part.schedule;  // a copy: the version is this refresh's
+  schedule.version = version;
+  // Network endpoints, keys and the engine, while no engine runs. If that
+  // fails, the peers of the domain are told at once (a failed flag) rather
+  // than left waiting for this rank until their deadline.
   std::map<int32_t, ucx::Endpoint*> eps;
-  for (const auto& [rank, address] : part.source_addresses) {
-    Result<ucx::Endpoint*> ep = endpoint(rank, address);
-    if (!ep.is_ok()) return ep.status();
-    auto keys = part.source_keys.find(rank);
-    if (keys != part.source_keys.end()) {
-      for (const auto& [id, packed] : keys->second) REFIT_RETURN_IF_ERROR((*ep)->import_rkey(id, packed));
+  std::unique_ptr<ucx::GetEngine> net;
+  auto setup = [&]() -> Status {
+    for (const auto& [rank, address] : part.source_addresses) {
+      Result<ucx::Endpoint*> ep = endpoint(rank, address);
+      if (!ep.is_ok()) return ep.status();
+      auto keys = part.source_keys.find(rank);
+      if (keys != part.source_keys.end()) {
+        for (const auto& [id, packed] : keys->second) REFIT_RETURN_IF_ERROR((*ep)->import_rkey(id, packed));
+      }
+      eps[rank] = *ep;
     }
-    eps[rank] = *ep;
+    ucx::GetEngineOptions options;
+    options.progress_thread = true;
+    options.limits.chunk_bytes = config_.chunk_bytes;
+    options.limits.max_bytes_in_flight = config_.window_bytes;
+    options.limits.max_bytes_per_endpoint = config_.window_bytes;
+    Result<std::unique_ptr<ucx::GetEngine>> engine = ucx::GetEngine::create(*net_worker_, options);
+    if (!engine.is_ok()) return engine.status();
+    net = std::move(engine).value();
+    return Status::ok();
+  };
+  if (Status st = setup(); !st.is_ok()) {
+    if (fabric_->begin(schedule, deadline).is_ok()) (void)fabric_->finish(/*failed=*/true);
+    fabric_->end();
+    return st;
   }
-  ucx::GetEngineOptions options;
-  options.progress_thread = true;
-  options.limits.chunk_bytes = config_.chunk_bytes;
-  options.limits.max_bytes_in_flight = config_.window_bytes;
-  options.limits.max_bytes_per_endpoint = config_.window_bytes;
-  Result<std::unique_ptr<ucx::GetEngine>> net = ucx::GetEngine::create(*net_worker_, options);
-  if (!net.is_ok()) return net.status();
-  for (const Buf& b : buffers_) (*net)->add_local_region(*b.net_region);
+  for (const Buf& b : buffers_) net->add_local_region(*b.net_region);
   std::vector<ucx::GetRun> gets(part.net.size());
   for (size_t i = 0; i < part.net.size(); ++i) {
     const CompiledPart::Get& g = part.net[i];
     gets[i] = ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote, g.local, g.bytes};
   }
-  fabric::Schedule schedule = part.schedule;  // a copy: the version is this refresh's
-  schedule.version = version;
 
   // The fan-out: sends become ready as the network runs they read land.
   std::mutex mu;
@@ -522,7 +534,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   const Clock::time_point start = Clock::now();
   ucx::BatchReport r;
   if (fan_status.is_ok()) {
-    r = (*net)->run_batch(gets, deadline, [&](uint32_t run, const Status& st) {
+    r = net->run_batch(gets, deadline, [&](uint32_t run, const Status& st) {
       if (!st.is_ok()) return;
       std::lock_guard<std::mutex> lock(mu);
       bool any = false;

@@ -58,15 +58,17 @@ std::string config(int rank, int domain, uint16_t port, const std::string& token
   _exit(code);
 }
 
-void source_child(int rank, uint16_t port, const std::string& token, int up, int down) {
+// replicated: both sources hold all of w (a replica survives either's death).
+void source_child(int rank, uint16_t port, const std::string& token, int up, int down, bool replicated) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   refit_source_t* s = nullptr;
   if (refit_source_create(config(rank, 0, port, token, false).c_str(), &s) != REFIT_OK) fail("create");
-  const int64_t rows = kRows / 2;
+  const int64_t rows = replicated ? kRows : kRows / 2;
+  const int64_t row0 = replicated ? 0 : rank * rows;
   std::vector<float> w(rows * kCols);
   std::vector<int32_t> b(kCols);
-  const std::string wdesc = R"J({"name": "w", "dtype": "F32", "shape": [96, 1000],
-      "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]}})J";
+  const std::string wdesc = std::string(R"J({"name": "w", "dtype": "F32", "shape": [96, 1000],
+      "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": [")J") + (replicated ? "R" : "S(0)") + "\"]}}";
   const std::string bdesc = R"J({"name": "b", "dtype": "I32", "shape": [1000],
       "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": ["R"]}})J";
   if (refit_source_add_tensor(s, wdesc.c_str(), w.data(), w.size() * 4) != REFIT_OK) fail("add w");
@@ -77,7 +79,7 @@ void source_child(int rank, uint16_t port, const std::string& token, int up, int
   for (int v = 1; v <= kVersions; ++v) {
     if (!read_byte(down, &c)) fail("the parent is gone", 2);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t col = 0; col < kCols; ++col) w[r * kCols + col] = w_value(rank * rows + r, col, v);
+      for (int64_t col = 0; col < kCols; ++col) w[r * kCols + col] = w_value(row0 + r, col, v);
     for (int64_t col = 0; col < kCols; ++col) b[col] = b_value(col, v);
     if (refit_source_publish(s, v) != REFIT_OK) fail("publish");
     write_byte(up, 'p');
@@ -158,7 +160,10 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
   _exit(0);
 }
 
-void run_agents(bool staged, const std::vector<std::vector<Step>>& steps) {
+// kill_source: SIGKILL source 1 once it has published this version, before
+// the receivers refresh to it (0: never).
+void run_agents(bool staged, const std::vector<std::vector<Step>>& steps, bool replicated = false,
+                int kill_source = 0) {
   signal(SIGPIPE, SIG_IGN);  // a child that died must fail the test, not kill it
   char dir[] = "/tmp/refit-agents-XXXXXX";
   if (mkdtemp(dir) == nullptr) FAIL();
@@ -183,7 +188,7 @@ void run_agents(bool staged, const std::vector<std::vector<Step>>& steps) {
       close(kids[i].down.fd[1]);
       uint16_t port = 0;
       if (read(kids[i].down.fd[0], &port, sizeof port) != sizeof port) _exit(2);
-      if (i < 2) source_child(i, port, token_file, kids[i].up.fd[1], kids[i].down.fd[0]);
+      if (i < 2) source_child(i, port, token_file, kids[i].up.fd[1], kids[i].down.fd[0], replicated);
       receiver_child(i - 2, port, token_file, kids[i].up.fd[1], kids[i].down.fd[0], staged, steps[i - 2]);
     }
     kids[i].pid = pid;
@@ -195,6 +200,7 @@ void run_agents(bool staged, const std::vector<std::vector<Step>>& steps) {
   refit::control::CoordinatorConfig cc;
   cc.token = "0123456789abcdef0123456789abcdef";
   cc.log = [](const std::string&) {};
+  cc.heartbeat_timeout = std::chrono::milliseconds(600);  // agents beat every 200 ms
   auto coordinator = refit::control::Coordinator::start(cc);
   if (!coordinator.is_ok()) {
     for (Child& k : kids) kill(k.pid, SIGKILL), waitpid(k.pid, nullptr, 0);
@@ -208,18 +214,25 @@ void run_agents(bool staged, const std::vector<std::vector<Step>>& steps) {
   };
   bool ok = true;
   for (int i = 0; i < 4 && ok; ++i) ok = await(i);
+  bool killed = false;
   for (int v = 1; v <= kVersions && ok; ++v) {
-    for (int i = 0; i < 2; ++i) write_byte(kids[i].down.fd[1], 'g');
-    for (int i = 0; i < 2 && ok; ++i) ok = await(i);
+    const int sources = killed ? 1 : 2;
+    for (int i = 0; i < sources; ++i) write_byte(kids[i].down.fd[1], 'g');
+    for (int i = 0; i < sources && ok; ++i) ok = await(i);
+    if (v == kill_source) {  // source 1 dies with version v published
+      kill(kids[1].pid, SIGKILL);
+      killed = true;
+    }
     for (int i = 2; i < 4; ++i) write_byte(kids[i].down.fd[1], 'g');
     for (int i = 2; i < 4 && ok; ++i) ok = await(i);
   }
   for (Child& k : kids) write_byte(k.down.fd[1], 'x');
-  for (Child& k : kids) {
+  for (size_t i = 0; i < kids.size(); ++i) {
     int status = 0;
-    if (!ok) kill(k.pid, SIGKILL);
-    waitpid(k.pid, &status, 0);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child " << k.pid << " status " << status;
+    if (!ok) kill(kids[i].pid, SIGKILL);
+    waitpid(kids[i].pid, &status, 0);
+    if (killed && i == 1) continue;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child " << kids[i].pid << " status " << status;
   }
   EXPECT_TRUE(ok);
   std::remove(token_file.c_str());
@@ -227,6 +240,14 @@ void run_agents(bool staged, const std::vector<std::vector<Step>>& steps) {
 }
 
 TEST(Agents, TwoSourcesToTwoReceiversOfOneDomainThreeVersions) { run_agents(false, {{}, {}}); }
+
+// Source 1 is killed once it has published version 2. Both sources hold all
+// of w, so the receivers' refresh to 2 fails on it, is retried, and
+// completes from source 0 once the coordinator has declared source 1 dead
+// (heartbeat timeout); version 3 comes from source 0 alone.
+TEST(Agents, ARefreshRoutesAroundADeadSourceWithAReplica) {
+  run_agents(false, {{}, {}}, /*replicated=*/true, /*kill_source=*/2);
+}
 
 // Staged: the live buffers change only at commit; when one rank of the
 // instance fails version 2, neither commits it and both keep version 1;

@@ -15,8 +15,9 @@ Status from_ucs(ucs_status_t status, const std::string& what) {
       return Status::invalid(std::move(msg));
     case UCS_ERR_NO_ELEM:
     case UCS_ERR_NO_DEVICE:
-    case UCS_ERR_UNREACHABLE:
       return Status::not_found(std::move(msg));
+    case UCS_ERR_UNREACHABLE:  // a peer that is gone: worth a retry once it is replanned around
+      return Status::io_error(std::move(msg));
     case UCS_ERR_UNSUPPORTED:
       return Status::unsupported(std::move(msg));
     case UCS_ERR_NO_MEMORY:
