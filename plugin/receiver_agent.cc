@@ -26,6 +26,8 @@ namespace {
 
 // Between attempts of a refresh that failed in a way a new attempt can fix.
 constexpr std::chrono::milliseconds kRetryPause{200};
+// How often a running refresh asks whether the membership changed.
+constexpr std::chrono::milliseconds kMembershipCheck{250};
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -484,22 +486,34 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   }
   Status fan_status = fabric_->begin(schedule, deadline);
   Clock::time_point fan_end = Clock::now();
-  // Staged: an abort of the instance (another rank failed) cancels the wait
-  // for peers at once instead of at the deadline.
-  std::atomic<bool> watching{config_.staged && fan_status.is_ok()};
-  std::string abort_reason;
+  // A watcher cancels the wait for peers at once instead of at the deadline
+  // when the instance aborts (staged: another rank failed) or the
+  // membership changes (a peer of the domain died or left: the next attempt
+  // runs the new plan).
+  std::atomic<bool> watching{fan_status.is_ok()};
+  std::string abort_reason;       // the instance aborted: not retried
+  std::atomic<bool> replanned{false};
   std::thread watcher;
   if (watching.load()) {
     watcher = std::thread([&] {
-      while (watching.load(std::memory_order_acquire)) {
-        Result<std::optional<control::Frame>> n =
-            link_->wait_notice_of({MsgType::kAbort}, std::min(deadline, Clock::now() + std::chrono::milliseconds(100)));
-        if (!n.is_ok() || !n->has_value()) {
-          if (Clock::now() >= deadline) return;
-          continue;
+      auto next_check = Clock::now() + kMembershipCheck;
+      while (watching.load(std::memory_order_acquire) && Clock::now() < deadline) {
+        const auto until = std::min({deadline, next_check, Clock::now() + std::chrono::milliseconds(100)});
+        if (config_.staged) {
+          Result<std::optional<control::Frame>> n = link_->wait_notice_of({MsgType::kAbort}, until);
+          if (n.is_ok() && n->has_value() && (**n).body.value("version", int64_t{0}) == version) {
+            abort_reason = (**n).body.value("reason", std::string("no reason given"));
+            fabric_->cancel();
+            return;
+          }
+        } else {
+          std::this_thread::sleep_until(until);
         }
-        if ((**n).body.value("version", int64_t{0}) == version) {
-          abort_reason = (**n).body.value("reason", std::string("no reason given"));
+        if (Clock::now() < next_check || !watching.load(std::memory_order_acquire)) continue;
+        next_check = Clock::now() + kMembershipCheck;
+        Result<Json> p = link_->request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", part.epoch}});
+        if (p.is_ok() && !p->value("unchanged", false)) {
+          replanned.store(true, std::memory_order_release);
           fabric_->cancel();
           return;
         }
@@ -559,6 +573,10 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   if (watcher.joinable()) watcher.join();
   fabric_->end();
   if (fabric_->contact_changed()) changed_ = true;  // registered anew before the next refresh
+  if (replanned.load() && !fan_status.is_ok()) {
+    return Status::io_error("the membership changed during the refresh (a peer died or left): " +
+                            fan_status.message());
+  }
   if (!abort_reason.empty()) {
     aborted_ = true;
     return Status::io_error("instance " + std::to_string(config_.instance) + " aborted version " +

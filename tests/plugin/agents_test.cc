@@ -162,8 +162,10 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
 
 // kill_source: SIGKILL source 1 once it has published this version, before
 // the receivers refresh to it (0: never).
+// kill_receiver: SIGKILL receiver 1 (its own instance) before the receivers
+// refresh to this version; receiver 0 must go on alone.
 void run_agents(bool staged, const std::vector<std::vector<Step>>& steps, bool replicated = false,
-                int kill_source = 0) {
+                int kill_source = 0, int kill_receiver = 0) {
   signal(SIGPIPE, SIG_IGN);  // a child that died must fail the test, not kill it
   char dir[] = "/tmp/refit-agents-XXXXXX";
   if (mkdtemp(dir) == nullptr) FAIL();
@@ -214,7 +216,7 @@ void run_agents(bool staged, const std::vector<std::vector<Step>>& steps, bool r
   };
   bool ok = true;
   for (int i = 0; i < 4 && ok; ++i) ok = await(i);
-  bool killed = false;
+  bool killed = false, receiver_killed = false;
   for (int v = 1; v <= kVersions && ok; ++v) {
     const int sources = killed ? 1 : 2;
     for (int i = 0; i < sources; ++i) write_byte(kids[i].down.fd[1], 'g');
@@ -223,15 +225,20 @@ void run_agents(bool staged, const std::vector<std::vector<Step>>& steps, bool r
       kill(kids[1].pid, SIGKILL);
       killed = true;
     }
-    for (int i = 2; i < 4; ++i) write_byte(kids[i].down.fd[1], 'g');
-    for (int i = 2; i < 4 && ok; ++i) ok = await(i);
+    if (v == kill_receiver) {
+      kill(kids[3].pid, SIGKILL);
+      receiver_killed = true;
+    }
+    const int receivers_end = receiver_killed ? 3 : 4;
+    for (int i = 2; i < receivers_end; ++i) write_byte(kids[i].down.fd[1], 'g');
+    for (int i = 2; i < receivers_end && ok; ++i) ok = await(i);
   }
   for (Child& k : kids) write_byte(k.down.fd[1], 'x');
   for (size_t i = 0; i < kids.size(); ++i) {
     int status = 0;
     if (!ok) kill(kids[i].pid, SIGKILL);
     waitpid(kids[i].pid, &status, 0);
-    if (killed && i == 1) continue;
+    if ((killed && i == 1) || (receiver_killed && i == 3)) continue;
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child " << kids[i].pid << " status " << status;
   }
   EXPECT_TRUE(ok);
@@ -247,6 +254,14 @@ TEST(Agents, TwoSourcesToTwoReceiversOfOneDomainThreeVersions) { run_agents(fals
 // (heartbeat timeout); version 3 comes from source 0 alone.
 TEST(Agents, ARefreshRoutesAroundADeadSourceWithAReplica) {
   run_agents(false, {{}, {}}, /*replicated=*/true, /*kill_source=*/2);
+}
+
+// Receiver 1 (an instance of its own, in receiver 0's domain) is killed
+// before version 2: receiver 0's refresh finds it gone, is retried, and
+// completes once the coordinator has declared it dead and replanned the
+// domain for receiver 0 alone; so does version 3.
+TEST(Agents, AnotherInstanceOfTheDomainDyingDoesNotStopARefresh) {
+  run_agents(false, {{}, {}}, /*replicated=*/false, /*kill_source=*/0, /*kill_receiver=*/2);
 }
 
 // Staged: the live buffers change only at commit; when one rank of the
