@@ -63,6 +63,7 @@ _API_FIELDS = [
     ("receiver_report", ctypes.CFUNCTYPE(ctypes.c_char_p, _receiver_p)),
     ("receiver_version", ctypes.CFUNCTYPE(ctypes.c_int64, _receiver_p)),
     ("receiver_destroy", ctypes.CFUNCTYPE(None, _receiver_p)),
+    ("receiver_commit", ctypes.CFUNCTYPE(_status_t, _receiver_p)),
 ]
 
 
@@ -251,6 +252,11 @@ class Receiver(_Agent):
             return False
         self._lib.check("refit_receiver_refresh_wait", status)
         return True
+
+    def commit(self):
+        """Staged mode: makes the staged version live (pause reading around it)."""
+        self._lib.check("refit_receiver_commit", self._lib.api.receiver_commit(self._handle))
+        return self.version()
 
     def report(self):
         return json.loads(self._lib.api.receiver_report(self._handle).decode())
