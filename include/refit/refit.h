@@ -70,7 +70,10 @@
  * U8 I16 I32 I64 BOOL.
  *
  * Threads: a handle may be used by one thread at a time; different handles
- * are independent. refit_last_error() is per thread.
+ * are independent. refit_last_error() is per thread. An agent runs threads
+ * of its own (progress, heartbeat); a process that fork()s while agents
+ * exist should exec() in the child before calling refit again (UCX's memory
+ * hooks hold a lock that a fork can copy while taken).
  */
 #pragma once
 
