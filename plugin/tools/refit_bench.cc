@@ -1,12 +1,14 @@
 // refit-bench: live refreshes of a scenario on this machine, refit against
 // the two strategies it replaces. One process per rank (sources and
 // receivers), host memory, a coordinator embedded in this process, UCX tcp as
-// the network and UCX shared memory as the local fabric. Every receiver byte
+// the network and the receivers' default local fabric ("cma": cross-memory
+// attach, or UCX shared memory where the kernel forbids it). Every receiver byte
 // is verified after every refresh. Prints one row per strategy; --json writes
 // the same figures for other tools.
 //
-// Exit status: 0 when every strategy ran and verified, 1 when one failed or
-// a byte was wrong, 2 on bad arguments or input files.
+// Exit status: 0 when every strategy ran and verified (and, with
+// --serve-check, no read saw two versions), 1 when one failed, a byte was
+// wrong or a read was mixed, 2 on bad arguments or input files.
 
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -160,19 +163,41 @@ struct Row {
   int64_t minimum_network_bytes = 0;
   int64_t local_bytes = 0;
   bool verified = false;
+  std::string mode;
+  double refresh_seconds_median = 0;
+  double pause_seconds_median = 0;
+  int64_t completed = 0;
+  std::string error;  // "" when none
+  int64_t serve_reads = 0;
+  int64_t mixed_version_reads = 0;
+  std::string killed;  // --kill: who and when, else ""
+  std::optional<bool> live_weights_intact;
 };
 
-void print_table(const std::vector<Row>& rows, int64_t payload) {
-  std::printf("%-10s %10s %8s %14s %14s %14s %9s\n", "strategy", "median s", "GB/s", "network", "minimum", "local",
-              "verified");
+void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bool serve_check) {
+  std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %9s", "strategy", "median s", "GB/s", "network",
+              "minimum", "local", "verified", "mode", "refresh s", "pause s", "completed");
+  if (serve_check) std::printf(" %8s %6s", "reads", "mixed");
+  std::printf("\n");
   for (const Row& r : rows) {
-    std::printf("%-10s %10s %8s %14s %14s %14s %9s\n", r.strategy.c_str(), fixed(r.seconds_median, 4).c_str(),
-                fixed(r.gbps, 3).c_str(), human_bytes(r.network_bytes).c_str(),
+    std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %9s", r.strategy.c_str(),
+                fixed(r.seconds_median, 4).c_str(), fixed(r.gbps, 3).c_str(), human_bytes(r.network_bytes).c_str(),
                 human_bytes(r.minimum_network_bytes).c_str(), human_bytes(r.local_bytes).c_str(),
-                r.verified ? "yes" : "NO");
+                r.verified ? "yes" : "NO", r.mode.c_str(), fixed(r.refresh_seconds_median, 4).c_str(),
+                fixed(r.pause_seconds_median, 4).c_str(),
+                (std::to_string(r.completed) + "/" + std::to_string(versions)).c_str());
+    if (serve_check)
+      std::printf(" %8lld %6lld", static_cast<long long>(r.serve_reads), static_cast<long long>(r.mixed_version_reads));
+    std::printf("\n");
   }
   std::printf("GB/s: %s delivered to the receivers per refresh (10^9 bytes per second of the median)\n",
               human_bytes(payload).c_str());
+  for (const Row& r : rows) {
+    if (!r.killed.empty()) std::printf("%s: killed %s\n", r.strategy.c_str(), r.killed.c_str());
+    if (r.live_weights_intact)
+      std::printf("%s: live weights intact: %s\n", r.strategy.c_str(), *r.live_weights_intact ? "yes" : "NO");
+    if (!r.error.empty()) std::printf("%s: error: %s\n", r.strategy.c_str(), r.error.c_str());
+  }
 }
 
 Result<std::vector<Strategy>> parse_strategies(const std::string& text) {
@@ -193,6 +218,30 @@ Result<std::vector<Strategy>> parse_strategies(const std::string& text) {
   return out;
 }
 
+// "receiver:1@0.5" -> a receiver, rank 1, half way.
+Result<refit::bench::RunOptions::Kill> parse_kill(const std::string& text) {
+  const std::string form = "--kill: expected ROLE:RANK@FRACTION (ROLE source or receiver), e.g. receiver:1@0.5, got \"" +
+                           text + "\"";
+  const size_t colon = text.find(':'), at = text.find('@');
+  if (colon == std::string::npos || at == std::string::npos || at < colon) return Status::invalid(form);
+  refit::bench::RunOptions::Kill k;
+  const std::string role = text.substr(0, colon);
+  if (role == "receiver") k.receiver = true;
+  else if (role != "source") return Status::invalid(form);
+  try {
+    size_t used = 0;
+    const std::string rank = text.substr(colon + 1, at - colon - 1);
+    k.rank = std::stoi(rank, &used);
+    if (used != rank.size() || k.rank < 0) return Status::invalid(form);
+    const std::string fraction = text.substr(at + 1);
+    k.fraction = std::stod(fraction, &used);
+    if (used != fraction.size() || !(k.fraction >= 0) || k.fraction > 100) return Status::invalid(form);
+  } catch (const std::exception&) {
+    return Status::invalid(form);
+  }
+  return k;
+}
+
 int usage_error(const std::string& message) {
   std::fprintf(stderr, "refit-bench: %s\n(run refit-bench --help for the options)\n", message.c_str());
   return kExitBadInput;
@@ -202,14 +251,17 @@ int usage_error(const std::string& message) {
 
 int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
+  std::string mode = "direct", kill_text;
+  bool serve_check = false;
   int versions = 3;
   double timeout_s = 60;
   CLI::App app(
       "refit-bench: live weight refreshes of a scenario on this machine, refit against its baselines.\n"
       "\n"
       "One process per rank (every source and receiver of the scenario), host memory, a\n"
-      "coordinator inside refit-bench, UCX tcp on the loopback device as the network and UCX\n"
-      "shared memory as the local fabric. For each strategy and each version v = 1..N the\n"
+      "coordinator inside refit-bench, UCX tcp on the loopback device as the network and the\n"
+      "receivers' default local fabric (cross-memory attach, or UCX shared memory where the\n"
+      "kernel forbids it). For each strategy and each version v = 1..N the\n"
       "sources write a pattern that changes with v and publish v, then every receiver\n"
       "refreshes to v at once; the time is from that command to the last receiver done, and\n"
       "every receiver byte is verified afterwards (bytes outside the segments must be\n"
@@ -223,14 +275,46 @@ int main(int argc, char** argv) {
       "             rank pulls the whole tensors it touches from it (a second coordinator)\n"
       "             and copies its slices out with memcpy (timed)\n"
       "\n"
+      "Modes (--mode): direct receivers refresh into the buffers the server reads, so the\n"
+      "server pauses for the whole refresh; staged receivers (\"mode\": \"staged\") refresh\n"
+      "into staging copies, and once every receiver's refresh returned OK refit-bench tells\n"
+      "every receiver to commit (refit_receiver_commit), the only pause. broadcast ignores\n"
+      "--mode: its served buffers are written only by its copy out, which is its pause.\n"
+      "\n"
+      "--serve-check: every receiver process runs a reader thread, a stand-in for the\n"
+      "server, that reads its served buffers over and over while the refreshes run, each\n"
+      "full read under a shared lock (std::shared_mutex) that whatever writes those buffers\n"
+      "takes exclusively: the commit (staged), the whole refresh (direct; every receiver\n"
+      "takes it before the refresh command goes out), the copy out (broadcast). A read\n"
+      "checks every 4096th element of each segment plus its first and last against the\n"
+      "pattern; it is mixed when no one version matches them all (two versions, or none).\n"
+      "Reads start once a first version is live; each reader sleeps 9 times as long as a\n"
+      "read took (at least 0.2 ms) before the next, so it takes at most a tenth of a core.\n"
+      "\n"
+      "--kill ROLE:RANK@FRACTION (refit and no-dedup; broadcast ignores it): SIGKILLs that\n"
+      "source or receiver rank during the refresh of the last version (N). When to kill is\n"
+      "an estimate: FRACTION times version N-1's refresh wall time (the median s column's\n"
+      "measure), counted from version N's refresh command. Refreshes vary, so the kill\n"
+      "lands only near that fraction of the refresh, or after it has finished; use N >= 3,\n"
+      "since version 1 also plans and connects and is slower. The run reports completed\n"
+      "and the error; in staged mode, when the refresh failed, also live_weights_intact:\n"
+      "whether the ranks that lost the refresh (the killed receiver's instance, or every\n"
+      "receiver when a source was killed) still hold the previous version, every byte\n"
+      "checked. Exit status 1 (the run failed), as for any failure.\n"
+      "\n"
       "Columns: median seconds of the N refreshes; GB/s = bytes delivered to the receivers\n"
       "per refresh / median seconds; network and local bytes summed over the receivers'\n"
       "refresh reports (broadcast: the gatherer's too); the minimum network bytes of the\n"
-      "scenario from the planner (each domain receives each needed byte once).\n"
+      "scenario from the planner (each domain receives each needed byte once); mode;\n"
+      "refresh s and pause s: the median over versions of the slowest receiver's report\n"
+      "\"seconds.total\" and \"pause_seconds\" (staged: the commit's; broadcast: refresh s\n"
+      "is stage 2's and pause s its copy out); completed: refreshes that completed (and\n"
+      "committed) of N; with --serve-check, reads and mixed (mixed-version reads), summed\n"
+      "over the receivers. A strategy's first error is printed below the table.\n"
       "\n"
       "A progress bar is drawn on stderr when it is a terminal; otherwise one line per\n"
-      "strategy. Exit status: 0 all verified, 1 a strategy failed or a byte was wrong,\n"
-      "2 bad arguments or input files.",
+      "strategy. Exit status: 0 all verified (and no mixed read), 1 a strategy failed, a\n"
+      "byte was wrong or a read was mixed, 2 bad arguments or input files.",
       "refit-bench");
   app.add_option("--scenario", scenario_path, "scenario file (FORMATS.md)")->required();
   app.add_option("--models", models_dir, "folder of model manifests: <model>.json, <model>.safetensors or <model>/")
@@ -238,11 +322,20 @@ int main(int argc, char** argv) {
   app.add_option("--versions", versions, "refreshes per strategy (default 3)")->check(CLI::Range(1, 1000));
   app.add_option("--json", json_out,
                  "write {\"scenario\", \"results\": [{\"strategy\", \"seconds_median\", \"gbps\", \"network_bytes\", "
-                 "\"minimum_network_bytes\", \"local_bytes\", \"verified\"}]} to this file");
+                 "\"minimum_network_bytes\", \"local_bytes\", \"verified\", \"mode\", \"refresh_seconds_median\", "
+                 "\"pause_seconds_median\", \"completed\", \"error\" (null when none), with --serve-check "
+                 "\"serve_reads\", \"mixed_version_reads\", with --kill \"killed\" and (staged) "
+                 "\"live_weights_intact\"}]} to this file");
   app.add_option("--reports", reports_out,
                  "write every receiver's refresh report (refit_receiver_report) of every version and strategy, "
                  "as {\"<strategy>\": [{\"version\", \"seconds\", \"reports\": [...]}]}, to this file");
   app.add_option("--strategies", strategies_text, "comma-separated, run in this order (default refit,no-dedup,broadcast)");
+  app.add_option("--mode", mode, "direct or staged (default direct); see Modes above")
+      ->check(CLI::IsMember({"direct", "staged"}));
+  app.add_flag("--serve-check", serve_check,
+               "run a serving reader in every receiver process and count mixed-version reads (see above)");
+  app.add_option("--kill", kill_text, "ROLE:RANK@FRACTION, e.g. receiver:1@0.5: kill a rank during the last "
+                 "refresh (see above; needs --versions 2 or more)");
   app.add_option("--timeout", timeout_s, "seconds each step may take before the run fails (default 60)")
       ->check(CLI::Range(1.0, 3600.0));
   try {
@@ -273,6 +366,22 @@ int main(int argc, char** argv) {
   options.versions = versions;
   options.step_timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.refresh_timeout = options.step_timeout;
+  options.staged = mode == "staged";
+  options.serve_check = serve_check;
+  if (!kill_text.empty()) {
+    auto k = parse_kill(kill_text);
+    if (!k) return usage_error(k.status().message());
+    if (versions < 2)
+      return usage_error("--kill needs --versions 2 or more: the version before the last says when to kill");
+    options.kill = *k;
+  }
+  if (options.kill) {
+    const size_t ranks = options.kill->receiver ? layout->receivers.size() : layout->sources.size();
+    if (static_cast<size_t>(options.kill->rank) >= ranks)
+      return usage_error("--kill: " + std::string(options.kill->receiver ? "receiver" : "source") + " rank " +
+                         std::to_string(options.kill->rank) + " does not exist: " + scenario_path + " has " +
+                         std::to_string(ranks) + " (ranks 0.." + std::to_string(static_cast<int64_t>(ranks) - 1) + ")");
+  }
   Progress progress;
   std::vector<Row> rows;
   ordered_json all_reports = ordered_json::object();
@@ -292,17 +401,26 @@ int main(int argc, char** argv) {
     }
     row.minimum_network_bytes = minimum;
     row.verified = r.verified();
+    row.mode = r.staged ? "staged" : "direct";
+    row.refresh_seconds_median = r.median_refresh_seconds();
+    row.pause_seconds_median = r.median_pause_seconds();
+    row.completed = static_cast<int64_t>(r.versions.size());
+    if (!r.status.is_ok()) row.error = r.status.message();
+    row.serve_reads = r.serve_reads;
+    row.mixed_version_reads = r.mixed_version_reads;
+    row.killed = r.killed;
+    row.live_weights_intact = r.live_weights_intact;
     ordered_json per_version = ordered_json::array();
     for (const auto& v : r.versions)
       per_version.push_back({{"version", v.version}, {"seconds", v.seconds}, {"reports", v.reports}});
     all_reports[name] = std::move(per_version);
-    all_ok = all_ok && row.verified;
+    all_ok = all_ok && row.verified && row.mixed_version_reads == 0;
     rows.push_back(row);
   }
 
   std::printf("%s: %s, %zu sources, %zu receivers, %d refreshes per strategy\n", fs::path(scenario_path).stem().c_str(),
               scenario->model.c_str(), layout->sources.size(), layout->receivers.size(), versions);
-  print_table(rows, payload);
+  print_table(rows, payload, versions, serve_check);
 
   if (!json_out.empty()) {
     ordered_json doc = ordered_json::object();
@@ -315,7 +433,20 @@ int main(int argc, char** argv) {
                          {"network_bytes", r.network_bytes},
                          {"minimum_network_bytes", r.minimum_network_bytes},
                          {"local_bytes", r.local_bytes},
-                         {"verified", r.verified}});
+                         {"verified", r.verified},
+                         {"mode", r.mode},
+                         {"refresh_seconds_median", r.refresh_seconds_median},
+                         {"pause_seconds_median", r.pause_seconds_median},
+                         {"completed", r.completed},
+                         {"error", r.error.empty() ? ordered_json(nullptr) : ordered_json(r.error)}});
+      if (serve_check) {
+        results.back()["serve_reads"] = r.serve_reads;
+        results.back()["mixed_version_reads"] = r.mixed_version_reads;
+      }
+      if (!kill_text.empty()) {
+        results.back()["killed"] = r.killed.empty() ? ordered_json(nullptr) : ordered_json(r.killed);
+        if (r.live_weights_intact) results.back()["live_weights_intact"] = *r.live_weights_intact;
+      }
     }
     doc["results"] = std::move(results);
     std::ofstream out(json_out);

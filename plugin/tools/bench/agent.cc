@@ -1,9 +1,13 @@
 #include "plugin/tools/bench/agent.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
 #include <vector>
 
 #include "planner/plan.h"
@@ -27,10 +31,100 @@ struct Memory {
 
 double seconds_between(int64_t t0_ns, int64_t t1_ns) { return static_cast<double>(t1_ns - t0_ns) * 1e-9; }
 
+// The stand-in for a server that reads its weights while refreshes run
+// (agent.h, serve_check).
+//
+// Threads: the reader thread runs read_loop(); the agent's command thread
+// calls everything else. The buffers' bytes are read under mutex_ shared and
+// written (by whoever writes the live buffers) only under mutex_ exclusive;
+// live_version_ changes only under mutex_ exclusive. writer_waiting_ makes
+// the reader step aside for a waiting writer, since glibc's rwlock prefers
+// readers and a reader that reads back to back could starve the commit.
+class ServingReader {
+ public:
+  struct Target {
+    const uint8_t* data = nullptr;
+    std::vector<SampledElement> sample;
+  };
+  explicit ServingReader(std::vector<Target> targets) : targets_(std::move(targets)) {
+    thread_ = std::thread([this] { read_loop(); });
+  }
+  ~ServingReader() {
+    stop_.store(true);
+    thread_.join();
+  }
+  ServingReader(const ServingReader&) = delete;
+  ServingReader& operator=(const ServingReader&) = delete;
+
+  // The writer's side: exclusive for as long as the returned lock lives.
+  std::unique_lock<std::shared_mutex> pause() {
+    writer_waiting_.store(true);
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    writer_waiting_.store(false);
+    return lock;
+  }
+  // REQUIRES: the caller holds pause()'s lock.
+  void set_live_version(int64_t v) { live_version_ = v; }
+
+  int64_t reads() const { return reads_.load(); }
+  int64_t mixed() const { return mixed_.load(); }
+
+ private:
+  void read_loop() {
+    while (!stop_.load()) {
+      if (writer_waiting_.load()) {
+        std::this_thread::yield();
+        continue;
+      }
+      bool counted = false, mixed = false;
+      const Clock::time_point t0 = Clock::now();
+      {
+        std::shared_lock<std::shared_mutex> lock(mutex_);
+        const int64_t live = live_version_;
+        if (live > 0) {
+          // The live version and its neighbours, so that a read half-way
+          // between two versions is told from a read of neither.
+          const int64_t versions[3] = {live, live + 1, live - 1};
+          // Only the versions every element so far matched are computed:
+          // one hash per element once the first has matched one version.
+          uint64_t common = 0b111;
+          for (const Target& t : targets_)
+            for (const SampledElement& e : t.sample) {
+              if (common == 0) break;
+              common &= matching_versions(e, t.data, versions, 3, common);
+            }
+          counted = true;
+          mixed = common == 0;
+        }
+      }
+      const auto read_time = Clock::now() - t0;
+      if (counted) {
+        reads_.fetch_add(1);
+        if (mixed) mixed_.fetch_add(1);
+      }
+      // A server does work between reads; and a reader in each receiver
+      // process must leave the CPUs of a small machine to the refresh: at
+      // most a tenth of one core each.
+      std::this_thread::sleep_for(counted ? std::max<Clock::duration>(std::chrono::microseconds(200), 9 * read_time)
+                                          : Clock::duration(std::chrono::milliseconds(1)));
+    }
+  }
+
+  const std::vector<Target> targets_;
+  std::shared_mutex mutex_;
+  int64_t live_version_ = 0;  // guarded by mutex_
+  std::atomic<bool> writer_waiting_{false};
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> reads_{0}, mixed_{0};
+  std::thread thread_;  // last: starts after every member above exists
+};
+
 class Agent {
  public:
   explicit Agent(const AgentSpec& spec) : spec_(spec) {}
   ~Agent() {
+    paused_ = {};
+    reader_.reset();  // before the receiver (and its buffers) go
     // Receivers first: they read from sources, possibly this process's.
     if (api_ != nullptr) {
       api_->receiver_destroy(receiver_);
@@ -46,7 +140,10 @@ class Agent {
     if (what == "drain") return drain(cmd);
     if (what == "publish") return publish(cmd);
     if (what == "refresh") return refresh(cmd);
-    if (what == "unpack") return unpack();
+    if (what == "pause") return pause();
+    if (what == "commit") return commit();
+    if (what == "serve_stats") return serve_stats();
+    if (what == "unpack") return unpack(cmd);
     if (what == "verify") return verify_buffers(cmd);
     return Status::invalid("unknown command \"" + what + "\"");
   }
@@ -137,7 +234,50 @@ class Agent {
     }
     s = api_->receiver_join(receiver_);
     if (s != REFIT_OK) return abi_error("refit_receiver_join", s);
+    if (spec_.serve_check) start_reader();
     return Json{{"ok", true}, {"buffers", receiver_buffers_.size()}};
+  }
+
+  // The reader reads what a server serves from: the final buffers when there
+  // are (broadcast), else the receiver buffers.
+  void start_reader() {
+    const bool final = spec_.final_layout != nullptr;
+    const Layout& L = final ? *spec_.final_layout : *spec_.receiver_layout;
+    std::vector<ServingReader::Target> targets;
+    for (const RankBuffer& b : final ? final_buffers_ : receiver_buffers_)
+      targets.push_back({memory_.at(b.name).data.get(), sample_elements(L, b, spec_.sample_every)});
+    reader_ = std::make_unique<ServingReader>(std::move(targets));
+  }
+
+  Result<Json> pause() {
+    if (reader_ == nullptr) return Status::invalid("pause without a serving reader (serve_check)");
+    if (paused_.owns_lock()) return Status::invalid("pause: already paused");
+    paused_ = reader_->pause();
+    return Json{{"ok", true}};
+  }
+
+  Result<Json> commit() {
+    if (receiver_ == nullptr) return Status::invalid("commit before \"receiver\"");
+    std::unique_lock<std::shared_mutex> lock;
+    if (reader_ != nullptr) lock = reader_->pause();
+    const int64_t t0 = monotonic_ns();
+    refit_status_t s = api_->receiver_commit(receiver_);
+    const int64_t t1 = monotonic_ns();
+    if (s != REFIT_OK) return abi_error("refit_receiver_commit", s);
+    if (reader_ != nullptr) reader_->set_live_version(api_->receiver_version(receiver_));
+    lock = {};
+    Json report = Json::parse(api_->receiver_report(receiver_), nullptr, false);
+    if (report.is_discarded()) return Status::internal("refit_receiver_report is not JSON");
+    return Json{{"ok", true},
+                {"seconds", seconds_between(t0, t1)},
+                {"end_ns", t1},
+                {"version", api_->receiver_version(receiver_)},
+                {"report", std::move(report)}};
+  }
+
+  Result<Json> serve_stats() {
+    if (reader_ == nullptr) return Status::invalid("serve_stats without a serving reader (serve_check)");
+    return Json{{"ok", true}, {"reads", reader_->reads()}, {"mixed_version_reads", reader_->mixed()}};
   }
 
   Result<Json> fill_sources(const Json& cmd) {
@@ -170,6 +310,10 @@ class Agent {
     const int64_t t0 = monotonic_ns();
     refit_status_t s = api_->receiver_refresh(receiver_, v, cmd.value("timeout_ms", int64_t{30000}));
     const int64_t t1 = monotonic_ns();
+    if (paused_.owns_lock()) {  // a direct refresh wrote the live buffers: serve again
+      reader_->set_live_version(api_->receiver_version(receiver_));
+      paused_ = {};
+    }
     if (s != REFIT_OK) {
       Status e = abi_error("refit_receiver_refresh(" + std::to_string(v) + ")", s);
       return Json{{"ok", false}, {"status", api_->status_name(s)}, {"error", e.message()},
@@ -184,10 +328,12 @@ class Agent {
                 {"report", std::move(report)}};
   }
 
-  Result<Json> unpack() {
+  Result<Json> unpack(const Json& cmd) {
     if (spec_.final_layout == nullptr) return Status::invalid("this process has no final buffers to unpack into");
     const Layout& fin = *spec_.final_layout;
     const Layout& scratch = *spec_.receiver_layout;
+    std::unique_lock<std::shared_mutex> lock;
+    if (reader_ != nullptr) lock = reader_->pause();
     const int64_t t0 = monotonic_ns();
     for (const RankBuffer& b : final_buffers_) {
       uint8_t* to = memory_.at(b.name).data.get();
@@ -204,6 +350,7 @@ class Agent {
       }
     }
     const int64_t t1 = monotonic_ns();
+    if (reader_ != nullptr) reader_->set_live_version(version_of(cmd));
     return Json{{"ok", true}, {"seconds", seconds_between(t0, t1)}, {"end_ns", t1}};
   }
 
@@ -225,6 +372,9 @@ class Agent {
   refit_receiver_t* receiver_ = nullptr;
   std::vector<RankBuffer> source_buffers_, receiver_buffers_, final_buffers_;
   std::map<std::string, Memory> memory_;
+  // serve_check: the reader, and its lock while "pause" holds it.
+  std::unique_ptr<ServingReader> reader_;
+  std::unique_lock<std::shared_mutex> paused_;
 };
 
 }  // namespace

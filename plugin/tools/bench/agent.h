@@ -19,11 +19,29 @@
 //   {"cmd": "publish", "version": v}
 //   {"cmd": "refresh", "version": v, "timeout_ms": t}
 //       -> {"seconds", "end_ns", "report": {...}}
-//   {"cmd": "unpack"}  copy the final layout's slices out of the scratch buffers
-//       -> {"seconds", "end_ns"}
+//   {"cmd": "pause"}   direct mode with serve_check: take the server's lock
+//       exclusively (waits for the reader's current read); the next
+//       "refresh" releases it when it returns, as a server pauses for a
+//       direct refresh
+//   {"cmd": "commit"}  staged mode: refit_receiver_commit under the server's
+//       exclusive lock -> {"seconds", "end_ns", "report": {...}}
+//   {"cmd": "unpack", "version": v}  copy the final layout's slices out of the
+//       scratch buffers (under the server's exclusive lock) -> {"seconds", "end_ns"}
+//   {"cmd": "serve_stats"} -> {"reads", "mixed_version_reads"} so far
 //   {"cmd": "verify", "version": v}                check every receiver (or final) buffer byte
 //   {"cmd": "exit"}                                destroy the agents and leave with 0
 // Times are stamped with monotonic_ns() when the work ended.
+//
+// With serve_check, a receiver process runs a reader thread (started after
+// the fork, once the receiver exists) that stands in for a server: it reads
+// the live buffers (the final ones for broadcast) over and over, each full
+// read under a shared lock (std::shared_mutex), and checks a sample of the
+// elements of every segment (every sample_every-th, plus each segment's first
+// and last) against the pattern of the live version and its neighbours. A
+// read is mixed when no one version matches every sampled element (elements
+// of two versions, or of none). Reads start once a first version is live.
+// Whatever writes the live buffers takes the lock exclusively: "commit",
+// "unpack", and a direct "refresh" after "pause".
 
 #include <chrono>
 #include <cstdint>
@@ -43,6 +61,9 @@ struct AgentSpec {
   // into ("unpack") and that "verify" then checks.
   const Layout* final_layout = nullptr;
   int32_t final_rank = -1;
+  // Run the serving reader (see above) in a receiver process.
+  bool serve_check = false;
+  int64_t sample_every = 4096;
   // How long the child waits for its next command before it gives up.
   std::chrono::milliseconds idle_timeout{300000};
 };

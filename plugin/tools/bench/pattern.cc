@@ -156,4 +156,36 @@ Status verify(const Layout& layout, const RankBuffer& buffer, const uint8_t* dat
   return Status::ok();
 }
 
+std::vector<SampledElement> sample_elements(const Layout& layout, const RankBuffer& buffer, int64_t every) {
+  if (every < 1) every = 1;
+  std::vector<SampledElement> out;
+  for (const Placed& p : buffer.placed) {
+    const Tensor& t = layout.tensors[p.tensor];
+    const uint64_t seed = name_seed(t.name);
+    const int es = dtype_bytes(t.dtype);
+    int64_t seen = 0;  // elements of this segment visited so far
+    SampledElement last;
+    for_each_element(t, *p.region, [&](int64_t flat, int64_t off, int64_t count, int64_t stride) {
+      // The first multiple of `every` at or after `seen`, then every `every`.
+      for (int64_t i = (every - seen % every) % every; i < count; i += every)
+        out.push_back({(off + i * stride) * es, seed, flat + i, es});
+      last = {(off + (count - 1) * stride) * es, seed, flat + count - 1, es};
+      seen += count;
+    });
+    if (seen > 0 && (seen - 1) % every != 0) out.push_back(last);
+  }
+  return out;
+}
+
+uint64_t matching_versions(const SampledElement& e, const uint8_t* data, const int64_t* versions, int n,
+                           uint64_t among) {
+  uint64_t got = 0;
+  std::memcpy(&got, data + e.byte, static_cast<size_t>(e.bytes));
+  const uint64_t mask = e.bytes >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * e.bytes)) - 1;
+  uint64_t bits = 0;
+  for (int k = 0; k < n; ++k)
+    if ((among >> k & 1) && (pattern_value(e.seed, e.flat, versions[k]) & mask) == got) bits |= uint64_t{1} << k;
+  return bits;
+}
+
 }  // namespace refit::bench

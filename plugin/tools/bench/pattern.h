@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "planner/layout.h"
 #include "planner/status.h"
@@ -39,5 +40,25 @@ void fill(const Layout& layout, const RankBuffer& buffer, uint8_t* data, int64_t
 // the element (flat and per dim), the version and both values.
 Status verify(const Layout& layout, const RankBuffer& buffer, const uint8_t* data, int64_t version,
               bool check_guard = true);
+
+// One element of a buffer that a serving reader checks (--serve-check): where
+// it lies and how to compute what it should hold.
+struct SampledElement {
+  int64_t byte = 0;    // offset in the buffer
+  uint64_t seed = 0;   // name_seed of its tensor
+  int64_t flat = 0;    // flat row-major index in the tensor
+  int32_t bytes = 0;   // dtype_bytes
+};
+
+// Every `every`-th element of each segment of `buffer` in its element order,
+// plus the segment's first and last, so that a reader checks a buffer at a
+// cost of about 1/every of its elements. `every` >= 1.
+std::vector<SampledElement> sample_elements(const Layout& layout, const RankBuffer& buffer, int64_t every);
+
+// Which of versions[0..n) (n <= 64) element `e` of `data` matches: bit k set
+// when it holds the pattern of versions[k]. 0: the element holds none of them.
+// Only the versions whose bit is set in `among` are computed (and can be set).
+uint64_t matching_versions(const SampledElement& e, const uint8_t* data, const int64_t* versions, int n,
+                           uint64_t among = ~uint64_t{0});
 
 }  // namespace refit::bench

@@ -204,6 +204,86 @@ Result<std::vector<Json>> ProcessGroup::request_each(const std::vector<size_t>& 
   return replies;
 }
 
+std::vector<ProcessGroup::Answer> ProcessGroup::request_tolerating(const std::vector<size_t>& children,
+                                                                 const Json& command, Clock::time_point deadline,
+                                                                 size_t victim, Clock::time_point kill_at) {
+  const std::string what = command.value("cmd", std::string("?"));
+  std::vector<Answer> answers(children.size());
+  std::vector<bool> done(children.size(), false);
+  size_t left = children.size();
+  for (size_t k = 0; k < children.size(); ++k) {
+    Child& c = children_[children[k]];
+    Status s = c.reaped || c.fd < 0 ? Status::io_error("not running") : Channel(c.fd).send(command);
+    if (!s.is_ok()) {
+      answers[k].error = c.name + ": cannot send \"" + what + "\": " + s.message() + describe_death(c);
+      done[k] = true;
+      --left;
+    }
+  }
+  bool victim_alive = victim < children_.size() && !children_[victim].reaped;
+  while (left > 0 || victim_alive) {
+    if (victim_alive && Clock::now() >= kill_at) {
+      Child& v = children_[victim];
+      ::kill(v.pid, SIGKILL);
+      ::waitpid(v.pid, &v.wait_status, 0);
+      v.reaped = true;
+      victim_alive = false;
+      for (size_t k = 0; k < children.size(); ++k) {
+        if (children[k] != victim || done[k]) continue;
+        answers[k].error = v.name + " was killed (SIGKILL) while it ran \"" + what + "\"";
+        done[k] = true;
+        --left;
+      }
+      continue;
+    }
+    std::vector<pollfd> fds;
+    std::vector<size_t> which;
+    for (size_t k = 0; k < children.size(); ++k) {
+      if (done[k]) continue;
+      fds.push_back({children_[children[k]].fd, POLLIN, 0});
+      which.push_back(k);
+    }
+    Clock::time_point until = deadline;
+    if (victim_alive) until = std::min(until, kill_at);
+    const int wait = ms_left(until);
+    if (Clock::now() >= deadline) {
+      for (size_t k : which)
+        answers[k].error = children_[children[k]].name + ": no answer to \"" + what + "\" before the deadline";
+      break;
+    }
+    int r = ::poll(fds.data(), fds.size(), wait);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      for (size_t k : which) answers[k].error = std::string("poll: ") + std::strerror(errno);
+      break;
+    }
+    for (size_t j = 0; j < fds.size(); ++j) {
+      if (fds[j].revents == 0) continue;
+      const size_t k = which[j];
+      Child& c = children_[children[k]];
+      auto reply = Channel(c.fd).receive(deadline);
+      if (!reply) {
+        answers[k].error = c.name + " did not answer \"" + what + "\": " + reply.status().message() + describe_death(c);
+      } else if (!reply->is_object() || !reply->value("ok", false)) {
+        answers[k].error = c.name + " failed to " + what + ": " +
+                           (reply->is_object() ? reply->value("error", std::string("no reason given")) : reply->dump());
+      } else {
+        answers[k].ok = true;
+        answers[k].reply = std::move(*reply);
+      }
+      done[k] = true;
+      --left;
+    }
+  }
+  if (victim_alive) {  // the deadline came first
+    Child& v = children_[victim];
+    ::kill(v.pid, SIGKILL);
+    ::waitpid(v.pid, &v.wait_status, 0);
+    v.reaped = true;
+  }
+  return answers;
+}
+
 Result<Json> ProcessGroup::request(size_t child, const Json& command, Clock::time_point deadline) {
   auto r = request(std::vector<size_t>{child}, command, deadline);
   if (!r) return r.status();

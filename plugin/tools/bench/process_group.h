@@ -74,6 +74,21 @@ class ProcessGroup {
   Result<std::vector<Json>> request_each(const std::vector<size_t>& children, const std::vector<Json>& commands,
                                          Clock::time_point deadline);
 
+  // One child's answer to a command sent with request_tolerating: its reply
+  // when "ok", else what went wrong (its error, its death, no answer).
+  struct Answer {
+    bool ok = false;
+    Json reply;
+    std::string error;
+  };
+  // Like request(), but a child's failure is its Answer, and nothing is
+  // killed for it; with a victim, the victim (which may or may not be one of
+  // `children`) is SIGKILLed and reaped at `kill_at`. Returns once every
+  // child answered or `deadline` passed, and the victim is dead.
+  std::vector<Answer> request_tolerating(const std::vector<size_t>& children, const Json& command,
+                                         Clock::time_point deadline, size_t victim = SIZE_MAX,
+                                         Clock::time_point kill_at = Clock::time_point::max());
+
   // Asks every child still running to exit and waits for it until
   // `deadline`, then kills what is left. Returns the first problem: a child
   // that had to be killed or exited with a non-zero status.
