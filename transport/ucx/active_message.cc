@@ -76,18 +76,6 @@ void respond(ucp_ep_h reply_ep, uint64_t token, int32_t status, std::vector<uint
 
 std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
-Status set_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb, void* arg) {
-  ucp_am_handler_param_t p = {};
-  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                 UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  p.id = id;
-  p.flags = UCP_AM_FLAG_WHOLE_MSG;
-  p.cb = cb;
-  p.arg = arg;
-  return from_ucs(ucp_worker_set_am_recv_handler(worker, &p),
-                  "ucx active messages: registering the handler for AM id " + std::to_string(id));
-}
-
 bool read_request(const void* header, size_t header_length, const ucp_am_recv_param_t* param,
                   RequestHeader* h) {
   if (header_length != sizeof(*h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
@@ -121,8 +109,8 @@ bool in_range(unsigned id) {
 namespace active_message {
 
 Status install_fallback_handler(ucp_worker_h worker, unsigned id) {
-  if (id == ActiveMessages::kResponseId) return set_handler(worker, id, &drop, nullptr);
-  return set_handler(worker, id, &no_handler, reinterpret_cast<void*>(static_cast<uintptr_t>(id)));
+  if (id == ActiveMessages::kResponseId) return set_am_handler(worker, id, &drop, nullptr);
+  return set_am_handler(worker, id, &no_handler, reinterpret_cast<void*>(static_cast<uintptr_t>(id)));
 }
 
 Status install_fallback_handlers(ucp_worker_h worker) {
@@ -137,7 +125,7 @@ Status install_fallback_handlers(ucp_worker_h worker) {
 Result<std::unique_ptr<ActiveMessages>> ActiveMessages::create(Worker& worker) {
   if (worker.get() == nullptr) return Status::invalid("ucx active messages: worker is empty");
   std::unique_ptr<ActiveMessages> am(new ActiveMessages(worker));
-  REFIT_RETURN_IF_ERROR(set_handler(worker.get(), kResponseId, &on_response, am.get()));
+  REFIT_RETURN_IF_ERROR(set_am_handler(worker.get(), kResponseId, &on_response, am.get()));
   return am;
 }
 
@@ -155,7 +143,7 @@ Status ActiveMessages::serve(unsigned id, Handler handler) {
   if (!handler) return Status::invalid("ucx active messages: empty handler for AM id " +
                                        std::to_string(id));
   auto s = std::make_unique<Served>(Served{this, id, std::move(handler)});
-  REFIT_RETURN_IF_ERROR(set_handler(worker_.get(), id, &on_request, s.get()));
+  REFIT_RETURN_IF_ERROR(set_am_handler(worker_.get(), id, &on_request, s.get()));
   served_[id] = std::move(s);
   return Status::ok();
 }

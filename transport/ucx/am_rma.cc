@@ -54,18 +54,6 @@ void send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, c
   }
 }
 
-Status set_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb, void* arg) {
-  ucp_am_handler_param_t p = {};
-  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                 UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  p.id = id;
-  p.flags = UCP_AM_FLAG_WHOLE_MSG;
-  p.cb = cb;
-  p.arg = arg;
-  return from_ucs(ucp_worker_set_am_recv_handler(worker, &p),
-                  "ucx: registering the handler for AM id " + std::to_string(id));
-}
-
 ucs_status_t refuse_request(void* arg, const void* header, size_t header_length, void*, size_t,
                             const ucp_am_recv_param_t* param) {
   am_rma::RequestHeader h;
@@ -89,13 +77,13 @@ namespace am_rma {
 Status install_fallback_handler(ucp_worker_h worker, unsigned id) {
   switch (id) {
     case kGetRequest:
-      return set_handler(worker, id, &refuse_request,
+      return set_am_handler(worker, id, &refuse_request,
                          reinterpret_cast<void*>(static_cast<uintptr_t>(kGetReply)));
     case kPutRequest:
-      return set_handler(worker, id, &refuse_request,
+      return set_am_handler(worker, id, &refuse_request,
                          reinterpret_cast<void*>(static_cast<uintptr_t>(kPutReply)));
     default:
-      return set_handler(worker, id, &drop, nullptr);
+      return set_am_handler(worker, id, &drop, nullptr);
   }
 }
 
@@ -117,7 +105,7 @@ Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker) {
 }
 
 Status AmRmaServer::set_handler(unsigned id, ucp_am_recv_callback_t cb, void* arg) {
-  return refit::ucx::set_handler(worker_.get(), id, cb, arg)
+  return set_am_handler(worker_.get(), id, cb, arg)
       .with_context("ucx am rma server");
 }
 

@@ -95,4 +95,16 @@ Status Worker::signal() {
   return from_ucs(ucp_worker_signal(handle_), "ucx worker: ucp_worker_signal");
 }
 
+Status set_am_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t p = {};
+  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                 UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  p.id = id;
+  p.flags = UCP_AM_FLAG_WHOLE_MSG;
+  p.cb = cb;
+  p.arg = arg;
+  return from_ucs(ucp_worker_set_am_recv_handler(worker, &p),
+                  "ucx worker: registering the handler for AM id " + std::to_string(id));
+}
+
 }  // namespace refit::ucx

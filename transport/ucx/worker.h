@@ -62,4 +62,9 @@ class Worker {
   ThreadMode mode_ = ThreadMode::kSingle;
 };
 
+// Registers `cb` (with `arg`) for active messages with `id` on `worker`,
+// whole messages only; the error names the id. Shared by refit's AM users
+// (am_rma.h, active_message.h).
+Status set_am_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb, void* arg);
+
 }  // namespace refit::ucx
