@@ -65,16 +65,17 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   c.receiver = receiver;
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "coordinator", "network", "local", "window_bytes",
-                       "chunk_bytes", "heartbeat_ms", "log_level", "recipe", "mode"});
+                       "chunk_bytes", "heartbeat_ms", "log_level", "recipe", "mode", "verify"});
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
     }
     c.staged = mode == "staged";
   } else {
-    r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "snapshot"});
+    r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "snapshot", "verify"});
     c.snapshot = r.boolean(doc, "", "snapshot", false);
   }
+  c.verify = r.boolean(doc, "", "verify", false);
   constexpr int64_t kMaxRank = (1 << 20) - 1;  // the coordinator's limit
   c.rank = static_cast<int32_t>(r.integer(doc, "", "rank", std::nullopt, 0, kMaxRank));
   c.domain = static_cast<int32_t>(r.integer(doc, "", "domain", 0, 0, kMaxRank));
@@ -98,6 +99,9 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   read_transport(r, doc, "network", true, &c.network);
   if (receiver) {
     read_transport(r, doc, "local", false, &c.local, &c.local_fabric, &c.local_device);
+    if (r.ok() && c.verify && c.local_fabric == "nccl") {
+      r.fail("verify", "hashes host memory; the \"nccl\" local fabric's buffers are GPU memory");
+    }
     c.window_bytes = static_cast<uint64_t>(r.integer(doc, "", "window_bytes", int64_t{32} << 20, 4096));
     c.chunk_bytes = static_cast<uint64_t>(r.integer(doc, "", "chunk_bytes", int64_t{1} << 20, 4096));
     if (r.ok() && c.chunk_bytes > c.window_bytes) {

@@ -55,6 +55,7 @@ struct AgentConfig {
   std::optional<RecipeConfig> recipe;
   bool staged = false;    // receivers: "mode": "staged" (else "direct")
   bool snapshot = false;  // sources: copy the shards at publish
+  bool verify = false;    // sources: hash at publish; receivers: check after each refresh (plugin/verify.h)
 };
 
 // Parses a source's (receiver = false) or a receiver's config document.

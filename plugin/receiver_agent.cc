@@ -12,6 +12,8 @@
 #include "transport/cuda/nccl_comm.h"
 #include "transport/fabric/nccl_fabric.h"
 #endif
+#include "planner/dtype.h"
+#include "plugin/verify.h"
 #include "transport/fabric/cma_fabric.h"
 #include "transport/fabric/ucx_fabric.h"
 #include "transport/ucx/get_engine.h"
@@ -113,6 +115,10 @@ struct ReceiverAgent::Report {
   uint64_t pushes = 0;
   uint64_t retries = 0;
   double plan_s = 0, network_s = 0, local_s = 0, total_s = 0;
+  // Verification ("verify": true).
+  uint64_t verified_boxes = 0, verified_bytes = 0, unverified_bytes = 0;
+  double verify_s = 0;
+  bool verify_failed = false;  // a hash differed: not retried
 };
 
 ReceiverAgent::ReceiverAgent(AgentConfig config)
@@ -644,9 +650,54 @@ Status ReceiverAgent::run_refresh(int64_t requested, Clock::time_point deadline,
     report->minimum_network_bytes = compiled_->minimum_network_bytes;
     st = execute(*compiled_, version, deadline, report);
   }
+  if (st.is_ok() && config_.verify) st = verify(version, report);
   Result<Json> released = link_->request(MsgType::kRelease, lease);
   if (st.is_ok() && !released.is_ok()) log_.warn(released.status().message());
   return st;
+}
+
+Status ReceiverAgent::verify(int64_t version, Report* report) {
+  const Clock::time_point t0 = Clock::now();
+  Result<Json> r = link_->request(MsgType::kVersionHashes, Json{{"rank", config_.rank}, {"version", version}});
+  if (!r.is_ok()) return r.status().with_context("verify");
+  const Json& hashes = (*r)["hashes"];
+  for (const Json& h : hashes) {
+    const size_t bi = h.value("buffer", size_t{0}), si = h.value("segment", size_t{0});
+    if (bi >= buffers_.size() || si >= buffers_[bi].part.segments.size()) {
+      return Status::internal("version_hashes: the coordinator named buffer " + std::to_string(bi) + " segment " +
+                              std::to_string(si) + ", which this receiver did not register");
+    }
+    const Buf& b = buffers_[bi];
+    const control::Segment& seg = b.part.segments[si];
+    const std::optional<DType> dt = parse_dtype(b.part.dtype);
+    const int elem = dt ? dtype_bytes(*dt) : 1;
+    const std::vector<int64_t> start = h.value("start", std::vector<int64_t>());
+    const std::vector<int64_t> size = h.value("size", std::vector<int64_t>());
+    Result<uint64_t> mine = hash_box(b.data, b.bytes, seg, elem, start, size);
+    if (!mine.is_ok()) return mine.status().with_context("verify");
+    const uint64_t theirs = h.value("hash", uint64_t{0});
+    if (*mine != theirs) {
+      report->verify_failed = true;
+      return Status::io_error("verify: version " + std::to_string(version) + " of tensor \"" + seg.tensor +
+                              "\" start " + h["start"].dump() + " size " + h["size"].dump() + " in buffer \"" +
+                              b.part.name + "\" hashes to " + std::to_string(*mine) + ", but source rank " +
+                              std::to_string(h.value("rank", -1)) + " published " + std::to_string(theirs) +
+                              " for it: the bytes that arrived are not the ones published");
+    }
+    uint64_t n = static_cast<uint64_t>(elem);
+    for (int64_t v : size) n *= static_cast<uint64_t>(v);
+    ++report->verified_boxes;
+    report->verified_bytes += n;
+  }
+  report->unverified_bytes = r->value("unverified_bytes", uint64_t{0});
+  if (report->unverified_bytes > 0) {
+    const Json& first = r->value("unverified", Json::array());
+    log_.warn("verify: " + std::to_string(report->unverified_bytes) + " bytes of version " + std::to_string(version) +
+              " have no published hash (a source without \"verify\", or a layout registered after the publish)" +
+              (first.empty() ? std::string() : ", e.g. " + first[0].dump()));
+  }
+  report->verify_s = seconds_between(t0, Clock::now());
+  return Status::ok();
 }
 
 Status ReceiverAgent::stage_barrier(Status st, int64_t version, Clock::time_point deadline) {
@@ -723,6 +774,10 @@ void ReceiverAgent::finish(Status status, const Report& r) {
          {"pause_seconds", config_.staged ? 0.0 : r.total_s}};
   if (config_.staged) j["committed"] = false;
   if (r.minimum_network_bytes >= 0) j["minimum_network_bytes"] = r.minimum_network_bytes;
+  if (config_.verify) {
+    j["verify"] = {{"boxes", r.verified_boxes}, {"bytes", r.verified_bytes},
+                   {"unverified_bytes", r.unverified_bytes}, {"seconds", r.verify_s}};
+  }
   report_ = j.dump();
   if (config_.staged) {
     if (!status.is_ok()) log_.warn("refresh failed; the live buffers keep version " + std::to_string(version_.load()) +
@@ -757,7 +812,7 @@ Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds tim
     // coordinator replans without it once it is declared dead, and the
     // ranks of the domain fail and retry together), or ranks of the domain
     // on different memberships. Not an abort of the instance, nor bad input.
-    const bool retryable = !aborted_ && report.version > 0 &&
+    const bool retryable = !aborted_ && !report.verify_failed && report.version > 0 &&
                            (st.code() == Code::kIoError ||
                             st.message().find("another membership") != std::string::npos);
     if (st.is_ok() || !retryable || Clock::now() + kRetryPause * 2 >= deadline) break;

@@ -108,6 +108,8 @@ class ReceiverAgent {
 
   explicit ReceiverAgent(AgentConfig config);
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
+  // Checks what landed against the sources' hashes (plugin/verify.h).
+  Status verify(int64_t version, Report* report);
   Status stage_barrier(Status st, int64_t version, std::chrono::steady_clock::time_point deadline);
   Status run_refresh(int64_t version, std::chrono::steady_clock::time_point deadline, Report* report);
   Status execute(const CompiledPart& part, int64_t version, std::chrono::steady_clock::time_point deadline,

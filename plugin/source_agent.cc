@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "planner/dtype.h"
 #include "plugin/describe.h"
+#include "plugin/verify.h"
 
 namespace refit::plugin {
 
@@ -179,10 +181,55 @@ Status SourceAgent::publish(int64_t version) {
     }
     for (Buf& b : buffers_) std::memcpy(b.snapshot.get(), b.data, b.bytes);
   }
-  Result<control::Json> r = link_->request(MsgType::kPublishVersion, control::Json{{"version", version}});
+  control::Json body{{"version", version}};
+  if (config_.verify) {
+    Result<control::Json> hashes = hash_served();
+    if (!hashes.is_ok()) return hashes.status().with_context("publish " + std::to_string(version) + ": verify");
+    body["hashes"] = std::move(hashes).value();
+  }
+  Result<control::Json> r = link_->request(MsgType::kPublishVersion, body);
   if (!r.is_ok()) return r.status();
   published_ = version;
   return Status::ok();
+}
+
+Result<control::Json> SourceAgent::hash_served() {
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<control::Json> boxes = link_->request(MsgType::kVerifyBoxes, control::Json::object());
+  if (!boxes.is_ok()) return boxes.status();
+  const control::Json* list = boxes->contains("boxes") ? &(*boxes)["boxes"] : nullptr;
+  if (!list || !list->is_array()) return Status::internal("verify_boxes: the reply has no list of boxes");
+  control::Json hashes = control::Json::array();
+  uint64_t bytes = 0;
+  for (const control::Json& box : *list) {
+    if (box.value("rank", -1) != config_.rank) continue;
+    const std::string tensor = box.value("tensor", std::string());
+    const std::vector<int64_t> start = box.value("start", std::vector<int64_t>());
+    const std::vector<int64_t> size = box.value("size", std::vector<int64_t>());
+    bool done = false;
+    for (const Buf& b : buffers_) {
+      const std::optional<DType> dt = parse_dtype(b.dtype);
+      const int elem = dt ? dtype_bytes(*dt) : 1;
+      for (const control::Segment& seg : b.segments) {
+        if (done || seg.tensor != tensor) continue;
+        Result<uint64_t> h = hash_box(b.served(), b.bytes, seg, elem, start, size);
+        if (!h.is_ok()) continue;  // another segment of the tensor may hold it
+        hashes.push_back(control::to_json(control::BoxHash{config_.rank, tensor, start, size, *h}));
+        uint64_t n = static_cast<uint64_t>(elem);
+        for (int64_t s : size) n *= static_cast<uint64_t>(s);
+        bytes += n;
+        done = true;
+      }
+    }
+    if (!done) {
+      return Status::internal("the coordinator asked for a hash of tensor \"" + tensor + "\" start " +
+                              box["start"].dump() + " size " + box["size"].dump() +
+                              ", which no segment of this source holds");
+    }
+  }
+  log_.debug("verify: hashed " + std::to_string(hashes.size()) + " boxes, " + std::to_string(bytes) + " bytes, in " +
+             std::to_string(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()) + " s");
+  return hashes;
 }
 
 Status SourceAgent::wait_drained(int64_t version, std::chrono::milliseconds timeout) {

@@ -63,6 +63,9 @@ class SourceAgent {
   SourceAgent(AgentConfig config);
   void start_progress();
   void stop_progress();
+  // Verification: the hashes of the boxes this rank serves (plugin/verify.h),
+  // as publish_version carries them.
+  Result<control::Json> hash_served();
 
   AgentConfig config_;
   Log log_;

@@ -37,6 +37,15 @@
  *        "devices"     list of strings [all]: e.g. ["lo"] or ["mlx5_0:1"]
  *     "heartbeat_ms" integer [1000]: how often the agent tells the coordinator it lives
  *     "log_level"    "error" | "warn" | "info" | "debug" ["warn"]; REFIT_LOG_LEVEL overrides
+ *     "verify"       bool [false]: end-to-end verification. A source hashes (XXH3-64)
+ *                    each box it serves when it publishes; a receiver checks
+ *                    every box it got against its source's hash once the
+ *                    refresh has landed, and fails the refresh (REFIT_IO_ERROR,
+ *                    naming the tensor and box; not retried) on a difference.
+ *                    Boxes without a hash (a source without "verify", or a
+ *                    receiver layout registered after the publish) are counted
+ *                    in the report and logged, not failed. Host buffers only
+ *                    (not with "local": {"fabric": "nccl"})
  *
  *   Source only:
  *     "snapshot"     bool [false]: publish copies the shards into buffers of the
@@ -249,7 +258,8 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * "error", "epoch", "network_bytes" (this rank pulled), "local_bytes" (this
  * rank passed on), "minimum_network_bytes" (of the whole plan, all domains),
  * "pulls", "pushes", "retries", "seconds": {"plan", "network", "local",
- * "total"}, "pause_seconds", and in staged mode "committed"}. "{}" before
+ * "total"}, "pause_seconds", in staged mode "committed", and with "verify"
+ * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}}. "{}" before
  * the first. Owned by the receiver,
  * valid until its next refresh starts or it is destroyed.
  */

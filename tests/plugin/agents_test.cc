@@ -28,6 +28,12 @@ namespace {
 constexpr int64_t kRows = 96, kCols = 1000;  // F32 "w"; "b" is I32 [kCols]
 constexpr int kVersions = 3;
 
+// Verification (set before the forks): every agent runs with "verify", and
+// source 0 writes into its shard of w right after publishing version
+// g_tamper (0: never), as a trainer that does not wait for wait_drained would.
+bool g_verify = false;
+int g_tamper = 0;
+
 float w_value(int64_t r, int64_t c, int64_t v) { return static_cast<float>(r * 7919 + c * 31 + v * 1000003 % 8191); }
 int32_t b_value(int64_t c, int64_t v) { return static_cast<int32_t>(c * 17 + v * 101); }
 
@@ -46,6 +52,7 @@ std::string config(int rank, int domain, uint16_t port, const std::string& token
                       {"domain", domain},
                       {"coordinator", {{"address", "127.0.0.1:" + std::to_string(port)}, {"token_file", token_file}}},
                       {"heartbeat_ms", 200}};
+  if (g_verify) c["verify"] = true;
   if (receiver) {
     c["instance"] = staged ? 0 : rank;  // staged: one instance, which commits all or nothing
     if (staged) c["mode"] = "staged";
@@ -82,6 +89,7 @@ void source_child(int rank, uint16_t port, const std::string& token, int up, int
       for (int64_t col = 0; col < kCols; ++col) w[r * kCols + col] = w_value(row0 + r, col, v);
     for (int64_t col = 0; col < kCols; ++col) b[col] = b_value(col, v);
     if (refit_source_publish(s, v) != REFIT_OK) fail("publish");
+    if (v == g_tamper && rank == 0) w[5 * kCols + 7] += 1.0f;
     write_byte(up, 'p');
   }
   read_byte(down, &c);  // exit
@@ -132,6 +140,13 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
     const refit_status_t st = refit_receiver_refresh(r, v, step == Step::kFailOnPurpose ? 1 : 20000);
     if (step != Step::kRefresh) {
       if (st == REFIT_OK) fail("a refresh that should fail succeeded");
+      if (v == g_tamper) {  // this rank, or its instance, found the tampered bytes
+        const std::string error = refit_last_error();
+        std::fprintf(stderr, "rank %d v%d failed as it should: %s\n", rank, v, error.c_str());
+        if (error.find("verify: version " + std::to_string(v) + " of tensor \"w\"") == std::string::npos) {
+          fail("the error does not name the version and tensor that failed verification", 10);
+        }
+      }
       if (!staged) fail("a failure expected in direct mode", 5);
       check(live);  // staged: the live buffers keep the old version
       if (refit_receiver_version(r) != live) fail("the version moved on a failed refresh", 6);
@@ -151,6 +166,14 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
     // The whole plan's minimum: all of w (rank 0 needs it) and b, once for the one domain.
     if (report.value("minimum_network_bytes", int64_t{-1}) != kRows * kCols * 4 + kCols * 4) {
       fail("the report's minimum_network_bytes", 9);
+    }
+    if (g_verify) {  // every byte of both buffers checked against a source's hash
+      const nlohmann::json& verified = report["verify"];
+      const int64_t bytes = kRows * cols * 4 + kCols * 4;
+      if (verified.value("bytes", int64_t{0}) != bytes || verified.value("unverified_bytes", int64_t{-1}) != 0 ||
+          verified.value("boxes", 0) < 2) {
+        fail("the report's verify counts", 11);
+      }
     }
     std::fprintf(stderr, "rank %d: %s\n", rank, refit_receiver_report(r));
     write_byte(up, 'd');
@@ -270,6 +293,26 @@ TEST(Agents, AnotherInstanceOfTheDomainDyingDoesNotStopARefresh) {
 TEST(Agents, StagedRefreshCommitsAllOrNothing) {
   run_agents(true, {{Step::kRefresh, Step::kExpectFailure, Step::kRefresh},
                     {Step::kRefresh, Step::kFailOnPurpose, Step::kRefresh}});
+}
+
+// Verification: every byte each receiver gets is checked against the hash
+// its source computed at publish. Source 0 writes into w after publishing
+// version 2 (before anyone pulled it), so both ranks of the instance find
+// a hash that differs, name the tensor, and keep version 1 live; version 3
+// verifies and commits.
+TEST(Agents, VerificationCatchesBytesChangedAfterPublish) {
+  g_verify = true;
+  g_tamper = 2;
+  run_agents(true, {{Step::kRefresh, Step::kExpectFailure, Step::kRefresh},
+                    {Step::kRefresh, Step::kExpectFailure, Step::kRefresh}});
+  g_verify = false;
+  g_tamper = 0;
+}
+
+TEST(Agents, VerificationPassesOnEveryVersion) {
+  g_verify = true;
+  run_agents(false, {{}, {}});
+  g_verify = false;
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 #include "transport/control/control_state.h"
 
 #include <algorithm>
+#include <optional>
 
+#include "planner/dtype.h"
 #include "planner/layout_json.h"
 #include "planner/plan.h"
 
@@ -13,6 +15,44 @@ ControlState::~ControlState() = default;
 
 namespace {
 std::string dims(const std::vector<int64_t>& v) { return Json(v).dump(); }
+
+// The intersection of two boxes of one tensor; false when it is empty or
+// their ranks differ.
+bool intersect_box(const Segment& a, const Segment& b, std::vector<int64_t>* start, std::vector<int64_t>* size) {
+  if (a.start.size() != b.start.size()) return false;
+  start->resize(a.start.size());
+  size->resize(a.start.size());
+  for (size_t d = 0; d < a.start.size(); ++d) {
+    const int64_t lo = std::max(a.start[d], b.start[d]);
+    const int64_t hi = std::min(a.start[d] + a.size[d], b.start[d] + b.size[d]);
+    if (hi <= lo) return false;
+    (*start)[d] = lo;
+    (*size)[d] = hi - lo;
+  }
+  return true;
+}
+
+bool box_inside(const Segment& seg, const std::vector<int64_t>& start, const std::vector<int64_t>& size) {
+  if (seg.start.size() != start.size() || size.size() != start.size()) return false;
+  for (size_t d = 0; d < start.size(); ++d) {
+    if (start[d] < seg.start[d] || start[d] + size[d] > seg.start[d] + seg.size[d] || size[d] <= 0) return false;
+  }
+  return true;
+}
+
+std::string box_key(const std::string& tensor, const std::vector<int64_t>& start, const std::vector<int64_t>& size) {
+  std::string key = tensor;
+  key.push_back('\0');
+  for (int64_t v : start) key.append(reinterpret_cast<const char*>(&v), sizeof v);
+  for (int64_t v : size) key.append(reinterpret_cast<const char*>(&v), sizeof v);
+  return key;
+}
+
+int64_t numel(const std::vector<int64_t>& size) {
+  int64_t n = 1;
+  for (int64_t v : size) n *= v;
+  return n;
+}
 }  // namespace
 
 Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::time_point now) {
@@ -142,7 +182,7 @@ Status ControlState::heartbeat(uint64_t session, const MemberRef& m, Clock::time
   return Status::ok();
 }
 
-Status ControlState::publish(uint64_t session, int64_t version) {
+Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxHash> hashes) {
   std::vector<std::pair<int32_t, Member<RegisterSource>*>> mine;
   for (auto& [rank, s] : sources_) {
     if (s.session == session) mine.emplace_back(rank, &s);
@@ -157,9 +197,126 @@ Status ControlState::publish(uint64_t session, int64_t version) {
                              ", which source rank " + std::to_string(rank) + " already published");
     }
   }
+  // Check every hash before anything changes.
+  std::map<std::string, Hashed> incoming;
+  static const std::map<std::string, Hashed> kNone;
+  auto kv = hashes_.find(version);
+  const std::map<std::string, Hashed>& known = kv == hashes_.end() ? kNone : kv->second;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    const BoxHash& h = hashes[i];
+    const std::string where = "publish_version: hashes[" + std::to_string(i) + "] (tensor \"" + h.tensor +
+                              "\" start " + dims(h.start) + " size " + dims(h.size) + ")";
+    auto src = std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.first == h.rank; });
+    if (src == mine.end()) {
+      return Status::invalid(where + " names source rank " + std::to_string(h.rank) +
+                             ", which this connection did not register");
+    }
+    bool inside = false;
+    for (const MemberBuffer& b : src->second->info.buffers) {
+      for (const Segment& seg : b.segments) inside = inside || (seg.tensor == h.tensor && box_inside(seg, h.start, h.size));
+    }
+    if (!inside) return Status::invalid(where + " is not inside a segment of source rank " + std::to_string(h.rank));
+    const std::string key = box_key(h.tensor, h.start, h.size);
+    using Seen = const std::map<std::string, Hashed>*;
+    for (Seen seen : {Seen{&known}, Seen{&incoming}}) {
+      auto it = seen->find(key);
+      if (it != seen->end() && it->second.hash != h.hash) {
+        return Status::invalid(where + ": source rank " + std::to_string(h.rank) + " hashed version " +
+                               std::to_string(version) + " of it to " + std::to_string(h.hash) +
+                               ", source rank " + std::to_string(it->second.rank) + " to " +
+                               std::to_string(it->second.hash) +
+                               ": the sources hold different contents for one version");
+      }
+    }
+    incoming.emplace(key, Hashed{h.hash, h.rank});
+  }
   for (auto& [rank, s] : mine) s->published = version;
+  if (!incoming.empty()) hashes_[version].merge(incoming);
   advance_version();
+  prune_hashes();
   return Status::ok();
+}
+
+void ControlState::prune_hashes() {
+  // A receiver reads the group version or, under a lease, an older one;
+  // newer versions are still being published. At most kKeep versions are
+  // kept, the newest.
+  constexpr size_t kKeep = 8;
+  int64_t oldest = version_;
+  for (const auto& [rank, l] : leases_) oldest = std::min(oldest, l.version);
+  while (!hashes_.empty() && (hashes_.begin()->first < oldest || hashes_.size() > kKeep)) {
+    hashes_.erase(hashes_.begin());
+  }
+}
+
+Result<Json> ControlState::verify_boxes(uint64_t session) const {
+  Json boxes = Json::array();
+  bool is_source = false;
+  std::vector<int64_t> start, size;
+  for (const auto& [rank, s] : sources_) {
+    if (s.session != session) continue;
+    is_source = true;
+    std::set<std::string> seen;
+    for (const MemberBuffer& b : s.info.buffers) {
+      for (const Segment& seg : b.segments) {
+        for (const auto& [rr, r] : receivers_) {
+          for (const MemberBuffer& rb : r.info.buffers) {
+            for (const Segment& want : rb.segments) {
+              if (want.tensor != seg.tensor || !intersect_box(seg, want, &start, &size)) continue;
+              if (!seen.insert(box_key(seg.tensor, start, size)).second) continue;
+              boxes.push_back({{"rank", rank}, {"tensor", seg.tensor}, {"start", start}, {"size", size}});
+            }
+          }
+        }
+      }
+    }
+  }
+  if (!is_source) return Status::invalid("verify_boxes: only a connection that registered a source may ask");
+  return Json{{"boxes", std::move(boxes)}};
+}
+
+Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes& m) const {
+  REFIT_RETURN_IF_ERROR(owned("version_hashes", receivers_, Role::kReceiver, m.rank, session));
+  const Member<RegisterReceiver>& r = receivers_.at(m.rank);
+  static const std::map<std::string, Hashed> kNone;
+  auto v = hashes_.find(m.version);
+  const auto& known = v == hashes_.end() ? kNone : v->second;
+  // The sources' segments by tensor.
+  std::map<std::string, std::vector<const Segment*>> held;
+  for (const auto& [rank, s] : sources_) {
+    for (const MemberBuffer& b : s.info.buffers) {
+      for (const Segment& seg : b.segments) held[seg.tensor].push_back(&seg);
+    }
+  }
+  Json hashes = Json::array(), unverified = Json::array();
+  int64_t unverified_bytes = 0;
+  std::vector<int64_t> start, size;
+  for (size_t bi = 0; bi < r.info.buffers.size(); ++bi) {
+    const MemberBuffer& b = r.info.buffers[bi];
+    const std::optional<DType> dt = parse_dtype(b.dtype);
+    const int64_t elem = dt ? dtype_bytes(*dt) : 1;
+    for (size_t si = 0; si < b.segments.size(); ++si) {
+      const Segment& want = b.segments[si];
+      auto h = held.find(want.tensor);
+      if (h == held.end()) continue;
+      std::set<std::string> seen;
+      for (const Segment* seg : h->second) {
+        if (!intersect_box(want, *seg, &start, &size)) continue;
+        const std::string key = box_key(want.tensor, start, size);
+        if (!seen.insert(key).second) continue;
+        auto it = known.find(key);
+        if (it != known.end()) {
+          hashes.push_back({{"buffer", bi}, {"segment", si}, {"start", start}, {"size", size},
+                            {"hash", it->second.hash}, {"rank", it->second.rank}});
+        } else {
+          unverified_bytes += numel(size) * elem;
+          if (unverified.size() < 8) unverified.push_back({{"tensor", want.tensor}, {"start", start}, {"size", size}});
+        }
+      }
+    }
+  }
+  return Json{{"hashes", std::move(hashes)}, {"unverified_bytes", unverified_bytes},
+              {"unverified", std::move(unverified)}};
 }
 
 void ControlState::advance_version() {
@@ -405,6 +562,7 @@ Status ControlState::release(uint64_t session, const StageReport& m) {
   }
   leases_.erase(it);
   notify_drained();
+  prune_hashes();
   return Status::ok();
 }
 

@@ -111,7 +111,22 @@ class ControlState {
   // must exceed each one's last published version (else nothing changes).
   // Advances the group version, and notifies the subscribers, when every
   // registered source has now published a newer version.
-  Status publish(uint64_t session, int64_t version);
+  // `hashes` (verification, optional) are the sources' hashes of their
+  // boxes of `version`: each must name one of the connection's source ranks
+  // and lie inside one of its segments, and must agree with what another
+  // source published for the same box of the same version (else the whole
+  // publish is refused: two sources hold different contents for one version).
+  Status publish(uint64_t session, int64_t version, std::vector<BoxHash> hashes = {});
+  // Verification. What the connection's source ranks hash when they publish:
+  // {boxes: [{rank, tensor, start, size}]}, each of their segments cut by
+  // every registered receiver segment of its tensor, distinct per rank.
+  Result<Json> verify_boxes(uint64_t session) const;
+  // What receiver `m.rank` checks its copy of `m.version` against: for each
+  // of its segments, cut by every live source's segments of the tensor,
+  // {hashes: [{buffer, segment, start, size, hash, rank}], unverified_bytes,
+  // unverified: [{tensor, start, size}] (the first few boxes no source
+  // hashed)}. buffer and segment index the receiver's registration.
+  Result<Json> version_hashes(uint64_t session, const VersionHashes& m) const;
   Status subscribe(uint64_t session);
   // fetch_plan in steps, so that planning can run off the I/O thread:
   // check the request, then, if the cached plan is not current, plan
@@ -219,6 +234,15 @@ class ControlState {
   uint64_t epoch_ = 0;  // bumped on every membership change
   std::shared_ptr<const PlannedParts> plan_;
   uint64_t plans_made_ = 0;
+  // Verification: per version, box key (box_key()) -> its hash and the
+  // source rank that published it. Versions no receiver can still read are
+  // dropped (prune_hashes()).
+  struct Hashed {
+    uint64_t hash = 0;
+    int32_t rank = 0;
+  };
+  std::map<int64_t, std::map<std::string, Hashed>> hashes_;
+  void prune_hashes();
 };
 
 }  // namespace refit::control

@@ -512,9 +512,9 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
       break;
     }
     case MsgType::kPublishVersion: {
-      Result<PublishVersion> m = parse_publish_version(frame.body);
+      Result<PublishVersion> m = parse_publish_version(frame.body, "publish_version", lim);
       const int64_t before = state_.version();
-      st = m.is_ok() ? state_.publish(id, m->version) : m.status();
+      st = m.is_ok() ? state_.publish(id, m->version, std::move(m->hashes)) : m.status();
       if (st.is_ok()) {
         log("version " + std::to_string(m->version) + " published by " + s->peer() +
             (state_.version() != before ? "; the group version is now " + std::to_string(state_.version())
@@ -559,6 +559,22 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
         break;
       }
       s->reply("wait_drained", Json{{"ok", true}, {"drained", *drained}});
+      return;
+    }
+    case MsgType::kVerifyBoxes:
+    case MsgType::kVersionHashes: {
+      Result<VersionHashes> m = frame.type == MsgType::kVerifyBoxes ? Result<VersionHashes>(VersionHashes{})
+                                                                      : parse_version_hashes(frame.body, lim);
+      Result<Json> answer = !m.is_ok()                            ? Result<Json>(m.status())
+                            : frame.type == MsgType::kVerifyBoxes ? state_.verify_boxes(id)
+                                                                  : state_.version_hashes(id, *m);
+      if (!answer.is_ok()) {
+        st = answer.status();
+        break;
+      }
+      Json body = std::move(answer).value();
+      body["ok"] = true;
+      s->reply(type_name(frame.type), std::move(body));
       return;
     }
     case MsgType::kReportStaged:

@@ -22,6 +22,8 @@ bool is_known_type(uint16_t t) {
     case MsgType::kLease:
     case MsgType::kRelease:
     case MsgType::kWaitDrained:
+    case MsgType::kVerifyBoxes:
+    case MsgType::kVersionHashes:
     case MsgType::kCommit:
     case MsgType::kAbort:
     case MsgType::kDrained:
@@ -50,6 +52,8 @@ const char* type_name(MsgType t) {
     case MsgType::kLease: return "lease";
     case MsgType::kRelease: return "release";
     case MsgType::kWaitDrained: return "wait_drained";
+    case MsgType::kVerifyBoxes: return "verify_boxes";
+    case MsgType::kVersionHashes: return "version_hashes";
     case MsgType::kDrained: return "drained";
     case MsgType::kCommit: return "commit";
     case MsgType::kAbort: return "abort";

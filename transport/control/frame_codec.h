@@ -45,7 +45,7 @@ enum class MsgType : uint16_t {
   kRegisterReceiver = 17,
   kUnregister = 18,
   kHeartbeat = 19,
-  kPublishVersion = 20,   // {version}: this connection's sources hold it (control_state.h)
+  kPublishVersion = 20,   // {version, hashes?}: this connection's sources hold it (control_state.h)
   kSubscribe = 21,        // {}: reply {version}: the group version; version_notify follows each advance
   kFetchPlan = 22,        // {rank, epoch?}: reply {version, epoch, plan, runs, peers} (or unchanged): what receiver `rank` executes
                           // in membership `epoch` (the same runs until the epoch changes)
@@ -54,6 +54,8 @@ enum class MsgType : uint16_t {
   kLease = 25,            // {rank, version}: receiver `rank` reads version v from the sources
   kRelease = 26,          // {rank, version}
   kWaitDrained = 27,      // {version}: reply {drained}; if false, a drained notice follows
+  kVerifyBoxes = 28,      // {}: reply {boxes}: the boxes this connection's sources hash at publish
+  kVersionHashes = 29,    // {rank, version}: reply {hashes, unverified_bytes}: what receiver `rank` checks
   kReply = 32,            // server -> client: one per request, in order: {ok, error?, ...}
   kVersionNotify = 33,    // server -> subscribed client: {version}
   kCommit = 34,           // server -> every rank of an instance: {instance, version}

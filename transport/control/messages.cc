@@ -249,9 +249,41 @@ Result<MemberRef> parse_member_ref(const Json& body, const char* message, const 
   return m;
 }
 
-Result<PublishVersion> parse_publish_version(const Json& body, const char* message) {
+Result<PublishVersion> parse_publish_version(const Json& body, const char* message, const MessageLimits& lim) {
   Reader r(message);
   PublishVersion m;
+  r.int_in(body, "", "version", 1, std::numeric_limits<int64_t>::max(), &m.version);
+  if (!r.ok()) return r.status();
+  if (!body.contains("hashes")) return m;
+  const Json* hashes = r.array(body, "", "hashes", lim.max_segments);
+  if (!r.ok()) return r.status();
+  m.hashes.reserve(hashes->size());
+  for (size_t i = 0; i < hashes->size() && r.ok(); ++i) {
+    const Json& h = (*hashes)[i];
+    const std::string p = at("hashes", i);
+    BoxHash bh;
+    int64_t v = 0;
+    if (r.int_in(h, p, "rank", 0, lim.max_rank - 1, &v)) bh.rank = static_cast<int32_t>(v);
+    r.str(h, p, "tensor", lim.max_name_bytes, &bh.tensor);
+    r.dims(h, p, "start", lim.max_dims, 0, &bh.start);
+    r.dims(h, p, "size", lim.max_dims, 0, &bh.size);
+    if (r.ok() && !h.contains("hash")) r.fail(p + ".hash", "is missing");
+    r.uint64(h, p, "hash", &bh.hash);
+    if (r.ok() && bh.start.size() != bh.size.size()) {
+      r.fail(p, "has " + std::to_string(bh.start.size()) + " start and " + std::to_string(bh.size.size()) +
+                    " size dims; they must agree");
+    }
+    m.hashes.push_back(std::move(bh));
+  }
+  if (!r.ok()) return r.status();
+  return m;
+}
+
+Result<VersionHashes> parse_version_hashes(const Json& body, const MessageLimits& lim) {
+  Reader r("version_hashes");
+  VersionHashes m;
+  int64_t v = 0;
+  if (r.int_in(body, "", "rank", 0, lim.max_rank - 1, &v)) m.rank = static_cast<int32_t>(v);
   r.int_in(body, "", "version", 1, std::numeric_limits<int64_t>::max(), &m.version);
   if (!r.ok()) return r.status();
   return m;
@@ -309,5 +341,9 @@ Json to_json(const RegisterReceiver& m) {
 }
 
 Json to_json(const MemberRef& m) { return {{"role", role_name(m.role)}, {"rank", m.rank}}; }
+
+Json to_json(const BoxHash& h) {
+  return {{"rank", h.rank}, {"tensor", h.tensor}, {"start", h.start}, {"size", h.size}, {"hash", h.hash}};
+}
 
 }  // namespace refit::control

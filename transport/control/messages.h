@@ -81,15 +81,38 @@ struct MemberRef {  // unregister and heartbeat
   int32_t rank = 0;
 };
 
+// Verification (DESIGN.md section 6): the XXH3-64 of one box of a tensor at
+// a version, over the box's elements in row-major order, as the source rank
+// that holds it computed it at publish.
+struct BoxHash {
+  int32_t rank = 0;  // the source rank that hashed it
+  std::string tensor;
+  std::vector<int64_t> start;
+  std::vector<int64_t> size;
+  uint64_t hash = 0;
+};
+
 struct PublishVersion {
+  int64_t version = 0;
+  std::vector<BoxHash> hashes;  // optional: the sources' hashes of version
+};
+
+// version_hashes: {rank, version}: what receiver `rank` checks its copy of
+// `version` against.
+struct VersionHashes {
+  int32_t rank = 0;
   int64_t version = 0;
 };
 
 Result<RegisterSource> parse_register_source(const Json& body, const MessageLimits& limits);
 Result<RegisterReceiver> parse_register_receiver(const Json& body, const MessageLimits& limits);
 Result<MemberRef> parse_member_ref(const Json& body, const char* message, const MessageLimits& limits);
-// publish_version and wait_drained: {version}; `message` names which.
-Result<PublishVersion> parse_publish_version(const Json& body, const char* message = "publish_version");
+// publish_version {version, hashes?} and wait_drained {version}; `message`
+// names which. hashes: [{rank, tensor, start, size, hash}], at most
+// lim.max_segments of them.
+Result<PublishVersion> parse_publish_version(const Json& body, const char* message = "publish_version",
+                                             const MessageLimits& lim = MessageLimits{});
+Result<VersionHashes> parse_version_hashes(const Json& body, const MessageLimits& lim);
 struct StageReport {  // report_staged, report_failed, lease and release
   int32_t rank = 0;    // receiver rank
   int64_t version = 0;
@@ -111,5 +134,6 @@ Result<FetchPlan> parse_fetch_plan(const Json& body, const MessageLimits& limits
 Json to_json(const RegisterSource& m);
 Json to_json(const RegisterReceiver& m);
 Json to_json(const MemberRef& m);
+Json to_json(const BoxHash& h);
 
 }  // namespace refit::control

@@ -21,13 +21,14 @@ void parse_request(const Frame& f, const MessageLimits& lim) {
     case MsgType::kRegisterReceiver: (void)parse_register_receiver(f.body, lim); break;
     case MsgType::kUnregister:
     case MsgType::kHeartbeat: (void)parse_member_ref(f.body, "heartbeat", lim); break;
-    case MsgType::kPublishVersion: (void)parse_publish_version(f.body); break;
+    case MsgType::kPublishVersion: (void)parse_publish_version(f.body, "publish_version", lim); break;
     case MsgType::kFetchPlan: (void)parse_fetch_plan(f.body, lim); break;
     case MsgType::kReportStaged: (void)parse_stage_report(f.body, false, lim); break;
     case MsgType::kReportFailed: (void)parse_stage_report(f.body, true, lim); break;
     case MsgType::kLease:
     case MsgType::kRelease: (void)parse_stage_report(f.body, false, lim, "lease"); break;
     case MsgType::kWaitDrained: (void)parse_publish_version(f.body, "wait_drained"); break;
+    case MsgType::kVersionHashes: (void)parse_version_hashes(f.body, lim); break;
     default: break;
   }
 }

@@ -353,5 +353,68 @@ TEST(ControlState, DrainsAVersionWhenItsLeasesEnd) {
   EXPECT_TRUE(*s.wait_drained(1, 1));
 }
 
+// Verification: a source holding w[0, 512) and one holding w[512, 1024) for
+// a receiver that wants w[256, 768): each source hashes its half of the
+// receiver's box, and the receiver is told both, under its own buffer and
+// segment indices.
+TEST(ControlState, ListsTheBoxesToHashAndServesTheirHashes) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  for (int r = 0; r < 2; ++r) {
+    RegisterSource m = source(r);
+    m.tensors.push_back(TensorDecl{"w", "BF16", {1024}});
+    m.buffers.push_back(MemberBuffer{"w", "BF16", 1024, 0x1000, {1}, {Segment{"w", {512 * r}, {512}, 0, {1}}}});
+    ASSERT_TRUE(s.register_source(1 + r, m, now).is_ok());
+  }
+  RegisterReceiver rc = receiver(0, 0);
+  rc.buffers.push_back(MemberBuffer{"other", "BF16", 2, 0, {}, {}});
+  rc.buffers.push_back(MemberBuffer{"w", "BF16", 1024, 0, {}, {Segment{"w", {256}, {512}, 0, {1}}}});
+  ASSERT_TRUE(s.register_receiver(9, rc, now).is_ok());
+
+  Result<Json> boxes = s.verify_boxes(2);
+  ASSERT_TRUE(boxes.is_ok()) << boxes.status().message();
+  EXPECT_EQ((*boxes)["boxes"], Json::parse(R"([{"rank": 1, "tensor": "w", "start": [512], "size": [256]}])"));
+  EXPECT_FALSE(s.verify_boxes(9).is_ok()) << "a receiver's connection has nothing to hash";
+
+  // Source 0 publishes with its hash, source 1 without: half is unverified.
+  ASSERT_TRUE(s.publish(1, 1, {BoxHash{0, "w", {256}, {256}, 42}}).is_ok());
+  ASSERT_TRUE(s.publish(2, 1).is_ok());
+  Result<Json> h = s.version_hashes(9, VersionHashes{0, 1});
+  ASSERT_TRUE(h.is_ok()) << h.status().message();
+  EXPECT_EQ((*h)["hashes"], Json::parse(R"([{"buffer": 1, "segment": 0, "start": [256], "size": [256],
+                                             "hash": 42, "rank": 0}])"));
+  EXPECT_EQ((*h)["unverified_bytes"], 512);
+  EXPECT_EQ((*h)["unverified"], Json::parse(R"([{"tensor": "w", "start": [512], "size": [256]}])"));
+  EXPECT_FALSE(s.version_hashes(1, VersionHashes{0, 1}).is_ok()) << "not the receiver's connection";
+
+  // A hash of a box the rank does not hold, or of another connection's rank.
+  Status outside = s.publish(1, 2, {BoxHash{0, "w", {500}, {20}, 7}});
+  EXPECT_EQ(outside.message(),
+            "publish_version: hashes[0] (tensor \"w\" start [500] size [20]) is not inside a segment of source rank 0");
+  Status foreign = s.publish(1, 2, {BoxHash{1, "w", {512}, {20}, 7}});
+  EXPECT_NE(foreign.message().find("names source rank 1, which this connection did not register"), std::string::npos)
+      << foreign.message();
+  EXPECT_EQ(s.version_hashes(9, VersionHashes{0, 2}).value()["hashes"].size(), 0u) << "nothing stored";
+}
+
+// Two replicas that publish one version with different contents: the second
+// publish is refused, naming both ranks, and changes nothing.
+TEST(ControlState, RefusesReplicasThatDisagreeOnAVersion) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  ASSERT_TRUE(s.register_source(2, whole_source(1), now).is_ok());
+  ASSERT_TRUE(s.publish(1, 1, {BoxHash{0, "w", {0}, {1024}, 5}}).is_ok());
+  Status st = s.publish(2, 1, {BoxHash{1, "w", {0}, {1024}, 6}});
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("source rank 1 hashed version 1 of it to 6, source rank 0 to 5: the sources hold "
+                              "different contents for one version"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(s.version(), 0) << "the refused publish changed nothing";
+  EXPECT_TRUE(s.publish(2, 1, {BoxHash{1, "w", {0}, {1024}, 5}}).is_ok());
+  EXPECT_EQ(s.version(), 1);
+}
+
 }  // namespace
 }  // namespace refit::control

@@ -95,5 +95,34 @@ TEST(Messages, MemberRefAndPublish) {
   EXPECT_TRUE(parse_publish_version(Json{{"version", 3}}).is_ok());
 }
 
+TEST(Messages, PublishWithHashes) {
+  const Json good = Json::parse(R"({"version": 2, "hashes": [{"rank": 1, "tensor": "w", "start": [0, 4],
+                                    "size": [2, 4], "hash": 18446744073709551615}]})");
+  auto m = parse_publish_version(good);
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  ASSERT_EQ(m->hashes.size(), 1u);
+  EXPECT_EQ(m->hashes[0].hash, 18446744073709551615u);
+  EXPECT_EQ(m->hashes[0].size, (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(to_json(m->hashes[0]), good["hashes"][0]);
+  Json no_hash = good;
+  no_hash["hashes"][0].erase("hash");
+  EXPECT_EQ(parse_publish_version(no_hash).status().message(), "publish_version: hashes[0].hash is missing");
+  Json negative = good;
+  negative["hashes"][0]["hash"] = -1;
+  EXPECT_EQ(parse_publish_version(negative).status().message(),
+            "publish_version: hashes[0].hash must be an unsigned integer, got -1");
+  Json dims = good;
+  dims["hashes"][0]["size"] = {2};
+  EXPECT_EQ(parse_publish_version(dims).status().message(),
+            "publish_version: hashes[0] has 2 start and 1 size dims; they must agree");
+  MessageLimits lim;
+  lim.max_segments = 0;
+  EXPECT_EQ(parse_publish_version(good, "publish_version", lim).status().message(),
+            "publish_version: hashes has 1 entries, more than the limit of 0");
+  auto vh = parse_version_hashes(Json{{"rank", 3}, {"version", 0}}, MessageLimits{});
+  EXPECT_EQ(vh.status().message(),
+            "version_hashes: version must be an integer in [1, 9223372036854775807], got 0");
+}
+
 }  // namespace
 }  // namespace refit::control
