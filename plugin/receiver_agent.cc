@@ -30,6 +30,9 @@ namespace {
 constexpr std::chrono::milliseconds kRetryPause{200};
 // How often a running refresh asks whether the membership changed.
 constexpr std::chrono::milliseconds kMembershipCheck{250};
+// Staged mode: how long the watcher holds the coordinator connection while
+// it listens for an abort; the refresh waits up to this long for it to stop.
+constexpr std::chrono::milliseconds kAbortSlice{5};
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -496,7 +499,12 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   // when the instance aborts (staged: another rank failed) or the
   // membership changes (a peer of the domain died or left: the next attempt
   // runs the new plan).
+  // It must stop as soon as the transfer ends (the refresh waits for it):
+  // it sleeps on a condition variable, and listens for an abort in short
+  // slices (the coordinator connection cannot be woken).
   std::atomic<bool> watching{fan_status.is_ok()};
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
   std::string abort_reason;       // the instance aborted: not retried
   std::atomic<bool> replanned{false};
   std::thread watcher;
@@ -504,8 +512,8 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     watcher = std::thread([&] {
       auto next_check = Clock::now() + kMembershipCheck;
       while (watching.load(std::memory_order_acquire) && Clock::now() < deadline) {
-        const auto until = std::min({deadline, next_check, Clock::now() + std::chrono::milliseconds(100)});
         if (config_.staged) {
+          const auto until = std::min({deadline, next_check, Clock::now() + kAbortSlice});
           Result<std::optional<control::Frame>> n = link_->wait_notice_of({MsgType::kAbort}, until);
           if (n.is_ok() && n->has_value() && (**n).body.value("version", int64_t{0}) == version) {
             abort_reason = (**n).body.value("reason", std::string("no reason given"));
@@ -513,7 +521,9 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
             return;
           }
         } else {
-          std::this_thread::sleep_until(until);
+          std::unique_lock<std::mutex> lock(watch_mu);
+          watch_cv.wait_until(lock, std::min(deadline, next_check),
+                              [&] { return !watching.load(std::memory_order_acquire); });
         }
         if (Clock::now() < next_check || !watching.load(std::memory_order_acquire)) continue;
         next_check = Clock::now() + kMembershipCheck;
@@ -575,7 +585,11 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   }
   cv.notify_one();
   if (fan.joinable()) fan.join();
-  watching.store(false, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> lock(watch_mu);
+    watching.store(false, std::memory_order_release);
+  }
+  watch_cv.notify_all();
   if (watcher.joinable()) watcher.join();
   fabric_->end();
   if (fabric_->contact_changed()) changed_ = true;  // registered anew before the next refresh
