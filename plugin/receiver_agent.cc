@@ -49,8 +49,10 @@ struct CompiledPart {
     uint64_t remote = 0;
     uint8_t* local = nullptr;
     uint64_t bytes = 0;
+    uint8_t* device = nullptr;  // staged landing: where `local` is copied on to
   };
   uint64_t epoch = 0;
+  bool device_landing = false;  // some GETs land in a pinned mirror first
   std::vector<Get> net;
   std::map<int32_t, std::vector<std::pair<uint64_t, std::vector<uint8_t>>>> source_keys;  // rank -> (id, packed)
   std::map<int32_t, std::vector<uint8_t>> source_addresses;
@@ -69,7 +71,19 @@ namespace {
 
 // The local fabric the config asks for. "cma" falls back to "ucx" where the
 // kernel forbids cross-memory attach (the ranks of a host all decide alike).
-Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& config, const Log& log) {
+Result<bool> is_gpu_memory(const void* p) {
+#ifdef HAVE_CUDA
+  return cuda::is_device_pointer(p);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// With "nccl", also the copy stream that landing copies run on (*copy_ops),
+// which the fabric's sends are ordered after.
+Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& config, const Log& log,
+                                                         std::unique_ptr<cuda::CopyOps>* copy_ops) {
   if (config.local_fabric == "nccl") {
 #ifdef HAVE_NCCL
     int device = config.local_device;
@@ -78,7 +92,11 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& conf
       if (!current.is_ok()) return current.status();
       device = *current;
     }
-    Result<std::unique_ptr<cuda::CommFactory>> comms = cuda::nccl_comm_factory(device, /*upstream=*/nullptr);
+    Result<std::unique_ptr<cuda::CudaCopyOps>> ops = cuda::CudaCopyOps::create(device);
+    if (!ops.is_ok()) return ops.status();
+    void* upstream = (*ops)->stream();
+    *copy_ops = std::move(ops).value();
+    Result<std::unique_ptr<cuda::CommFactory>> comms = cuda::nccl_comm_factory(device, upstream);
     if (!comms.is_ok()) return comms.status();
     fabric::NcclFabricConfig nc;
     nc.rank = config.rank;
@@ -86,6 +104,7 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& conf
     if (!f.is_ok()) return f.status();
     return std::unique_ptr<fabric::LocalFabric>(std::move(f).value());
 #else
+    (void)copy_ops;
     return Status::unsupported("\"fabric\": \"nccl\" needs a build of refit with CUDA and NCCL");
 #endif
   }
@@ -146,7 +165,7 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
   Result<ucx::Worker> worker = ucx::Worker::create(*a->net_context_, ucx::ThreadMode::kSerialized);
   if (!worker.is_ok()) return worker.status();
   a->net_worker_.emplace(std::move(worker).value());
-  Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(a->config_, a->log_);
+  Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(a->config_, a->log_, &a->copy_ops_);
   if (!fabric.is_ok()) return fabric.status().with_context("config: \"local\"");
   a->fabric_ = std::move(fabric).value();
   Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_);
@@ -166,6 +185,7 @@ ReceiverAgent::~ReceiverAgent() {
   link_.reset();
   compiled_.reset();
   fabric_.reset();
+  copy_ops_.reset();  // waits for its copies, before the memory they touch goes
   sources_.clear();  // endpoints before their worker
   buffers_.clear();  // memory before the context
   net_worker_.reset();
@@ -192,15 +212,36 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   b.live = static_cast<uint8_t*>(data);
   b.data = b.live;
   b.bytes = bytes;
-  if (config_.staged) {  // refreshes land here; commit() copies them into `live`
-    const uint64_t rounded = (bytes + 4095) / 4096 * 4096;
-    b.staging.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
-    if (!b.staging) return Status::invalid("buffer \"" + b.part.name + "\": cannot allocate " +
-                                           std::to_string(bytes) + " bytes of staging memory");
-    std::memcpy(b.staging.get(), b.live, bytes);  // bytes outside the segments stay as they were
-    b.data = b.staging.get();
+  // The "nccl" fabric passes GPU memory, the others host memory: only with
+  // it does the agent ask CUDA what a buffer is (which makes a CUDA context).
+  if (copy_ops_) {
+    Result<bool> device = is_gpu_memory(b.live);
+    if (!device.is_ok()) return device.status().with_context("buffer \"" + b.part.name + "\"");
+    b.device = *device;
   }
+  if (!b.device && copy_ops_) {
+    return Status::invalid("buffer \"" + b.part.name + "\" is host memory; the \"nccl\" local fabric passes GPU "
+                           "memory only (use \"cma\" or \"ucx\" for host buffers)");
+  }
+  if (config_.staged) {  // refreshes land here; commit() copies them into `live`
+    if (b.device) {
+      REFIT_RETURN_IF_ERROR(device_staging(&b));
+    } else {
+      const uint64_t rounded = (bytes + 4095) / 4096 * 4096;
+      b.staging.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
+      if (!b.staging) return Status::invalid("buffer \"" + b.part.name + "\": cannot allocate " +
+                                             std::to_string(bytes) + " bytes of staging memory");
+      std::memcpy(b.staging.get(), b.live, bytes);  // bytes outside the segments stay as they were
+      b.data = b.staging.get();
+    }
+  }
+  b.landing = b.data;
   Result<ucx::MemoryRegion> net = ucx::MemoryRegion::map(*net_context_, b.data, bytes, b.part.name);
+  if (b.device && (!net.is_ok() || net->type() != ucx::MemoryType::kCuda)) {
+    // This UCX cannot write device memory: GETs land in a pinned mirror.
+    REFIT_RETURN_IF_ERROR(landing_mirror(&b));
+    net = ucx::MemoryRegion::map(*net_context_, b.landing, bytes, b.part.name + " (pinned landing mirror)");
+  }
   if (!net.is_ok()) return net.status();
   Result<std::vector<uint8_t>> key = fabric_->register_buffer(b.part.name, b.data, bytes);
   if (!key.is_ok()) return key.status();
@@ -209,6 +250,41 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   buffers_.push_back(std::move(b));
   changed_ = true;
   return Status::ok();
+}
+
+Status ReceiverAgent::device_staging(Buf* b) {
+#ifdef HAVE_CUDA
+  Result<int> device = cuda::current_device();
+  if (!device.is_ok()) return device.status();
+  Result<cuda::DeviceBuffer> staging = cuda::DeviceBuffer::allocate(config_.local_device >= 0 ? config_.local_device
+                                                                                             : *device,
+                                                                    b->bytes);
+  if (!staging.is_ok()) return staging.status().with_context("buffer \"" + b->part.name + "\": staging copy");
+  auto owner = std::make_shared<cuda::DeviceBuffer>(std::move(staging).value());
+  // Bytes outside the segments stay as they were.
+  REFIT_RETURN_IF_ERROR(cuda::copy_now(owner->data(), b->live, b->bytes));
+  b->data = owner->data();
+  b->device_memory = std::shared_ptr<void>(owner, owner.get());
+  return Status::ok();
+#else
+  return Status::internal("buffer \"" + b->part.name + "\": GPU memory in a build without CUDA");
+#endif
+}
+
+Status ReceiverAgent::landing_mirror(Buf* b) {
+#ifdef HAVE_CUDA
+  Result<cuda::PinnedBuffer> mirror = cuda::PinnedBuffer::allocate(b->bytes);
+  if (!mirror.is_ok()) return mirror.status().with_context("buffer \"" + b->part.name + "\": landing mirror");
+  auto owner = std::make_shared<cuda::PinnedBuffer>(std::move(mirror).value());
+  b->landing = owner->data();
+  // Both owners in one: the staging copy (if any) and the mirror.
+  auto both = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<cuda::PinnedBuffer>>>(
+      b->device_memory, owner);
+  b->device_memory = std::shared_ptr<void>(both, both.get());
+  return Status::ok();
+#else
+  return Status::internal("buffer \"" + b->part.name + "\": GPU memory in a build without CUDA");
+#endif
 }
 
 Status ReceiverAgent::join() {
@@ -321,7 +397,7 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
     part->written.assign(buffers_.size(), {});
     // Resolves a run's end in this rank; `writes` records the range as written.
     auto my_range = [&](const Json& end, uint64_t bytes, const std::string& what, uint8_t** out,
-                        bool writes = false) -> Status {
+                        bool writes = false, const Buf** which = nullptr) -> Status {
       const std::string name = end.at("buffer").get<std::string>();
       const uint64_t offset = end.at("offset").get<uint64_t>();
       auto it = mine.find(name);
@@ -332,6 +408,7 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
                    name + "\" (" + std::to_string(b.bytes) + " bytes)");
       }
       *out = b.data + offset;
+      if (which) *which = &b;
       if (writes) part->written[it->second].emplace_back(offset, bytes);
       return Status::ok();
     };
@@ -355,7 +432,9 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
       if (run.at("kind") == "net") {
         if (to_rank != me || from.at("side") != "source") return bad(what + " is a network run for another rank");
         CompiledPart::Get g;
-        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &g.local, /*writes=*/true));
+        const Buf* target = nullptr;
+        REFIT_RETURN_IF_ERROR(my_range(to, bytes, what, &g.local, /*writes=*/true, &target));
+        uint8_t* const final_place = g.local;
         auto sb = source_bufs.find({from_rank, from.at("buffer").get<std::string>()});
         if (sb == source_bufs.end()) {
           return bad(what + " reads buffer \"" + from.at("buffer").get<std::string>() + "\" of source rank " +
@@ -365,7 +444,12 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
         g.rkey_id = sb->second.rkey_id;
         g.remote = sb->second.address + from.at("offset").get<uint64_t>();
         g.bytes = bytes;
-        landed.push_back({g.local, g.local + bytes, static_cast<uint32_t>(part->net.size())});
+        if (target->landing != target->data) {  // lands in the mirror, then goes on to the device
+          g.device = final_place;
+          g.local = target->landing + (final_place - target->data);
+          part->device_landing = true;
+        }
+        landed.push_back({final_place, final_place + bytes, static_cast<uint32_t>(part->net.size())});
         part->net.push_back(std::move(g));
         part->network_bytes += bytes;
         continue;
@@ -493,6 +577,28 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   for (uint32_t i = 0; i < deps.size(); ++i) {
     if (deps[i] == 0) ready.push_back(i);
   }
+  // Releases the sends that read network run `run` once nothing else holds
+  // them back; REQUIRES mu. Returns whether any became ready.
+  auto release = [&](uint32_t run) {
+    bool any = false;
+    for (uint32_t op : part.dependents[run]) {
+      if (--deps[op] == 0) {
+        ready.push_back(op);
+        any = true;
+      }
+    }
+    return any;
+  };
+  // Staged landing (GPU buffers, a UCX without CUDA support): a run that
+  // landed in its pinned mirror goes to the lander, which copies it on to
+  // device memory and then releases its sends; the NCCL fabric's stream
+  // waits for those copies. The fan-out ends once the lander has seen every
+  // copy through.
+  std::condition_variable landing_cv;
+  std::vector<uint32_t> to_copy;              // guarded by mu
+  bool landing_done = !part.device_landing;   // guarded by mu
+  Status landing_status;                      // the lander's
+  auto inputs_done = [&] { return net_done && landing_done; };  // REQUIRES mu
   Status fan_status = fabric_->begin(schedule, deadline);
   Clock::time_point fan_end = Clock::now();
   // A watcher cancels the wait for peers at once instead of at the deadline
@@ -545,19 +651,70 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
         std::vector<uint32_t> take;
         {
           std::unique_lock<std::mutex> lock(mu);
-          cv.wait(lock, [&] { return !ready.empty() || net_done; });
+          cv.wait(lock, [&] { return !ready.empty() || inputs_done(); });
           take.swap(ready);
-          finished = net_done;
+          finished = inputs_done();
         }
         if (!take.empty()) fan_status = fabric_->send(take);
         done += take.size();
       }
-      if (fan_status.is_ok() && net_ok && done != schedule.sends.size()) {
+      if (fan_status.is_ok() && net_ok && landing_status.is_ok() && done != schedule.sends.size()) {
         fan_status = Status::internal(std::to_string(schedule.sends.size() - done) + " local runs never became ready");
       }
-      const Status finished_status = fabric_->finish(!fan_status.is_ok() || !net_ok);
+      const Status finished_status = fabric_->finish(!fan_status.is_ok() || !net_ok || !landing_status.is_ok());
       if (fan_status.is_ok() && net_ok) fan_status = finished_status;
       fan_end = Clock::now();
+    });
+  }
+
+  std::thread lander;
+  if (part.device_landing && fan_status.is_ok()) {
+    lander = std::thread([&] {
+      std::vector<cuda::Copy> copies;
+      bool last = false;
+      while (!last) {
+        std::vector<uint32_t> take;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          landing_cv.wait(lock, [&] { return !to_copy.empty() || net_done; });
+          take.swap(to_copy);
+          last = net_done;  // no GET completes after that
+        }
+        copies.clear();
+        for (uint32_t run : take) {
+          cuda::Copy c;
+          c.dst = part.net[run].device;
+          c.src = part.net[run].local;
+          c.width = part.net[run].bytes;
+          copies.push_back(c);
+        }
+        if (!copies.empty() && landing_status.is_ok()) landing_status = copy_ops_->copy_all(copies);
+        if (!landing_status.is_ok()) continue;
+        std::lock_guard<std::mutex> lock(mu);
+        bool any = false;
+        for (uint32_t run : take) any = release(run) || any;
+        if (any) cv.notify_one();
+      }
+      // Every copy through before the refresh counts as landed.
+      if (landing_status.is_ok()) {
+        Result<uint64_t> ticket = copy_ops_->record();
+        landing_status = ticket.status();
+        while (landing_status.is_ok()) {
+          Result<bool> done = copy_ops_->done(*ticket);
+          if (!done.is_ok()) landing_status = done.status();
+          if (!done.is_ok() || *done) break;
+          if (Clock::now() >= deadline) {
+            landing_status = Status::timeout("the copies from the landing mirrors to the GPU did not finish by the deadline");
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        landing_done = true;
+      }
+      cv.notify_one();
     });
   }
 
@@ -567,14 +724,12 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     r = net->run_batch(gets, deadline, [&](uint32_t run, const Status& st) {
       if (!st.is_ok()) return;
       std::lock_guard<std::mutex> lock(mu);
-      bool any = false;
-      for (uint32_t op : part.dependents[run]) {
-        if (--deps[op] == 0) {
-          ready.push_back(op);
-          any = true;
-        }
+      if (part.net[run].device != nullptr) {
+        to_copy.push_back(run);
+        landing_cv.notify_one();
+        return;
       }
-      if (any) cv.notify_one();
+      if (release(run)) cv.notify_one();
     });
   }
   const Clock::time_point net_end = Clock::now();
@@ -583,7 +738,9 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     net_done = true;
     net_ok = r.status.is_ok();
   }
+  landing_cv.notify_one();
   cv.notify_one();
+  if (lander.joinable()) lander.join();
   if (fan.joinable()) fan.join();
   {
     std::lock_guard<std::mutex> lock(watch_mu);
@@ -609,6 +766,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   report->network_bytes = r.bytes_done;
   report->local_bytes = part.local_bytes;
   if (!r.status.is_ok()) return r.status.with_context("network");
+  if (!landing_status.is_ok()) return landing_status.with_context("landing copies to the GPU");
   return fan_status;
 }
 
@@ -757,7 +915,20 @@ Status ReceiverAgent::commit() {
   const Clock::time_point t0 = Clock::now();
   for (size_t i = 0; i < buffers_.size() && i < staged_ranges_.size(); ++i) {
     const Buf& b = buffers_[i];
-    for (const auto& [off, n] : staged_ranges_[i]) std::memcpy(b.live + off, b.data + off, n);
+    for (const auto& [off, n] : staged_ranges_[i]) {
+      if (!b.device) {
+        std::memcpy(b.live + off, b.data + off, n);
+        continue;
+      }
+#ifdef HAVE_CUDA
+      if (Status st = cuda::copy_now(b.live + off, b.data + off, n); !st.is_ok()) {
+        version_.store(0);
+        staged_version_ = 0;
+        log_.error("commit failed part way; the live buffers are torn: " + st.message());
+        return st.with_context("commit (the live buffers are torn)");
+      }
+#endif
+    }
   }
   const double pause = seconds_between(t0, Clock::now());
   version_.store(staged_version_);

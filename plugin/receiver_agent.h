@@ -58,6 +58,7 @@
 #include "plugin/coordinator_link.h"
 #include "plugin/describe.h"
 #include "plugin/log.h"
+#include "transport/cuda/device_ops.h"
 #include "transport/fabric/local_fabric.h"
 #include "transport/ucx/context.h"
 #include "transport/ucx/endpoint.h"
@@ -96,6 +97,13 @@ class ReceiverAgent {
     uint8_t* data = nullptr;  // where refreshes write: `live`, or the staging copy
     uint64_t bytes = 0;
     std::unique_ptr<uint8_t, void (*)(void*)> staging{nullptr, &std::free};
+    // GPU memory (a build with CUDA): the staging copy is device memory too,
+    // and where the network cannot write device memory (UCX without CUDA
+    // support), GETs land in `landing`, a pinned host mirror of `data`, and
+    // are copied on to `data` run by run while the next ones arrive.
+    bool device = false;
+    uint8_t* landing = nullptr;  // where GETs land: `data`, or the mirror
+    std::shared_ptr<void> device_memory;  // owners of the staging copy and the mirror
     std::optional<ucx::MemoryRegion> net_region;
     std::vector<uint8_t> local_key;  // the fabric's key for it
   };
@@ -107,6 +115,9 @@ class ReceiverAgent {
   struct Report;
 
   explicit ReceiverAgent(AgentConfig config);
+  // GPU buffers: a staging copy in device memory; a pinned landing mirror.
+  Status device_staging(Buf* b);
+  Status landing_mirror(Buf* b);
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
   // Checks what landed against the sources' hashes (plugin/verify.h).
   Status verify(int64_t version, Report* report);
@@ -125,6 +136,9 @@ class ReceiverAgent {
   std::optional<ucx::Context> net_context_;
   std::optional<ucx::Worker> net_worker_;
   std::unique_ptr<fabric::LocalFabric> fabric_;
+  // The copies from landing mirrors to device memory, on a stream of their
+  // own that the NCCL fabric's sends wait for (null without the GPU path).
+  std::unique_ptr<cuda::CopyOps> copy_ops_;
   std::unique_ptr<CoordinatorLink> link_;
   std::vector<Buf> buffers_;
   std::map<int32_t, Peer> sources_;  // network endpoints, kept across refreshes

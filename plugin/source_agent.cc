@@ -5,6 +5,9 @@
 
 #include "planner/dtype.h"
 #include "plugin/describe.h"
+#ifdef HAVE_CUDA
+#include "transport/cuda/cuda_copy_ops.h"
+#endif
 #include "plugin/verify.h"
 
 namespace refit::plugin {
@@ -110,7 +113,12 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
     b.data = static_cast<uint8_t*>(data);
     b.bytes = bytes;
     b.segments = t->buffer.segments;
-    if (config_.snapshot) {
+#ifdef HAVE_CUDA
+    Result<bool> gpu = cuda::is_device_pointer(data);
+    if (!gpu.is_ok()) return gpu.status().with_context("tensor \"" + t->decl.name + "\"");
+    b.device = *gpu;
+#endif
+    if (!b.device && config_.snapshot) {
       b.snapshot.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)));
       if (!b.snapshot) {
         return Status::invalid("tensor \"" + t->decl.name + "\": cannot allocate " + std::to_string(bytes) +
@@ -119,7 +127,9 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
     }
     const bool running = progress_.joinable();
     stop_progress();  // registration must not race the worker's progress
-    Result<ucx::MemoryRegion> region = ucx::MemoryRegion::map(*context_, b.served(), bytes, b.name);
+    Status st = b.device ? gpu_mirror(&b).with_context("tensor \"" + t->decl.name + "\"") : Status::ok();
+    Result<ucx::MemoryRegion> region = st.is_ok() ? ucx::MemoryRegion::map(*context_, b.served(), bytes, b.name)
+                                                  : Result<ucx::MemoryRegion>(st);
     if (running) start_progress();
     if (!region.is_ok()) return region.status();
     buffers_.push_back(std::move(b));
@@ -173,13 +183,22 @@ Status SourceAgent::publish(int64_t version) {
                            std::to_string(published_) + ", the last this source published");
   }
   REFIT_RETURN_IF_ERROR(join());
-  if (config_.snapshot) {
+  const bool copies = std::any_of(buffers_.begin(), buffers_.end(), [](const Buf& b) { return b.copied_at_publish(); });
+  if (copies) {
     // The copy receivers read must not change under a lease on it.
     if (published_ > 0) {
       REFIT_RETURN_IF_ERROR(wait_drained(published_, config_.coordinator.timeout)
-                                .with_context("publish " + std::to_string(version) + " (snapshot mode)"));
+                                .with_context("publish " + std::to_string(version) + " (copying the shards)"));
     }
-    for (Buf& b : buffers_) std::memcpy(b.snapshot.get(), b.data, b.bytes);
+    for (Buf& b : buffers_) {
+      if (b.snapshot) std::memcpy(b.snapshot.get(), b.data, b.bytes);
+#ifdef HAVE_CUDA
+      if (b.mirror) {
+        REFIT_RETURN_IF_ERROR(cuda::copy_now(b.mirror, b.data, b.bytes)
+                                  .with_context("publish " + std::to_string(version) + ": buffer \"" + b.name + "\""));
+      }
+#endif
+    }
   }
   control::Json body{{"version", version}};
   if (config_.verify) {
@@ -230,6 +249,24 @@ Result<control::Json> SourceAgent::hash_served() {
   log_.debug("verify: hashed " + std::to_string(hashes.size()) + " boxes, " + std::to_string(bytes) + " bytes, in " +
              std::to_string(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()) + " s");
   return hashes;
+}
+
+Status SourceAgent::gpu_mirror(Buf* b) {
+#ifdef HAVE_CUDA
+  if (!config_.snapshot && !config_.verify) {
+    // Served in place where this UCX can read device memory.
+    Result<ucx::MemoryRegion> probe = ucx::MemoryRegion::map(*context_, b->data, b->bytes, b->name);
+    if (probe.is_ok() && probe->type() == ucx::MemoryType::kCuda) return Status::ok();
+  }
+  Result<cuda::PinnedBuffer> mirror = cuda::PinnedBuffer::allocate(b->bytes);
+  if (!mirror.is_ok()) return mirror.status().with_context("pinned mirror of a GPU shard");
+  auto owner = std::make_shared<cuda::PinnedBuffer>(std::move(mirror).value());
+  b->mirror = owner->data();
+  b->mirror_owner = std::shared_ptr<void>(owner, owner.get());
+  return Status::ok();
+#else
+  return Status::internal("buffer \"" + b->name + "\": GPU memory in a build without CUDA");
+#endif
 }
 
 Status SourceAgent::wait_drained(int64_t version, std::chrono::milliseconds timeout) {

@@ -56,13 +56,22 @@ class SourceAgent {
     uint64_t bytes = 0;
     // Snapshot mode: the copy receivers read, taken at publish.
     std::unique_ptr<uint8_t, void (*)(void*)> snapshot{nullptr, &std::free};
-    uint8_t* served() const { return snapshot ? snapshot.get() : data; }
+    // A GPU shard (a build with CUDA): served from a pinned host mirror that
+    // publish fills, where UCX cannot read device memory, in snapshot mode
+    // and with "verify" (hashes run on the host); else straight from `data`.
+    bool device = false;
+    uint8_t* mirror = nullptr;
+    std::shared_ptr<void> mirror_owner;
+    uint8_t* served() const { return mirror ? mirror : snapshot ? snapshot.get() : data; }
+    bool copied_at_publish() const { return mirror || snapshot; }
     std::vector<control::Segment> segments;
     std::optional<ucx::MemoryRegion> region;
   };
   SourceAgent(AgentConfig config);
   void start_progress();
   void stop_progress();
+  // A GPU shard's pinned host mirror, where it needs one (Buf::mirror).
+  Status gpu_mirror(Buf* b);
   // Verification: the hashes of the boxes this rank serves (plugin/verify.h),
   // as publish_version carries them.
   Result<control::Json> hash_served();

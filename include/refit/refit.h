@@ -62,7 +62,11 @@
  *        "fabric"      "cma" | "ucx" | "nccl" ["cma"]: host memory by cross-memory
  *                      attach (process_vm_writev) or UCX PUTs ("cma" falls back to
  *                      "ucx" where the kernel forbids it); GPU memory by NCCL (a
- *                      build with CUDA and NCCL)
+ *                      build with CUDA and NCCL). With "nccl" the buffers must be
+ *                      GPU memory: where UCX cannot write device memory (no CUDA
+ *                      support in the UCX build) GETs land in a pinned host mirror
+ *                      and are copied on to the GPU run by run, overlapped with
+ *                      the next GETs; staged mode keeps its staging copy on the GPU
  *        "device"      integer [the current CUDA device]: "nccl" only
  *        "transports"  list of strings ["shm"]: the UCX fabric's transports
  *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
@@ -156,6 +160,11 @@ REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_s
  * with the same data and bytes. "buffer" defaults to the tensor's name.
  * Registered with the coordinator at refit_source_join() (or the first
  * publish); tensors added later re-register the source.
+ *
+ * In a build with CUDA a shard may be GPU memory. Where UCX cannot read
+ * device memory (or in snapshot mode, or with "verify") the source serves it
+ * from a pinned host mirror that each publish fills (a device-to-host copy);
+ * the trainer may then write its shard again as soon as publish returns.
  */
 REFIT_EXPORT refit_status_t refit_source_add_tensor(refit_source_t* source, const char* tensor_json,
                                                     void* data, uint64_t bytes);

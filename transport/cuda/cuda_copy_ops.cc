@@ -208,6 +208,8 @@ Result<bool> is_device_pointer(const void* p) {
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error: an unknown pointer is host memory
     if (e == cudaErrorInvalidValue) return false;
+    // Without a driver or a device no pointer is device memory.
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorInitializationError) return false;
     return from_cuda(e, "cudaPointerGetAttributes");
   }
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;

@@ -94,7 +94,7 @@ class DeviceBuffer {
 };
 
 // Whether `p` is device (or managed) memory; host and unknown pointers are
-// not. With choose_landing() (staging.h) this picks direct GETs or staging.
+// not, nor is anything where there is no driver or no device. With choose_landing() (staging.h) this picks direct GETs or staging.
 Result<bool> is_device_pointer(const void* p);
 
 // The device current on this thread (cudaGetDevice): the default for a
