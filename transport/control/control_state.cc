@@ -145,6 +145,8 @@ void ControlState::abort_instance(int32_t instance, int64_t version, const std::
                               Json{{"instance", instance}, {"version", version}, {"reason", reason}}});
   }
   barriers_.erase(instance);
+  int64_t& last = aborted_[instance];
+  last = std::max(last, version);
 }
 
 void ControlState::remove_receiver(int32_t rank, const std::string& why) {
@@ -152,6 +154,7 @@ void ControlState::remove_receiver(int32_t rank, const std::string& why) {
   if (it == receivers_.end()) return;
   const int32_t instance = it->second.info.instance;
   receivers_.erase(it);
+  if (instance_ranks(instance).empty()) aborted_.erase(instance);
   ++epoch_;
   if (leases_.erase(rank)) notify_drained();
   auto b = barriers_.find(instance);
@@ -516,16 +519,34 @@ Result<Json> ControlState::plan_part(uint64_t session, int32_t rank) {
 Status ControlState::report_staged(uint64_t session, const StageReport& m) {
   REFIT_RETURN_IF_ERROR(owned("report_staged", receivers_, Role::kReceiver, m.rank, session));
   const int32_t instance = receivers_[m.rank].info.instance;
+  auto aborted = aborted_.find(instance);
+  if (aborted != aborted_.end() && aborted->second >= m.version) {
+    // A rank that staged after another had already failed: the version
+    // stays aborted, and this rank is told so (again).
+    notices_.push_back(Notice{session, MsgType::kAbort,
+                              Json{{"instance", instance}, {"version", m.version},
+                                   {"reason", "the instance already aborted version " + std::to_string(m.version)}}});
+    return Status::ok();
+  }
   Barrier& b = barriers_[instance];
-  if (b.version != 0 && b.version != m.version) {
+  if (b.version > m.version) {
     return Status::invalid("report_staged: instance " + std::to_string(instance) + " is staging version " +
                            std::to_string(b.version) + ", not " + std::to_string(m.version));
   }
-  b.version = m.version;
-  b.staged.insert(m.rank);
+  if (b.version != 0 && b.version < m.version) {
+    // The instance moved on without finishing the older barrier: it will
+    // never commit, and the ranks that staged it are told so.
+    const int64_t old = b.version;
+    abort_instance(instance, old, "receiver rank " + std::to_string(m.rank) + " staged version " +
+                                      std::to_string(m.version) + " before version " + std::to_string(old) +
+                                      " was committed");
+  }
+  Barrier& barrier = barriers_[instance];
+  barrier.version = m.version;
+  barrier.staged.insert(m.rank);
   const std::vector<int32_t> ranks = instance_ranks(instance);
   for (int32_t r : ranks) {
-    if (!b.staged.count(r)) return Status::ok();
+    if (!barrier.staged.count(r)) return Status::ok();
   }
   for (int32_t r : ranks) {
     notices_.push_back(Notice{receivers_[r].session, MsgType::kCommit,

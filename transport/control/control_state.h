@@ -29,7 +29,9 @@
 // Commit barrier (DESIGN.md section 6): each receiver rank of an instance
 // reports "staged v"; when every registered rank of the instance has, every
 // one of them is sent commit v. A failure report, or a rank of the instance
-// leaving, sends abort v to the others instead.
+// leaving, sends abort v to the others instead; a rank that reports staged v
+// after that is sent abort v too. A report of a newer version abandons an
+// unfinished barrier of an older one (its ranks are sent abort).
 //
 // Leases (DESIGN.md section 6): a receiver rank leases the version it reads
 // from the sources, at most one at a time, until it releases it, the lease
@@ -221,6 +223,9 @@ class ControlState {
   uint64_t next_tensor_order_ = 0;
   std::set<uint64_t> subscribers_;
   std::map<int32_t, Barrier> barriers_;  // by instance
+  // The last version each instance aborted: a rank that reports it staged
+  // afterwards (it had not heard yet) gets the abort, not a new barrier.
+  std::map<int32_t, int64_t> aborted_;
   std::vector<Notice> notices_;
   struct Lease {
     int64_t version = 0;

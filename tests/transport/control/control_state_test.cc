@@ -294,7 +294,6 @@ TEST(ControlState, CommitsAnInstanceOnlyWhenEveryRankStaged) {
   ASSERT_TRUE(s.register_receiver(12, receiver(2, 1), now).is_ok());
   ASSERT_TRUE(s.report_staged(10, StageReport{0, 3, ""}).is_ok());
   EXPECT_TRUE(s.take_notices().empty());
-  EXPECT_FALSE(s.report_staged(11, StageReport{1, 4, ""}).is_ok()) << "another version is being staged";
   EXPECT_FALSE(s.report_staged(10, StageReport{1, 3, ""}).is_ok()) << "not its rank";
   ASSERT_TRUE(s.report_staged(11, StageReport{1, 3, ""}).is_ok());
   auto n = s.take_notices();
@@ -302,6 +301,10 @@ TEST(ControlState, CommitsAnInstanceOnlyWhenEveryRankStaged) {
   EXPECT_EQ(n[0].type, MsgType::kCommit);
   EXPECT_EQ(n[0].body["version"], 3);
   EXPECT_EQ(n[1].session, 11u);
+  // An older version than the one being staged is refused.
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 5, ""}).is_ok());
+  Status old = s.report_staged(11, StageReport{1, 4, ""});
+  EXPECT_EQ(old.message(), "report_staged: instance 0 is staging version 5, not 4");
 }
 
 TEST(ControlState, AbortsAnInstanceOnFailureOrDeath) {
@@ -323,6 +326,41 @@ TEST(ControlState, AbortsAnInstanceOnFailureOrDeath) {
   ASSERT_EQ(n.size(), 1u);
   EXPECT_EQ(n[0].session, 10u);
   EXPECT_EQ(n[0].body["reason"], "receiver rank 1 was declared dead");
+}
+
+// A rank that reports staged v after another rank's failure already aborted
+// v is told to abort too, and the next version's barrier is not blocked by
+// it; a barrier left unfinished is abandoned by a newer version's report.
+TEST(ControlState, LateStagedReportOfAnAbortedVersionDoesNotBlockTheNext) {
+  ControlState s(StateLimits{}, 1s);
+  auto t0 = Clock::now();
+  ASSERT_TRUE(s.register_receiver(10, receiver(0, 0), t0).is_ok());
+  ASSERT_TRUE(s.register_receiver(11, receiver(1, 0), t0).is_ok());
+  ASSERT_TRUE(s.report_failed(10, StageReport{0, 2, "verify: hash differs"}).is_ok());
+  ASSERT_TRUE(s.report_staged(11, StageReport{1, 2, ""}).is_ok());
+  auto n = s.take_notices();
+  ASSERT_EQ(n.size(), 3u);  // the abort to both, then to the late rank again
+  EXPECT_EQ(n[2].session, 11u);
+  EXPECT_EQ(n[2].type, MsgType::kAbort);
+  EXPECT_EQ(n[2].body["version"], 2);
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 3, ""}).is_ok());
+  ASSERT_TRUE(s.report_staged(11, StageReport{1, 3, ""}).is_ok());
+  n = s.take_notices();
+  ASSERT_EQ(n.size(), 2u);
+  EXPECT_EQ(n[0].type, MsgType::kCommit);
+  EXPECT_EQ(n[1].type, MsgType::kCommit);
+  // Rank 0 staged 4, rank 1 never did and went on to 5: 4 is abandoned.
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 4, ""}).is_ok());
+  ASSERT_TRUE(s.report_staged(11, StageReport{1, 5, ""}).is_ok());
+  n = s.take_notices();
+  ASSERT_EQ(n.size(), 2u);
+  EXPECT_EQ(n[0].type, MsgType::kAbort);
+  EXPECT_EQ(n[0].body["version"], 4);
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 5, ""}).is_ok());
+  n = s.take_notices();
+  ASSERT_EQ(n.size(), 2u);
+  EXPECT_EQ(n[0].type, MsgType::kCommit);
+  EXPECT_EQ(n[0].body["version"], 5);
 }
 
 TEST(ControlState, DrainsAVersionWhenItsLeasesEnd) {
