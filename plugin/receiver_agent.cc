@@ -14,6 +14,7 @@
 #endif
 #include "planner/dtype.h"
 #include "plugin/verify.h"
+#include "transport/cuda/host_copy_ops.h"
 #include "transport/fabric/cma_fabric.h"
 #include "transport/fabric/ucx_fabric.h"
 #include "transport/ucx/get_engine.h"
@@ -71,6 +72,13 @@ namespace {
 
 // The local fabric the config asks for. "cma" falls back to "ucx" where the
 // kernel forbids cross-memory attach (the ranks of a host all decide alike).
+// REFIT_LANDING_MIRROR=1 (a test knob): host buffers take the GPU path's
+// landing mirrors and copies.
+bool landing_mirror_forced() {
+  const char* v = std::getenv("REFIT_LANDING_MIRROR");
+  return v != nullptr && std::string(v) == "1";
+}
+
 Result<bool> is_gpu_memory(const void* p) {
 #ifdef HAVE_CUDA
   return cuda::is_device_pointer(p);
@@ -166,6 +174,11 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
   if (!worker.is_ok()) return worker.status();
   a->net_worker_.emplace(std::move(worker).value());
   Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(a->config_, a->log_, &a->copy_ops_);
+  if (fabric.is_ok() && !a->copy_ops_ && landing_mirror_forced()) {
+    // The GPU path's landing logic on host buffers (docs/refresh.md).
+    a->copy_ops_ = std::make_unique<cuda::HostCopyOps>();
+    a->log_.info("REFIT_LANDING_MIRROR: GETs land in mirrors of the host buffers and are copied on");
+  }
   if (!fabric.is_ok()) return fabric.status().with_context("config: \"local\"");
   a->fabric_ = std::move(fabric).value();
   Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_);
@@ -214,12 +227,12 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   b.bytes = bytes;
   // The "nccl" fabric passes GPU memory, the others host memory: only with
   // it does the agent ask CUDA what a buffer is (which makes a CUDA context).
-  if (copy_ops_) {
+  if (config_.local_fabric == "nccl") {
     Result<bool> device = is_gpu_memory(b.live);
     if (!device.is_ok()) return device.status().with_context("buffer \"" + b.part.name + "\"");
     b.device = *device;
   }
-  if (!b.device && copy_ops_) {
+  if (!b.device && config_.local_fabric == "nccl") {
     return Status::invalid("buffer \"" + b.part.name + "\" is host memory; the \"nccl\" local fabric passes GPU "
                            "memory only (use \"cma\" or \"ucx\" for host buffers)");
   }
@@ -237,7 +250,7 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   }
   b.landing = b.data;
   Result<ucx::MemoryRegion> net = ucx::MemoryRegion::map(*net_context_, b.data, bytes, b.part.name);
-  if (b.device && (!net.is_ok() || net->type() != ucx::MemoryType::kCuda)) {
+  if ((b.device && (!net.is_ok() || net->type() != ucx::MemoryType::kCuda)) || (!b.device && copy_ops_)) {
     // This UCX cannot write device memory: GETs land in a pinned mirror.
     REFIT_RETURN_IF_ERROR(landing_mirror(&b));
     net = ucx::MemoryRegion::map(*net_context_, b.landing, bytes, b.part.name + " (pinned landing mirror)");
@@ -272,6 +285,14 @@ Status ReceiverAgent::device_staging(Buf* b) {
 }
 
 Status ReceiverAgent::landing_mirror(Buf* b) {
+  if (!b->device) {  // REFIT_LANDING_MIRROR on a host buffer
+    const uint64_t rounded = (b->bytes + 4095) / 4096 * 4096;
+    std::shared_ptr<uint8_t> mirror(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)), &std::free);
+    if (!mirror) return Status::invalid("buffer \"" + b->part.name + "\": cannot allocate its landing mirror");
+    b->landing = mirror.get();
+    b->device_memory = std::shared_ptr<void>(mirror, mirror.get());
+    return Status::ok();
+  }
 #ifdef HAVE_CUDA
   Result<cuda::PinnedBuffer> mirror = cuda::PinnedBuffer::allocate(b->bytes);
   if (!mirror.is_ok()) return mirror.status().with_context("buffer \"" + b->part.name + "\": landing mirror");
@@ -670,6 +691,23 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   std::thread lander;
   if (part.device_landing && fan_status.is_ok()) {
     lander = std::thread([&] {
+      // Waits until every copy issued so far has completed.
+      auto wait_copies = [&]() -> Status {
+        Result<uint64_t> ticket = copy_ops_->record();
+        if (!ticket.is_ok()) return ticket.status();
+        while (true) {
+          Result<bool> done = copy_ops_->done(*ticket);
+          if (!done.is_ok()) return done.status();
+          if (*done) return Status::ok();
+          if (Clock::now() >= deadline) {
+            return Status::timeout("the copies from the landing mirrors did not finish by the deadline");
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+      };
+      // The NCCL fabric's stream waits for the copy stream; the host
+      // fabrics read the bytes at once, so they wait for the copies here.
+      const bool fabric_waits = config_.local_fabric == "nccl";
       std::vector<cuda::Copy> copies;
       bool last = false;
       while (!last) {
@@ -689,6 +727,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
           copies.push_back(c);
         }
         if (!copies.empty() && landing_status.is_ok()) landing_status = copy_ops_->copy_all(copies);
+        if (!copies.empty() && landing_status.is_ok() && !fabric_waits) landing_status = wait_copies();
         if (!landing_status.is_ok()) continue;
         std::lock_guard<std::mutex> lock(mu);
         bool any = false;
@@ -696,20 +735,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
         if (any) cv.notify_one();
       }
       // Every copy through before the refresh counts as landed.
-      if (landing_status.is_ok()) {
-        Result<uint64_t> ticket = copy_ops_->record();
-        landing_status = ticket.status();
-        while (landing_status.is_ok()) {
-          Result<bool> done = copy_ops_->done(*ticket);
-          if (!done.is_ok()) landing_status = done.status();
-          if (!done.is_ok() || *done) break;
-          if (Clock::now() >= deadline) {
-            landing_status = Status::timeout("the copies from the landing mirrors to the GPU did not finish by the deadline");
-            break;
-          }
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-        }
-      }
+      if (landing_status.is_ok()) landing_status = wait_copies();
       {
         std::lock_guard<std::mutex> lock(mu);
         landing_done = true;
@@ -766,7 +792,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   report->network_bytes = r.bytes_done;
   report->local_bytes = part.local_bytes;
   if (!r.status.is_ok()) return r.status.with_context("network");
-  if (!landing_status.is_ok()) return landing_status.with_context("landing copies to the GPU");
+  if (!landing_status.is_ok()) return landing_status.with_context("landing copies");
   return fan_status;
 }
 

@@ -1,16 +1,19 @@
 #pragma once
 // CopyOps on the host: a thread of its own runs the copies in issue order,
-// like a CUDA stream, optionally slowed down, so that the staging pipeline's
-// overlap and ordering are exercised for real on a machine without a GPU.
+// like a CUDA stream, optionally slowed down, so that the GPU path's logic
+// (the staging pipeline, the receiver's landing copies) runs for real on a
+// machine without a GPU: in the CPU tests, and in a receiver told to land
+// its GETs in mirrors of host buffers (REFIT_LANDING_MIRROR, docs/refresh.md).
 
 #include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
 
+#include "transport/cuda/copy_plan.h"
 #include "transport/cuda/device_ops.h"
 
-namespace refit::cuda::testing {
+namespace refit::cuda {
 
 class HostCopyOps final : public CopyOps {
  public:
@@ -85,4 +88,4 @@ class HostCopyOps final : public CopyOps {
   std::thread thread_;
 };
 
-}  // namespace refit::cuda::testing
+}  // namespace refit::cuda

@@ -7,12 +7,11 @@
 #include <random>
 #include <thread>
 
-#include "host_copy_ops.h"
+#include "transport/cuda/host_copy_ops.h"
 
 namespace refit::cuda {
 namespace {
 
-using testing::HostCopyOps;
 
 // A network that serves each chunk on a thread of its own after a delay:
 // kToDevice copies the chunk's bytes from `remote` into the slot, kFromDevice
