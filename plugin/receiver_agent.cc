@@ -15,6 +15,7 @@
 #include "planner/dtype.h"
 #include "plugin/verify.h"
 #include "transport/cuda/host_copy_ops.h"
+#include "transport/cuda/pointer_probe.h"
 #include "transport/fabric/cma_fabric.h"
 #include "transport/fabric/ucx_fabric.h"
 #include "transport/ucx/get_engine.h"
@@ -79,19 +80,10 @@ bool landing_mirror_forced() {
   return v != nullptr && std::string(v) == "1";
 }
 
-Result<bool> is_gpu_memory(const void* p) {
-#ifdef HAVE_CUDA
-  return cuda::is_device_pointer(p);
-#else
-  (void)p;
-  return false;
-#endif
-}
-
 // With "nccl", also the copy stream that landing copies run on (*copy_ops),
 // which the fabric's sends are ordered after.
 Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& config, const Log& log,
-                                                         std::unique_ptr<cuda::CopyOps>* copy_ops) {
+                                                         std::unique_ptr<cuda::CopyOps>* copy_ops, int* gpu) {
   if (config.local_fabric == "nccl") {
 #ifdef HAVE_NCCL
     int device = config.local_device;
@@ -104,6 +96,7 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& conf
     if (!ops.is_ok()) return ops.status();
     void* upstream = (*ops)->stream();
     *copy_ops = std::move(ops).value();
+    *gpu = device;
     Result<std::unique_ptr<cuda::CommFactory>> comms = cuda::nccl_comm_factory(device, upstream);
     if (!comms.is_ok()) return comms.status();
     fabric::NcclFabricConfig nc;
@@ -113,6 +106,7 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& conf
     return std::unique_ptr<fabric::LocalFabric>(std::move(f).value());
 #else
     (void)copy_ops;
+    (void)gpu;
     return Status::unsupported("\"fabric\": \"nccl\" needs a build of refit with CUDA and NCCL");
 #endif
   }
@@ -173,7 +167,7 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
   Result<ucx::Worker> worker = ucx::Worker::create(*a->net_context_, ucx::ThreadMode::kSerialized);
   if (!worker.is_ok()) return worker.status();
   a->net_worker_.emplace(std::move(worker).value());
-  Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(a->config_, a->log_, &a->copy_ops_);
+  Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(a->config_, a->log_, &a->copy_ops_, &a->fabric_gpu_);
   if (fabric.is_ok() && !a->copy_ops_ && landing_mirror_forced()) {
     // The GPU path's landing logic on host buffers (docs/refresh.md).
     a->copy_ops_ = std::make_unique<cuda::HostCopyOps>();
@@ -225,12 +219,18 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   b.live = static_cast<uint8_t*>(data);
   b.data = b.live;
   b.bytes = bytes;
-  // The "nccl" fabric passes GPU memory, the others host memory: only with
-  // it does the agent ask CUDA what a buffer is (which makes a CUDA context).
-  if (config_.local_fabric == "nccl") {
-    Result<bool> device = is_gpu_memory(b.live);
-    if (!device.is_ok()) return device.status().with_context("buffer \"" + b.part.name + "\"");
-    b.device = *device;
+  // The "nccl" fabric passes GPU memory of its device, the others host
+  // memory (the probe asks the driver, and makes no CUDA context).
+  const cuda::PointerKind kind = cuda::probe_pointer(b.live);
+  b.device = kind.device;
+  if (b.device && config_.local_fabric != "nccl") {
+    return Status::invalid("buffer \"" + b.part.name + "\" is GPU memory (device " + std::to_string(kind.ordinal) +
+                           "); GPU buffers need \"local\": {\"fabric\": \"nccl\"}");
+  }
+  if (b.device && kind.ordinal != fabric_gpu_) {
+    return Status::invalid("buffer \"" + b.part.name + "\" is memory of GPU " + std::to_string(kind.ordinal) +
+                           ", the receiver's NCCL fabric runs on GPU " + std::to_string(fabric_gpu_) +
+                           " (\"local\": {\"device\": ...})");
   }
   if (!b.device && config_.local_fabric == "nccl") {
     return Status::invalid("buffer \"" + b.part.name + "\" is host memory; the \"nccl\" local fabric passes GPU "
@@ -267,21 +267,37 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
 
 Status ReceiverAgent::device_staging(Buf* b) {
 #ifdef HAVE_CUDA
-  Result<int> device = cuda::current_device();
-  if (!device.is_ok()) return device.status();
-  Result<cuda::DeviceBuffer> staging = cuda::DeviceBuffer::allocate(config_.local_device >= 0 ? config_.local_device
-                                                                                             : *device,
-                                                                    b->bytes);
+  Result<cuda::DeviceBuffer> staging = cuda::DeviceBuffer::allocate(fabric_gpu_, b->bytes);
   if (!staging.is_ok()) return staging.status().with_context("buffer \"" + b->part.name + "\": staging copy");
   auto owner = std::make_shared<cuda::DeviceBuffer>(std::move(staging).value());
   // Bytes outside the segments stay as they were.
-  REFIT_RETURN_IF_ERROR(cuda::copy_now(owner->data(), b->live, b->bytes));
+  cuda::Copy c;
+  c.dst = owner->data();
+  c.src = b->live;
+  c.width = b->bytes;
+  REFIT_RETURN_IF_ERROR(copy_and_wait({c}).with_context("buffer \"" + b->part.name + "\": staging copy"));
   b->data = owner->data();
   b->device_memory = std::shared_ptr<void>(owner, owner.get());
   return Status::ok();
 #else
   return Status::internal("buffer \"" + b->part.name + "\": GPU memory in a build without CUDA");
 #endif
+}
+
+Status ReceiverAgent::copy_and_wait(const std::vector<cuda::Copy>& copies) {
+  // Local copies end in bounded time: a generous bound only catches a
+  // broken device.
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(60);
+  REFIT_RETURN_IF_ERROR(copy_ops_->copy_all(copies));
+  Result<uint64_t> ticket = copy_ops_->record();
+  if (!ticket.is_ok()) return ticket.status();
+  while (true) {
+    Result<bool> done = copy_ops_->done(*ticket);
+    if (!done.is_ok()) return done.status();
+    if (*done) return Status::ok();
+    if (Clock::now() >= deadline) return Status::timeout("GPU copies did not finish within 60 s");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 Status ReceiverAgent::landing_mirror(Buf* b) {
@@ -692,16 +708,18 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   if (part.device_landing && fan_status.is_ok()) {
     lander = std::thread([&] {
       // Waits until every copy issued so far has completed.
+      // Local copies end in bounded time, also past the refresh's deadline
+      // (a failed refresh must not leave copies writing the buffers after
+      // it returned); the bound only catches a broken device.
       auto wait_copies = [&]() -> Status {
+        const Clock::time_point bound = std::max(deadline, Clock::now() + std::chrono::seconds(60));
         Result<uint64_t> ticket = copy_ops_->record();
         if (!ticket.is_ok()) return ticket.status();
         while (true) {
           Result<bool> done = copy_ops_->done(*ticket);
           if (!done.is_ok()) return done.status();
           if (*done) return Status::ok();
-          if (Clock::now() >= deadline) {
-            return Status::timeout("the copies from the landing mirrors did not finish by the deadline");
-          }
+          if (Clock::now() >= bound) return Status::timeout("the copies from the landing mirrors did not finish");
           std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
       };
@@ -735,7 +753,8 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
         if (any) cv.notify_one();
       }
       // Every copy through before the refresh counts as landed.
-      if (landing_status.is_ok()) landing_status = wait_copies();
+      const Status waited = wait_copies();  // whatever happened before
+      if (landing_status.is_ok()) landing_status = waited;
       {
         std::lock_guard<std::mutex> lock(mu);
         landing_done = true;
@@ -939,6 +958,7 @@ Status ReceiverAgent::commit() {
   if (!config_.staged) return Status::invalid("commit: this receiver refreshes in \"direct\" mode");
   if (staged_version_ == 0) return Status::invalid("commit: no version is staged");
   const Clock::time_point t0 = Clock::now();
+  std::vector<cuda::Copy> on_gpu;  // issued together on the copy stream, then waited for
   for (size_t i = 0; i < buffers_.size() && i < staged_ranges_.size(); ++i) {
     const Buf& b = buffers_[i];
     for (const auto& [off, n] : staged_ranges_[i]) {
@@ -946,14 +966,19 @@ Status ReceiverAgent::commit() {
         std::memcpy(b.live + off, b.data + off, n);
         continue;
       }
-#ifdef HAVE_CUDA
-      if (Status st = cuda::copy_now(b.live + off, b.data + off, n); !st.is_ok()) {
-        version_.store(0);
-        staged_version_ = 0;
-        log_.error("commit failed part way; the live buffers are torn: " + st.message());
-        return st.with_context("commit (the live buffers are torn)");
-      }
-#endif
+      cuda::Copy c;
+      c.dst = b.live + off;
+      c.src = b.data + off;
+      c.width = n;
+      on_gpu.push_back(c);
+    }
+  }
+  if (!on_gpu.empty()) {
+    if (Status st = copy_and_wait(on_gpu); !st.is_ok()) {
+      version_.store(0);
+      staged_version_ = 0;
+      log_.error("commit failed part way; the live buffers are torn: " + st.message());
+      return st.with_context("commit (the live buffers are torn)");
     }
   }
   const double pause = seconds_between(t0, Clock::now());

@@ -118,6 +118,8 @@ class ReceiverAgent {
   // GPU buffers: a staging copy in device memory; a pinned landing mirror.
   Status device_staging(Buf* b);
   Status landing_mirror(Buf* b);
+  // Runs `copies` on the copy stream and waits until they are done.
+  Status copy_and_wait(const std::vector<cuda::Copy>& copies);
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
   // Checks what landed against the sources' hashes (plugin/verify.h).
   Status verify(int64_t version, Report* report);
@@ -139,6 +141,7 @@ class ReceiverAgent {
   // The copies from landing mirrors to device memory, on a stream of their
   // own that the NCCL fabric's sends wait for (null without the GPU path).
   std::unique_ptr<cuda::CopyOps> copy_ops_;
+  int fabric_gpu_ = -1;  // the NCCL fabric's device
   std::unique_ptr<CoordinatorLink> link_;
   std::vector<Buf> buffers_;
   std::map<int32_t, Peer> sources_;  // network endpoints, kept across refreshes

@@ -9,6 +9,7 @@
 #include "transport/cuda/cuda_copy_ops.h"
 #endif
 #include "plugin/verify.h"
+#include "transport/cuda/pointer_probe.h"
 
 namespace refit::plugin {
 
@@ -113,11 +114,7 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
     b.data = static_cast<uint8_t*>(data);
     b.bytes = bytes;
     b.segments = t->buffer.segments;
-#ifdef HAVE_CUDA
-    Result<bool> gpu = cuda::is_device_pointer(data);
-    if (!gpu.is_ok()) return gpu.status().with_context("tensor \"" + t->decl.name + "\"");
-    b.device = *gpu;
-#endif
+    b.device = cuda::probe_pointer(data).device;  // asks the driver; makes no CUDA context
     if (!b.device && config_.snapshot) {
       b.snapshot.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)));
       if (!b.snapshot) {
@@ -132,6 +129,12 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
                                                   : Result<ucx::MemoryRegion>(st);
     if (running) start_progress();
     if (!region.is_ok()) return region.status();
+    if (published_ > 0) {  // receivers may read it before the next publish fills it
+      if (b.snapshot) std::memcpy(b.snapshot.get(), b.data, bytes);
+#ifdef HAVE_CUDA
+      if (b.mirror) REFIT_RETURN_IF_ERROR(cuda::copy_now(b.mirror, b.data, bytes).with_context("tensor \"" + t->decl.name + "\""));
+#endif
+    }
     buffers_.push_back(std::move(b));
     buffers_.back().region.emplace(std::move(region).value());
     rma_server_->export_region(*buffers_.back().region);
@@ -265,7 +268,7 @@ Status SourceAgent::gpu_mirror(Buf* b) {
   b->mirror_owner = std::shared_ptr<void>(owner, owner.get());
   return Status::ok();
 #else
-  return Status::internal("buffer \"" + b->name + "\": GPU memory in a build without CUDA");
+  return Status::unsupported("buffer \"" + b->name + "\" is GPU memory; this build of refit has no CUDA");
 #endif
 }
 

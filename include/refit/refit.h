@@ -164,7 +164,9 @@ REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_s
  * In a build with CUDA a shard may be GPU memory. Where UCX cannot read
  * device memory (or in snapshot mode, or with "verify") the source serves it
  * from a pinned host mirror that each publish fills (a device-to-host copy);
- * the trainer may then write its shard again as soon as publish returns.
+ * the trainer may then write its shard again as soon as publish returns, and,
+ * as in snapshot mode, a publish first waits (up to coordinator.timeout_ms)
+ * until no receiver still reads the mirror's previous version.
  */
 REFIT_EXPORT refit_status_t refit_source_add_tensor(refit_source_t* source, const char* tensor_json,
                                                     void* data, uint64_t bytes);

@@ -13,11 +13,33 @@ namespace {
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
 
+// Makes `device` current on this thread for one call and restores the
+// caller's device afterwards: refit runs on the application's threads and
+// must not change which device they work on.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    status_ = from_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  Status status_;
+};
+
 }  // namespace
 
 Result<std::unique_ptr<CudaCopyOps>> CudaCopyOps::create(int device) {
   REFIT_RETURN_IF_ERROR(probe_device());
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")"));
+  DeviceGuard guard(device);
+  REFIT_RETURN_IF_ERROR(guard.status());
   std::unique_ptr<CudaCopyOps> ops(new CudaCopyOps(device));
   cudaStream_t stream = nullptr;
   REFIT_RETURN_IF_ERROR(from_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
@@ -27,7 +49,7 @@ Result<std::unique_ptr<CudaCopyOps>> CudaCopyOps::create(int device) {
 
 CudaCopyOps::~CudaCopyOps() {
   if (stream_ == nullptr) return;
-  cudaSetDevice(device_);
+  DeviceGuard guard(device_);
   cudaStreamSynchronize(as_stream(stream_));
   for (auto& [ticket, e] : pending_) cudaEventDestroy(as_event(e));
   for (void* e : spare_) cudaEventDestroy(as_event(e));
@@ -77,7 +99,8 @@ Status CudaCopyOps::copy_all(std::span<const Copy> copies) {
 
 Status CudaCopyOps::scatter(std::span<const Copy> run) {
 #ifdef REFIT_HAVE_SCATTER_KERNEL
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaSetDevice(device_), "cudaSetDevice(" + std::to_string(device_) + ")"));
+  DeviceGuard guard(device_);
+  REFIT_RETURN_IF_ERROR(guard.status());
   if (tables_ == nullptr) {
     REFIT_RETURN_IF_ERROR(from_cuda(cudaHostAlloc(&tables_, kTables * kTablePieces * sizeof(ScatterPiece),
                                                   cudaHostAllocPortable | cudaHostAllocMapped),
@@ -110,7 +133,8 @@ Status CudaCopyOps::scatter(std::span<const Copy> run) {
 }
 
 Status CudaCopyOps::copy(const Copy& c) {
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaSetDevice(device_), "cudaSetDevice(" + std::to_string(device_) + ")"));
+  DeviceGuard guard(device_);
+  REFIT_RETURN_IF_ERROR(guard.status());
   if (c.height == 1 && c.depth == 1) {
     return from_cuda(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDefault, as_stream(stream_)),
                      "cudaMemcpyAsync(" + std::to_string(c.width) + " bytes)");
@@ -132,6 +156,8 @@ Status CudaCopyOps::copy(const Copy& c) {
 }
 
 Result<uint64_t> CudaCopyOps::record() {
+  DeviceGuard guard(device_);
+  REFIT_RETURN_IF_ERROR(guard.status());
   void* e = nullptr;
   if (!spare_.empty()) {
     e = spare_.back();
@@ -183,7 +209,8 @@ PinnedBuffer::~PinnedBuffer() {
 }
 
 Result<DeviceBuffer> DeviceBuffer::allocate(int device, uint64_t bytes) {
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")"));
+  DeviceGuard guard(device);
+  REFIT_RETURN_IF_ERROR(guard.status());
   void* p = nullptr;
   REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&p, bytes), "cudaMalloc(" + std::to_string(bytes) + " bytes)"));
   return DeviceBuffer(static_cast<uint8_t*>(p), bytes);

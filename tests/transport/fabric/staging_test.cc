@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "transport/cuda/host_copy_ops.h"
+#include "transport/cuda/pointer_probe.h"
 
 namespace refit::cuda {
 namespace {
@@ -203,5 +204,20 @@ TEST(Landing, DeviceMemoryUcxCannotReachGoesThroughStaging) {
   EXPECT_STREQ(landing_name(Landing::kStaged), "staged");
 }
 
+}  // namespace
+}  // namespace refit::cuda
+
+// The driver probe makes no CUDA context and calls host memory host memory,
+// with a driver (a GPU machine) or without one (then there is no GPU memory).
+namespace refit::cuda {
+namespace {
+TEST(PointerProbe, HostMemoryIsHostMemory) {
+  std::vector<uint8_t> heap(1 << 20);
+  int stack = 0;
+  EXPECT_FALSE(probe_pointer(heap.data()).device);
+  EXPECT_FALSE(probe_pointer(&stack).device);
+  EXPECT_FALSE(probe_pointer(nullptr).device);
+  EXPECT_EQ(probe_pointer(heap.data()).ordinal, -1);
+}
 }  // namespace
 }  // namespace refit::cuda
