@@ -1,5 +1,5 @@
 // refit-ucx-bench [--transport tcp|shm] [--memory ucx|user] [--peer-errors]
-//                 [--no-peer-errors] [--json F]
+//                 [--no-peer-errors] [--repeat N] [--json F]
 //
 // For message sizes from 64 KiB to 64 MiB: the GET engine's bandwidth (this
 // process pulling from a server process it starts, a window of several MiB
@@ -21,6 +21,11 @@
 // posix/sysv active messages, as strace shows no process_vm_readv; cma only
 // serves rendezvous). Like ucx_perftest, every GET of a size uses
 // the same remote and local range, so both measure the transport, not DRAM.
+//
+// Noise: the engine and perftest take turns, --repeat times per size (3 by
+// default), and each side's best turn is reported. On a small shared
+// machine a single turn of either can lose half its bandwidth to other
+// work; the best of several is what the transport can do, for both alike.
 //
 // The server is this binary re-executed with --serve (a clean process: UCX
 // does not survive fork). Every wait has a deadline; a server or perftest
@@ -335,7 +340,7 @@ struct Row {
 };
 
 Status bench_transport(const std::string& self, const std::string& transport,
-                       PeerErrorHandling err_mode, const std::string& memory,
+                       PeerErrorHandling err_mode, const std::string& memory, int repeat,
                        std::vector<Row>* rows) {
   auto tls = ucx_tls_string({transport}, "bench");
   if (!tls) return tls.status();
@@ -419,28 +424,31 @@ Status bench_transport(const std::string& self, const std::string& transport,
                                 : lines.c_str());
       printed_server_lanes = true;
     }
-    uint64_t bytes = 0;
-    const auto start = Clock::now();
-    int batches = 0;
-    while (batches < 3 || Clock::now() - start < std::chrono::milliseconds(500)) {
-      auto r = (*engine)->run_batch(runs, Clock::now() + std::chrono::seconds(30));
-      if (!r.status.is_ok()) return r.status;
-      bytes += r.bytes_done;
-      ++batches;
-    }
-    double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    row.engine_gbps = static_cast<double>(bytes) / secs / 1e9;
-    uint64_t iters = std::max<uint64_t>(20, bytes / size);
-    auto pt = run_perftest(*tls, transport, size, ops, iters, port++);
-    if (pt) {
-      row.perftest_gbps = pt->gbps;
+    for (int turn = 0; turn < repeat; ++turn) {
+      uint64_t bytes = 0;
+      const auto start = Clock::now();
+      int batches = 0;
+      while (batches < 3 || Clock::now() - start < std::chrono::milliseconds(500)) {
+        auto r = (*engine)->run_batch(runs, Clock::now() + std::chrono::seconds(30));
+        if (!r.status.is_ok()) return r.status;
+        bytes += r.bytes_done;
+        ++batches;
+      }
+      double secs = std::chrono::duration<double>(Clock::now() - start).count();
+      row.engine_gbps = std::max(row.engine_gbps, static_cast<double>(bytes) / secs / 1e9);
+      uint64_t iters = std::max<uint64_t>(20, bytes / size);
+      auto pt = run_perftest(*tls, transport, size, ops, iters, port++);
+      if (!pt) {
+        if (row.perftest_gbps == 0) row.error = pt.status().message();
+        continue;
+      }
+      row.error.clear();
+      row.perftest_gbps = std::max(row.perftest_gbps, pt->gbps);
       if (!printed_perftest_lanes) {
         std::printf("%s: ucx_perftest lanes:\n  %s\n", transport.c_str(),
                     pt->lanes.empty() ? "(not logged)" : pt->lanes.c_str());
         printed_perftest_lanes = true;
       }
-    } else {
-      row.error = pt.status().message();
     }
     rows->push_back(row);
   }
@@ -456,6 +464,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   std::optional<PeerErrorHandling> forced_mode;
   std::string memory;  // empty: per transport
+  int repeat = 3;
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--no-peer-errors") {
       forced_mode = PeerErrorHandling::kNone;
@@ -469,11 +478,21 @@ int main(int argc, char** argv) {
         std::cerr << "refit-ucx-bench: --memory must be ucx or user, got \"" << memory << "\"\n";
         return 2;
       }
+    } else if (args[i] == "--repeat" && i + 1 < args.size()) {
+      const std::string& v = args[++i];
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != 0 || n < 1 || n > 100) {
+        std::cerr << "refit-ucx-bench: --repeat must be an integer from 1 to 100, got \"" << v
+                  << "\"\n";
+        return 2;
+      }
+      repeat = static_cast<int>(n);
     } else if (args[i] == "--json" && i + 1 < args.size()) {
       json_path = args[++i];
     } else {
       std::cerr << "usage: refit-ucx-bench [--transport tcp|shm] [--memory ucx|user] "
-                   "[--peer-errors|--no-peer-errors] [--json FILE]\n";
+                   "[--peer-errors|--no-peer-errors] [--repeat N] [--json FILE]\n";
       return 2;
     }
   }
@@ -495,7 +514,7 @@ int main(int argc, char** argv) {
     const PeerErrorHandling mode =
         forced_mode.value_or(t == "shm" ? PeerErrorHandling::kNone : PeerErrorHandling::kPeer);
     const std::string mem = !memory.empty() ? memory : t == "shm" ? "ucx" : "user";
-    Status s = bench_transport(self, t, mode, mem, &rows);
+    Status s = bench_transport(self, t, mode, mem, repeat, &rows);
     if (!s.is_ok()) {
       std::cerr << "refit-ucx-bench: " << t << ": " << s.message() << "\n";
       rc = 1;

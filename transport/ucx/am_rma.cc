@@ -28,15 +28,17 @@ void on_reply_sent(void* request, ucs_status_t /*status*/, void* user_data) {
   ucp_request_free(request);
 }
 
-// Sends a reply from inside an AM handler. A send that fails (the puller is
-// gone) completes with an error status: no abort, unlike UCX's own RMA
-// emulation.
-void send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, const void* data,
-                size_t length, std::shared_ptr<std::atomic<uint64_t>> inflight) {
+// Sends one reply message from inside an AM handler. Returns false when the
+// send failed at once (the puller is gone). A send that fails later
+// completes with an error status: no abort, unlike UCX's own RMA emulation.
+bool send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, uint64_t offset,
+                const void* data, size_t length,
+                const std::shared_ptr<std::atomic<uint64_t>>& inflight) {
   auto* p = new PendingReply{};
   p->header.token = token;
   p->header.status = status;
-  p->inflight = std::move(inflight);
+  p->header.offset = offset;
+  p->inflight = inflight;
   if (p->inflight) p->inflight->fetch_add(1, std::memory_order_relaxed);
   ucp_request_param_t param = {};
   param.op_attr_mask =
@@ -51,7 +53,9 @@ void send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, c
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     // Sent in place, or failed at once: either way no callback follows.
     release(p);
+    return !UCS_PTR_IS_ERR(req);
   }
+  return true;
 }
 
 ucs_status_t refuse_request(void* arg, const void* header, size_t header_length, void*, size_t,
@@ -62,7 +66,8 @@ ucs_status_t refuse_request(void* arg, const void* header, size_t header_length,
   }
   std::memcpy(&h, header, sizeof(h));
   const unsigned reply_id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
-  send_reply(param->reply_ep, reply_id, h.token, UCS_ERR_UNSUPPORTED, nullptr, 0, nullptr);
+  (void)send_reply(param->reply_ep, reply_id, h.token, UCS_ERR_UNSUPPORTED, 0, nullptr, 0,
+                   nullptr);
   return UCS_OK;
 }
 
@@ -136,9 +141,17 @@ bool AmRmaServer::exported(uint64_t address, uint64_t length) const {
   });
 }
 
-void AmRmaServer::reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status,
-                        const void* data, size_t length) {
-  send_reply(ep, id, token, status, data, length, inflight_);
+void AmRmaServer::reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status) {
+  (void)send_reply(ep, id, token, status, 0, nullptr, 0, inflight_);
+}
+
+void AmRmaServer::reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, uint64_t length) {
+  for (uint64_t offset = 0; offset < length; offset += am_rma::kReplyPieceBytes) {
+    const uint64_t n = std::min<uint64_t>(am_rma::kReplyPieceBytes, length - offset);
+    if (!send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, data + offset, n, inflight_)) {
+      return;  // the puller is gone; its deadline covers the rest
+    }
+  }
 }
 
 ucs_status_t AmRmaServer::on_get(void* arg, const void* header, size_t header_length,
@@ -153,14 +166,14 @@ ucs_status_t AmRmaServer::on_get(void* arg, const void* header, size_t header_le
   std::memcpy(&h, header, sizeof(h));
   if (h.magic != am_rma::kMagic) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
-    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_UNSUPPORTED, nullptr, 0);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_UNSUPPORTED);
   } else if (h.length == 0 || !self->exported(h.address, h.length)) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
-    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_INVALID_ADDR, nullptr, 0);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_INVALID_ADDR);
   } else {
     self->served_.fetch_add(1, std::memory_order_relaxed);
-    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_OK,
-                reinterpret_cast<const void*>(h.address), h.length);
+    self->reply_data(param->reply_ep, h.token, reinterpret_cast<const uint8_t*>(h.address),
+                     h.length);
   }
   return UCS_OK;
 }
@@ -188,7 +201,7 @@ ucs_status_t AmRmaServer::on_put(void* arg, const void* header, size_t header_le
   } else {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
   }
-  self->reply(param->reply_ep, am_rma::kPutReply, h.token, st, nullptr, 0);
+  self->reply(param->reply_ep, am_rma::kPutReply, h.token, st);
   return UCS_OK;
 }
 

@@ -472,6 +472,7 @@ void GetEngine::issue_am_locked(Slot* slot, const GetRun& r) {
   slot->am = true;
   slot->am_sent = false;
   slot->am_replied = false;
+  slot->am_received = 0;
   slot->am_status = UCS_OK;
   slot->endpoint = r.endpoint;
   slot->am_header = am_rma::RequestHeader{};
@@ -521,11 +522,18 @@ ucs_status_t GetEngine::on_am_reply(void* arg, const void* header, size_t header
   ucs_status_t st = static_cast<ucs_status_t>(h.status);
   const bool current = slot->generation == self->generation_ && self->scheduler_.has_value();
   if (st == UCS_OK && current && self->runs_[slot->chunk.run].op == Op::kGet) {
+    // One piece of the GET's bytes (am_rma.h); the slot is done when all
+    // have landed. A piece that does not fit the chunk fails it.
     const GetRun& r = self->runs_[slot->chunk.run];
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != slot->chunk.bytes) {
+    const uint64_t want = slot->chunk.bytes;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length == 0 || h.offset > want ||
+        length > want - h.offset || length > want - slot->am_received) {
       st = UCS_ERR_MESSAGE_TRUNCATED;
     } else {
-      std::memcpy(static_cast<uint8_t*>(r.local_address) + slot->chunk.offset, data, length);
+      std::memcpy(static_cast<uint8_t*>(r.local_address) + slot->chunk.offset + h.offset, data,
+                  length);
+      slot->am_received += length;
+      if (slot->am_received < want) return UCS_OK;
     }
   }
   slot->am_replied = true;

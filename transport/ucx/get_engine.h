@@ -18,7 +18,9 @@
 // sends refit active messages instead, which the peer's AmRmaServer serves
 // (a refit peer without one refuses them at once, and the run's error says
 // so). Chunking, windows, deadlines, callbacks and errors are the same; a
-// PUT sent this way is already visible at the peer when it is reported.
+// GET's bytes come back in pieces that land at their offsets, so a large
+// chunk costs no reassembly (am_rma.h); a PUT sent this way is already
+// visible at the peer when it is reported.
 //
 // Speed on shared memory: with PeerErrorHandling::kNone and a peer region
 // from MemoryRegion::allocate, a GET is a memcpy from the peer's mapped
@@ -152,10 +154,11 @@ class GetEngine {
     uint32_t index = 0;  // in slots_
     uint32_t seq = 0;    // bumped on every use; with index, the AM token
     // Active-message path (am_rma.h): done when the request's send has
-    // completed and the reply has arrived.
+    // completed and the reply has arrived (for a GET: every piece of it).
     bool am = false;
     bool am_sent = false;
     bool am_replied = false;
+    uint64_t am_received = 0;  // GET bytes landed so far
     ucs_status_t am_status = UCS_OK;  // from the reply
     Endpoint* endpoint = nullptr;
     am_rma::RequestHeader am_header;  // must live until the send completes

@@ -1,10 +1,11 @@
 // The GET engine across real processes: 1 puller and 1 or 3 peers (2 and 4
 // processes), over tcp on loopback and over shared memory. Random GET runs
-// land bit-exact; random PUT runs land bit-exact in the peers' memory after
-// flush (the peers send their buffers back to be checked); a batch may mix
-// both; a peer killed mid-batch gives an error well within the deadline; a
-// stopped peer runs into the deadline and the engine cancels, for GETs and
-// for a flush. After every batch no UCX request is outstanding.
+// land bit-exact, and so does one chunk of several MiB; random PUT runs land
+// bit-exact in the peers' memory after flush (the peers send their buffers
+// back to be checked); a batch may mix both; a peer killed mid-batch gives
+// an error well within the deadline; a stopped peer runs into the deadline
+// and the engine cancels, for GETs and for a flush. After every batch no UCX
+// request is outstanding.
 
 #include "transport/ucx/get_engine.h"
 
@@ -170,6 +171,37 @@ TEST_P(GetEngineMultiProcess, RandomRunsLandBitExact) {
     }
   }
   EXPECT_LE(engine_->slot_count(), 32u) << "request slots exceed the op window";
+}
+
+// One chunk of several MiB: over tcp its bytes come back as many replies of
+// am_rma::kReplyPieceBytes and a short last one, each landing at its offset.
+TEST_P(GetEngineMultiProcess, OneLargeChunkLandsBitExact) {
+  engine_.reset();  // one engine per worker: it owns the reply handlers
+  GetEngineOptions opts;
+  opts.limits.chunk_bytes = kPeerBytes;
+  opts.limits.max_bytes_per_endpoint = kPeerBytes;
+  opts.limits.max_bytes_in_flight = kPeerBytes;
+  opts.limits.max_ops_per_endpoint = 1;
+  opts.limits.max_ops_in_flight = 1;
+  opts.progress_thread = GetParam().progress_thread;
+  auto engine = GetEngine::create(*worker_, opts);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+  engine_ = std::move(*engine);
+  engine_->add_local_region(*region_);
+  const uint64_t roff = 777;
+  const uint64_t bytes = kPeerBytes - roff - 12345;
+  const uint64_t loff = 3;
+  GetRun run{eps_[0].get(), 1, peers_[0].base + roff, local_.data() + loff, bytes};
+  auto report = engine_->run_batch({&run, 1}, Clock::now() + std::chrono::seconds(20));
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(report.bytes_done, bytes);
+  EXPECT_EQ(report.gets_issued, 1u);
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+  for (uint64_t j = 0; j < local_.size(); ++j) {
+    const bool inside = j >= loff && j < loff + bytes;
+    const uint8_t want = inside ? pattern_byte(100, roff + j - loff) : 0;
+    if (local_[j] != want) FAIL() << "byte " << j << (inside ? " differs" : " written");
+  }
 }
 
 TEST_P(GetEngineMultiProcess, KilledPeerGivesErrorWithinDeadline) {
