@@ -231,7 +231,11 @@ Status CmaFabric::finish(bool failed) {
   if (status.is_ok() && !failed) {
     status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_, &cancelled_);
   }
-  mailbox::clear(mailbox_.get(), in_ranks_);
+  if (status.is_ok() && !failed) {
+    mailbox::clear(mailbox_.get(), in_ranks_);
+  } else {  // a retry of this version and membership keeps what peers finished
+    mailbox::clear_except(mailbox_.get(), in_ranks_, mailbox::flag(schedule_->version, schedule_->epoch, false));
+  }
   return status;
 }
 

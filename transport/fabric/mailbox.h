@@ -37,5 +37,13 @@ Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uin
 
 // Zeroes the slots of `from`, once their flags are consumed.
 void clear(uint64_t* slots, std::span<const int32_t> from);
+// After a failed attempt: zeroes the slots of `from` except those that hold
+// `keep`, the flag of a peer that passed on all its slices for this version
+// in this membership. A retry of the same version and membership then finds
+// those flags again (the peer may have finished and will not send twice,
+// and the bytes it sent are still in place: in one plan every byte of a
+// rank's buffer comes from one place), while a failed flag or one of
+// another membership does not outlive the attempt that saw it.
+void clear_except(uint64_t* slots, std::span<const int32_t> from, uint64_t keep);
 
 }  // namespace refit::fabric::mailbox
