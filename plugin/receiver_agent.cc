@@ -13,6 +13,7 @@
 #include "transport/fabric/nccl_fabric.h"
 #endif
 #include "planner/dtype.h"
+#include "plugin/host_memory.h"
 #include "plugin/verify.h"
 #include "transport/cuda/host_copy_ops.h"
 #include "transport/cuda/pointer_probe.h"
@@ -240,8 +241,7 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
     if (b.device) {
       REFIT_RETURN_IF_ERROR(device_staging(&b));
     } else {
-      const uint64_t rounded = (bytes + 4095) / 4096 * 4096;
-      b.staging.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
+      b.staging = map_host_memory(bytes);
       if (!b.staging) return Status::invalid("buffer \"" + b.part.name + "\": cannot allocate " +
                                              std::to_string(bytes) + " bytes of staging memory");
       std::memcpy(b.staging.get(), b.live, bytes);  // bytes outside the segments stay as they were
@@ -302,8 +302,7 @@ Status ReceiverAgent::copy_and_wait(const std::vector<cuda::Copy>& copies) {
 
 Status ReceiverAgent::landing_mirror(Buf* b) {
   if (!b->device) {  // REFIT_LANDING_MIRROR on a host buffer
-    const uint64_t rounded = (b->bytes + 4095) / 4096 * 4096;
-    std::shared_ptr<uint8_t> mirror(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)), &std::free);
+    std::shared_ptr<uint8_t> mirror = map_host_memory(b->bytes);
     if (!mirror) return Status::invalid("buffer \"" + b->part.name + "\": cannot allocate its landing mirror");
     b->landing = mirror.get();
     b->device_memory = std::shared_ptr<void>(mirror, mirror.get());

@@ -96,7 +96,7 @@ class ReceiverAgent {
     uint8_t* live = nullptr;  // the server's buffer
     uint8_t* data = nullptr;  // where refreshes write: `live`, or the staging copy
     uint64_t bytes = 0;
-    std::unique_ptr<uint8_t, void (*)(void*)> staging{nullptr, &std::free};
+    std::shared_ptr<uint8_t> staging;  // host staging copy (plugin/host_memory.h)
     // GPU memory (a build with CUDA): the staging copy is device memory too,
     // and where the network cannot write device memory (UCX without CUDA
     // support), GETs land in `landing`, a pinned host mirror of `data`, and

@@ -8,6 +8,7 @@
 #ifdef HAVE_CUDA
 #include "transport/cuda/cuda_copy_ops.h"
 #endif
+#include "plugin/host_memory.h"
 #include "plugin/verify.h"
 #include "transport/cuda/pointer_probe.h"
 
@@ -116,7 +117,7 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
     b.segments = t->buffer.segments;
     b.device = cuda::probe_pointer(data).device;  // asks the driver; makes no CUDA context
     if (!b.device && config_.snapshot) {
-      b.snapshot.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)));
+      b.snapshot = map_host_memory(bytes);
       if (!b.snapshot) {
         return Status::invalid("tensor \"" + t->decl.name + "\": cannot allocate " + std::to_string(bytes) +
                                " bytes for its snapshot");

@@ -55,7 +55,7 @@ class SourceAgent {
     uint8_t* data = nullptr;  // the trainer's shard
     uint64_t bytes = 0;
     // Snapshot mode: the copy receivers read, taken at publish.
-    std::unique_ptr<uint8_t, void (*)(void*)> snapshot{nullptr, &std::free};
+    std::shared_ptr<uint8_t> snapshot;  // plugin/host_memory.h
     // A GPU shard (a build with CUDA): served from a pinned host mirror that
     // publish fills, where UCX cannot read device memory, in snapshot mode
     // and with "verify" (hashes run on the host); else straight from `data`.
