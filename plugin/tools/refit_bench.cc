@@ -172,7 +172,48 @@ struct Row {
   int64_t mixed_version_reads = 0;
   std::string killed;  // --kill: who and when, else ""
   std::optional<bool> live_weights_intact;
+  int64_t killed_version = 0;
+  std::string kill_error;  // what the killed version's refresh ended with
+  double kill_refresh_seconds = 0;
+  std::vector<int32_t> committed_without_killed;
+  std::string rejoined;    // --rejoin: who took the killed rank
+  double rejoin_seconds = 0;
+  int64_t rejoins = 0;  // --churn
+  double churn_seconds_median = 0;
+  double churn_seconds_max = 0;
+  std::string late_joined;  // --late-join
+  std::vector<refit::bench::ResidentSample> resident;
+  int64_t rss_first_kib = 0;
+  int64_t rss_last_kib = 0;
+  int64_t rss_max_growth_kib = 0;
+  std::string rss_max_growth_process;
+  int64_t heap_first_kib = 0;
+  int64_t heap_last_kib = 0;
 };
+
+std::string kib_text(int64_t kib) { return human_bytes(kib * 1024); }
+
+std::string growth_text(int64_t kib) { return (kib < 0 ? "-" : "+") + human_bytes((kib < 0 ? -kib : kib) * 1024); }
+
+// Resident memory of every long-lived process of a strategy's run: the
+// first and the last sample, and the growth between them.
+void print_resident(const Row& r) {
+  if (r.resident.empty()) return;
+  std::printf("%s: resident memory (VmRSS) of %zu processes, first -> last version: %s -> %s; largest growth %s (%s)\n",
+              r.strategy.c_str(), r.resident.size(), kib_text(r.rss_first_kib).c_str(),
+              kib_text(r.rss_last_kib).c_str(), growth_text(r.rss_max_growth_kib).c_str(),
+              r.rss_max_growth_process.c_str());
+  std::printf("%s: malloc'd and not freed (heap in use), summed: %s -> %s\n", r.strategy.c_str(),
+              kib_text(r.heap_first_kib).c_str(), kib_text(r.heap_last_kib).c_str());
+  std::printf("  %-24s %8s %8s %12s %8s %12s %12s %12s %12s\n", "process", "pid", "version", "VmRSS", "version",
+              "VmRSS", "growth", "heap first", "heap last");
+  for (const auto& p : r.resident)
+    std::printf("  %-24s %8lld %8lld %12s %8lld %12s %12s %12s %12s\n", p.process.c_str(),
+                static_cast<long long>(p.pid), static_cast<long long>(p.first_version), kib_text(p.first_kib).c_str(),
+                static_cast<long long>(p.last_version), kib_text(p.last_kib).c_str(),
+                growth_text(p.last_kib - p.first_kib).c_str(), kib_text(p.first_heap_kib).c_str(),
+                kib_text(p.last_heap_kib).c_str());
+}
 
 void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bool serve_check) {
   std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %9s", "strategy", "median s", "GB/s", "network",
@@ -193,10 +234,29 @@ void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bo
   std::printf("GB/s: %s delivered to the receivers per refresh (10^9 bytes per second of the median)\n",
               human_bytes(payload).c_str());
   for (const Row& r : rows) {
-    if (!r.killed.empty()) std::printf("%s: killed %s\n", r.strategy.c_str(), r.killed.c_str());
-    if (r.live_weights_intact)
-      std::printf("%s: live weights intact: %s\n", r.strategy.c_str(), *r.live_weights_intact ? "yes" : "NO");
-    if (!r.error.empty()) std::printf("%s: error: %s\n", r.strategy.c_str(), r.error.c_str());
+    const char* s = r.strategy.c_str();
+    if (r.rejoins > 0)
+      std::printf("%s: churn: %lld receivers left and rejoined (before every version after the first), "
+                  "leave and rejoin median %.3f s, slowest %.3f s\n",
+                  s, static_cast<long long>(r.rejoins), r.churn_seconds_median, r.churn_seconds_max);
+    if (!r.late_joined.empty()) std::printf("%s: late join: %s\n", s, r.late_joined.c_str());
+    if (!r.killed.empty()) {
+      std::printf("%s: killed %s, in the refresh of version %lld\n", s, r.killed.c_str(),
+                  static_cast<long long>(r.killed_version));
+      std::printf("%s: version %lld's refresh, %.3f s: %s\n", s, static_cast<long long>(r.killed_version),
+                  r.kill_refresh_seconds,
+                  r.kill_error.empty() ? "completed and verified on every receiver left" : r.kill_error.c_str());
+      if (!r.committed_without_killed.empty()) {
+        std::string ranks;
+        for (int32_t x : r.committed_without_killed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(x);
+        std::printf("%s: the killed receiver's instance committed version %lld without it: receivers %s\n", s,
+                    static_cast<long long>(r.killed_version), ranks.c_str());
+      }
+    }
+    if (r.live_weights_intact) std::printf("%s: live weights intact: %s\n", s, *r.live_weights_intact ? "yes" : "NO");
+    if (!r.rejoined.empty()) std::printf("%s: rejoined: %s\n", s, r.rejoined.c_str());
+    if (!r.error.empty()) std::printf("%s: error: %s\n", s, r.error.c_str());
+    print_resident(r);
   }
 }
 
@@ -252,9 +312,9 @@ int usage_error(const std::string& message) {
 int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
   std::string mode = "direct", kill_text;
-  bool serve_check = false;
-  int versions = 3;
-  double timeout_s = 60;
+  bool serve_check = false, rejoin = false;
+  int versions = 3, churn = 0, late_join = 0;
+  double timeout_s = 60, heartbeat_timeout_s = 0;
   CLI::App app(
       "refit-bench: live weight refreshes of a scenario on this machine, refit against its baselines.\n"
       "\n"
@@ -278,7 +338,10 @@ int main(int argc, char** argv) {
       "Modes (--mode): direct receivers refresh into the buffers the server reads, so the\n"
       "server pauses for the whole refresh; staged receivers (\"mode\": \"staged\") refresh\n"
       "into staging copies, and once every receiver's refresh returned OK refit-bench tells\n"
-      "every receiver to commit (refit_receiver_commit), the only pause. broadcast ignores\n"
+      "the receivers to commit (refit_receiver_commit), the only pause, one after another:\n"
+      "each stands for a server on a GPU of its own, and concurrent commits on this one\n"
+      "host would share one memory bus (each pause would time the others' copies too).\n"
+      "broadcast ignores\n"
       "--mode: its served buffers are written only by its copy out, which is its pause.\n"
       "\n"
       "--serve-check: every receiver process runs a reader thread, a stand-in for the\n"
@@ -296,11 +359,42 @@ int main(int argc, char** argv) {
       "an estimate: FRACTION times version N-1's refresh wall time (the median s column's\n"
       "measure), counted from version N's refresh command. Refreshes vary, so the kill\n"
       "lands only near that fraction of the refresh, or after it has finished; use N >= 3,\n"
-      "since version 1 also plans and connects and is slower. The run reports completed\n"
-      "and the error; in staged mode, when the refresh failed, also live_weights_intact:\n"
-      "whether the ranks that lost the refresh (the killed receiver's instance, or every\n"
-      "receiver when a source was killed) still hold the previous version, every byte\n"
-      "checked. Exit status 1 (the run failed), as for any failure.\n"
+      "since version 1 also plans and connects and is slower. The other receivers whose\n"
+      "refresh returned OK commit (staged) and are verified; the version counts as\n"
+      "completed when all of them did. The run reports the error and how long the refresh\n"
+      "took to end; in staged mode, when some refresh failed, also live_weights_intact:\n"
+      "whether the receivers whose refresh failed still hold the previous version, every\n"
+      "byte checked. Exit status 1 (the run failed), as for any failure, except when a source\n"
+      "was killed and every receiver still completed and verified the version (a replica\n"
+      "of the source's data carried it, once the coordinator had declared it dead).\n"
+      "\n"
+      "--rejoin (with --kill): the kill lands in the refresh of version N-1 instead (use\n"
+      "N >= 4), and a standby process, forked at the start with the ranks, takes the killed\n"
+      "rank: once the refresh has ended, it joins with that rank, again every 100 ms while\n"
+      "the coordinator still holds the rank for the killed process (until its heartbeat\n"
+      "timeout declares it dead); a source then fills and publishes the next version.\n"
+      "Version N must refresh and verify on every receiver. Version N-1 may fail: it is then\n"
+      "not completed, and its error is printed; the run passes (exit status 0) when every\n"
+      "version after it verified, every receiver is still alive and, staged, the receivers\n"
+      "that lost the refresh still held version N-2, every byte checked.\n"
+      "\n"
+      "--churn[=K] (refit and no-dedup): before every version after the first, K receivers\n"
+      "(default 1), taken in turn over the ranks, leave and rejoin: each destroys its\n"
+      "receiver (refit_receiver_destroy, which leaves the membership) and creates and joins\n"
+      "a new one with the same rank and the same served buffers, in the same process, whose\n"
+      "serving reader goes on. Every version is still verified on every receiver.\n"
+      "\n"
+      "--late-join V (refit and no-dedup): the receivers of the last inference instance\n"
+      "join only at version V (2..N); their processes exist from the start. Versions before\n"
+      "V refresh and verify the other instances; from V on every receiver is verified.\n"
+      "\n"
+      "Resident memory: after the first version a process took part in and after the last,\n"
+      "VmRSS (/proc/PID/status) of every long-lived process: refit-bench itself (with the\n"
+      "coordinator), each source and each receiver rank's process (broadcast: the gatherer\n"
+      "too; a replacement is a process of its own). Printed per process below the table, with\n"
+      "the sums and the largest growth of one process; beside it, what each process has\n"
+      "allocated with malloc and not freed (glibc's mallinfo2), which tells a leak (both\n"
+      "grow) from freed memory that malloc keeps for reuse (only VmRSS grows).\n"
       "\n"
       "Columns: median seconds of the N refreshes; GB/s = bytes delivered to the receivers\n"
       "per refresh / median seconds; network and local bytes summed over the receivers'\n"
@@ -324,8 +418,18 @@ int main(int argc, char** argv) {
                  "write {\"scenario\", \"results\": [{\"strategy\", \"seconds_median\", \"gbps\", \"network_bytes\", "
                  "\"minimum_network_bytes\", \"local_bytes\", \"verified\", \"mode\", \"refresh_seconds_median\", "
                  "\"pause_seconds_median\", \"completed\", \"error\" (null when none), with --serve-check "
-                 "\"serve_reads\", \"mixed_version_reads\", with --kill \"killed\" and (staged) "
-                 "\"live_weights_intact\"}]} to this file");
+                 "\"serve_reads\", \"mixed_version_reads\", with --kill \"killed\", \"killed_version\", "
+                 "\"kill_error\" (null when every receiver left completed it), \"kill_refresh_seconds\" (that refresh, "
+                 "until every receiver left had answered), \"committed_without_killed\" (staged: ranks of a killed "
+                 "receiver's instance that committed that version without it) and (staged, when some failed) "
+                 "\"live_weights_intact\", with --rejoin \"rejoined\" and \"rejoin_seconds\" (from the kill to "
+                 "the replacement joined), with --churn \"churn\" (K), \"rejoins\", \"rejoin_seconds_median\", "
+                 "\"rejoin_seconds_max\" (the slowest receiver's leave and rejoin of a version), with --late-join "
+                 "\"late_joined\", and always \"rss_first_kib\", \"rss_last_kib\" (VmRSS summed over the "
+                 "processes), \"rss_max_growth_kib\", \"rss_max_growth_process\", \"heap_first_kib\", "
+                 "\"heap_last_kib\" (malloc'd and not freed, summed), \"rss\": [{\"process\", \"pid\", "
+                 "\"first_version\", \"first_kib\", \"last_version\", \"last_kib\", \"first_heap_kib\", "
+                 "\"last_heap_kib\"}]}]} to this file");
   app.add_option("--reports", reports_out,
                  "write every receiver's refresh report (refit_receiver_report) of every version and strategy, "
                  "as {\"<strategy>\": [{\"version\", \"seconds\", \"reports\": [...]}]}, to this file");
@@ -336,6 +440,18 @@ int main(int argc, char** argv) {
                "run a serving reader in every receiver process and count mixed-version reads (see above)");
   app.add_option("--kill", kill_text, "ROLE:RANK@FRACTION, e.g. receiver:1@0.5: kill a rank during the last "
                  "refresh (see above; needs --versions 2 or more)");
+  app.add_flag("--rejoin", rejoin,
+               "with --kill: kill in version N-1's refresh, a standby process takes the rank, version N must "
+               "verify everywhere (see above)");
+  app.add_flag("--churn{1}", churn,
+               "K receivers leave and rejoin before every version after the first (see above; --churn is --churn=1)")
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--late-join", late_join, "the last instance's receivers join only at this version (see above)")
+      ->check(CLI::Range(2, 1000));
+  app.add_option("--heartbeat-timeout", heartbeat_timeout_s,
+                 "seconds of silence after which the coordinator declares a rank dead (default 10); the ranks "
+                 "send a heartbeat every quarter of it")
+      ->check(CLI::Range(0.4, 3600.0));
   app.add_option("--timeout", timeout_s, "seconds each step may take before the run fails (default 60)")
       ->check(CLI::Range(1.0, 3600.0));
   try {
@@ -373,8 +489,24 @@ int main(int argc, char** argv) {
     if (!k) return usage_error(k.status().message());
     if (versions < 2)
       return usage_error("--kill needs --versions 2 or more: the version before the last says when to kill");
+    if (rejoin && versions < 3)
+      return usage_error("--kill with --rejoin needs --versions 3 or more: the kill lands in version N-1, and "
+                         "version N comes after it");
+    k->rejoin = rejoin;
     options.kill = *k;
+  } else if (rejoin) {
+    return usage_error("--rejoin replaces a rank that --kill killed: give --kill too");
   }
+  if (late_join > 0) {
+    if (late_join > versions)
+      return usage_error("--late-join " + std::to_string(late_join) + ": there are only " + std::to_string(versions) +
+                         " versions");
+    if (!kill_text.empty()) return usage_error("--late-join and --kill: give one of them");
+    options.late_join_version = late_join;
+  }
+  options.churn = churn;
+  if (heartbeat_timeout_s > 0)
+    options.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s * 1000));
   if (options.kill) {
     const size_t ranks = options.kill->receiver ? layout->receivers.size() : layout->sources.size();
     if (static_cast<size_t>(options.kill->rank) >= ranks)
@@ -410,6 +542,22 @@ int main(int argc, char** argv) {
     row.mixed_version_reads = r.mixed_version_reads;
     row.killed = r.killed;
     row.live_weights_intact = r.live_weights_intact;
+    row.killed_version = r.killed_version;
+    row.kill_error = r.kill_error;
+    row.kill_refresh_seconds = r.kill_refresh_seconds;
+    row.committed_without_killed = r.committed_without_killed;
+    row.rejoined = r.rejoined;
+    row.rejoin_seconds = r.rejoin_seconds;
+    row.rejoins = r.rejoins;
+    row.churn_seconds_median = r.median_rejoin_seconds();
+    row.churn_seconds_max = r.max_rejoin_seconds();
+    row.late_joined = r.late_joined;
+    row.resident = r.resident;
+    row.rss_first_kib = r.resident_first_kib();
+    row.rss_last_kib = r.resident_last_kib();
+    row.rss_max_growth_kib = r.resident_max_growth_kib(&row.rss_max_growth_process);
+    row.heap_first_kib = r.heap_first_kib();
+    row.heap_last_kib = r.heap_last_kib();
     ordered_json per_version = ordered_json::array();
     for (const auto& v : r.versions)
       per_version.push_back({{"version", v.version}, {"seconds", v.seconds}, {"reports", v.reports}});
@@ -443,10 +591,44 @@ int main(int argc, char** argv) {
         results.back()["serve_reads"] = r.serve_reads;
         results.back()["mixed_version_reads"] = r.mixed_version_reads;
       }
+      ordered_json& j = results.back();
+      auto text_or_null = [](const std::string& t) { return t.empty() ? ordered_json(nullptr) : ordered_json(t); };
       if (!kill_text.empty()) {
-        results.back()["killed"] = r.killed.empty() ? ordered_json(nullptr) : ordered_json(r.killed);
-        if (r.live_weights_intact) results.back()["live_weights_intact"] = *r.live_weights_intact;
+        j["killed"] = text_or_null(r.killed);
+        j["killed_version"] = r.killed_version;
+        j["kill_error"] = text_or_null(r.kill_error);
+        j["kill_refresh_seconds"] = r.kill_refresh_seconds;
+        j["committed_without_killed"] = r.committed_without_killed;
+        if (r.live_weights_intact) j["live_weights_intact"] = *r.live_weights_intact;
+        if (rejoin) {
+          j["rejoined"] = text_or_null(r.rejoined);
+          j["rejoin_seconds"] = r.rejoin_seconds;
+        }
       }
+      if (churn > 0) {
+        j["churn"] = churn;
+        j["rejoins"] = r.rejoins;
+        j["rejoin_seconds_median"] = r.churn_seconds_median;
+        j["rejoin_seconds_max"] = r.churn_seconds_max;
+      }
+      if (late_join > 0) j["late_joined"] = text_or_null(r.late_joined);
+      j["rss_first_kib"] = r.rss_first_kib;
+      j["rss_last_kib"] = r.rss_last_kib;
+      j["rss_max_growth_kib"] = r.rss_max_growth_kib;
+      j["rss_max_growth_process"] = text_or_null(r.rss_max_growth_process);
+      j["heap_first_kib"] = r.heap_first_kib;
+      j["heap_last_kib"] = r.heap_last_kib;
+      ordered_json rss = ordered_json::array();
+      for (const auto& p : r.resident)
+        rss.push_back({{"process", p.process},
+                       {"pid", p.pid},
+                       {"first_version", p.first_version},
+                       {"first_kib", p.first_kib},
+                       {"last_version", p.last_version},
+                       {"last_kib", p.last_kib},
+                       {"first_heap_kib", p.first_heap_kib},
+                       {"last_heap_kib", p.last_heap_kib}});
+      j["rss"] = std::move(rss);
     }
     doc["results"] = std::move(results);
     std::ofstream out(json_out);

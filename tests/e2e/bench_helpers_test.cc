@@ -17,9 +17,11 @@
 
 #include "planner/layout_json.h"
 #include "planner/plan.h"
+#include "plugin/tools/bench/agent.h"
 #include "plugin/tools/bench/pattern.h"
 #include "plugin/tools/bench/process_group.h"
 #include "plugin/tools/bench/rank_buffers.h"
+#include "plugin/tools/bench/resident_memory.h"
 #include "plugin/tools/bench/strategy_layouts.h"
 
 namespace {
@@ -295,6 +297,91 @@ TEST(ProcessGroupTest, ShutDownReapsEveryChild) {
   }
   refit::Status s = group.shut_down(Clock::now() + std::chrono::seconds(10));
   EXPECT_TRUE(s.is_ok()) << s.message();
+}
+
+// A victim of request_tolerating is killed at its time, its killing is
+// stamped, the others' answers still come back, and shut_down does not count
+// its death as a failure (it was meant to die).
+TEST(ProcessGroupTest, VictimIsKilledOnTimeAndNotCountedAtShutDown) {
+  ProcessGroup group;
+  auto echo = group.spawn("echo", [](Channel& ch) {
+    for (;;) {
+      auto cmd = ch.receive(Clock::now() + std::chrono::seconds(30));
+      if (!cmd.is_ok() || cmd->value("cmd", "") == "exit") return cmd.is_ok() ? 0 : 3;
+      ::usleep(300000);  // answers after the victim is dead
+      ch.send(Json{{"ok", true}});
+    }
+  });
+  auto victim = group.spawn("victim", [](Channel&) {
+    ::sleep(600);
+    return 0;
+  });
+  ASSERT_TRUE(echo.is_ok() && victim.is_ok());
+  const int64_t t0 = monotonic_ns();
+  int64_t killed_ns = 0;
+  auto answers = group.request_tolerating({*echo, *victim}, Json{{"cmd", "work"}}, Clock::now() + std::chrono::seconds(10),
+                                          *victim, Clock::now() + std::chrono::milliseconds(100), &killed_ns);
+  ASSERT_EQ(answers.size(), 2u);
+  EXPECT_TRUE(answers[0].ok) << answers[0].error;
+  EXPECT_FALSE(answers[1].ok);
+  EXPECT_NE(answers[1].error.find("victim was killed (SIGKILL) while it ran \"work\""), std::string::npos)
+      << answers[1].error;
+  EXPECT_GE(killed_ns - t0, 100'000'000);
+  EXPECT_LT(killed_ns - t0, 2'000'000'000);
+  EXPECT_FALSE(group.running(*victim));
+  EXPECT_TRUE(group.running(*echo));
+  refit::Status s = group.shut_down(Clock::now() + std::chrono::seconds(10));
+  EXPECT_TRUE(s.is_ok()) << s.message();
+}
+
+// A standby answers pings until told to become its rank, and only then
+// runs the agent's command loop.
+TEST(ProcessGroupTest, StandbyBecomesItsRankOnlyWhenTold) {
+  const Layout layout = parse(kLayout);
+  AgentSpec spec;
+  spec.receiver_layout = &layout;
+  spec.receiver_rank = 0;
+  ProcessGroup group;
+  auto c = group.spawn("standby", [&spec](Channel& ch) { return run_standby(spec, ch); });
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  const auto deadline = [] { return Clock::now() + std::chrono::seconds(10); };
+  auto ping = group.request(*c, Json{{"cmd", "ping"}}, deadline());
+  ASSERT_TRUE(ping.is_ok()) << ping.status().message();
+  auto early = group.request(*c, Json{{"cmd", "verify"}, {"version", 1}}, deadline());
+  ASSERT_FALSE(early.is_ok());
+  EXPECT_NE(early.status().message().find("a standby answers only ping, become and exit"), std::string::npos)
+      << early.status().message();
+  // The refusal killed the group's children: a new standby becomes the rank.
+  ProcessGroup again;
+  auto d = again.spawn("standby", [&spec](Channel& ch) { return run_standby(spec, ch); });
+  ASSERT_TRUE(d.is_ok());
+  auto became = again.request(*d, Json{{"cmd", "become"}}, deadline());
+  ASSERT_TRUE(became.is_ok()) << became.status().message();
+  EXPECT_EQ(became->value("pid", int64_t{0}), static_cast<int64_t>(again.pid(*d)));
+  // The agent's loop now: it knows "ping", and refuses a rejoin before a receiver exists.
+  ASSERT_TRUE(again.request(*d, Json{{"cmd", "ping"}}, deadline()).is_ok());
+  auto rejoin = again.request(*d, Json{{"cmd", "rejoin"}}, deadline());
+  ASSERT_FALSE(rejoin.is_ok());
+  EXPECT_NE(rejoin.status().message().find("rejoin before \"receiver\""), std::string::npos)
+      << rejoin.status().message();
+}
+
+TEST(ResidentMemory, CountsThePagesThisProcessTouches) {
+  auto before = resident_kib();
+  ASSERT_TRUE(before.is_ok()) << before.status().message();
+  EXPECT_GT(*before, 0);
+  constexpr size_t kBytes = 64u << 20;
+  std::vector<uint8_t> touched(kBytes, 1);
+  auto after = resident_kib();
+  ASSERT_TRUE(after.is_ok()) << after.status().message();
+  EXPECT_GE(*after - *before, static_cast<int64_t>(kBytes / 1024) * 9 / 10) << *before << " -> " << *after << " KiB";
+  EXPECT_EQ(touched[kBytes - 1], 1);
+  auto self = resident_kib(::getpid());
+  ASSERT_TRUE(self.is_ok());
+  EXPECT_GT(*self, 0);
+  auto gone = resident_kib(2147483647);
+  ASSERT_FALSE(gone.is_ok());
+  EXPECT_NE(gone.status().message().find("/proc/2147483647/status"), std::string::npos) << gone.status().message();
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 #include "plugin/tools/bench/agent.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +16,7 @@
 #include "planner/plan.h"
 #include "plugin/tools/bench/pattern.h"
 #include "plugin/tools/bench/rank_buffers.h"
+#include "plugin/tools/bench/resident_memory.h"
 #include "plugin/tools/bench/strategy_layouts.h"
 #include "refit/refit.h"
 
@@ -77,9 +81,10 @@ class ServingReader {
         continue;
       }
       bool counted = false, mixed = false;
-      const Clock::time_point t0 = Clock::now();
+      Clock::time_point t0;
       {
         std::shared_lock<std::shared_mutex> lock(mutex_);
+        t0 = Clock::now();  // the read, not the wait for a writer's pause
         const int64_t live = live_version_;
         if (live > 0) {
           // The live version and its neighbours, so that a read half-way
@@ -105,8 +110,12 @@ class ServingReader {
       // A server does work between reads; and a reader in each receiver
       // process must leave the CPUs of a small machine to the refresh: at
       // most a tenth of one core each.
-      std::this_thread::sleep_for(counted ? std::max<Clock::duration>(std::chrono::microseconds(200), 9 * read_time)
-                                          : Clock::duration(std::chrono::milliseconds(1)));
+      // Slept in slices, so that a reader stops promptly when asked.
+      const Clock::time_point until =
+          Clock::now() + (counted ? std::max<Clock::duration>(std::chrono::microseconds(200), 9 * read_time)
+                                  : Clock::duration(std::chrono::milliseconds(1)));
+      for (Clock::time_point now = Clock::now(); now < until && !stop_.load(); now = Clock::now())
+        std::this_thread::sleep_for(std::min<Clock::duration>(until - now, std::chrono::milliseconds(10)));
     }
   }
 
@@ -136,6 +145,9 @@ class Agent {
     const std::string what = cmd.value("cmd", std::string());
     if (what == "source") return create_source(cmd);
     if (what == "receiver") return create_receiver(cmd);
+    if (what == "rejoin") return rejoin(cmd);
+    if (what == "ping") return Json{{"ok", true}};
+    if (what == "memory") return Json{{"ok", true}, {"heap_kib", heap_in_use_kib()}};
     if (what == "fill") return fill_sources(cmd);
     if (what == "drain") return drain(cmd);
     if (what == "publish") return publish(cmd);
@@ -201,9 +213,36 @@ class Agent {
         ++tensors;
       }
     }
-    s = api_->source_join(source_);
-    if (s != REFIT_OK) return abi_error("refit_source_join", s);
-    return Json{{"ok", true}, {"buffers", source_buffers_.size()}, {"tensors", tensors}};
+    auto joined = join_retrying("refit_source_join", [this] { return api_->source_join(source_); }, cmd);
+    if (!joined) return joined.status();
+    Json reply = std::move(*joined);
+    reply["buffers"] = source_buffers_.size();
+    reply["tensors"] = tensors;
+    return reply;
+  }
+
+  // join(), again every 100 ms for at most the command's "join_retry_ms"
+  // while the coordinator refuses the rank as already registered: a rank
+  // that died is held until the coordinator declares it dead.
+  template <typename Join>
+  Result<Json> join_retrying(const char* call, Join join, const Json& cmd) {
+    const int64_t t0 = monotonic_ns();
+    const Clock::time_point deadline =
+        Clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, cmd.value("join_retry_ms", int64_t{0})));
+    int64_t attempts = 0;
+    for (;;) {
+      ++attempts;
+      const refit_status_t s = join();
+      if (s == REFIT_OK) break;
+      const std::string error = api_->last_error();
+      if (error.find("already registered") == std::string::npos ||
+          Clock::now() + std::chrono::milliseconds(100) >= deadline) {
+        Status e = abi_error(call, s);
+        return Status::internal(e.message() + " (after " + std::to_string(attempts) + " attempts)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return Json{{"ok", true}, {"join_seconds", seconds_between(t0, monotonic_ns())}, {"join_attempts", attempts}};
   }
 
   Result<Json> create_receiver(const Json& cmd) {
@@ -222,6 +261,17 @@ class Agent {
         if (!mem) return mem.status();
       }
     }
+    auto joined = make_receiver(cmd);
+    if (!joined) return joined.status();
+    if (spec_.serve_check) start_reader();
+    Json reply = std::move(*joined);
+    reply["buffers"] = receiver_buffers_.size();
+    return reply;
+  }
+
+  // refit_receiver_create, every buffer (allocated on first use, the same
+  // memory afterwards), join.
+  Result<Json> make_receiver(const Json& cmd) {
     const std::string config = cmd.value("config", std::string());
     refit_status_t s = api_->receiver_create(config.c_str(), &receiver_);
     if (s != REFIT_OK) return abi_error("refit_receiver_create", s);
@@ -232,10 +282,28 @@ class Agent {
       s = api_->receiver_add_buffer(receiver_, desc.c_str(), *mem, static_cast<uint64_t>(b.bytes));
       if (s != REFIT_OK) return abi_error("refit_receiver_add_buffer(" + desc + ")", s);
     }
-    s = api_->receiver_join(receiver_);
-    if (s != REFIT_OK) return abi_error("refit_receiver_join", s);
-    if (spec_.serve_check) start_reader();
-    return Json{{"ok", true}, {"buffers", receiver_buffers_.size()}};
+    return join_retrying("refit_receiver_join", [this] { return api_->receiver_join(receiver_); }, cmd);
+  }
+
+  // The receiver leaves (destroyed: it unregisters, its staging copies and
+  // registrations go) and a new one joins with the same rank and buffers.
+  // The served buffers and the serving reader stay: a server that restarts
+  // its refit agent keeps serving what it holds.
+  Result<Json> rejoin(const Json& cmd) {
+    if (receiver_ == nullptr) return Status::invalid("rejoin before \"receiver\"");
+    if (paused_.owns_lock()) return Status::invalid("rejoin while paused");
+    const int64_t t0 = monotonic_ns();
+    api_->receiver_destroy(receiver_);
+    receiver_ = nullptr;
+    const int64_t t1 = monotonic_ns();
+    auto joined = make_receiver(cmd);
+    if (!joined) return joined.status();
+    const int64_t t2 = monotonic_ns();
+    Json reply = std::move(*joined);
+    reply["seconds"] = seconds_between(t0, t2);
+    reply["leave_seconds"] = seconds_between(t0, t1);
+    reply["join_seconds"] = seconds_between(t1, t2);
+    return reply;
   }
 
   // The reader reads what a server serves from: the final buffers when there
@@ -378,6 +446,23 @@ class Agent {
 };
 
 }  // namespace
+
+int run_standby(const AgentSpec& spec, Channel& channel) {
+  for (;;) {
+    auto cmd = channel.receive(Clock::now() + spec.idle_timeout);
+    if (!cmd) return 3;
+    const std::string what = cmd->value("cmd", std::string());
+    if (what == "become") {
+      if (!channel.send(Json{{"ok", true}, {"pid", static_cast<int64_t>(::getpid())}}).is_ok()) return 3;
+      return run_agent(spec, channel);
+    }
+    Json reply = what == "ping" || what == "exit"
+                     ? Json{{"ok", true}}
+                     : Json{{"ok", false}, {"error", "a standby answers only ping, become and exit, not \"" + what + "\""}};
+    if (!channel.send(reply).is_ok()) return 3;
+    if (what == "exit") return 0;
+  }
+}
 
 int run_agent(const AgentSpec& spec, Channel& channel) {
   Agent agent(spec);

@@ -14,6 +14,16 @@
 // {"ok": false, "error": "..."}:
 //   {"cmd": "source", "config": "<JSON text>"}     create, add every tensor, join
 //   {"cmd": "receiver", "config": "<JSON text>"}   create, add every buffer, join
+//       Both take "join_retry_ms": t: while the coordinator still holds
+//       this rank for a predecessor that died (until it declares it dead,
+//       its heartbeat timeout), join again every 100 ms for at most t ms.
+//       -> {"join_seconds", "join_attempts"}
+//   {"cmd": "rejoin", "config": "<JSON text>", "join_retry_ms": t}
+//       leave and come back: refit_receiver_destroy, then create, add the
+//       same buffers (the memory the server reads stays) and join as
+//       "receiver" does -> {"seconds", "leave_seconds", "join_seconds"}
+//   {"cmd": "ping"}                                answered at once
+//   {"cmd": "memory"} -> {"heap_kib"}: heap_in_use_kib() (resident_memory.h)
 //   {"cmd": "fill", "version": v}                  write the pattern of v into the source buffers
 //   {"cmd": "drain", "version": v, "timeout_ms": t} refit_source_wait_drained
 //   {"cmd": "publish", "version": v}
@@ -71,5 +81,11 @@ struct AgentSpec {
 // Runs the command loop until "exit" (returns 0) or until the parent goes
 // away or stays silent past idle_timeout (returns 3).
 int run_agent(const AgentSpec& spec, Channel& channel);
+
+// A standby process, forked with the others before any thread exists, that
+// takes the place of a rank that dies: it answers "ping" and "exit" until
+// {"cmd": "become"} arrives (answered with {"pid"}), then runs
+// run_agent(spec) as the rank's own process would. Returns as run_agent does.
+int run_standby(const AgentSpec& spec, Channel& channel);
 
 }  // namespace refit::bench

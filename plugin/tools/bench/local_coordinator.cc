@@ -35,7 +35,7 @@ Result<std::string> write_token_file() {
   return path;
 }
 
-Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start() {
+Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::milliseconds heartbeat_timeout) {
   std::unique_ptr<LocalCoordinator> c(new LocalCoordinator());
   auto path = write_token_file();
   if (!path) return path.status();
@@ -46,6 +46,7 @@ Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start() {
   cfg.host = "127.0.0.1";
   cfg.port = 0;
   cfg.token = *token;
+  if (heartbeat_timeout.count() > 0) cfg.heartbeat_timeout = heartbeat_timeout;
   LocalCoordinator* self = c.get();
   cfg.log = [self](const std::string& line) {
     std::lock_guard<std::mutex> lock(self->mu_);

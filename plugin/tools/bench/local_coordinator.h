@@ -7,6 +7,7 @@
 // Starting it starts threads: fork every child before, not after.
 // Thread safety: logs() may be called from any thread.
 
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -19,7 +20,10 @@ namespace refit::bench {
 
 class LocalCoordinator {
  public:
-  static Result<std::unique_ptr<LocalCoordinator>> start();
+  // heartbeat_timeout: how long a member may be silent before the
+  // coordinator declares it dead; zero keeps the coordinator's default.
+  static Result<std::unique_ptr<LocalCoordinator>> start(
+      std::chrono::milliseconds heartbeat_timeout = std::chrono::milliseconds(0));
   ~LocalCoordinator();  // stops it and removes the token file
   LocalCoordinator(const LocalCoordinator&) = delete;
   LocalCoordinator& operator=(const LocalCoordinator&) = delete;

@@ -24,6 +24,14 @@ inline uint64_t mix(uint64_t x) {
 // time: fn(flat index in the tensor of the row's first element, its element
 // offset in the buffer, elements in the row, element stride of the row).
 // The innermost dim runs in a tight loop; the outer dims step an odometer.
+// splitmix64's output for the counter (element, version), salted by the
+// tensor: one finalizer per element, since fill and verification compute
+// it for every element of every version.
+inline uint64_t pattern_of(uint64_t seed, int64_t element, int64_t version) {
+  return mix(seed ^ (static_cast<uint64_t>(element) * 0x9E3779B97F4A7C15ull +
+                     static_cast<uint64_t>(version) * 0xD6E8FEB86659FD93ull));
+}
+
 template <typename Fn>
 void for_each_element(const Tensor& t, const Region& r, Fn&& fn) {
   const Box& b = r.box;
@@ -58,9 +66,28 @@ template <int kBytes>
 void fill_row(uint8_t* data, uint64_t seed, int64_t flat, int64_t off, int64_t count, int64_t stride,
               int64_t version) {
   for (int64_t i = 0; i < count; ++i) {
-    const uint64_t v = pattern_value(seed, flat + i, version);
+    const uint64_t v = pattern_of(seed, flat + i, version);
     std::memcpy(data + (off + i * stride) * kBytes, &v, kBytes);
   }
+}
+
+// The first element of a row that does not hold the pattern, or `count`;
+// marks the bytes of the elements before it as covered (when `covered`).
+// Sized at compile time, so that the compare and the mark are single moves:
+// verification runs over every byte of every version.
+template <int kBytes>
+int64_t check_row(const uint8_t* data, uint8_t* covered, uint64_t seed, int64_t flat, int64_t off, int64_t count,
+                  int64_t stride, int64_t version) {
+  constexpr uint64_t kMask = kBytes >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * kBytes)) - 1;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t byte = (off + i * stride) * kBytes;
+    uint64_t got = 0;
+    std::memcpy(&got, data + byte, kBytes);
+    if (got != (pattern_of(seed, flat + i, version) & kMask)) return i;
+    if (covered != nullptr && stride != 1) std::memset(covered + byte, 1, kBytes);
+  }
+  if (covered != nullptr && stride == 1) std::memset(covered + off * kBytes, 1, static_cast<size_t>(count) * kBytes);
+  return count;
 }
 
 std::string hex(const uint8_t* p, int n) {
@@ -95,10 +122,7 @@ uint64_t name_seed(std::string_view name) {
   return h;
 }
 
-uint64_t pattern_value(uint64_t seed, int64_t element, int64_t version) {
-  return mix(seed ^ mix(static_cast<uint64_t>(element) * 0x9E3779B97F4A7C15ull +
-                        static_cast<uint64_t>(version) * 0xD6E8FEB86659FD93ull));
-}
+uint64_t pattern_value(uint64_t seed, int64_t element, int64_t version) { return pattern_of(seed, element, version); }
 
 void fill(const Layout& layout, const RankBuffer& buffer, uint8_t* data, int64_t version) {
   for (const Placed& p : buffer.placed) {
@@ -125,26 +149,41 @@ Status verify(const Layout& layout, const RankBuffer& buffer, const uint8_t* dat
     const Tensor& t = layout.tensors[p.tensor];
     const uint64_t seed = name_seed(t.name);
     const int es = dtype_bytes(t.dtype);
+    uint8_t* mark = check_guard ? covered.data() : nullptr;
     for_each_element(t, *p.region, [&](int64_t flat, int64_t off, int64_t count, int64_t stride) {
       if (!bad.is_ok()) return;
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t byte = (off + i * stride) * es;
-        const uint64_t want = pattern_value(seed, flat + i, version);
-        if (std::memcmp(data + byte, &want, static_cast<size_t>(es)) != 0) {
-          bad = Status::internal("buffer \"" + buffer.name + "\" byte offset " + std::to_string(byte) + ": tensor \"" +
-                                 t.name + "\" element " + std::to_string(flat + i) + " " +
-                                 element_index(t, flat + i) + " of version " + std::to_string(version) +
-                                 " should be " + hex(reinterpret_cast<const uint8_t*>(&want), es) + ", got " +
-                                 hex(data + byte, es));
-          return;
-        }
-        if (check_guard) std::memset(covered.data() + byte, 1, static_cast<size_t>(es));
+      int64_t i = 0;
+      switch (es) {
+        case 1: i = check_row<1>(data, mark, seed, flat, off, count, stride, version); break;
+        case 2: i = check_row<2>(data, mark, seed, flat, off, count, stride, version); break;
+        case 4: i = check_row<4>(data, mark, seed, flat, off, count, stride, version); break;
+        default: i = check_row<8>(data, mark, seed, flat, off, count, stride, version); break;
       }
+      if (i == count) return;
+      const int64_t byte = (off + i * stride) * es;
+      const uint64_t want = pattern_value(seed, flat + i, version);
+      bad = Status::internal("buffer \"" + buffer.name + "\" byte offset " + std::to_string(byte) + ": tensor \"" +
+                             t.name + "\" element " + std::to_string(flat + i) + " " + element_index(t, flat + i) +
+                             " of version " + std::to_string(version) + " should be " +
+                             hex(reinterpret_cast<const uint8_t*>(&want), es) + ", got " + hex(data + byte, es));
     });
     if (!bad.is_ok()) return bad;
   }
   if (check_guard) {
-    for (int64_t i = 0; i < buffer.bytes; ++i) {
+    // Eight bytes at a time first (covered bytes are 0 or 1, so times 0xFF
+    // they mask the covered ones out); the byte is looked for only when
+    // there is one.
+    constexpr uint64_t kGuardWord = 0x0101010101010101ull * kGuardByte;
+    uint64_t any = 0;
+    const int64_t words = buffer.bytes / 8;
+    for (int64_t w = 0; w < words; ++w) {
+      uint64_t c = 0, d = 0;
+      std::memcpy(&c, covered.data() + 8 * w, 8);
+      std::memcpy(&d, data + 8 * w, 8);
+      any |= ~(c * 0xFF) & (d ^ kGuardWord);
+    }
+    for (int64_t i = 8 * words; i < buffer.bytes; ++i) any |= !covered[i] && data[i] != kGuardByte;
+    for (int64_t i = 0; any != 0 && i < buffer.bytes; ++i) {
       if (!covered[i] && data[i] != kGuardByte) {
         char got[8];
         std::snprintf(got, sizeof got, "0x%02x", data[i]);

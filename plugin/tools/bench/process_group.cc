@@ -206,7 +206,8 @@ Result<std::vector<Json>> ProcessGroup::request_each(const std::vector<size_t>& 
 
 std::vector<ProcessGroup::Answer> ProcessGroup::request_tolerating(const std::vector<size_t>& children,
                                                                  const Json& command, Clock::time_point deadline,
-                                                                 size_t victim, Clock::time_point kill_at) {
+                                                                 size_t victim, Clock::time_point kill_at,
+                                                                 int64_t* killed_ns) {
   const std::string what = command.value("cmd", std::string("?"));
   std::vector<Answer> answers(children.size());
   std::vector<bool> done(children.size(), false);
@@ -224,6 +225,8 @@ std::vector<ProcessGroup::Answer> ProcessGroup::request_tolerating(const std::ve
   while (left > 0 || victim_alive) {
     if (victim_alive && Clock::now() >= kill_at) {
       Child& v = children_[victim];
+      if (killed_ns != nullptr) *killed_ns = monotonic_ns();
+      v.victim = true;
       ::kill(v.pid, SIGKILL);
       ::waitpid(v.pid, &v.wait_status, 0);
       v.reaped = true;
@@ -277,6 +280,8 @@ std::vector<ProcessGroup::Answer> ProcessGroup::request_tolerating(const std::ve
   }
   if (victim_alive) {  // the deadline came first
     Child& v = children_[victim];
+    if (killed_ns != nullptr) *killed_ns = monotonic_ns();
+    v.victim = true;
     ::kill(v.pid, SIGKILL);
     ::waitpid(v.pid, &v.wait_status, 0);
     v.reaped = true;
@@ -311,7 +316,7 @@ Status ProcessGroup::shut_down(Clock::time_point deadline) {
       ::waitpid(c.pid, &c.wait_status, 0);
       c.reaped = true;
       if (first.is_ok()) first = Status::internal(c.name + " did not exit when asked and was killed");
-    } else if (first.is_ok() && !(WIFEXITED(c.wait_status) && WEXITSTATUS(c.wait_status) == 0)) {
+    } else if (first.is_ok() && !c.victim && !(WIFEXITED(c.wait_status) && WEXITSTATUS(c.wait_status) == 0)) {
       first = Status::internal(c.name + " ended badly" + describe_death(c));
     }
     if (c.fd >= 0) ::close(c.fd);

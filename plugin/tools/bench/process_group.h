@@ -62,6 +62,9 @@ class ProcessGroup {
 
   size_t size() const { return children_.size(); }
   const std::string& name(size_t child) const { return children_[child].name; }
+  pid_t pid(size_t child) const { return children_[child].pid; }
+  // False once the child has been reaped (killed by the group, or gone).
+  bool running(size_t child) const { return !children_[child].reaped && children_[child].fd >= 0; }
 
   // Sends `command` to each of `children`, then waits until every one has
   // answered, at most until `deadline`. A reply {"ok": false, "error": m} is
@@ -84,14 +87,17 @@ class ProcessGroup {
   // Like request(), but a child's failure is its Answer, and nothing is
   // killed for it; with a victim, the victim (which may or may not be one of
   // `children`) is SIGKILLed and reaped at `kill_at`. Returns once every
-  // child answered or `deadline` passed, and the victim is dead.
+  // child answered or `deadline` passed, and the victim is dead; with
+  // `killed_ns`, when the victim was sent SIGKILL (monotonic_ns()).
   std::vector<Answer> request_tolerating(const std::vector<size_t>& children, const Json& command,
                                          Clock::time_point deadline, size_t victim = SIZE_MAX,
-                                         Clock::time_point kill_at = Clock::time_point::max());
+                                         Clock::time_point kill_at = Clock::time_point::max(),
+                                         int64_t* killed_ns = nullptr);
 
   // Asks every child still running to exit and waits for it until
   // `deadline`, then kills what is left. Returns the first problem: a child
-  // that had to be killed or exited with a non-zero status.
+  // that had to be killed or exited with a non-zero status (a victim of
+  // request_tolerating is no problem: it was meant to die).
   Status shut_down(Clock::time_point deadline);
 
   // SIGKILLs and reaps every child still running. Idempotent.
@@ -104,6 +110,7 @@ class ProcessGroup {
     int fd = -1;
     bool reaped = false;
     int wait_status = 0;
+    bool victim = false;  // killed on purpose by request_tolerating: shut_down does not count it
   };
   // Why `c` stopped answering: its exit status if it is gone.
   std::string describe_death(Child& c);

@@ -1,12 +1,16 @@
 #include "plugin/tools/bench/refresh_run.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <memory>
 
 #include "plugin/tools/bench/agent.h"
 #include "plugin/tools/bench/local_coordinator.h"
 #include "plugin/tools/bench/process_group.h"
+#include "plugin/tools/bench/resident_memory.h"
 #include "plugin/tools/bench/strategy_layouts.h"
 
 namespace refit::bench {
@@ -28,6 +32,8 @@ class Runner {
     if (strategy == Strategy::kBroadcast) {
       options_.staged = false;
       options_.kill.reset();
+      options_.churn = 0;
+      options_.late_join_version = 0;
     }
     result_.strategy = strategy;
     result_.staged = options_.staged;
@@ -46,6 +52,7 @@ class Runner {
     } else {
       result_.status = group_.shut_down(Clock::now() + std::chrono::seconds(10));
     }
+    for (auto& [key, sample] : resident_) result_.resident.push_back(std::move(sample));
     group_.kill_all();
     coordinators_.clear();
     return std::move(result_);
@@ -64,11 +71,12 @@ class Runner {
     if (options_.progress) options_.progress(what, done_, total_);
   }
 
-  Result<size_t> spawn(const std::string& name, AgentSpec spec) {
+  Result<size_t> spawn(const std::string& name, AgentSpec spec, bool standby = false) {
     spec.serve_check = options_.serve_check && spec.receiver_layout != nullptr && spec.source_layout == nullptr;
     spec.sample_every = options_.sample_every;
     specs_.push_back(std::make_unique<AgentSpec>(spec));
     const AgentSpec* p = specs_.back().get();
+    if (standby) return group_.spawn(name, [p](Channel& ch) { return run_standby(*p, ch); });
     return group_.spawn(name, [p](Channel& ch) { return run_agent(*p, ch); });
   }
 
@@ -93,7 +101,7 @@ class Runner {
   }
 
   Result<std::unique_ptr<LocalCoordinator>> coordinator() {
-    auto c = LocalCoordinator::start();
+    auto c = LocalCoordinator::start(options_.heartbeat_timeout);
     if (!c) return c.status();
     return std::move(*c);
   }
@@ -124,17 +132,120 @@ class Runner {
     }
   }
 
-  // Sums the serving readers' counts into the result.
-  Status collect_serve_stats(const Role& receivers) {
+  // Sums the serving readers' counts into the result: the readers of
+  // `receivers` now, and what the readers of processes that are gone (a
+  // killed receiver) had counted when last asked.
+  // Staged mode: the receivers commit one after another. Each stands for a
+  // server on a GPU of its own, whose commit copies within that GPU's
+  // memory; on this one host concurrent commits would share one memory bus
+  // and each pause would measure the others' copies too.
+  Result<std::vector<Json>> commit_one_by_one(const std::vector<size_t>& receivers) {
+    std::vector<Json> replies;
+    for (size_t rx : receivers) {
+      Result<Json> one = group_.request(rx, Json{{"cmd", "commit"}}, deadline());
+      if (!one.is_ok()) return one.status();
+      replies.push_back(std::move(one).value());
+    }
+    return replies;
+  }
+
+  Status collect_serve_stats(const std::vector<size_t>& receivers) {
     if (!options_.serve_check) return Status::ok();
-    auto r = group_.request(receivers.children, Json{{"cmd", "serve_stats"}}, deadline());
+    auto r = group_.request(receivers, Json{{"cmd", "serve_stats"}}, deadline());
     if (!r) return r.status();
+    for (size_t i = 0; i < receivers.size(); ++i)
+      serve_counts_[receivers[i]] = {(*r)[i].value("reads", int64_t{0}),
+                                     (*r)[i].value("mixed_version_reads", int64_t{0})};
     result_.serve_reads = 0;
     result_.mixed_version_reads = 0;
-    for (const Json& x : *r) {
-      result_.serve_reads += x.value("reads", int64_t{0});
-      result_.mixed_version_reads += x.value("mixed_version_reads", int64_t{0});
+    for (const auto& [child, counts] : serve_counts_) {
+      result_.serve_reads += counts.first;
+      result_.mixed_version_reads += counts.second;
     }
+    return Status::ok();
+  }
+
+  // The receivers that have joined (late joiners only from their version
+  // on; a killed one not until its replacement has joined).
+  std::vector<size_t> active(const Role& receivers) const {
+    std::vector<size_t> out;
+    for (size_t r = 0; r < receivers.children.size(); ++r)
+      if (joined_[r]) out.push_back(receivers.children[r]);
+    return out;
+  }
+
+  Json config_command(const char* cmd, const AgentPlace& place, const LocalCoordinator& coordinator) const {
+    return Json{{"cmd", cmd},
+                {"config", agent_config(place, coordinator.address(), coordinator.token_file(), options_)},
+                {"join_retry_ms", options_.refresh_timeout.count()}};
+  }
+
+  // Resident memory of the bench and of `children`, after version v
+  // verified on them: the first sample of a process is kept, the last
+  // replaced.
+  Status sample_resident(int64_t v, const std::vector<size_t>& children) {
+    auto take = [&](int64_t key, const std::string& name, pid_t pid, int64_t heap_kib) -> Status {
+      auto kib = resident_kib(pid);
+      if (!kib) return kib.status().with_context("resident memory of " + name);
+      auto [it, fresh] = resident_.try_emplace(key);
+      ResidentSample& r = it->second;
+      if (fresh) {
+        r.process = name;
+        r.pid = pid == 0 ? static_cast<int64_t>(::getpid()) : static_cast<int64_t>(pid);
+        r.first_version = v;
+        r.first_kib = *kib;
+        r.first_heap_kib = heap_kib;
+      }
+      r.last_version = v;
+      r.last_kib = *kib;
+      r.last_heap_kib = heap_kib;
+      return Status::ok();
+    };
+    std::vector<size_t> running;
+    for (size_t c : children)
+      if (group_.running(c)) running.push_back(c);
+    auto heaps = group_.request(running, Json{{"cmd", "memory"}}, deadline());
+    if (!heaps) return heaps.status();
+    REFIT_RETURN_IF_ERROR(take(-1, "refit-bench", 0, heap_in_use_kib()));
+    for (size_t i = 0; i < running.size(); ++i)
+      REFIT_RETURN_IF_ERROR(take(static_cast<int64_t>(running[i]), group_.name(running[i]), group_.pid(running[i]),
+                                 (*heaps)[i].value("heap_kib", int64_t{0})));
+    return Status::ok();
+  }
+
+  // Processes that wait for a later version (late joiners, a standby) are
+  // asked to answer once per version, so that their idle deadline never
+  // passes while the run goes on.
+  Status ping_idle(const Role& receivers) {
+    std::vector<size_t> idle;
+    for (size_t r = 0; r < receivers.children.size(); ++r)
+      if (!joined_[r] && group_.running(receivers.children[r])) idle.push_back(receivers.children[r]);
+    if (standby_ != SIZE_MAX && group_.running(standby_)) idle.push_back(standby_);
+    if (idle.empty()) return Status::ok();
+    auto r = group_.request(idle, Json{{"cmd", "ping"}}, deadline());
+    return r ? Status::ok() : r.status();
+  }
+
+  // RunOptions::churn receivers, in turn over the ranks, leave and rejoin.
+  Status churn(const Role& receivers, const LocalCoordinator& C, VersionResult* vr) {
+    const size_t n = receivers.children.size();
+    size_t joined = 0;
+    for (size_t r = 0; r < n; ++r) joined += joined_[r] ? 1 : 0;
+    const size_t want = std::min(static_cast<size_t>(options_.churn), joined);
+    std::vector<size_t> children;
+    std::vector<Json> commands;
+    for (size_t tried = 0; children.size() < want && tried < n; ++tried) {
+      const size_t r = churn_next_;
+      churn_next_ = (churn_next_ + 1) % n;
+      if (!joined_[r]) continue;
+      children.push_back(receivers.children[r]);
+      commands.push_back(config_command("rejoin", receivers.places[r], C));
+      vr->rejoined.push_back(static_cast<int32_t>(r));
+    }
+    auto replies = group_.request_each(children, commands, refresh_deadline());
+    if (!replies) return replies.status();
+    for (const Json& x : *replies) vr->rejoin_seconds = std::max(vr->rejoin_seconds, x.value("seconds", 0.0));
+    result_.rejoins += static_cast<int64_t>(children.size());
     return Status::ok();
   }
 
@@ -142,7 +253,15 @@ class Runner {
     if (options_.versions < 1) return Status::invalid("versions must be at least 1");
     if (options_.kill && options_.versions < 2)
       return Status::invalid("kill needs at least 2 versions: the one before says when to kill");
+    if (options_.kill && options_.kill->rejoin && options_.versions < 3)
+      return Status::invalid("kill with rejoin needs at least 3 versions: one before the killed one, one after it");
     const int64_t first = options_.first_version;
+    const int64_t last = first + options_.versions - 1;
+    if (options_.late_join_version != 0 &&
+        (options_.late_join_version <= first || options_.late_join_version > last))
+      return Status::invalid("late join at version " + std::to_string(options_.late_join_version) +
+                             ": it must be one of the versions after the first, " + std::to_string(first + 1) + ".." +
+                             std::to_string(last));
     if (strategy_ == Strategy::kBroadcast) return run_broadcast(first);
 
     // Fork every rank first, while this process has no threads.
@@ -151,10 +270,29 @@ class Runner {
       derived_.push_back(std::make_unique<Layout>(no_dedup_layout(layout_)));
       L = derived_.back().get();
     }
+    const int32_t num_receivers = L->num_ranks(Side::kReceiver);
+    int32_t late_instance = -1;
+    if (options_.late_join_version != 0) {
+      for (const auto& r : L->receivers) late_instance = std::max(late_instance, r.instance);
+      bool others = false;
+      for (const auto& r : L->receivers) others = others || r.instance != late_instance;
+      if (!others)
+        return Status::invalid("late join needs two inference instances or more: one joins late, the others "
+                               "refresh before it");
+    }
+    if (options_.kill) {
+      const RunOptions::Kill& k = *options_.kill;
+      const int32_t ranks = k.receiver ? num_receivers : L->num_ranks(Side::kSource);
+      if (k.rank < 0 || k.rank >= ranks)
+        return Status::invalid(std::string("kill: there is no ") + (k.receiver ? "receiver " : "source ") +
+                               std::to_string(k.rank) + " (" + std::to_string(ranks) + " of them)");
+    }
+    const int64_t kill_version = !options_.kill ? 0 : options_.kill->rejoin ? last - 1 : last;
     Role sources, receivers;
-    total_ = 3 + options_.versions * (options_.staged ? 5 : 4);
+    total_ = 3 + options_.versions * (options_.staged ? 5 : 4) + (options_.churn > 0 ? options_.versions - 1 : 0) +
+             (late_instance >= 0 ? 1 : 0) + (kill_version != 0 && options_.kill->rejoin ? 1 : 0);
     REFIT_RETURN_IF_ERROR(spawn_sources(*L, &sources));
-    for (int32_t r = 0; r < L->num_ranks(Side::kReceiver); ++r) {
+    for (int32_t r = 0; r < num_receivers; ++r) {
       AgentSpec spec;
       spec.receiver_layout = L;
       spec.receiver_rank = r;
@@ -162,6 +300,16 @@ class Runner {
       if (!c) return c.status();
       receivers.children.push_back(*c);
       receivers.places.push_back({true, r, L->receivers[r].domain, L->receivers[r].instance});
+    }
+    if (kill_version != 0 && options_.kill->rejoin) {
+      const RunOptions::Kill& k = *options_.kill;
+      AgentSpec spec;
+      (k.receiver ? spec.receiver_layout : spec.source_layout) = L;
+      (k.receiver ? spec.receiver_rank : spec.source_rank) = k.rank;
+      auto c = spawn(std::string(k.receiver ? "receiver " : "source ") + std::to_string(k.rank) + " (replacement)",
+                     spec, /*standby=*/true);
+      if (!c) return c.status();
+      standby_ = *c;
     }
     step("started " + std::to_string(group_.size()) + " processes");
     auto coord = coordinator();
@@ -172,17 +320,46 @@ class Runner {
     auto r = group_.request_each(sources.children, configs(sources, "source", C), deadline());
     if (!r) return r.status();
     step("sources joined");
-    r = group_.request_each(receivers.children, configs(receivers, "receiver", C), deadline());
+    joined_.assign(static_cast<size_t>(num_receivers), false);
+    Role early;
+    for (int32_t i = 0; i < num_receivers; ++i) {
+      if (receivers.places[i].instance == late_instance) continue;
+      early.children.push_back(receivers.children[i]);
+      early.places.push_back(receivers.places[i]);
+      joined_[i] = true;
+    }
+    r = group_.request_each(early.children, configs(early, "receiver", C), deadline());
     if (!r) return r.status();
     step("receivers joined");
 
-    for (int64_t v = first; v < first + options_.versions; ++v) {
+    for (int64_t v = first; v <= last; ++v) {
       VersionResult vr;
       vr.version = v;
       const std::string tag = "version " + std::to_string(v) + ": ";
+      REFIT_RETURN_IF_ERROR(ping_idle(receivers));
       if (v > first) {
         r = group_.request(sources.children, versioned("drain", v - 1, true), refresh_deadline());
         if (!r) return r.status();
+      }
+      if (v == options_.late_join_version) {
+        Role late;
+        std::string ranks;
+        for (int32_t i = 0; i < num_receivers; ++i) {
+          if (receivers.places[i].instance != late_instance) continue;
+          late.children.push_back(receivers.children[i]);
+          late.places.push_back(receivers.places[i]);
+          joined_[i] = true;
+          ranks += (ranks.empty() ? "" : ", ") + std::to_string(i);
+        }
+        r = group_.request_each(late.children, configs(late, "receiver", C), deadline());
+        if (!r) return r.status();
+        result_.late_joined = "instance " + std::to_string(late_instance) + " (receivers " + ranks +
+                              ") joined at version " + std::to_string(v);
+        step(tag + "instance " + std::to_string(late_instance) + " joined");
+      }
+      if (options_.churn > 0 && v > first) {
+        REFIT_RETURN_IF_ERROR(churn(receivers, C, &vr));
+        step(tag + "receivers left and rejoined");
       }
       r = group_.request(sources.children, versioned("fill", v), deadline());
       if (!r) return r.status();
@@ -190,14 +367,17 @@ class Runner {
       r = group_.request(sources.children, versioned("publish", v), deadline());
       if (!r) return r.status();
       step(tag + "published");
+      const std::vector<size_t> rx = active(receivers);
       if (options_.serve_check && !options_.staged) {  // the servers pause before any peer may push
-        r = group_.request(receivers.children, Json{{"cmd", "pause"}}, deadline());
+        r = group_.request(rx, Json{{"cmd", "pause"}}, deadline());
         if (!r) return r.status();
       }
-      if (options_.kill && v == first + options_.versions - 1 && v > first)
-        return refresh_with_kill(v, sources, receivers, *L);
+      if (v == kill_version && v > first) {
+        REFIT_RETURN_IF_ERROR(refresh_with_kill(v, sources, receivers, C));
+        continue;
+      }
       const int64_t t0 = monotonic_ns();
-      r = group_.request(receivers.children, versioned("refresh", v, true), refresh_deadline());
+      r = group_.request(rx, versioned("refresh", v, true), refresh_deadline());
       if (!r) return r.status();
       int64_t end = t0;
       sum_reports(*r, &vr, t0, &end);
@@ -205,7 +385,7 @@ class Runner {
       slowest(*r, &vr);
       step(tag + "refreshed");
       if (options_.staged) {
-        r = group_.request(receivers.children, Json{{"cmd", "commit"}}, deadline());
+        r = commit_one_by_one(rx);
         if (!r) return r.status();
         vr.pause_seconds = 0;
         slowest(*r, &vr);
@@ -213,23 +393,29 @@ class Runner {
       }
       for (Json& x : *r) vr.reports.push_back(std::move(x["report"]));
       result_.versions.push_back(std::move(vr));
-      r = group_.request(receivers.children, versioned("verify", v), deadline());
+      r = group_.request(rx, versioned("verify", v), deadline());
       if (!r) return r.status();
       result_.versions.back().verified = true;
-      REFIT_RETURN_IF_ERROR(collect_serve_stats(receivers));
+      REFIT_RETURN_IF_ERROR(collect_serve_stats(rx));
+      std::vector<size_t> all = sources.children;
+      all.insert(all.end(), rx.begin(), rx.end());
+      REFIT_RETURN_IF_ERROR(sample_resident(v, all));
       step(tag + "verified");
     }
+    if (!result_.late_joined.empty())
+      result_.late_joined += "; versions " + std::to_string(options_.late_join_version) + ".." + std::to_string(last) +
+                             " verified on all " + std::to_string(num_receivers) + " receivers";
     return Status::ok();
   }
 
-  // The last version, whose refresh loses a rank (RunOptions::kill). The
-  // version before it is live everywhere and verified.
-  Status refresh_with_kill(int64_t v, const Role& sources, const Role& receivers, const Layout& L) {
+  // The version whose refresh loses a rank (RunOptions::kill). The version
+  // before it is live everywhere and verified. Returns OK when the run may
+  // go on (or end well): with rejoin, once the replacement has joined; without,
+  // when a source was killed and every receiver still completed the version
+  // (a replica carried it).
+  Status refresh_with_kill(int64_t v, Role& sources, Role& receivers, const LocalCoordinator& C) {
     const RunOptions::Kill& k = *options_.kill;
-    const Role& role = k.receiver ? receivers : sources;
-    if (k.rank < 0 || static_cast<size_t>(k.rank) >= role.children.size())
-      return Status::invalid(std::string("kill: there is no ") + (k.receiver ? "receiver " : "source ") +
-                             std::to_string(k.rank) + " (" + std::to_string(role.children.size()) + " of them)");
+    Role& role = k.receiver ? receivers : sources;
     const size_t victim = role.children[k.rank];
     const double estimate = result_.versions.back().seconds;
     const Clock::time_point kill_at =
@@ -237,67 +423,120 @@ class Runner {
     char when[96];
     std::snprintf(when, sizeof when, " at %.3f s (%.2f of the previous refresh's %.3f s)", k.fraction * estimate,
                   k.fraction, estimate);
-    result_.killed = group_.name(victim) + when;
+    const std::string victim_name = group_.name(victim);
+    result_.killed = victim_name + when;
+    result_.killed_version = v;
     VersionResult vr;
     vr.version = v;
+    const std::vector<size_t> rx = active(receivers);
     const int64_t t0 = monotonic_ns();
-    auto answers = group_.request_tolerating(receivers.children, versioned("refresh", v, true), refresh_deadline(),
-                                             victim, kill_at);
-    std::vector<size_t> survivors, lost;  // lost: survivors that must still hold v - 1
-    std::vector<Json> replies;
-    std::string error, victim_error;  // the first survivor's error; the victim's
-    size_t survivors_ok = 0;
+    int64_t killed_ns = 0;
+    auto answers = group_.request_tolerating(rx, versioned("refresh", v, true), refresh_deadline(), victim, kill_at,
+                                             &killed_ns);
+    std::vector<size_t> ok, failed;  // the other receivers, by how their refresh ended
+    std::vector<Json> replies;       // ok's
+    std::string error, victim_error;  // the first other receiver's error; the victim's
+    int64_t last_end = t0;
     for (size_t i = 0; i < answers.size(); ++i) {
-      const size_t child = receivers.children[i];
-      if (child != victim) survivors.push_back(child);
-      if (answers[i].ok) {
+      if (answers[i].ok) last_end = std::max(last_end, answers[i].reply.value("end_ns", t0));
+      if (rx[i] == victim) {
+        if (!answers[i].ok) victim_error = answers[i].error;
+      } else if (answers[i].ok) {
+        ok.push_back(rx[i]);
         replies.push_back(answers[i].reply);
-        if (child != victim) ++survivors_ok;
-      } else if (child == victim) {
-        victim_error = answers[i].error;
-      } else if (error.empty()) {
-        error = answers[i].error;
+      } else {
+        failed.push_back(rx[i]);
+        if (error.empty()) error = answers[i].error;
       }
     }
-    if (error.empty()) error = victim_error;
-    error += " (" + std::to_string(survivors_ok) + " of the " + std::to_string(survivors.size()) +
-             " other receivers' refreshes returned OK" + (options_.staged ? "; none was told to commit)" : ")");
-    step("version " + std::to_string(v) + ": refreshed, " + group_.name(victim) + " killed");
-    if (victim_error.empty() && survivors_ok == survivors.size()) {
-      // Every refresh returned before the kill: finish the version on the survivors.
+    result_.kill_refresh_seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
+    if (k.receiver) joined_[static_cast<size_t>(k.rank)] = false;
+    if (k.receiver && options_.staged) {
+      for (size_t r = 0; r < receivers.children.size(); ++r)
+        if (static_cast<int32_t>(r) != k.rank && receivers.places[r].instance == receivers.places[k.rank].instance &&
+            std::find(ok.begin(), ok.end(), receivers.children[r]) != ok.end())
+          result_.committed_without_killed.push_back(static_cast<int32_t>(r));
+    }
+    const bool during = !victim_error.empty() || !failed.empty() || killed_ns < last_end;
+    if (!during) result_.killed += ", after every refresh had returned";
+    const size_t others = ok.size() + failed.size();
+    step("version " + std::to_string(v) + ": refreshed, " + victim_name + " killed");
+    // The receivers whose refresh returned OK complete the version.
+    if (!ok.empty()) {
       int64_t end = t0;
       sum_reports(replies, &vr, t0, &end);
       vr.seconds = static_cast<double>(end - t0) * 1e-9;
       slowest(replies, &vr);
       if (options_.staged) {
-        auto c = group_.request(survivors, Json{{"cmd", "commit"}}, deadline());
+        auto c = commit_one_by_one(ok);
         if (!c) return c.status();
         vr.pause_seconds = 0;
         slowest(*c, &vr);
         replies = std::move(*c);
       }
-      for (Json& x : replies) vr.reports.push_back(std::move(x["report"]));
-      result_.versions.push_back(std::move(vr));
-      auto c = group_.request(survivors, versioned("verify", v), deadline());
+      auto c = group_.request(ok, versioned("verify", v), deadline());
       if (!c) return c.status();
-      result_.versions.back().verified = true;
-      return Status::io_error(result_.killed + ", after every refresh of version " + std::to_string(v) +
-                              " had returned; the run stops here");
+      vr.verified = true;
+      for (Json& x : replies) vr.reports.push_back(std::move(x["report"]));
     }
-    if (options_.staged) {
-      const int32_t instance = k.receiver ? L.receivers[k.rank].instance : -1;
-      for (size_t i = 0; i < receivers.children.size(); ++i)
-        if (receivers.children[i] != victim && (instance < 0 || receivers.places[i].instance == instance))
-          lost.push_back(receivers.children[i]);
+    // Staged: the receivers that lost the refresh still serve the version before.
+    if (options_.staged && !failed.empty()) {
       bool intact = true;
-      for (const auto& a : group_.request_tolerating(lost, versioned("verify", v - 1), deadline())) {
+      std::string broken;
+      for (const auto& a : group_.request_tolerating(failed, versioned("verify", v - 1), deadline())) {
         if (a.ok) continue;
         intact = false;
-        error += "\nlive weights: " + a.error;
+        broken += "\nlive weights: " + a.error;
       }
       result_.live_weights_intact = intact;
+      error += broken;
     }
-    return Status::io_error("version " + std::to_string(v) + ": " + result_.killed + ": " + error);
+    result_.kill_error = error.empty() ? victim_error : error;
+    if (failed.empty()) {  // the version verified on every receiver left
+      result_.versions.push_back(std::move(vr));
+      REFIT_RETURN_IF_ERROR(collect_serve_stats(ok));
+      std::vector<size_t> all;
+      for (size_t c : sources.children)
+        if (group_.running(c)) all.push_back(c);
+      all.insert(all.end(), ok.begin(), ok.end());
+      REFIT_RETURN_IF_ERROR(sample_resident(v, all));
+    }
+    const std::string outcome = " (" + std::to_string(ok.size()) + " of the " + std::to_string(others) +
+                                " other receivers' refreshes returned OK)";
+    if (!k.rejoin) {
+      if (!during)
+        return Status::io_error(result_.killed + " (version " + std::to_string(v) + "); the run stops here");
+      if (!k.receiver && failed.empty()) return Status::ok();
+      return Status::io_error("version " + std::to_string(v) + ": " + result_.killed + ": " + result_.kill_error +
+                              outcome);
+    }
+    // Rejoin: every receiver left must still be alive, and (staged) those
+    // that lost the refresh must still serve the version before it.
+    if (result_.live_weights_intact && !*result_.live_weights_intact)
+      return Status::io_error("version " + std::to_string(v) + ": " + result_.killed +
+                              ": the live weights did not survive: " + result_.kill_error);
+    if (!failed.empty()) {
+      auto alive = group_.request(failed, Json{{"cmd", "ping"}}, deadline());
+      if (!alive) return alive.status().with_context("after " + result_.killed);
+    }
+    auto became = group_.request(standby_, Json{{"cmd", "become"}}, deadline());
+    if (!became) return became.status();
+    const size_t replacement = standby_;
+    standby_ = SIZE_MAX;
+    role.children[static_cast<size_t>(k.rank)] = replacement;
+    auto joined = group_.request(replacement,
+                                 config_command(k.receiver ? "receiver" : "source", role.places[k.rank], C),
+                                 refresh_deadline());
+    if (!joined) return joined.status().with_context("the replacement of " + victim_name);
+    if (k.receiver) joined_[static_cast<size_t>(k.rank)] = true;
+    result_.rejoin_seconds = static_cast<double>(monotonic_ns() - killed_ns) * 1e-9;
+    char took[160];
+    std::snprintf(took, sizeof took, "a standby process (pid %lld) took %s %d, joined %.3f s after the kill (%lld join attempts)",
+                  static_cast<long long>(became->value("pid", int64_t{0})), k.receiver ? "receiver" : "source", k.rank,
+                  result_.rejoin_seconds, static_cast<long long>(joined->value("join_attempts", int64_t{0})));
+    result_.rejoined = took;
+    step("version " + std::to_string(v) + ": " + group_.name(replacement) + " joined");
+    return Status::ok();
   }
 
   Status run_broadcast(int64_t first) {
@@ -394,7 +633,11 @@ class Runner {
       r = group_.request(receivers.children, versioned("verify", v), deadline());
       if (!r) return r.status();
       result_.versions.back().verified = true;
-      REFIT_RETURN_IF_ERROR(collect_serve_stats(receivers));
+      REFIT_RETURN_IF_ERROR(collect_serve_stats(receivers.children));
+      std::vector<size_t> all = sources.children;
+      all.push_back(gatherer_rx.children[0]);
+      all.insert(all.end(), receivers.children.begin(), receivers.children.end());
+      REFIT_RETURN_IF_ERROR(sample_resident(v, all));
       step(tag + "verified");
     }
     return Status::ok();
@@ -407,6 +650,11 @@ class Runner {
   int done_ = 0, total_ = 1;
   std::vector<std::unique_ptr<Layout>> derived_;
   std::vector<std::unique_ptr<AgentSpec>> specs_;
+  std::vector<bool> joined_;      // by receiver rank: joined and not killed
+  size_t standby_ = SIZE_MAX;     // the standby process, until it takes a rank
+  size_t churn_next_ = 0;         // the receiver rank churn takes next
+  std::map<int64_t, ResidentSample> resident_;  // by child; -1: this process
+  std::map<size_t, std::pair<int64_t, int64_t>> serve_counts_;  // by child: reads, mixed
   // Destroyed after the group's children are gone (run() clears them last).
   std::vector<std::unique_ptr<LocalCoordinator>> coordinators_;
   ProcessGroup group_;
@@ -437,6 +685,55 @@ double RunResult::median_seconds() const { return median_of(versions, &VersionRe
 double RunResult::median_refresh_seconds() const { return median_of(versions, &VersionResult::refresh_seconds); }
 double RunResult::median_pause_seconds() const { return median_of(versions, &VersionResult::pause_seconds); }
 
+double RunResult::median_rejoin_seconds() const {
+  std::vector<VersionResult> churned;
+  for (const VersionResult& v : versions)
+    if (!v.rejoined.empty()) churned.push_back(v);
+  return median_of(churned, &VersionResult::rejoin_seconds);
+}
+
+double RunResult::max_rejoin_seconds() const {
+  double m = 0;
+  for (const VersionResult& v : versions) m = std::max(m, v.rejoin_seconds);
+  return m;
+}
+
+int64_t RunResult::resident_first_kib() const {
+  int64_t sum = 0;
+  for (const ResidentSample& r : resident) sum += r.first_kib;
+  return sum;
+}
+
+int64_t RunResult::resident_last_kib() const {
+  int64_t sum = 0;
+  for (const ResidentSample& r : resident) sum += r.last_kib;
+  return sum;
+}
+
+int64_t RunResult::heap_first_kib() const {
+  int64_t sum = 0;
+  for (const ResidentSample& r : resident) sum += r.first_heap_kib;
+  return sum;
+}
+
+int64_t RunResult::heap_last_kib() const {
+  int64_t sum = 0;
+  for (const ResidentSample& r : resident) sum += r.last_heap_kib;
+  return sum;
+}
+
+int64_t RunResult::resident_max_growth_kib(std::string* process) const {
+  int64_t most = 0;
+  bool any = false;
+  for (const ResidentSample& r : resident) {
+    if (any && r.last_kib - r.first_kib <= most) continue;
+    most = r.last_kib - r.first_kib;
+    any = true;
+    if (process != nullptr) *process = r.process;
+  }
+  return most;
+}
+
 RunResult run_refreshes(const Layout& layout, Strategy strategy, const RunOptions& options) {
   return Runner(layout, strategy, options).run();
 }
@@ -454,6 +751,8 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
   c["network"] = std::move(net);
   if (place.receiver) c["local"] = {{"transports", options.local_transports}};
   if (place.receiver && options.staged) c["mode"] = "staged";
+  if (options.heartbeat_timeout.count() > 0)
+    c["heartbeat_ms"] = std::max<int64_t>(100, options.heartbeat_timeout.count() / 4);
   c["log_level"] = options.log_level;
   return c.dump();
 }

@@ -26,6 +26,13 @@
 // the refresh command goes out, because a peer's push lands in this rank's
 // buffers as soon as the peer's refresh starts.
 //
+// Membership while refreshes run (refit and no-dedup): receivers that
+// leave and rejoin between versions (churn), an instance whose receivers join
+// late, and a rank killed in a refresh (kill), optionally replaced by a
+// standby process forked with the others. Every long-lived process's
+// resident memory is sampled after the first version it took part in and
+// after the last (RunResult::resident).
+//
 // The calling process must have no threads yet when run_refreshes starts
 // (it forks first, then starts the coordinators), and is single-threaded
 // again when it returns. Nothing is left running: on any failure every
@@ -70,12 +77,39 @@ struct RunOptions {
   // versions >= 2; with 3 or more the estimate is of a warm refresh (the
   // first one also plans and connects). refit and no-dedup; broadcast
   // ignores it.
+  //
+  // With rejoin, the kill lands in the refresh of the version before the
+  // last (needs versions >= 3), and a standby process, forked at the start
+  // with the others, takes the killed rank before the last version: a
+  // receiver joins with the rank; a source joins, fills and publishes the
+  // next version. The last version must then refresh and verify on every
+  // receiver. The killed version may fail (it is then not counted as
+  // completed, and its error is kept in RunResult::kill_error); the run
+  // succeeds when everything after it verifies and, staged, the ranks that
+  // lost that refresh still held the version before it.
+  //
+  // A killed rank stays registered until the coordinator declares it dead
+  // (heartbeat_timeout); the replacement joins again until then.
   struct Kill {
     bool receiver = false;  // else a source
     int32_t rank = 0;
     double fraction = 0.5;
+    bool rejoin = false;
   };
   std::optional<Kill> kill;
+  // Churn: before every version after the first, this many receivers leave
+  // (refit_receiver_destroy) and rejoin with the same rank and buffers,
+  // taken in turn over the ranks (refit and no-dedup; broadcast ignores it).
+  int churn = 0;
+  // Late join: when > first_version, the ranks of the last instance join
+  // only at this version (their processes exist from the start, idle); the
+  // versions before it refresh the other instances only, and from it on
+  // every receiver must verify. Needs two instances or more.
+  int64_t late_join_version = 0;
+  // The embedded coordinator's heartbeat timeout (a silent member is
+  // declared dead after it), and the agents' "heartbeat_ms" a quarter of it;
+  // zero keeps both defaults (10 s and 1 s).
+  std::chrono::milliseconds heartbeat_timeout{0};
   // Called after each step: what was done, steps done, steps in all.
   std::function<void(const std::string& step, int done, int total)> progress;
 };
@@ -96,6 +130,25 @@ struct VersionResult {
   bool verified = false;
   // per receiver rank (broadcast: stage 2); staged: the reports after commit
   std::vector<nlohmann::json> reports;
+  // churn: the receivers that left and rejoined before this version, and
+  // the slowest one's leave and join (0 when none did).
+  std::vector<int32_t> rejoined;
+  double rejoin_seconds = 0;
+};
+
+// Resident memory (VmRSS, KiB) of one long-lived process: the bench itself
+// (with the coordinator), a source or a receiver rank's process, sampled
+// after the first version it took part in and after the last.
+struct ResidentSample {
+  std::string process;  // "refit-bench", "source 0", "receiver 1", ...
+  int64_t pid = 0;
+  int64_t first_version = 0;
+  int64_t first_kib = 0;
+  int64_t last_version = 0;
+  int64_t last_kib = 0;
+  // Allocated with malloc and not freed (heap_in_use_kib), at the same times.
+  int64_t first_heap_kib = 0;
+  int64_t last_heap_kib = 0;
 };
 
 struct RunResult {
@@ -113,10 +166,40 @@ struct RunResult {
   // source was killed) still hold the previous version, every byte checked.
   std::string killed;
   std::optional<bool> live_weights_intact;
+  int64_t killed_version = 0;  // the version whose refresh the kill hit
+  // What the killed version's refresh ended with: the first error among the
+  // receivers, or "" when every surviving receiver completed and verified it.
+  std::string kill_error;
+  // From the killed version's refresh command until every receiver left had
+  // answered (completed or failed).
+  double kill_refresh_seconds = 0;
+  // Staged, a receiver killed: the ranks of its instance whose refresh
+  // still returned OK and committed the version without it.
+  std::vector<int32_t> committed_without_killed;
+  // kill with rejoin: who took the killed rank, and how long from the kill
+  // until it had joined (it waits for the coordinator to declare the killed
+  // one dead).
+  std::string rejoined;
+  double rejoin_seconds = 0;
+  // churn: receivers that left and rejoined, and the slowest one's leave and
+  // join of each version (VersionResult::rejoin_seconds).
+  int64_t rejoins = 0;
+  // late join: the instance, its receiver ranks, and the version they joined at.
+  std::string late_joined;
+  // Every long-lived process, in spawn order, the bench itself first.
+  std::vector<ResidentSample> resident;
   bool verified() const;  // status ok and every version verified
   double median_seconds() const;
   double median_refresh_seconds() const;
   double median_pause_seconds() const;
+  double median_rejoin_seconds() const;  // of the versions that had churn
+  double max_rejoin_seconds() const;
+  int64_t resident_first_kib() const;  // summed over `resident`
+  int64_t resident_last_kib() const;
+  int64_t heap_first_kib() const;  // summed over `resident`
+  int64_t heap_last_kib() const;
+  // The largest last_kib - first_kib of one process, and which.
+  int64_t resident_max_growth_kib(std::string* process = nullptr) const;
 };
 
 RunResult run_refreshes(const Layout& layout, Strategy strategy, const RunOptions& options);

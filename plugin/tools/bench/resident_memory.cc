@@ -1,0 +1,33 @@
+#include "plugin/tools/bench/resident_memory.h"
+
+#include <malloc.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace refit::bench {
+
+Result<int64_t> resident_kib(pid_t pid) {
+  const std::string path = pid == 0 ? "/proc/self/status" : "/proc/" + std::to_string(pid) + "/status";
+  std::ifstream in(path);
+  if (!in) return Status::not_found(path + ": cannot open (is the process gone?)");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) != 0) continue;
+    std::istringstream fields(line.substr(6));
+    int64_t kib = -1;
+    std::string unit;
+    fields >> kib >> unit;
+    if (kib < 0 || unit != "kB") return Status::internal(path + ": cannot read \"" + line + "\"");
+    return kib;
+  }
+  return Status::not_found(path + ": no VmRSS line (a zombie or a kernel thread?)");
+}
+
+int64_t heap_in_use_kib() {
+  const struct mallinfo2 m = ::mallinfo2();
+  return static_cast<int64_t>((m.uordblks + m.hblkhd) / 1024);
+}
+
+}  // namespace refit::bench

@@ -1,0 +1,26 @@
+#pragma once
+// Resident memory of a process, as the kernel counts it: VmRSS of
+// /proc/PID/status, in KiB. The bench samples its long-lived processes (every
+// rank and itself, with the coordinator) at the first and the last version,
+// so that a run of many refreshes shows whether memory stays flat.
+
+#include <sys/types.h>
+
+#include <cstdint>
+
+#include "planner/status.h"
+
+namespace refit::bench {
+
+// VmRSS of process `pid` (0: this process) in KiB; an error naming the file
+// when it cannot be read (the process is gone) or has no VmRSS line.
+Result<int64_t> resident_kib(pid_t pid = 0);
+
+// What this process has allocated with malloc and not freed, in KiB
+// (glibc's mallinfo2: arena bytes in use plus mmapped chunks). Beside VmRSS
+// it tells a leak (both grow) from memory that was freed but that malloc
+// keeps for reuse (VmRSS grows, this does not). Counted by the process's own
+// malloc, so a process reports it about itself.
+int64_t heap_in_use_kib();
+
+}  // namespace refit::bench
