@@ -156,10 +156,19 @@ void ControlState::remove_receiver(int32_t rank, const std::string& why) {
   receivers_.erase(it);
   if (instance_ranks(instance).empty()) aborted_.erase(instance);
   ++epoch_;
-  if (leases_.erase(rank)) notify_drained();
+  // A rank that leaves in the middle of a refresh (it holds a lease) takes
+  // that version down for its whole instance: the others keep their old
+  // version instead of committing it without the rank.
+  int64_t refreshing = 0;
+  if (auto l = leases_.find(rank); l != leases_.end()) {
+    refreshing = l->second.version;
+    leases_.erase(l);
+    notify_drained();
+  }
   auto b = barriers_.find(instance);
-  if (b != barriers_.end()) {
-    abort_instance(instance, b->second.version, "receiver rank " + std::to_string(rank) + " " + why);
+  const int64_t version = std::max(refreshing, b != barriers_.end() ? b->second.version : int64_t{0});
+  if (version > 0 && !instance_ranks(instance).empty()) {
+    abort_instance(instance, version, "receiver rank " + std::to_string(rank) + " " + why);
   }
 }
 

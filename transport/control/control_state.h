@@ -29,8 +29,9 @@
 // Commit barrier (DESIGN.md section 6): each receiver rank of an instance
 // reports "staged v"; when every registered rank of the instance has, every
 // one of them is sent commit v. A failure report, or a rank of the instance
-// leaving, sends abort v to the others instead; a rank that reports staged v
-// after that is sent abort v too. A report of a newer version abandons an
+// leaving (or declared dead) while it or another rank staged v or held a
+// lease on v, sends abort v to the others instead; a rank that reports
+// staged v after that is sent abort v too. A report of a newer version abandons an
 // unfinished barrier of an older one (its ranks are sent abort).
 //
 // Leases (DESIGN.md section 6): a receiver rank leases the version it reads

@@ -363,6 +363,39 @@ TEST(ControlState, LateStagedReportOfAnAbortedVersionDoesNotBlockTheNext) {
   EXPECT_EQ(n[0].body["version"], 5);
 }
 
+// A rank that dies while it refreshes (it holds a lease) takes the version
+// down for its instance: the survivor is told to abort it, and its own
+// "staged" report of it afterwards commits nothing.
+TEST(ControlState, ARankDyingInARefreshAbortsThatVersionForItsInstance) {
+  ControlState s(StateLimits{}, 100ms);
+  auto t0 = Clock::now();
+  ASSERT_TRUE(s.register_source(1, whole_source(0), t0).is_ok());
+  ASSERT_TRUE(s.publish(1, 5).is_ok());
+  ASSERT_TRUE(s.register_receiver(10, receiver(0, 0), t0).is_ok());
+  ASSERT_TRUE(s.register_receiver(11, receiver(1, 0), t0).is_ok());
+  ASSERT_TRUE(s.register_receiver(12, receiver(2, 1), t0).is_ok());  // another instance
+  ASSERT_TRUE(s.lease(11, StageReport{1, 5, ""}, t0).is_ok());
+  s.take_notices();
+  ASSERT_TRUE(s.heartbeat(1, MemberRef{Role::kSource, 0}, t0 + 90ms).is_ok());
+  ASSERT_TRUE(s.heartbeat(10, MemberRef{Role::kReceiver, 0}, t0 + 90ms).is_ok());
+  ASSERT_TRUE(s.heartbeat(12, MemberRef{Role::kReceiver, 2}, t0 + 90ms).is_ok());
+  s.sweep(t0 + 150ms);  // rank 1 is declared dead
+  auto n = s.take_notices();
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_EQ(n[0].session, 10u);
+  EXPECT_EQ(n[0].type, MsgType::kAbort);
+  EXPECT_EQ(n[0].body["version"], 5);
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 5, ""}).is_ok());
+  n = s.take_notices();
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_EQ(n[0].type, MsgType::kAbort) << "rank 0 alone does not commit version 5";
+  // The other instance is not affected.
+  ASSERT_TRUE(s.report_staged(12, StageReport{2, 5, ""}).is_ok());
+  n = s.take_notices();
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_EQ(n[0].type, MsgType::kCommit);
+}
+
 TEST(ControlState, DrainsAVersionWhenItsLeasesEnd) {
   ControlState s(StateLimits{}, 10s);
   s.set_lease_timeout(100ms);
