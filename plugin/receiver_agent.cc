@@ -144,6 +144,7 @@ struct ReceiverAgent::Report {
   uint64_t verified_boxes = 0, verified_bytes = 0, unverified_bytes = 0;
   double verify_s = 0;
   bool verify_failed = false;  // a hash differed: not retried
+  bool touched = false;        // some attempt began writing the buffers
 };
 
 ReceiverAgent::ReceiverAgent(AgentConfig config)
@@ -1019,8 +1020,15 @@ void ReceiverAgent::finish(Status status, const Report& r) {
                                    ": " + status.message());
     return;
   }
-  version_.store(status.is_ok() ? r.version : 0);
-  if (!status.is_ok()) log_.warn("refresh failed; the buffers are torn: " + status.message());
+  if (status.is_ok()) {
+    version_.store(r.version);
+  } else if (!r.touched) {  // it failed before any transfer began: nothing was written
+    log_.warn("refresh failed before it wrote anything; the buffers keep version " +
+              std::to_string(version_.load()) + ": " + status.message());
+  } else {
+    version_.store(0);
+    log_.warn("refresh failed; the buffers are torn: " + status.message());
+  }
 }
 
 Status ReceiverAgent::refresh(int64_t version, std::chrono::milliseconds timeout) {
@@ -1039,10 +1047,12 @@ Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds tim
   Report report;
   Status st;
   uint64_t retries = 0;
+  bool touched = false;  // some attempt began its transfer (direct: the buffers may be torn)
   while (true) {
     aborted_ = false;
     report = Report{};
     st = run_refresh(version, deadline, &report);
+    touched = touched || report.epoch != 0;
     // Retry what a new attempt can fix: a peer or source that failed (the
     // coordinator replans without it once it is declared dead, and the
     // ranks of the domain fail and retry together), or ranks of the domain
@@ -1057,6 +1067,7 @@ Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds tim
     std::this_thread::sleep_for(kRetryPause);
   }
   report.retries = retries;
+  report.touched = touched;
   // Staged: the instance commits all or nothing, failures included (a rank
   // that failed says so, and the others are told to abort).
   if (config_.staged && report.version > 0) st = stage_barrier(st, report.version, deadline);

@@ -276,7 +276,13 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  */
 REFIT_EXPORT const char* refit_receiver_report(refit_receiver_t* receiver);
 
-/** The version the buffers hold: 0 before the first refresh or after a failed one. */
+/**
+ * The version the buffers hold: 0 before the first refresh, and after a
+ * direct refresh that failed once it had begun writing (the buffers are torn).
+ * A refresh that failed before any transfer began (the version never came,
+ * the coordinator refused) leaves it as it was. Staged mode: the version
+ * last committed.
+ */
 REFIT_EXPORT int64_t refit_receiver_version(refit_receiver_t* receiver);
 
 /** Leaves the membership (waiting for a started refresh) and frees everything. NULL is a no-op. */

@@ -2,6 +2,11 @@
 // handles and arguments, configs with unknown, missing or mistyped keys, a
 // coordinator that is not there. Every call returns a status and a message
 // that names the problem; none aborts.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -149,6 +154,91 @@ TEST_F(Abi, DescriptionsAreCheckedBeforeAnythingIsRegistered) {
   }
   EXPECT_EQ(refit_source_publish(s, 1), REFIT_INVALID_ARGUMENT);  // nothing added
   EXPECT_NE(std::string(refit_last_error()).find("add at least one tensor"), std::string::npos);
+  refit_source_destroy(s);
+}
+
+// Misuse around versions and registration, in one process (a source, and
+// receivers that connect to its embedded coordinator): each call is refused
+// with a message that names the problem, and the buffers and version stay.
+TEST_F(Abi, MisuseOfVersionsAndRegistrationIsRefusedAndChangesNothing) {
+  // A free port for the embedded coordinator, so the receivers can find it.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const int port = ntohs(a.sin_port);
+  close(fd);
+  auto cfg = [&](int rank, bool embedded, const std::string& extra = "") {
+    return "{\"rank\": " + std::to_string(rank) + ", \"coordinator\": {\"address\": \"127.0.0.1:" +
+           std::to_string(port) + "\", \"token_file\": \"" + token_ + "\"" + (embedded ? ", \"embedded\": true" : "") +
+           ", \"timeout_ms\": 3000}" + extra + "}";
+  };
+  const char* desc = R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J";
+  float src[4] = {1, 2, 3, 4};
+  refit_source_t* s = nullptr;
+  ASSERT_EQ(refit_source_create(cfg(0, true).c_str(), &s), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_source_add_tensor(s, desc, src, sizeof src), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_source_publish(s, 1), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_source_publish(s, 2), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(refit_source_publish(s, 2), REFIT_INVALID_ARGUMENT) << "the same version again";
+  EXPECT_NE(std::string(refit_last_error()).find("not newer than 2"), std::string::npos) << refit_last_error();
+
+  const char* buf = R"J({"name": "w", "dtype": "F32", "segments": [{"tensor": "w", "start": [0], "size": [4], "offset": 0}]})J";
+  float dst[4] = {};
+  refit_receiver_t* r = nullptr;
+  ASSERT_EQ(refit_receiver_create(cfg(0, false).c_str(), &r), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_receiver_add_buffer(r, buf, dst, sizeof dst), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_receiver_refresh(r, REFIT_LATEST, 10000), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_receiver_version(r), 2);
+  ASSERT_EQ(dst[3], 4.0f);
+  dst[3] = 40;  // the server's own write: no refused call may touch it
+
+  EXPECT_EQ(refit_receiver_refresh(r, 1, 2000), REFIT_NOT_FOUND) << "older than the latest";
+  EXPECT_NE(std::string(refit_last_error()).find("version 1 is older than 2"), std::string::npos) << refit_last_error();
+  EXPECT_EQ(refit_receiver_commit(r), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("\"direct\" mode"), std::string::npos) << refit_last_error();
+  // Two refreshes at once on one receiver.
+  ASSERT_EQ(refit_receiver_refresh_start(r, 3, 3000), REFIT_OK) << refit_last_error();  // 3 is not published
+  EXPECT_EQ(refit_receiver_refresh(r, REFIT_LATEST, 1000), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("still running"), std::string::npos) << refit_last_error();
+  EXPECT_EQ(refit_receiver_refresh_start(r, REFIT_LATEST, 1000), REFIT_INVALID_ARGUMENT);
+  EXPECT_EQ(refit_receiver_refresh_wait(r, 10000), REFIT_TIMEOUT) << "version 3 never came";
+  EXPECT_EQ(dst[3], 40.0f);
+  EXPECT_EQ(refit_receiver_version(r), 2) << "a refresh that never started writing leaves the version";
+
+  // A second receiver with the same rank.
+  float dst2[4] = {};
+  refit_receiver_t* twin = nullptr;
+  ASSERT_EQ(refit_receiver_create(cfg(0, false).c_str(), &twin), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_receiver_add_buffer(twin, buf, dst2, sizeof dst2), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(refit_receiver_join(twin), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("receiver rank 0 is already registered"), std::string::npos)
+      << refit_last_error();
+  refit_receiver_destroy(twin);
+
+  // Staged: commit with nothing staged. (A domain of its own: the ranks of a
+  // domain refresh together, and rank 0 does not refresh now.)
+  float dst3[4] = {};
+  refit_receiver_t* staged = nullptr;
+  ASSERT_EQ(refit_receiver_create(cfg(1, false, ", \"mode\": \"staged\", \"instance\": 1, \"domain\": 1").c_str(), &staged), REFIT_OK)
+      << refit_last_error();
+  ASSERT_EQ(refit_receiver_add_buffer(staged, buf, dst3, sizeof dst3), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(refit_receiver_commit(staged), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("no version is staged"), std::string::npos) << refit_last_error();
+  ASSERT_EQ(refit_receiver_refresh(staged, REFIT_LATEST, 10000), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(dst3[0], 0.0f) << "staged: nothing live before commit";
+  ASSERT_EQ(refit_receiver_commit(staged), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(dst3[0], 1.0f);
+  EXPECT_EQ(refit_receiver_commit(staged), REFIT_INVALID_ARGUMENT) << "committed already";
+  refit_receiver_destroy(staged);
+
+  // The first receiver still works.
+  EXPECT_EQ(refit_receiver_refresh(r, REFIT_LATEST, 10000), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(dst[3], 4.0f);
+  refit_receiver_destroy(r);
   refit_source_destroy(s);
 }
 
