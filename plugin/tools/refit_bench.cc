@@ -197,7 +197,7 @@ std::string growth_text(int64_t kib) { return (kib < 0 ? "-" : "+") + human_byte
 
 // Resident memory of every long-lived process of a strategy's run: the
 // first and the last sample, and the growth between them.
-void print_resident(const Row& r) {
+void print_resident(const Row& r, bool per_process) {
   if (r.resident.empty()) return;
   std::printf("%s: resident memory (VmRSS) of %zu processes, first -> last version: %s -> %s; largest growth %s (%s)\n",
               r.strategy.c_str(), r.resident.size(), kib_text(r.rss_first_kib).c_str(),
@@ -205,6 +205,7 @@ void print_resident(const Row& r) {
               r.rss_max_growth_process.c_str());
   std::printf("%s: malloc'd and not freed (heap in use), summed: %s -> %s\n", r.strategy.c_str(),
               kib_text(r.heap_first_kib).c_str(), kib_text(r.heap_last_kib).c_str());
+  if (!per_process) return;
   std::printf("  %-24s %8s %8s %12s %8s %12s %12s %12s %12s\n", "process", "pid", "version", "VmRSS", "version",
               "VmRSS", "growth", "heap first", "heap last");
   for (const auto& p : r.resident)
@@ -215,7 +216,7 @@ void print_resident(const Row& r) {
                 kib_text(p.last_heap_kib).c_str());
 }
 
-void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bool serve_check) {
+void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bool serve_check, bool per_process) {
   std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %9s", "strategy", "median s", "GB/s", "network",
               "minimum", "local", "verified", "mode", "refresh s", "pause s", "completed");
   if (serve_check) std::printf(" %8s %6s", "reads", "mixed");
@@ -256,7 +257,7 @@ void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bo
     if (r.live_weights_intact) std::printf("%s: live weights intact: %s\n", s, *r.live_weights_intact ? "yes" : "NO");
     if (!r.rejoined.empty()) std::printf("%s: rejoined: %s\n", s, r.rejoined.c_str());
     if (!r.error.empty()) std::printf("%s: error: %s\n", s, r.error.c_str());
-    print_resident(r);
+    print_resident(r, per_process);
   }
 }
 
@@ -314,6 +315,7 @@ int main(int argc, char** argv) {
   std::string mode = "direct", kill_text;
   bool serve_check = false, rejoin = false;
   int versions = 3, churn = 0, late_join = 0;
+  bool memory_table = false;
   double timeout_s = 60, heartbeat_timeout_s = 0;
   CLI::App app(
       "refit-bench: live weight refreshes of a scenario on this machine, refit against its baselines.\n"
@@ -391,8 +393,9 @@ int main(int argc, char** argv) {
       "Resident memory: after the first version a process took part in and after the last,\n"
       "VmRSS (/proc/PID/status) of every long-lived process: refit-bench itself (with the\n"
       "coordinator), each source and each receiver rank's process (broadcast: the gatherer\n"
-      "too; a replacement is a process of its own). Printed per process below the table, with\n"
-      "the sums and the largest growth of one process; beside it, what each process has\n"
+      "too; a replacement is a process of its own). Below the table: the sums and the largest\n"
+      "growth of one process, and with --memory-table (implied by --churn, --kill and\n"
+      "--late-join) every process; beside VmRSS, what each process has\n"
       "allocated with malloc and not freed (glibc's mallinfo2), which tells a leak (both\n"
       "grow) from freed memory that malloc keeps for reuse (only VmRSS grows).\n"
       "\n"
@@ -436,6 +439,9 @@ int main(int argc, char** argv) {
   app.add_option("--strategies", strategies_text, "comma-separated, run in this order (default refit,no-dedup,broadcast)");
   app.add_option("--mode", mode, "direct or staged (default direct); see Modes above")
       ->check(CLI::IsMember({"direct", "staged"}));
+  app.add_flag("--memory-table", memory_table,
+               "print every process's resident memory, not only the sums (always with --churn, --kill, "
+               "--late-join)");
   app.add_flag("--serve-check", serve_check,
                "run a serving reader in every receiver process and count mixed-version reads (see above)");
   app.add_option("--kill", kill_text, "ROLE:RANK@FRACTION, e.g. receiver:1@0.5: kill a rank during the last "
@@ -568,7 +574,8 @@ int main(int argc, char** argv) {
 
   std::printf("%s: %s, %zu sources, %zu receivers, %d refreshes per strategy\n", fs::path(scenario_path).stem().c_str(),
               scenario->model.c_str(), layout->sources.size(), layout->receivers.size(), versions);
-  print_table(rows, payload, versions, serve_check);
+  print_table(rows, payload, versions, serve_check,
+              memory_table || churn > 0 || late_join > 0 || !kill_text.empty());
 
   if (!json_out.empty()) {
     ordered_json doc = ordered_json::object();
