@@ -73,7 +73,7 @@ bool ChunkScheduler::fits(const EndpointState& ep, const Chunk& c) const {
          ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
 }
 
-std::optional<Chunk> ChunkScheduler::next() {
+std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
   const uint32_t n = static_cast<uint32_t>(eps_.size());
   for (uint32_t tried = 0; tried < n; ++tried) {
     uint32_t e = (cursor_ + tried) % n;
@@ -81,6 +81,7 @@ std::optional<Chunk> ChunkScheduler::next() {
     if (ep.head == ep.queue.size()) continue;
     const Chunk c = ep.queue[ep.head];
     if (!fits(ep, c)) continue;
+    if (gate && c.offset == 0 && !gate(c.run)) continue;  // asked before its first chunk only
     ++ep.head;
     ep.bytes_in_flight += c.bytes;
     ++ep.ops_in_flight;

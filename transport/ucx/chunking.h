@@ -6,6 +6,7 @@
 // Not thread-safe: one owner (the GetEngine, under its mutex).
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -51,10 +52,18 @@ class ChunkScheduler {
   static Result<ChunkScheduler> create(const WindowLimits& limits, std::span<const ChunkRun> runs,
                                        uint32_t num_endpoints);
 
-  // The next chunk that fits the window, reserving its bytes and op; endpoints
-  // take turns (round robin) so one slow peer does not starve the others.
-  // nullopt when nothing pending fits now (or nothing is pending).
-  std::optional<Chunk> next();
+  // May a chunk of this run be issued now? (A run whose local memory is
+  // still in use, e.g. a slot of a landing ring still being copied out.)
+  // Runs of one endpoint are issued in order, so an endpoint whose next run
+  // is held waits as a whole; a gate must therefore only hold a run on
+  // behalf of runs before it, or nothing behind it could ever go.
+  using Gate = std::function<bool(uint32_t run)>;
+
+  // The next chunk that fits the window (and that `gate`, if any, lets go),
+  // reserving its bytes and op; endpoints take turns (round robin) so one
+  // slow peer does not starve the others. nullopt when nothing pending fits
+  // now (or nothing is pending).
+  std::optional<Chunk> next(const Gate& gate = {});
 
   // Releases the window share of an issued chunk. Returns true when this was
   // the last outstanding piece of its run (nothing pending, nothing in flight).

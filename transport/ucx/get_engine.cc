@@ -177,7 +177,7 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
 }
 
 BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point deadline,
-                                 RunCallback on_run_done) {
+                                 RunCallback on_run_done, ChunkScheduler::Gate gate) {
   const auto start = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   ++generation_;
@@ -206,6 +206,7 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   run_status_.assign(runs.size(), Status::ok());
   run_reported_.assign(runs.size(), false);
   on_run_done_ = std::move(on_run_done);
+  gate_ = std::move(gate);
   bytes_done_ = 0;
   gets_issued_ = 0;
 
@@ -267,6 +268,7 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   scheduler_.reset();
   runs_ = {};
   on_run_done_ = nullptr;
+  gate_ = nullptr;
   report.elapsed = Clock::now() - start;
   return report;
 }
@@ -397,7 +399,12 @@ void GetEngine::pump_locked() {
     batch_eps_[e]->force_close("peer failed", Clock::now() + options_.cancel_grace);
     abandon_am_locked(batch_eps_[e]);
   }
-  while (auto c = scheduler_->next()) issue_locked(*c);
+  while (auto c = scheduler_->next(gate_)) issue_locked(*c);
+}
+
+void GetEngine::wake() {
+  (void)worker_.signal();  // the progress thread pumps when it wakes
+  batch_cv_.notify_all();  // run_batch() pumps when it wakes
 }
 
 GetEngine::Slot* GetEngine::take_slot_locked() {

@@ -120,9 +120,18 @@ class GetEngine {
   // Runs one batch to completion, error or `deadline`. Validates every run
   // before issuing any (errors name the run). `on_run_done` is called once
   // per run as it finishes (ok or not).
+  // `gate`, if given, is asked (with mutex_ held, on the progressing thread;
+  // it must not call into the engine) before the first chunk of a run is
+  // issued, and holds the run back while it says false: the rules of
+  // ChunkScheduler::Gate apply. Whoever opens a gate calls wake() so that
+  // the engine asks again.
   BatchReport run_batch(std::span<const GetRun> runs,
                         std::chrono::steady_clock::time_point deadline,
-                        RunCallback on_run_done = {});
+                        RunCallback on_run_done = {}, ChunkScheduler::Gate gate = {});
+
+  // Makes the running batch look at its gate again soon. Any thread, also
+  // from no batch (then it does nothing useful); never blocks.
+  void wake();
 
   // Makes every PUT completed so far on `endpoints` visible in the peers'
   // memory: ucp_ep_flush_nbx on each, then waits until all complete or
@@ -212,6 +221,7 @@ class GetEngine {
   std::vector<uint32_t> run_ep_;
   std::vector<ucp_mem_h> run_memh_;  // local registration of each run
   RunCallback on_run_done_;
+  ChunkScheduler::Gate gate_;
   uint64_t bytes_done_ = 0;
   uint64_t gets_issued_ = 0;
 

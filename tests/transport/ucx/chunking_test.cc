@@ -1,10 +1,12 @@
 // Chunking and windowing with no UCX: split_run covers each run exactly once,
-// and the scheduler never exceeds any window while issuing every chunk once.
+// and the scheduler never exceeds any window while issuing every chunk once;
+// a gate holds runs back.
 
 #include "transport/ucx/chunking.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <random>
 #include <set>
@@ -126,6 +128,32 @@ TEST(ChunkScheduler, EndpointsTakeTurns) {
   std::vector<uint32_t> order;
   for (int i = 0; i < 6; ++i) order.push_back(sched->next()->endpoint);
   EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 0, 1, 2}));
+}
+
+// A gate holds a run back before its first chunk, and with it the rest of
+// that endpoint's queue; other endpoints go on.
+TEST(ChunkScheduler, GateHoldsARunAndItsEndpointUntilItOpens) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  std::vector<ChunkRun> runs = {{0, 20}, {0, 10}, {1, 10}};
+  auto sched = ChunkScheduler::create(l, runs, 2);
+  ASSERT_TRUE(sched.is_ok());
+  std::vector<bool> open = {true, false, true};
+  std::vector<uint32_t> asked;
+  ChunkScheduler::Gate gate = [&](uint32_t run) {
+    asked.push_back(run);
+    return static_cast<bool>(open[run]);
+  };
+  std::vector<uint32_t> got;
+  while (auto c = sched->next(gate)) got.push_back(c->run);
+  EXPECT_EQ(got, (std::vector<uint32_t>{0, 2, 0}));  // run 1 held, run 0's second chunk not asked again
+  EXPECT_EQ(std::count(asked.begin(), asked.end(), 0u), 1);
+  EXPECT_FALSE(sched->done());
+  open[1] = true;
+  auto c = sched->next(gate);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->run, 1u);
+  EXPECT_FALSE(sched->next(gate));
 }
 
 TEST(ChunkScheduler, OneChunkWindowSerializes) {

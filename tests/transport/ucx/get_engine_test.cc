@@ -13,7 +13,11 @@
 #include <signal.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "tests/transport/ucx/peer_process.h"
 
@@ -201,6 +205,79 @@ TEST_P(GetEngineMultiProcess, OneLargeChunkLandsBitExact) {
     const bool inside = j >= loff && j < loff + bytes;
     const uint8_t want = inside ? pattern_byte(100, roff + j - loff) : 0;
     if (local_[j] != want) FAIL() << "byte " << j << (inside ? " differs" : " written");
+  }
+}
+
+// A landing ring: run k lands in slot k % 2 of a two-slot ring, and may only
+// start once the copier thread has moved run k - 2 out of that slot to its
+// final place. Every byte must arrive at its place: a run that started in a
+// slot still holding an earlier one would have overwritten it.
+TEST_P(GetEngineMultiProcess, GatedRunsWaitForTheirSlot) {
+  constexpr uint64_t kSlot = 300 << 10;  // two chunks of the window
+  constexpr uint32_t kSlots = 2;
+  std::vector<uint8_t> dst(3 << 20, 0);
+  std::vector<GetRun> runs;
+  std::vector<std::pair<uint32_t, uint64_t>> src;  // peer, remote offset
+  std::vector<uint64_t> dst_off;
+  std::mt19937_64 rng(11);
+  for (uint64_t at = 0; at < dst.size();) {
+    const uint64_t bytes = std::min<uint64_t>(dst.size() - at, 1 + rng() % kSlot);
+    const uint32_t k = static_cast<uint32_t>(runs.size() % peers_.size());
+    const uint64_t roff = rng() % (kPeerBytes - bytes);
+    uint8_t* slot = local_.data() + (runs.size() % kSlots) * kSlot;
+    runs.push_back(GetRun{eps_[k].get(), 1, peers_[k].base + roff, slot, bytes});
+    src.push_back({k, roff});
+    dst_off.push_back(at);
+    at += bytes;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint32_t> landed;                     // guarded by mu
+  std::vector<std::atomic<int64_t>> freed(kSlots);  // the last run moved out of each slot
+  for (auto& f : freed) f.store(-1);
+  bool over = false;  // guarded by mu
+  std::thread copier([&] {
+    while (true) {
+      std::vector<uint32_t> take;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return !landed.empty() || over; });
+        if (landed.empty()) return;
+        take.swap(landed);
+      }
+      for (uint32_t run : take) {
+        std::memcpy(dst.data() + dst_off[run], runs[run].local_address, runs[run].bytes);
+        freed[run % kSlots].store(run);
+      }
+      engine_->wake();
+    }
+  });
+  auto gate = [&](uint32_t run) {
+    return run < kSlots || freed[run % kSlots].load() == static_cast<int64_t>(run - kSlots);
+  };
+  auto report = engine_->run_batch(
+      runs, Clock::now() + std::chrono::seconds(20),
+      [&](uint32_t run, const Status& s) {
+        EXPECT_TRUE(s.is_ok()) << s.message();
+        std::lock_guard<std::mutex> lock(mu);
+        landed.push_back(run);
+        cv.notify_one();
+      },
+      gate);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    over = true;
+  }
+  cv.notify_one();
+  copier.join();
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    for (uint64_t j = 0; j < runs[i].bytes; ++j) {
+      if (dst[dst_off[i] + j] != pattern_byte(100 + src[i].first, src[i].second + j)) {
+        FAIL() << "run " << i << " byte " << j << " differs";
+      }
+    }
   }
 }
 
