@@ -65,7 +65,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   c.receiver = receiver;
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "coordinator", "network", "local", "window_bytes",
-                       "chunk_bytes", "heartbeat_ms", "log_level", "recipe", "mode", "verify"});
+                       "chunk_bytes", "landing_bytes", "heartbeat_ms", "log_level", "recipe", "mode", "verify"});
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
@@ -106,6 +106,11 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.chunk_bytes = static_cast<uint64_t>(r.integer(doc, "", "chunk_bytes", int64_t{1} << 20, 4096));
     if (r.ok() && c.chunk_bytes > c.window_bytes) {
       r.fail("chunk_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + ")");
+    }
+    c.landing_bytes = static_cast<uint64_t>(r.integer(doc, "", "landing_bytes", int64_t{64} << 20, 8192));
+    if (r.ok() && c.landing_bytes < 2 * c.chunk_bytes) {
+      r.fail("landing_bytes", "must hold at least two chunks of \"chunk_bytes\" (2 x " +
+                                  std::to_string(c.chunk_bytes) + "), got " + std::to_string(c.landing_bytes));
     }
     if (const Json* rc = r.member(doc, "", "recipe", false)) {
       r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});

@@ -50,6 +50,7 @@ struct AgentConfig {
   int local_device = -1;               // receivers, "nccl": the CUDA device; -1: the current one
   uint64_t window_bytes = 32ull << 20;
   uint64_t chunk_bytes = 1ull << 20;
+  uint64_t landing_bytes = 64ull << 20;  // receivers: the landing ring (transport/cuda/staging.h)
   std::chrono::milliseconds heartbeat{1000};
   LogLevel log_level = LogLevel::kWarn;
   std::optional<RecipeConfig> recipe;

@@ -17,6 +17,7 @@
 #include "plugin/verify.h"
 #include "transport/cuda/host_copy_ops.h"
 #include "transport/cuda/pointer_probe.h"
+#include "transport/cuda/staging.h"
 #include "transport/fabric/cma_fabric.h"
 #include "transport/fabric/ucx_fabric.h"
 #include "transport/ucx/get_engine.h"
@@ -52,10 +53,10 @@ struct CompiledPart {
     uint64_t remote = 0;
     uint8_t* local = nullptr;
     uint64_t bytes = 0;
-    uint8_t* device = nullptr;  // staged landing: where `local` is copied on to
+    uint8_t* device = nullptr;  // through the landing ring: where it goes (`local` unused)
   };
   uint64_t epoch = 0;
-  bool device_landing = false;  // some GETs land in a pinned mirror first
+  bool device_landing = false;  // some GETs land in the landing ring first
   std::vector<Get> net;
   std::map<int32_t, std::vector<std::pair<uint64_t, std::vector<uint8_t>>>> source_keys;  // rank -> (id, packed)
   std::map<int32_t, std::vector<uint8_t>> source_addresses;
@@ -74,10 +75,10 @@ namespace {
 
 // The local fabric the config asks for. "cma" falls back to "ucx" where the
 // kernel forbids cross-memory attach (the ranks of a host all decide alike).
-// REFIT_LANDING_MIRROR=1 (a test knob): host buffers take the GPU path's
-// landing mirrors and copies.
-bool landing_mirror_forced() {
-  const char* v = std::getenv("REFIT_LANDING_MIRROR");
+// REFIT_LANDING_RING=1 (a test knob): host buffers take the GPU path's
+// landing ring and copies.
+bool landing_ring_forced() {
+  const char* v = std::getenv("REFIT_LANDING_RING");
   return v != nullptr && std::string(v) == "1";
 }
 
@@ -144,6 +145,9 @@ struct ReceiverAgent::Report {
   uint64_t verified_boxes = 0, verified_bytes = 0, unverified_bytes = 0;
   double verify_s = 0;
   bool verify_failed = false;  // a hash differed: not retried
+  // The landing ring, when GETs went through it (transport/cuda/staging.h).
+  bool landing = false;
+  uint64_t landing_slots = 0, landing_chunks = 0, landing_copies = 0, landing_held = 0;
   bool touched = false;        // some attempt began writing the buffers
 };
 
@@ -170,10 +174,10 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
   if (!worker.is_ok()) return worker.status();
   a->net_worker_.emplace(std::move(worker).value());
   Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(a->config_, a->log_, &a->copy_ops_, &a->fabric_gpu_);
-  if (fabric.is_ok() && !a->copy_ops_ && landing_mirror_forced()) {
+  if (fabric.is_ok() && !a->copy_ops_ && landing_ring_forced()) {
     // The GPU path's landing logic on host buffers (docs/refresh.md).
     a->copy_ops_ = std::make_unique<cuda::HostCopyOps>();
-    a->log_.info("REFIT_LANDING_MIRROR: GETs land in mirrors of the host buffers and are copied on");
+    a->log_.info("REFIT_LANDING_RING: GETs land in the landing ring and are copied on to the host buffers");
   }
   if (!fabric.is_ok()) return fabric.status().with_context("config: \"local\"");
   a->fabric_ = std::move(fabric).value();
@@ -197,6 +201,8 @@ ReceiverAgent::~ReceiverAgent() {
   copy_ops_.reset();  // waits for its copies, before the memory they touch goes
   sources_.clear();  // endpoints before their worker
   buffers_.clear();  // memory before the context
+  ring_region_.reset();
+  ring_memory_.reset();
   net_worker_.reset();
   net_context_.reset();
 }
@@ -249,17 +255,17 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
       b.data = b.staging.get();
     }
   }
-  b.landing = b.data;
   Result<ucx::MemoryRegion> net = ucx::MemoryRegion::map(*net_context_, b.data, bytes, b.part.name);
   if ((b.device && (!net.is_ok() || net->type() != ucx::MemoryType::kCuda)) || (!b.device && copy_ops_)) {
-    // This UCX cannot write device memory: GETs land in a pinned mirror.
-    REFIT_RETURN_IF_ERROR(landing_mirror(&b));
-    net = ucx::MemoryRegion::map(*net_context_, b.landing, bytes, b.part.name + " (pinned landing mirror)");
+    // This UCX cannot write device memory: GETs land in the landing ring.
+    REFIT_RETURN_IF_ERROR(landing_ring(/*pinned=*/b.device).with_context("buffer \"" + b.part.name + "\""));
+    b.ring = true;
+  } else if (!net.is_ok()) {
+    return net.status();
   }
-  if (!net.is_ok()) return net.status();
   Result<std::vector<uint8_t>> key = fabric_->register_buffer(b.part.name, b.data, bytes);
   if (!key.is_ok()) return key.status();
-  b.net_region.emplace(std::move(net).value());
+  if (!b.ring) b.net_region.emplace(std::move(net).value());
   b.local_key = std::move(key).value();
   buffers_.push_back(std::move(b));
   changed_ = true;
@@ -301,27 +307,28 @@ Status ReceiverAgent::copy_and_wait(const std::vector<cuda::Copy>& copies) {
   }
 }
 
-Status ReceiverAgent::landing_mirror(Buf* b) {
-  if (!b->device) {  // REFIT_LANDING_MIRROR on a host buffer
-    std::shared_ptr<uint8_t> mirror = map_host_memory(b->bytes);
-    if (!mirror) return Status::invalid("buffer \"" + b->part.name + "\": cannot allocate its landing mirror");
-    b->landing = mirror.get();
-    b->device_memory = std::shared_ptr<void>(mirror, mirror.get());
-    return Status::ok();
-  }
+Status ReceiverAgent::landing_ring(bool pinned) {
+  if (ring_memory_) return Status::ok();
+  const uint64_t bytes = config_.landing_bytes;
+  std::shared_ptr<uint8_t> memory;
+  if (!pinned) {  // REFIT_LANDING_RING on host buffers
+    memory = map_host_memory(bytes);
+    if (!memory) return Status::invalid("cannot allocate the landing ring (" + std::to_string(bytes) + " bytes)");
+  } else {
 #ifdef HAVE_CUDA
-  Result<cuda::PinnedBuffer> mirror = cuda::PinnedBuffer::allocate(b->bytes);
-  if (!mirror.is_ok()) return mirror.status().with_context("buffer \"" + b->part.name + "\": landing mirror");
-  auto owner = std::make_shared<cuda::PinnedBuffer>(std::move(mirror).value());
-  b->landing = owner->data();
-  // Both owners in one: the staging copy (if any) and the mirror.
-  auto both = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<cuda::PinnedBuffer>>>(
-      b->device_memory, owner);
-  b->device_memory = std::shared_ptr<void>(both, both.get());
-  return Status::ok();
+    Result<cuda::PinnedBuffer> pinned_memory = cuda::PinnedBuffer::allocate(bytes);
+    if (!pinned_memory.is_ok()) return pinned_memory.status().with_context("landing ring (\"landing_bytes\")");
+    auto owner = std::make_shared<cuda::PinnedBuffer>(std::move(pinned_memory).value());
+    memory = std::shared_ptr<uint8_t>(owner, owner->data());
 #else
-  return Status::internal("buffer \"" + b->part.name + "\": GPU memory in a build without CUDA");
+    return Status::internal("GPU memory in a build without CUDA");
 #endif
+  }
+  Result<ucx::MemoryRegion> region = ucx::MemoryRegion::map(*net_context_, memory.get(), bytes, "landing ring");
+  if (!region.is_ok()) return region.status();
+  ring_region_.emplace(std::move(region).value());
+  ring_memory_ = std::move(memory);
+  return Status::ok();
 }
 
 Status ReceiverAgent::join() {
@@ -481,9 +488,9 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
         g.rkey_id = sb->second.rkey_id;
         g.remote = sb->second.address + from.at("offset").get<uint64_t>();
         g.bytes = bytes;
-        if (target->landing != target->data) {  // lands in the mirror, then goes on to the device
+        if (target->ring) {  // lands in the landing ring, then goes on to the device
           g.device = final_place;
-          g.local = target->landing + (final_place - target->data);
+          g.local = nullptr;
           part->device_landing = true;
         }
         landed.push_back({final_place, final_place + bytes, static_cast<uint32_t>(part->net.size())});
@@ -597,11 +604,52 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     fabric_->end();
     return st;
   }
-  for (const Buf& b : buffers_) net->add_local_region(*b.net_region);
-  std::vector<ucx::GetRun> gets(part.net.size());
-  for (size_t i = 0; i < part.net.size(); ++i) {
+  for (const Buf& b : buffers_) {
+    if (b.net_region) net->add_local_region(*b.net_region);
+  }
+  if (ring_region_) net->add_local_region(*ring_region_);
+  // The engine's runs: a GET straight into its place for each network run,
+  // or, for a run through the landing ring, one per chunk of the ring, into
+  // its slot (the ring's gate holds it until the slot is free).
+  std::vector<ucx::GetRun> gets;
+  std::vector<int64_t> get_chunk;      // per engine run: its ring chunk, or -1
+  std::vector<uint32_t> get_net;       // per engine run: its network run (direct)
+  std::vector<uint32_t> ring_net;      // per ring run: its network run
+  std::unique_ptr<cuda::LandingRing> ring;
+  if (part.device_landing) {
+    std::vector<cuda::StagedRun> ring_runs;
+    for (uint32_t i = 0; i < part.net.size(); ++i) {
+      if (part.net[i].device == nullptr) continue;
+      ring_runs.push_back(cuda::StagedRun{{cuda::DevicePlace{part.net[i].device, part.net[i].bytes}}});
+      ring_net.push_back(i);
+    }
+    Result<std::unique_ptr<cuda::LandingRing>> made = cuda::LandingRing::create(
+        *copy_ops_, std::span<uint8_t>(ring_memory_.get(), config_.landing_bytes),
+        cuda::StagingOptions{config_.chunk_bytes, static_cast<uint32_t>(config_.landing_bytes / config_.chunk_bytes)},
+        std::move(ring_runs));
+    if (!made.is_ok()) {
+      if (fabric_->begin(schedule, deadline).is_ok()) (void)fabric_->finish(/*failed=*/true);
+      fabric_->end();
+      return made.status();
+    }
+    ring = std::move(made).value();
+  }
+  for (uint32_t i = 0; i < part.net.size(); ++i) {
     const CompiledPart::Get& g = part.net[i];
-    gets[i] = ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote, g.local, g.bytes};
+    if (g.device != nullptr) continue;
+    gets.push_back(ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote, g.local, g.bytes});
+    get_chunk.push_back(-1);
+    get_net.push_back(i);
+  }
+  if (ring) {
+    const std::vector<cuda::StagedChunk>& chunks = ring->chunks();
+    for (uint32_t k = 0; k < chunks.size(); ++k) {
+      const CompiledPart::Get& g = part.net[ring_net[chunks[k].run]];
+      gets.push_back(ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote + chunks[k].offset, ring->slot_of(k),
+                                 chunks[k].bytes});
+      get_chunk.push_back(k);
+      get_net.push_back(ring_net[chunks[k].run]);
+    }
   }
 
   // The fan-out: sends become ready as the network runs they read land.
@@ -626,13 +674,12 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     }
     return any;
   };
-  // Staged landing (GPU buffers, a UCX without CUDA support): a run that
-  // landed in its pinned mirror goes to the lander, which copies it on to
-  // device memory and then releases its sends; the NCCL fabric's stream
-  // waits for those copies. The fan-out ends once the lander has seen every
-  // copy through.
-  std::condition_variable landing_cv;
-  std::vector<uint32_t> to_copy;              // guarded by mu
+  // Through the landing ring (GPU buffers, a UCX without CUDA support): the
+  // lander runs the ring's copy stage, which copies each chunk on to device
+  // memory as it lands and releases a run's sends once all of it is there
+  // (the NCCL fabric's stream waits for the copies; the host fabrics read
+  // the bytes at once, so for them "there" means the copies completed).
+  // The fan-out ends once the lander has seen every copy through.
   bool landing_done = !part.device_landing;   // guarded by mu
   Status landing_status;                      // the lander's
   auto inputs_done = [&] { return net_done && landing_done; };  // REQUIRES mu
@@ -705,56 +752,19 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   }
 
   std::thread lander;
-  if (part.device_landing && fan_status.is_ok()) {
+  if (ring && fan_status.is_ok()) {
     lander = std::thread([&] {
-      // Waits until every copy issued so far has completed.
-      // Local copies end in bounded time, also past the refresh's deadline
-      // (a failed refresh must not leave copies writing the buffers after
-      // it returned); the bound only catches a broken device.
-      auto wait_copies = [&]() -> Status {
-        const Clock::time_point bound = std::max(deadline, Clock::now() + std::chrono::seconds(60));
-        Result<uint64_t> ticket = copy_ops_->record();
-        if (!ticket.is_ok()) return ticket.status();
-        while (true) {
-          Result<bool> done = copy_ops_->done(*ticket);
-          if (!done.is_ok()) return done.status();
-          if (*done) return Status::ok();
-          if (Clock::now() >= bound) return Status::timeout("the copies from the landing mirrors did not finish");
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-        }
-      };
-      // The NCCL fabric's stream waits for the copy stream; the host
-      // fabrics read the bytes at once, so they wait for the copies here.
       const bool fabric_waits = config_.local_fabric == "nccl";
-      std::vector<cuda::Copy> copies;
-      bool last = false;
-      while (!last) {
-        std::vector<uint32_t> take;
-        {
-          std::unique_lock<std::mutex> lock(mu);
-          landing_cv.wait(lock, [&] { return !to_copy.empty() || net_done; });
-          take.swap(to_copy);
-          last = net_done;  // no GET completes after that
-        }
-        copies.clear();
-        for (uint32_t run : take) {
-          cuda::Copy c;
-          c.dst = part.net[run].device;
-          c.src = part.net[run].local;
-          c.width = part.net[run].bytes;
-          copies.push_back(c);
-        }
-        if (!copies.empty() && landing_status.is_ok()) landing_status = copy_ops_->copy_all(copies);
-        if (!copies.empty() && landing_status.is_ok() && !fabric_waits) landing_status = wait_copies();
-        if (!landing_status.is_ok()) continue;
-        std::lock_guard<std::mutex> lock(mu);
-        bool any = false;
-        for (uint32_t run : take) any = release(run) || any;
-        if (any) cv.notify_one();
-      }
-      // Every copy through before the refresh counts as landed.
-      const Status waited = wait_copies();  // whatever happened before
-      if (landing_status.is_ok()) landing_status = waited;
+      // Copies are local and end in bounded time, also past the refresh's
+      // deadline (a failed refresh must not leave copies writing the
+      // buffers after it returned); the bound only catches a broken device.
+      const Clock::time_point bound = std::max(deadline, Clock::now() + std::chrono::seconds(60));
+      landing_status = ring->run(
+          [&](uint32_t ring_run) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (release(ring_net[ring_run])) cv.notify_one();
+          },
+          [&] { net->wake(); }, fabric_waits, bound);
       {
         std::lock_guard<std::mutex> lock(mu);
         landing_done = true;
@@ -766,24 +776,29 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   const Clock::time_point start = Clock::now();
   ucx::BatchReport r;
   if (fan_status.is_ok()) {
-    r = net->run_batch(gets, deadline, [&](uint32_t run, const Status& st) {
-      if (!st.is_ok()) return;
-      std::lock_guard<std::mutex> lock(mu);
-      if (part.net[run].device != nullptr) {
-        to_copy.push_back(run);
-        landing_cv.notify_one();
-        return;
-      }
-      if (release(run)) cv.notify_one();
-    });
+    r = net->run_batch(
+        gets, deadline,
+        [&](uint32_t run, const Status& st) {
+          if (get_chunk[run] >= 0) {
+            ring->landed(static_cast<uint32_t>(get_chunk[run]), st);
+            return;
+          }
+          if (!st.is_ok()) return;
+          std::lock_guard<std::mutex> lock(mu);
+          if (release(get_net[run])) cv.notify_one();
+        },
+        ring ? ucx::ChunkScheduler::Gate([&](uint32_t run) {
+          return get_chunk[run] < 0 || ring->may_start(static_cast<uint32_t>(get_chunk[run]));
+        })
+             : ucx::ChunkScheduler::Gate());
   }
+  if (ring) ring->network_over();
   const Clock::time_point net_end = Clock::now();
   {
     std::lock_guard<std::mutex> lock(mu);
     net_done = true;
     net_ok = r.status.is_ok();
   }
-  landing_cv.notify_one();
   cv.notify_one();
   if (lander.joinable()) lander.join();
   if (fan.joinable()) fan.join();
@@ -808,6 +823,13 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   report->local_s = seconds_between(start, fan_end);
   report->pulls = part.net.size();
   report->pushes = schedule.sends.size();
+  if (ring) {
+    report->landing = true;
+    report->landing_slots = config_.landing_bytes / config_.chunk_bytes;
+    report->landing_chunks = ring->stats().chunks;
+    report->landing_copies = ring->stats().copies;
+    report->landing_held = ring->stats().held;
+  }
   report->network_bytes = r.bytes_done;
   report->local_bytes = part.local_bytes;
   if (!r.status.is_ok()) return r.status.with_context("network");
@@ -1013,6 +1035,10 @@ void ReceiverAgent::finish(Status status, const Report& r) {
   if (config_.verify) {
     j["verify"] = {{"boxes", r.verified_boxes}, {"bytes", r.verified_bytes},
                    {"unverified_bytes", r.unverified_bytes}, {"seconds", r.verify_s}};
+  }
+  if (r.landing) {
+    j["landing"] = {{"slots", r.landing_slots}, {"chunks", r.landing_chunks}, {"copies", r.landing_copies},
+                    {"held", r.landing_held}};
   }
   report_ = j.dump();
   if (config_.staged) {

@@ -99,12 +99,12 @@ class ReceiverAgent {
     std::shared_ptr<uint8_t> staging;  // host staging copy (plugin/host_memory.h)
     // GPU memory (a build with CUDA): the staging copy is device memory too,
     // and where the network cannot write device memory (UCX without CUDA
-    // support), GETs land in `landing`, a pinned host mirror of `data`, and
-    // are copied on to `data` run by run while the next ones arrive.
+    // support), GETs land in the agent's landing ring and are copied on to
+    // `data` chunk by chunk while the next ones arrive (`ring`).
     bool device = false;
-    uint8_t* landing = nullptr;  // where GETs land: `data`, or the mirror
-    std::shared_ptr<void> device_memory;  // owners of the staging copy and the mirror
-    std::optional<ucx::MemoryRegion> net_region;
+    bool ring = false;
+    std::shared_ptr<void> device_memory;  // owner of the staging copy
+    std::optional<ucx::MemoryRegion> net_region;  // none with `ring`
     std::vector<uint8_t> local_key;  // the fabric's key for it
   };
   struct Peer {
@@ -115,9 +115,11 @@ class ReceiverAgent {
   struct Report;
 
   explicit ReceiverAgent(AgentConfig config);
-  // GPU buffers: a staging copy in device memory; a pinned landing mirror.
+  // GPU buffers: a staging copy in device memory; the landing ring (pinned
+  // host slots registered with the network), made at the first buffer
+  // that needs it.
   Status device_staging(Buf* b);
-  Status landing_mirror(Buf* b);
+  Status landing_ring(bool pinned);
   // Runs `copies` on the copy stream and waits until they are done.
   Status copy_and_wait(const std::vector<cuda::Copy>& copies);
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
@@ -138,10 +140,12 @@ class ReceiverAgent {
   std::optional<ucx::Context> net_context_;
   std::optional<ucx::Worker> net_worker_;
   std::unique_ptr<fabric::LocalFabric> fabric_;
-  // The copies from landing mirrors to device memory, on a stream of their
+  // The copies from the landing ring to device memory, on a stream of their
   // own that the NCCL fabric's sends wait for (null without the GPU path).
   std::unique_ptr<cuda::CopyOps> copy_ops_;
   int fabric_gpu_ = -1;  // the NCCL fabric's device
+  std::shared_ptr<uint8_t> ring_memory_;  // config_.landing_bytes
+  std::optional<ucx::MemoryRegion> ring_region_;
   std::unique_ptr<CoordinatorLink> link_;
   std::vector<Buf> buffers_;
   std::map<int32_t, Peer> sources_;  // network endpoints, kept across refreshes

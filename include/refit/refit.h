@@ -64,13 +64,19 @@
  *                      "ucx" where the kernel forbids it); GPU memory by NCCL (a
  *                      build with CUDA and NCCL). With "nccl" the buffers must be
  *                      GPU memory: where UCX cannot write device memory (no CUDA
- *                      support in the UCX build) GETs land in a pinned host mirror
- *                      and are copied on to the GPU run by run, overlapped with
- *                      the next GETs; staged mode keeps its staging copy on the GPU
+ *                      support in the UCX build) GETs land in a ring of pinned
+ *                      host slots ("landing_bytes") and are copied on to the GPU
+ *                      chunk by chunk, overlapped with the next GETs; staged mode
+ *                      keeps its staging copy on the GPU
  *        "device"      integer [the current CUDA device]: "nccl" only
  *        "transports"  list of strings ["shm"]: the UCX fabric's transports
  *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
  *     "chunk_bytes"  integer [1048576]: largest single GET or PUT
+ *     "landing_bytes" integer [67108864]: pinned host memory of the landing ring
+ *                    (GPU buffers that UCX cannot write), in slots of
+ *                    "chunk_bytes"; at least two slots. Allocated at the first
+ *                    such buffer; more slots than the window lets GETs go on
+ *                    while earlier chunks are copied to the GPU
  *     "recipe"       object, for buffers added by recipe name:
  *        "model"       path of a model manifest (safetensors header JSON), required
  *        "framework"   "vllm" ["vllm"]
@@ -270,7 +276,9 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * rank passed on), "minimum_network_bytes" (of the whole plan, all domains),
  * "pulls", "pushes", "retries", "seconds": {"plan", "network", "local",
  * "total"}, "pause_seconds", in staged mode "committed", and with "verify"
- * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}}. "{}" before
+ * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}, and
+ * when GETs went through the landing ring "landing": {"slots", "chunks",
+ * "copies", "held" (times a GET waited for its slot)}}. "{}" before
  * the first. Owned by the receiver,
  * valid until its next refresh starts or it is destroyed.
  */

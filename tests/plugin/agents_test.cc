@@ -56,6 +56,14 @@ std::string config(int rank, int domain, uint16_t port, const std::string& token
   if (receiver) {
     c["instance"] = staged ? 0 : rank;  // staged: one instance, which commits all or nothing
     if (staged) c["mode"] = "staged";
+    const char* ring = std::getenv("REFIT_LANDING_RING");
+    if (ring != nullptr && std::string(ring) == "1") {
+      // A landing ring of three small slots, fewer than the window holds:
+      // every refresh wraps it many times and GETs wait for their slot.
+      c["chunk_bytes"] = 4096;
+      c["window_bytes"] = 16384;
+      c["landing_bytes"] = 3 * 4096;
+    }
   }
   return c.dump();
 }
@@ -173,6 +181,15 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
       if (verified.value("bytes", int64_t{0}) != bytes || verified.value("unverified_bytes", int64_t{-1}) != 0 ||
           verified.value("boxes", 0) < 2) {
         fail("the report's verify counts", 11);
+      }
+    }
+    const char* ring = std::getenv("REFIT_LANDING_RING");
+    if (ring != nullptr && std::string(ring) == "1") {
+      // Every GET went through the three slots, many times over, and GETs
+      // waited for a slot to be copied out.
+      const nlohmann::json& landing = report["landing"];
+      if (landing.value("slots", 0) != 3 || landing.value("chunks", 0) <= 3 || landing.value("held", 0) == 0) {
+        fail("the report's landing counts", 12);
       }
     }
     std::fprintf(stderr, "rank %d: %s\n", rank, refit_receiver_report(r));

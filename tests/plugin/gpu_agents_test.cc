@@ -1,8 +1,8 @@
 // The agents with GPU buffers, in forked processes: two sources whose shards
 // of "w" are device memory (served through pinned host mirrors where UCX
 // cannot read device memory), and one receiver per GPU (two at most) in one
-// domain with the "nccl" local fabric: GETs land in pinned mirrors and are
-// copied on to the device run by run, and the rank that pulled a slice
+// domain with the "nccl" local fabric: GETs land in the pinned landing ring
+// and are copied on to the device chunk by chunk, and the rank that pulled a slice
 // passes it on to the other over NCCL. Three versions, direct and staged,
 // every byte copied back and checked. Suite 'gpu' (scripts/gpu-check); on
 // a machine without a GPU it is skipped (exit 77) with the reason.

@@ -1,9 +1,9 @@
 #pragma once
 // CopyOps on the host: a thread of its own runs the copies in issue order,
 // like a CUDA stream, optionally slowed down, so that the GPU path's logic
-// (the staging pipeline, the receiver's landing copies) runs for real on a
-// machine without a GPU: in the CPU tests, and in a receiver told to land
-// its GETs in mirrors of host buffers (REFIT_LANDING_MIRROR, docs/refresh.md).
+// (the landing ring and the receiver's lander) runs for real on a machine
+// without a GPU: in the CPU tests, and in a receiver told to land its GETs
+// for host buffers in the landing ring (REFIT_LANDING_RING, docs/refresh.md).
 
 #include <condition_variable>
 #include <deque>

@@ -33,47 +33,65 @@ Status validate(const StagingOptions& options) {
   return Status::ok();
 }
 
-// Network completions, shared with the callbacks: a callback of an earlier
-// run() (after a deadline) finds another generation and does nothing.
-struct StagingPipeline::Shared {
-  std::mutex mu;
-  std::condition_variable cv;
-  uint64_t generation = 0;
-  std::deque<std::pair<uint32_t, Status>> finished;  // (slot, status)
-};
-
-StagingPipeline::StagingPipeline(CopyOps& ops, std::span<uint8_t> host, StagingOptions options)
-    : ops_(ops), host_(host), options_(options), shared_(std::make_shared<Shared>()) {}
-
-StagingPipeline::~StagingPipeline() {
-  std::lock_guard<std::mutex> lock(shared_->mu);
-  ++shared_->generation;
+LandingRing::LandingRing(CopyOps& ops, std::span<uint8_t> host, StagingOptions options, std::vector<StagedRun> runs)
+    : ops_(ops),
+      host_(host),
+      options_(options),
+      runs_(std::move(runs)),
+      freed_(new std::atomic<int64_t>[options.slots]) {
+  for (uint32_t i = 0; i < options_.slots; ++i) freed_[i].store(-1);
+  for (uint32_t r = 0; r < runs_.size(); ++r) {
+    const uint64_t total = runs_[r].bytes();
+    for (uint64_t off = 0; off < total; off += options_.slot_bytes) {
+      chunks_.push_back(StagedChunk{r, off, std::min(options_.slot_bytes, total - off)});
+    }
+  }
 }
 
-Result<std::unique_ptr<StagingPipeline>> StagingPipeline::create(CopyOps& ops, std::span<uint8_t> host,
-                                                                 const StagingOptions& options) {
+Result<std::unique_ptr<LandingRing>> LandingRing::create(CopyOps& ops, std::span<uint8_t> host,
+                                                         const StagingOptions& options, std::vector<StagedRun> runs) {
   REFIT_RETURN_IF_ERROR(validate(options));
   if (host.size() / options.slots < options.slot_bytes) {
     return Status::invalid("staging: " + std::to_string(options.slots) + " slots of " +
                            std::to_string(options.slot_bytes) + " bytes need more than the " +
                            std::to_string(host.size()) + " bytes of staging memory given");
   }
-  return std::unique_ptr<StagingPipeline>(new StagingPipeline(ops, host, options));
+  return std::unique_ptr<LandingRing>(new LandingRing(ops, host, options, std::move(runs)));
 }
 
-Status StagingPipeline::issue_copy(Direction direction, const StagedRun& run, const StagedChunk& chunk,
-                                   uint8_t* slot) {
+uint8_t* LandingRing::slot_of(uint32_t chunk) const {
+  return host_.data() + static_cast<uint64_t>(chunk % options_.slots) * options_.slot_bytes;
+}
+
+bool LandingRing::may_start(uint32_t chunk) const {
+  if (chunk < options_.slots || gate_open_.load(std::memory_order_acquire)) return true;
+  if (freed_[chunk % options_.slots].load(std::memory_order_acquire) == static_cast<int64_t>(chunk - options_.slots)) {
+    return true;
+  }
+  held_.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+
+void LandingRing::landed(uint32_t chunk, const Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  landed_.emplace_back(chunk, status);
+  cv_.notify_one();
+}
+
+void LandingRing::network_over() {
+  std::lock_guard<std::mutex> lock(mu_);
+  over_ = true;
+  cv_.notify_one();
+}
+
+Status LandingRing::issue_copy(const StagedChunk& chunk, uint8_t* slot) {
   std::vector<Piece> pieces;
   uint64_t at = 0;  // offset in the run of the current place
   const uint64_t end = chunk.offset + chunk.bytes;
-  for (const DevicePlace& p : run.places) {
+  for (const DevicePlace& p : runs_[chunk.run].places) {
     const uint64_t lo = std::max(at, chunk.offset);
     const uint64_t hi = std::min(at + p.bytes, end);
-    if (lo < hi) {
-      uint8_t* device = p.data + (lo - at);
-      uint8_t* host = slot + (lo - chunk.offset);
-      pieces.push_back(direction == Direction::kToDevice ? Piece{device, host, hi - lo} : Piece{host, device, hi - lo});
-    }
+    if (lo < hi) pieces.push_back(Piece{p.data + (lo - at), slot + (lo - chunk.offset), hi - lo});
     at += p.bytes;
     if (at >= end) break;
   }
@@ -82,156 +100,115 @@ Status StagingPipeline::issue_copy(Direction direction, const StagedRun& run, co
   return ops_.copy_all(copies);
 }
 
-Status StagingPipeline::run(Direction direction, std::span<const StagedRun> runs, const Network& network,
-                            const RunDone& run_done, Clock::time_point deadline) {
+Status LandingRing::run(const RunDone& run_done, const std::function<void()>& slots_freed, bool release_on_issue,
+                        Clock::time_point bound) {
   stats_ = StagingStats{};
-  uint64_t generation = 0;
-  {
-    std::lock_guard<std::mutex> lock(shared_->mu);
-    generation = ++shared_->generation;
-    shared_->finished.clear();
+  stats_.chunks = chunks_.size();
+  // Per run: chunks not yet issued to the copy stage, and not yet copied.
+  std::vector<uint32_t> to_issue(runs_.size(), 0), to_copy(runs_.size(), 0);
+  for (const StagedChunk& c : chunks_) {
+    ++to_issue[c.run];
+    ++to_copy[c.run];
   }
-  enum class State { kFree, kNetwork, kCopy };
-  struct Slot {
-    State state = State::kFree;
-    StagedChunk chunk;
-    uint64_t ticket = 0;
-  };
-  std::vector<Slot> slots(options_.slots);
-  std::deque<uint32_t> free;
-  for (uint32_t i = 0; i < options_.slots; ++i) free.push_back(i);
-  std::vector<uint64_t> total(runs.size());
-  std::vector<uint64_t> left(runs.size());
-  for (uint32_t r = 0; r < runs.size(); ++r) {
-    total[r] = left[r] = runs[r].bytes();
-    if (left[r] == 0) run_done(r);
+  for (uint32_t r = 0; r < runs_.size(); ++r) {
+    if (to_copy[r] == 0) run_done(r);  // an empty run
   }
-  uint32_t next_run = 0;
-  uint64_t next_offset = 0;
-  auto next_chunk = [&](StagedChunk* c) {
-    while (next_run < runs.size() && next_offset >= total[next_run]) {
-      ++next_run;
-      next_offset = 0;
-    }
-    if (next_run >= runs.size()) return false;
-    c->run = next_run;
-    c->offset = next_offset;
-    c->bytes = std::min(options_.slot_bytes, total[next_run] - next_offset);
-    next_offset += c->bytes;
-    return true;
+  struct InCopy {
+    uint64_t ticket;
+    std::vector<uint32_t> chunks;
   };
-  uint32_t in_network = 0;
-  uint32_t in_copy = 0;
+  std::deque<InCopy> in_copy;  // tickets increase: the stream completes them in order
+  uint32_t chunks_in_copy = 0;
   Status status;
-  auto slot_memory = [&](uint32_t i) { return host_.data() + static_cast<uint64_t>(i) * options_.slot_bytes; };
-  auto chunk_done = [&](uint32_t i) {
-    Slot& s = slots[i];
-    s.state = State::kFree;
-    left[s.chunk.run] -= s.chunk.bytes;
-    if (left[s.chunk.run] == 0) run_done(s.chunk.run);
-    free.push_back(i);
-  };
-  auto start_network = [&](uint32_t i) -> Status {
-    Slot& s = slots[i];
-    s.state = State::kNetwork;
-    ++in_network;
-    stats_.max_in_network = std::max(stats_.max_in_network, in_network);
-    std::shared_ptr<Shared> shared = shared_;
-    Status st = network(s.chunk, slot_memory(i), [shared, generation, i](Status done) {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (shared->generation != generation) return;
-      shared->finished.emplace_back(i, std::move(done));
-      shared->cv.notify_one();
-    });
-    if (!st.is_ok()) {
-      --in_network;
-      s.state = State::kFree;
-    }
-    return st;
-  };
-  auto start_copy = [&](uint32_t i) -> Status {
-    Slot& s = slots[i];
-    REFIT_RETURN_IF_ERROR(issue_copy(direction, runs[s.chunk.run], s.chunk, slot_memory(i)));
-    Result<uint64_t> ticket = ops_.record();
-    if (!ticket.is_ok()) return ticket.status();
-    s.ticket = *ticket;
-    s.state = State::kCopy;
-    ++in_copy;
-    stats_.max_in_copy = std::max(stats_.max_in_copy, in_copy);
-    if (in_network > 0) ++stats_.overlapped;
-    return Status::ok();
-  };
-
-  bool exhausted = false;
+  bool over = false;
+  bool told_failed = false;
   while (true) {
-    bool progressed = false;
-    // Fill the free slots with the next chunks.
-    while (status.is_ok() && !exhausted && !free.empty()) {
-      StagedChunk c;
-      if (!next_chunk(&c)) {
-        exhausted = true;
-        break;
-      }
-      const uint32_t i = free.front();
-      free.pop_front();
-      slots[i].chunk = c;
-      ++stats_.chunks;
-      status = direction == Direction::kToDevice ? start_network(i) : start_copy(i);
-      progressed = true;
-    }
-    // Network completions.
-    std::deque<std::pair<uint32_t, Status>> finished;
+    std::deque<std::pair<uint32_t, Status>> take;
     {
-      std::lock_guard<std::mutex> lock(shared_->mu);
-      finished.swap(shared_->finished);
+      std::unique_lock<std::mutex> lock(mu_);
+      if (landed_.empty()) {
+        if (!in_copy.empty()) {
+          cv_.wait_for(lock, std::chrono::microseconds(20));  // and poll the copies
+        } else if (!over_) {
+          cv_.wait(lock, [&] { return !landed_.empty() || over_; });
+        }
+      }
+      take.swap(landed_);
+      over = over_;
     }
-    for (auto& [i, st] : finished) {
-      --in_network;
-      progressed = true;
-      if (!st.is_ok() || !status.is_ok()) {
+    // Landed chunks: one batch of copies, then one ticket for all of them.
+    InCopy batch;
+    for (auto& [k, st] : take) {
+      if (!st.is_ok()) {
         if (status.is_ok()) status = st.with_context("staging: network");
-        slots[i].state = State::kFree;
         continue;
       }
-      if (direction == Direction::kToDevice) {
-        status = start_copy(i);
-      } else {
-        chunk_done(i);
+      if (!status.is_ok()) continue;  // failed: what still lands is not copied
+      status = issue_copy(chunks_[k], slot_of(k));
+      batch.chunks.push_back(k);  // also when that failed: some of its copies may be on the stream
+      if (!status.is_ok()) {
+        status = status.with_context("staging: copy");
+        break;
       }
+      if (!over) ++stats_.overlapped;
     }
-    // Copy completions.
-    for (uint32_t i = 0; i < slots.size(); ++i) {
-      if (slots[i].state != State::kCopy) continue;
-      Result<bool> d = ops_.done(slots[i].ticket);
+    if (!batch.chunks.empty()) {
+      Result<uint64_t> ticket = ops_.record();
+      if (!ticket.is_ok() && status.is_ok()) status = ticket.status().with_context("staging: copy");
+      // Without a ticket the copies already issued are still waited for
+      // below: record() fails only on a broken stream, whose done() fails too.
+      batch.ticket = ticket.is_ok() ? *ticket : 0;
+      chunks_in_copy += static_cast<uint32_t>(batch.chunks.size());
+      stats_.max_in_copy = std::max(stats_.max_in_copy, chunks_in_copy);
+      if (release_on_issue && status.is_ok()) {  // (a failed batch releases nothing)
+        for (uint32_t k : batch.chunks) {
+          if (--to_issue[chunks_[k].run] == 0) run_done(chunks_[k].run);
+        }
+      }
+      in_copy.push_back(std::move(batch));
+    }
+    // Copies that completed free their slots.
+    bool freed = false;
+    while (!in_copy.empty()) {
+      Result<bool> d = in_copy.front().ticket == 0 ? Result<bool>(Status::io_error("no ticket"))
+                                                   : ops_.done(in_copy.front().ticket);
       if (!d.is_ok()) {
         // The copy engine failed: nothing it holds completes any more.
-        return d.status().with_context("staging: copy");
+        gate_open_.store(true, std::memory_order_release);
+        if (slots_freed) slots_freed();
+        return status.is_ok() ? d.status().with_context("staging: copy") : status;
       }
-      if (!*d) continue;
-      --in_copy;
-      progressed = true;
-      if (direction == Direction::kToDevice) {
-        chunk_done(i);
-      } else if (status.is_ok()) {
-        status = start_network(i);
-      } else {
-        slots[i].state = State::kFree;
+      if (!*d) break;
+      for (uint32_t k : in_copy.front().chunks) {
+        freed_[k % options_.slots].store(k, std::memory_order_release);
+        if (!release_on_issue && status.is_ok() && --to_copy[chunks_[k].run] == 0) run_done(chunks_[k].run);
       }
+      chunks_in_copy -= static_cast<uint32_t>(in_copy.front().chunks.size());
+      in_copy.pop_front();
+      freed = true;
     }
-    if (in_network == 0 && in_copy == 0 && (exhausted || !status.is_ok())) break;
-    if (Clock::now() >= deadline) {
-      if (status.is_ok()) {
-        status = Status::timeout("staging: " + std::to_string(in_network) + " chunk(s) in the network and " +
-                                 std::to_string(in_copy) + " in copies when the deadline passed");
-      }
-      if (in_copy == 0) break;  // copies are local and always finish: wait for them below
+    if (!status.is_ok() && in_copy.empty() && !told_failed) {
+      // Failed, and no copy reads a slot any more: the gate opens for every
+      // chunk, so that the network drains at once (what lands is dropped).
+      // Not before: with release_on_issue a consumer may already read the
+      // device places of a copy still in flight, whose slot must hold.
+      told_failed = true;
+      gate_open_.store(true, std::memory_order_release);
+      freed = true;
     }
-    if (progressed) continue;
-    std::unique_lock<std::mutex> lock(shared_->mu);
-    if (in_copy > 0) {
-      shared_->cv.wait_for(lock, std::chrono::microseconds(20));
-    } else if (Clock::now() < deadline) {
-      shared_->cv.wait_until(lock, deadline, [&] { return !shared_->finished.empty(); });
+    if (freed && slots_freed) slots_freed();
+    if (over && in_copy.empty()) break;
+    if (Clock::now() >= bound && !in_copy.empty()) {
+      gate_open_.store(true, std::memory_order_release);
+      return Status::timeout("staging: the copies from the landing ring did not finish");
+    }
+  }
+  stats_.held = held_.load();
+  if (status.is_ok()) {
+    uint32_t missing = 0;
+    for (uint32_t r = 0; r < runs_.size(); ++r) missing += release_on_issue ? to_issue[r] : to_copy[r];
+    if (missing > 0) {
+      status = Status::internal("staging: " + std::to_string(missing) + " chunk(s) never landed");
     }
   }
   return status;

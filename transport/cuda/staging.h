@@ -3,26 +3,37 @@
 //
 // Where UCX reports CUDA memory for a device buffer (ucp_mem_query), GETs
 // land in it directly. Where it does not (Debian's UCX 1.13 is built without
-// CUDA), every byte goes through a ring of pinned host slots, chunk by chunk:
+// CUDA), every byte passes through a landing ring: a few pinned host slots,
+// registered with the network, that GETs land in chunk by chunk; each chunk
+// is copied on to its device places as soon as it has landed, and its slot
+// takes the next chunk once that copy is done. With n slots, up to n chunks
+// are in the network or in a copy at once, so the copies of one chunk
+// overlap the GETs of the next ones, and the pinned memory is n slots,
+// whatever the size of the buffers.
 //
-//   to the device (receiver):  network GET into a slot -> copy slot to the
-//                              device places of those bytes -> slot free;
-//   from the device (source):  copy device places into a slot -> network
-//                              send from the slot -> slot free.
+// The ring does not drive the network: it tells the GET engine which chunk
+// may start (chunk k goes in slot k % n once chunk k - n has left it; a gate
+// of the engine, ucx::ChunkScheduler::Gate) and hears from it which chunk
+// landed. A chunk's device side may be many places (a strided box): its
+// pieces become 2-D/3-D copies (copy_plan.h).
 //
-// With n slots, up to n chunks are in flight at once, some in the network
-// stage and some in the copy stage, so the copies of chunk k overlap the
-// network of chunk k+1. A chunk's device side may be many places (a strided
-// box packed at the source): its pieces become 2-D/3-D copies (copy_plan.h).
+// The logic is plain C++ over CopyOps (device_ops.h): CUDA in production, a
+// host implementation in the CPU tests and under REFIT_LANDING_MIRROR.
 //
-// The logic is plain C++ over CopyOps (device_ops.h): CUDA in production,
-// a host implementation in the CPU tests.
+// Sources do not stage this way: a one-sided GET reads the source's memory
+// with no help from the source, so a GPU shard is served from a pinned copy
+// of the whole shard, filled at publish (plugin/source_agent.h).
 //
-// Threads: run() on one thread; the network stage's done() callbacks may
-// come from any thread, also after run() returned (they then do nothing).
+// Threads: may_start(), landed() and network_over() from any thread (the
+// engine calls the first two with its mutex held; they never block on the
+// copy stage); run() on one thread of its own.
 
+#include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -37,10 +48,8 @@ enum class Landing { kDirect, kStaged };
 Landing choose_landing(bool device_memory, bool ucx_reports_cuda);
 const char* landing_name(Landing landing);
 
-enum class Direction { kToDevice, kFromDevice };
-
-// The device side of one run: its bytes, in order, are the concatenation of
-// these places.
+// The device side of one run (one network GET of the plan): its bytes, in
+// order, are the concatenation of these places.
 struct DevicePlace {
   uint8_t* data = nullptr;
   uint64_t bytes = 0;
@@ -50,7 +59,8 @@ struct StagedRun {
   uint64_t bytes() const;
 };
 
-// One chunk: bytes [offset, offset + bytes) of run `run`, in a slot.
+// One chunk: bytes [offset, offset + bytes) of run `run`; it lands in slot
+// (its index) % slots.
 struct StagedChunk {
   uint32_t run = 0;
   uint64_t offset = 0;
@@ -58,56 +68,79 @@ struct StagedChunk {
 };
 
 struct StagingOptions {
-  uint64_t slot_bytes = 4 << 20;  // one chunk
-  uint32_t slots = 4;
+  uint64_t slot_bytes = 1 << 20;  // one chunk
+  uint32_t slots = 64;
 };
 Status validate(const StagingOptions& options);
 
 struct StagingStats {
   uint64_t chunks = 0;
-  uint64_t copies = 0;           // after coalescing (copy_plan.h)
-  uint32_t max_in_network = 0;   // chunks in the network stage at once
-  uint32_t max_in_copy = 0;      // chunks in the copy stage at once
-  uint64_t overlapped = 0;       // copies issued while a network chunk was in flight
+  uint64_t copies = 0;         // after coalescing (copy_plan.h)
+  uint32_t max_in_copy = 0;    // chunks in the copy stage at once
+  uint64_t overlapped = 0;     // copies issued while the network still ran
+  uint64_t held = 0;           // times may_start() said no: a chunk waited for its slot
 };
 
-class StagingPipeline {
+class LandingRing {
  public:
-  // The network part of one chunk. kToDevice: fill `slot` with the chunk's
-  // bytes; kFromDevice: send them from `slot`. Returns whether it was
-  // issued; when it was, calls done() exactly once, from any thread. The
-  // network must finish (or fail) every chunk it accepted by the deadline
-  // (the GET engine does).
-  using Network = std::function<Status(const StagedChunk&, uint8_t* slot, std::function<void(Status)> done)>;
-  // Called on run()'s thread once every byte of a run has passed both stages.
+  // Called on run()'s thread: every byte of run `run` is on its way to or
+  // in device memory (see run()).
   using RunDone = std::function<void(uint32_t run)>;
 
+  // Splits `runs` into chunks of at most options.slot_bytes, in order.
   // `host` holds options.slots slots of options.slot_bytes (pinned for CUDA,
-  // and registered with the network by the caller); it and `ops` outlive the
-  // pipeline.
-  static Result<std::unique_ptr<StagingPipeline>> create(CopyOps& ops, std::span<uint8_t> host,
-                                                         const StagingOptions& options);
-  ~StagingPipeline();
-  StagingPipeline(const StagingPipeline&) = delete;
-  StagingPipeline& operator=(const StagingPipeline&) = delete;
+  // registered with the network by the caller); it, `ops` and the device
+  // places outlive the ring.
+  static Result<std::unique_ptr<LandingRing>> create(CopyOps& ops, std::span<uint8_t> host,
+                                                     const StagingOptions& options, std::vector<StagedRun> runs);
+  LandingRing(const LandingRing&) = delete;
+  LandingRing& operator=(const LandingRing&) = delete;
 
-  // Moves every run through the two stages. Returns when all have passed,
-  // or at the first error, or at the deadline; in every case no copy is
-  // left running on the slots when it returns.
-  Status run(Direction direction, std::span<const StagedRun> runs, const Network& network, const RunDone& run_done,
-             Clock::time_point deadline);
+  const std::vector<StagedChunk>& chunks() const { return chunks_; }
+  // Where chunk k lands.
+  uint8_t* slot_of(uint32_t chunk) const;
+
+  // The engine's gate: may chunk k start landing in its slot now? True once
+  // chunk k - slots has been copied out of it, and always after a failure
+  // once no copy reads a slot any more (so that the network drains at once;
+  // what lands then is not copied). `held` counts the refusals.
+  bool may_start(uint32_t chunk) const;
+  // The network finished chunk k (ok: its bytes are in its slot).
+  void landed(uint32_t chunk, const Status& status);
+  // No landed() follows (the engine's batch returned).
+  void network_over();
+
+  // The copy stage (once per ring: a ring serves one batch of the engine),
+  // until the network is over and every chunk that landed
+  // has been copied, or the first error. Calls run_done(r) once every chunk
+  // of run r has been copied (with release_on_issue: once the copies are
+  // issued, for a consumer that orders itself after the copy stream, like
+  // the NCCL fabric), and slots_freed() after slots became free (the
+  // caller wakes the engine). Copies are local and always finish: it waits
+  // for those in flight before it returns, in every case, up to `bound`
+  // (which only catches a broken device).
+  Status run(const RunDone& run_done, const std::function<void()>& slots_freed, bool release_on_issue,
+             Clock::time_point bound);
 
   const StagingStats& stats() const { return stats_; }
 
  private:
-  struct Shared;
-  StagingPipeline(CopyOps& ops, std::span<uint8_t> host, StagingOptions options);
-  Status issue_copy(Direction direction, const StagedRun& run, const StagedChunk& chunk, uint8_t* slot);
+  LandingRing(CopyOps& ops, std::span<uint8_t> host, StagingOptions options, std::vector<StagedRun> runs);
+  Status issue_copy(const StagedChunk& chunk, uint8_t* slot);
 
   CopyOps& ops_;
   std::span<uint8_t> host_;
-  StagingOptions options_;
-  std::shared_ptr<Shared> shared_;  // what network callbacks touch
+  const StagingOptions options_;
+  const std::vector<StagedRun> runs_;
+  std::vector<StagedChunk> chunks_;
+  // Per slot: the last chunk copied out of it (-1: none yet).
+  std::unique_ptr<std::atomic<int64_t>[]> freed_;
+  std::atomic<bool> gate_open_{false};  // after a failure, once no copy reads a slot
+  mutable std::atomic<uint64_t> held_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<uint32_t, Status>> landed_;  // guarded by mu_
+  bool over_ = false;                               // guarded by mu_
   StagingStats stats_;
 };
 

@@ -1,11 +1,12 @@
-// The GPU path on a GPU: CUDA staging into and out of device memory, the
-// copy planner's 2-D/3-D copies, and the NCCL fabric over real
+// The GPU path on a GPU: landing GETs in device memory through the pinned
+// landing ring, the copy planner's 2-D/3-D copies, and the NCCL fabric over real
 // communicators. Suite 'gpu'; every test skips with the reason where the
 // machine has no usable GPU. NoGpu.* runs everywhere (suite 'fabric'): the
 // bad-input answers on a machine without one.
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -57,28 +58,52 @@ class Gpu : public ::testing::Test {
   }
 };
 
-// A host "network": serves each chunk from `remote` on a thread.
-struct ThreadNetwork {
-  std::vector<std::vector<uint8_t>>* remote = nullptr;
-  cuda::Direction direction = cuda::Direction::kToDevice;
-  std::vector<std::thread> threads;
+// A host "network" in front of the landing ring, like the GET engine behind
+// its gate: threads take the chunks in index order, wait until the ring lets
+// each start, copy it from `remote` into its slot and report it landed; the
+// last one out of chunks ends the network.
+class ThreadNetwork {
+ public:
+  ThreadNetwork(cuda::LandingRing& ring, const std::vector<std::vector<uint8_t>>& remote, int threads = 3)
+      : ring_(ring), remote_(remote), threads_(threads) {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { serve(); });
+  }
   ~ThreadNetwork() {
-    for (std::thread& t : threads) t.join();
+    for (std::thread& t : workers_) t.join();
   }
-  cuda::StagingPipeline::Network stage() {
-    return [this](const cuda::StagedChunk& c, uint8_t* slot, std::function<void(Status)> done) {
-      threads.emplace_back([this, c, slot, done] {
-        uint8_t* r = (*remote)[c.run].data() + c.offset;
-        if (direction == cuda::Direction::kToDevice) {
-          std::memcpy(slot, r, c.bytes);
-        } else {
-          std::memcpy(r, slot, c.bytes);
+
+ private:
+  void serve() {
+    const std::vector<cuda::StagedChunk>& chunks = ring_.chunks();
+    while (true) {
+      const uint32_t k = next_.fetch_add(1);
+      if (k >= chunks.size()) break;
+      const auto patience = cuda::Clock::now() + std::chrono::seconds(10);
+      bool open = true;
+      while (!ring_.may_start(k)) {
+        if (cuda::Clock::now() >= patience) {
+          open = false;
+          break;
         }
-        done(Status::ok());
-      });
-      return Status::ok();
-    };
+        std::this_thread::sleep_for(std::chrono::microseconds(5));
+      }
+      if (!open) {
+        ring_.landed(k, Status::timeout("thread network: chunk " + std::to_string(k) + " never got its slot"));
+        continue;
+      }
+      const cuda::StagedChunk& c = chunks[k];
+      std::memcpy(ring_.slot_of(k), remote_[c.run].data() + c.offset, c.bytes);
+      ring_.landed(k, Status::ok());
+    }
+    if (++finished_ == threads_) ring_.network_over();
   }
+
+  cuda::LandingRing& ring_;
+  const std::vector<std::vector<uint8_t>>& remote_;
+  const int threads_;
+  std::atomic<uint32_t> next_{0};
+  std::atomic<int> finished_{0};
+  std::vector<std::thread> workers_;
 };
 
 TEST_F(Gpu, StagingLandsStridedRunsInDeviceMemoryAndReadsThemBack) {
@@ -106,26 +131,30 @@ TEST_F(Gpu, StagingLandsStridedRunsInDeviceMemoryAndReadsThemBack) {
     runs.push_back(std::move(run));
   }
   ASSERT_LT(at, dev->bytes());
-  Result<std::unique_ptr<cuda::StagingPipeline>> p = cuda::StagingPipeline::create(
-      **ops, std::span<uint8_t>(slots->data(), slots->bytes()), cuda::StagingOptions{1 << 20, 4});
-  ASSERT_TRUE(p.is_ok());
+  Result<std::unique_ptr<cuda::LandingRing>> ring = cuda::LandingRing::create(
+      **ops, std::span<uint8_t>(slots->data(), slots->bytes()), cuda::StagingOptions{1 << 20, 4}, runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  ASSERT_GT((*ring)->chunks().size(), 4u);  // more chunks than slots: slots are reused
+  std::vector<int> done(runs.size(), 0);
   {
-    ThreadNetwork net{&remote, cuda::Direction::kToDevice};
-    Status st = (*p)->run(cuda::Direction::kToDevice, runs, net.stage(), [](uint32_t) {},
-                          cuda::Clock::now() + std::chrono::seconds(30));
+    ThreadNetwork net(**ring, remote);
+    Status st = (*ring)->run([&](uint32_t r) { ++done[r]; }, {}, /*release_on_issue=*/false,
+                             cuda::Clock::now() + std::chrono::seconds(30));
     ASSERT_TRUE(st.is_ok()) << st.message();
   }
-  // Read back through the other direction and compare.
+  for (size_t r = 0; r < runs.size(); ++r) EXPECT_EQ(done[r], 1) << "run " << r;
+  // Read every place back from the device and compare.
   std::vector<std::vector<uint8_t>> back(remote.size());
-  for (size_t r = 0; r < remote.size(); ++r) back[r].assign(remote[r].size(), 0);
-  {
-    ThreadNetwork net{&back, cuda::Direction::kFromDevice};
-    Status st = (*p)->run(cuda::Direction::kFromDevice, runs, net.stage(), [](uint32_t) {},
-                          cuda::Clock::now() + std::chrono::seconds(30));
-    ASSERT_TRUE(st.is_ok()) << st.message();
+  for (size_t r = 0; r < runs.size(); ++r) {
+    back[r].assign(remote[r].size(), 0);
+    uint64_t k = 0;
+    for (const cuda::DevicePlace& pl : runs[r].places) {
+      ASSERT_TRUE(cuda::copy_now(back[r].data() + k, pl.data, pl.bytes).is_ok());
+      k += pl.bytes;
+    }
   }
   EXPECT_EQ(back, remote);
-  EXPECT_LT((*p)->stats().copies, 10u * 300u);
+  EXPECT_LT((*ring)->stats().copies, 10u * 300u);
 }
 
 TEST_F(Gpu, IrregularPiecesGoThroughTheScatterKernel) {
@@ -150,13 +179,13 @@ TEST_F(Gpu, IrregularPiecesGoThroughTheScatterKernel) {
   std::vector<std::vector<uint8_t>> remote(1, std::vector<uint8_t>(run.bytes()));
   for (uint8_t& b : remote[0]) b = static_cast<uint8_t>(rng());
   std::vector<cuda::StagedRun> runs{run};
-  Result<std::unique_ptr<cuda::StagingPipeline>> p = cuda::StagingPipeline::create(
-      **ops, std::span<uint8_t>(slots->data(), slots->bytes()), cuda::StagingOptions{256 << 10, 8});
-  ASSERT_TRUE(p.is_ok());
+  Result<std::unique_ptr<cuda::LandingRing>> ring = cuda::LandingRing::create(
+      **ops, std::span<uint8_t>(slots->data(), slots->bytes()), cuda::StagingOptions{256 << 10, 8}, runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
   {
-    ThreadNetwork net{&remote, cuda::Direction::kToDevice};
-    Status st = (*p)->run(cuda::Direction::kToDevice, runs, net.stage(), [](uint32_t) {},
-                          cuda::Clock::now() + std::chrono::seconds(30));
+    ThreadNetwork net(**ring, remote);
+    Status st = (*ring)->run([](uint32_t) {}, {}, /*release_on_issue=*/false,
+                             cuda::Clock::now() + std::chrono::seconds(30));
     ASSERT_TRUE(st.is_ok()) << st.message();
   }
   std::vector<uint8_t> got(dev->bytes());

@@ -1,18 +1,19 @@
-// refit-staging-bench: how fast the staging pipeline moves bytes into device
+// refit-staging-bench: how fast the landing ring moves bytes into device
 // memory, beside the plain cudaMemcpy from pinned memory (the limit of the
-// copy stage). The "network" is host threads copying from pageable host
-// memory into the pinned slots, the way a GET lands in them.
+// copy stage). The "network" is host threads that take the chunks in order,
+// wait at the ring's gate like the GET engine, and copy each chunk from
+// pageable host memory into its pinned slot, the way a GET lands in it.
 //   refit_staging_bench [MiB] [slot KiB] [slots]   (default 1024 4096 4)
 // Prints one JSON line.
 
-#include <condition_variable>
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <iostream>
-#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "transport/cuda/cuda_copy_ops.h"
 #include "transport/cuda/cuda_status.h"
@@ -23,45 +24,52 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// A few threads standing in for the NIC.
+// A few threads standing in for the NIC: they take the ring's chunks in
+// index order, wait until the ring lets each start (polling, as the engine's
+// progress thread does), copy it from `source` into its slot and report it
+// landed. The last one out of chunks ends the network.
 class Network {
  public:
-  explicit Network(int threads) {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { loop(); });
+  Network(cuda::LandingRing& ring, const std::vector<uint8_t>& source, uint64_t per_run, int threads)
+      : ring_(ring), source_(source), per_run_(per_run), threads_(threads) {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { serve(); });
   }
   ~Network() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
     for (std::thread& t : workers_) t.join();
-  }
-  void post(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back(std::move(job));
-    }
-    cv_.notify_one();
   }
 
  private:
-  void loop() {
-    std::unique_lock<std::mutex> lock(mu_);
+  void serve() {
+    const std::vector<cuda::StagedChunk>& chunks = ring_.chunks();
     while (true) {
-      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;
-      std::function<void()> job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      job();
-      lock.lock();
+      const uint32_t k = next_.fetch_add(1);
+      if (k >= chunks.size()) break;
+      const auto patience = Clock::now() + std::chrono::seconds(60);
+      bool open = true;
+      while (!ring_.may_start(k)) {
+        if (Clock::now() >= patience) {
+          open = false;
+          break;
+        }
+        std::this_thread::yield();
+      }
+      if (!open) {
+        ring_.landed(k, Status::timeout("bench network: chunk " + std::to_string(k) + " never got its slot"));
+        continue;
+      }
+      const cuda::StagedChunk& c = chunks[k];
+      std::memcpy(ring_.slot_of(k), source_.data() + c.run * per_run_ + c.offset, c.bytes);
+      ring_.landed(k, Status::ok());
     }
+    if (++finished_ == threads_) ring_.network_over();
   }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  bool stop_ = false;
+
+  cuda::LandingRing& ring_;
+  const std::vector<uint8_t>& source_;
+  const uint64_t per_run_;
+  const int threads_;
+  std::atomic<uint32_t> next_{0};
+  std::atomic<int> finished_{0};
   std::vector<std::thread> workers_;
 };
 
@@ -95,25 +103,24 @@ int main(int argc, char** argv) {
   for (uint64_t r = 0; r < 16; ++r) {
     runs.push_back(cuda::StagedRun{{cuda::DevicePlace{dev->data() + r * per, r == 15 ? bytes - 15 * per : per}}});
   }
-  Result<std::unique_ptr<cuda::StagingPipeline>> p = cuda::StagingPipeline::create(
-      **ops, std::span<uint8_t>(ring->data(), ring->bytes()), cuda::StagingOptions{slot, slots});
-  if (!p.is_ok()) return fail(p.status());
-  Network net(static_cast<int>(slots));
-  auto stage = [&](const cuda::StagedChunk& c, uint8_t* s, std::function<void(Status)> done) {
-    const uint8_t* from = source.data() + c.run * per + c.offset;
-    net.post([from, s, c, done] {
-      std::memcpy(s, from, c.bytes);
-      done(Status::ok());
-    });
-    return Status::ok();
-  };
+  const std::span<uint8_t> host(ring->data(), ring->bytes());
+  const cuda::StagingOptions options{slot, slots};
+  // A ring serves one batch: a fresh one per repetition.
+  cuda::StagingStats stats;
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
+    Result<std::unique_ptr<cuda::LandingRing>> landing = cuda::LandingRing::create(**ops, host, options, runs);
+    if (!landing.is_ok()) return fail(landing.status());
     const auto t0 = Clock::now();
-    Status st = (*p)->run(cuda::Direction::kToDevice, runs, stage, [](uint32_t) {}, Clock::now() + std::chrono::seconds(120));
+    Status st;
+    {
+      Network net(**landing, source, per, static_cast<int>(std::min<uint32_t>(slots, 8)));
+      st = (*landing)->run([](uint32_t) {}, {}, /*release_on_issue=*/false, Clock::now() + std::chrono::seconds(120));
+    }
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (!st.is_ok()) return fail(st);
     best = std::max(best, bytes / s / 1e9);
+    stats = (*landing)->stats();
   }
   // Check a sample.
   std::vector<uint8_t> back(std::min<uint64_t>(bytes, 64 << 20));
@@ -131,12 +138,12 @@ int main(int argc, char** argv) {
       h2d = std::max(h2d, bytes / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9);
     }
   }
-  const cuda::StagingStats& s = (*p)->stats();
+  const cuda::StagingStats& s = stats;
   std::printf(
       "{\"bytes\": %llu, \"slot_bytes\": %llu, \"slots\": %u, \"staged_GBps\": %.2f, \"pinned_h2d_GBps\": %.2f, "
-      "\"chunks\": %llu, \"max_in_network\": %u, \"max_in_copy\": %u, \"overlapped\": %llu, \"verified\": %s}\n",
+      "\"chunks\": %llu, \"max_in_copy\": %u, \"overlapped\": %llu, \"held\": %llu, \"verified\": %s}\n",
       static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(slot), slots, best, h2d,
-      static_cast<unsigned long long>(s.chunks), s.max_in_network, s.max_in_copy,
-      static_cast<unsigned long long>(s.overlapped), ok ? "true" : "false");
+      static_cast<unsigned long long>(s.chunks), s.max_in_copy, static_cast<unsigned long long>(s.overlapped),
+      static_cast<unsigned long long>(s.held), ok ? "true" : "false");
   return ok ? 0 : 1;
 }

@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -12,49 +14,6 @@
 
 namespace refit::cuda {
 namespace {
-
-
-// A network that serves each chunk on a thread of its own after a delay:
-// kToDevice copies the chunk's bytes from `remote` into the slot, kFromDevice
-// copies the slot out to `remote`. Chunks finish out of order.
-class HostNetwork {
- public:
-  HostNetwork(std::vector<std::vector<uint8_t>>& remote, std::chrono::microseconds delay, Direction direction)
-      : remote_(remote), delay_(delay), direction_(direction) {}
-  ~HostNetwork() {
-    for (std::thread& t : threads_) t.join();
-  }
-  StagingPipeline::Network stage() {
-    return [this](const StagedChunk& c, uint8_t* slot, std::function<void(Status)> done) -> Status {
-      if (fail_after_ >= 0 && issued_++ >= fail_after_) {
-        threads_.emplace_back([done] { done(Status::io_error("host network: the peer went away")); });
-        return Status::ok();
-      }
-      if (never_) return Status::ok();  // accepted, never finishes (a hung peer)
-      const auto delay = delay_ * (1 + (c.offset / 4096) % 3);
-      threads_.emplace_back([this, c, slot, done, delay] {
-        std::this_thread::sleep_for(delay);
-        uint8_t* r = remote_[c.run].data() + c.offset;
-        if (direction_ == Direction::kToDevice) {
-          std::memcpy(slot, r, c.bytes);
-        } else {
-          std::memcpy(r, slot, c.bytes);
-        }
-        done(Status::ok());
-      });
-      return Status::ok();
-    };
-  }
-  int fail_after_ = -1;
-  bool never_ = false;
-
- private:
-  std::vector<std::vector<uint8_t>>& remote_;
-  std::chrono::microseconds delay_;
-  Direction direction_;
-  int issued_ = 0;
-  std::vector<std::thread> threads_;
-};
 
 // Runs of random sizes whose device side is scattered into strided places.
 struct Layout {
@@ -81,120 +40,301 @@ Layout make_layout(uint32_t seed, int runs) {
       at += rows * pitch + 64;
     }
     bytes.resize(run.bytes());
-    for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng() | 1);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng() | 1);  // never 0, the device's initial bytes
     l.remote.push_back(std::move(bytes));
     l.runs.push_back(std::move(run));
   }
   return l;
 }
 
-TEST(StagingPipeline, LandsEveryRunThroughTheSlotsAndOverlapsCopiesWithTheNetwork) {
+// Whether pred(device, remote, n) holds for every piece of chunk `c`: n
+// bytes at its device places and the same bytes of the run on the network.
+template <class Pred>
+bool every_piece(const Layout& l, const StagedChunk& c, Pred pred) {
+  uint64_t at = 0;  // offset in the run of the current place
+  const uint64_t end = c.offset + c.bytes;
+  for (const DevicePlace& p : l.runs[c.run].places) {
+    const uint64_t lo = std::max(at, c.offset), hi = std::min(at + p.bytes, end);
+    if (lo < hi && !pred(p.data + (lo - at), l.remote[c.run].data() + lo, hi - lo)) return false;
+    at += p.bytes;
+  }
+  return true;
+}
+
+// Whether the bytes of chunk `c` are at its device places.
+bool chunk_in_place(const Layout& l, const StagedChunk& c) {
+  return every_piece(l, c, [](const uint8_t* d, const uint8_t* r, uint64_t n) { return std::memcmp(d, r, n) == 0; });
+}
+
+// Whether the device places of chunk `c` still hold their initial zeros.
+bool chunk_untouched(const Layout& l, const StagedChunk& c) {
+  return every_piece(l, c, [](const uint8_t* d, const uint8_t*, uint64_t n) {
+    return std::all_of(d, d + n, [](uint8_t b) { return b == 0; });
+  });
+}
+
+// Whether every byte of run r is at its device places.
+bool run_in_place(const Layout& l, size_t r) {
+  uint64_t at = 0;
+  for (const DevicePlace& p : l.runs[r].places) {
+    if (std::memcmp(p.data, l.remote[r].data() + at, p.bytes) != 0) return false;
+    at += p.bytes;
+  }
+  return true;
+}
+
+// A network that behaves like the UCX GET engine behind the ring's gate:
+// its threads take the chunks in index order, each waits until the ring
+// lets its chunk start, and lands it after a delay that differs from chunk
+// to chunk (so that chunks land out of order) by copying the run's bytes
+// into the chunk's slot. The last thread out of chunks calls
+// network_over(), as the engine does when its batch returns.
+class GatedNetwork {
+ public:
+  struct Options {
+    int threads = 3;
+    std::chrono::microseconds delay{50};
+    int64_t fail_at = -1;    // this chunk lands with an error; the others still land
+    int64_t land_from = -1;  // chunks from this one on are taken and never land
+    // Checks, as each chunk k starts, that chunk k - slots (the one before it
+    // in the same slot) is at its device places: then each slot holds one
+    // chunk at a time, and at most `slots` chunks are between the gate and
+    // the end of their copy. Only while no chunk failed: after a failure the
+    // gate opens for every chunk on purpose.
+    bool check_slots = false;
+  };
+
+  GatedNetwork(LandingRing& ring, const Layout& layout, uint32_t slots, Options options)
+      : ring_(ring), layout_(layout), slots_(slots), options_(options),
+        patience_(Clock::now() + std::chrono::seconds(4)) {
+    for (int i = 0; i < options_.threads; ++i) threads_.emplace_back([this] { serve(); });
+  }
+  ~GatedNetwork() { join(); }
+  void join() {
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+  uint64_t started() const { return started_.load(); }
+  // Chunks that landed after the failing chunk (fail_at) was reported.
+  std::vector<uint32_t> after_failure() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return after_failure_;
+  }
+  // Chunks that started while the chunk before them in their slot was not
+  // yet at its device places (check_slots).
+  uint64_t early_starts() const { return early_starts_.load(); }
+  // Chunks whose gate was still shut when the network's patience (4 s for
+  // all chunks together) ran out; each landed as a timeout.
+  uint64_t gate_timeouts() const { return gate_timeouts_.load(); }
+
+ private:
+  void serve() {
+    const std::vector<StagedChunk>& chunks = ring_.chunks();
+    while (true) {
+      const uint32_t k = next_.fetch_add(1);
+      if (k >= chunks.size()) break;
+      if (options_.land_from >= 0 && k >= options_.land_from) continue;
+      bool open = true;
+      while (!ring_.may_start(k)) {
+        if (Clock::now() >= patience_) {
+          open = false;
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(5));
+      }
+      if (!open) {
+        ++gate_timeouts_;
+        ring_.landed(k, Status::timeout("fake network: chunk " + std::to_string(k) + " never got its slot"));
+        continue;
+      }
+      ++started_;
+      if (options_.check_slots && k >= slots_ && !chunk_in_place(layout_, chunks[k - slots_])) ++early_starts_;
+      std::this_thread::sleep_for(options_.delay * (1 + (k * 7) % 4));
+      if (k == options_.fail_at) {
+        ring_.landed(k, Status::io_error("fake network: the peer went away"));
+        failure_reported_ = true;
+        continue;
+      }
+      const StagedChunk& c = chunks[k];
+      std::memcpy(ring_.slot_of(k), layout_.remote[c.run].data() + c.offset, c.bytes);
+      if (failure_reported_) {
+        std::lock_guard<std::mutex> lock(mu_);
+        after_failure_.push_back(k);
+      }
+      ring_.landed(k, Status::ok());
+    }
+    if (++finished_ == options_.threads) ring_.network_over();
+  }
+
+  LandingRing& ring_;
+  const Layout& layout_;
+  const uint32_t slots_;
+  const Options options_;
+  const Clock::time_point patience_;
+  std::atomic<uint32_t> next_{0};
+  std::atomic<int> finished_{0};
+  std::atomic<uint64_t> started_{0}, early_starts_{0}, gate_timeouts_{0};
+  std::atomic<bool> failure_reported_{false};
+  mutable std::mutex mu_;
+  std::vector<uint32_t> after_failure_;  // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+uint64_t places_of(const Layout& l) {
+  uint64_t n = 0;
+  for (const StagedRun& r : l.runs) n += r.places.size();
+  return n;
+}
+
+TEST(LandingRing, LandsEveryRunThroughFewerSlotsThanChunksAndOverlapsCopiesWithTheNetwork) {
   Layout l = make_layout(3, 12);
-  HostCopyOps ops(std::chrono::microseconds(100));
-  std::vector<uint8_t> host(4 * 4096);
-  StagingOptions options;
-  options.slot_bytes = 4096;
-  options.slots = 4;
-  Result<std::unique_ptr<StagingPipeline>> p = StagingPipeline::create(ops, host, options);
-  ASSERT_TRUE(p.is_ok()) << p.status().message();
-  HostNetwork net(l.remote, std::chrono::microseconds(200), Direction::kToDevice);
+  HostCopyOps ops(std::chrono::microseconds(100));  // copies slower than the network: the ring fills
+  const StagingOptions options{4096, 4};
+  std::vector<uint8_t> host(options.slots * options.slot_bytes);
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  const size_t chunks = (*ring)->chunks().size();
+  ASSERT_GT(chunks, 4u * options.slots);
+  GatedNetwork::Options net_options;
+  net_options.check_slots = true;
+  GatedNetwork net(**ring, l, options.slots, net_options);
   std::vector<int> done(l.runs.size(), 0);
-  Status st = (*p)->run(Direction::kToDevice, l.runs, net.stage(), [&](uint32_t r) { ++done[r]; },
-                        Clock::now() + std::chrono::seconds(30));
+  std::atomic<int> wakes{0};
+  Status st = (*ring)->run([&](uint32_t r) { ++done[r]; }, [&] { ++wakes; }, /*release_on_issue=*/false,
+                           Clock::now() + std::chrono::seconds(30));
+  net.join();
   ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(net.started(), chunks);
+  EXPECT_EQ(net.gate_timeouts(), 0u);
   for (size_t r = 0; r < l.runs.size(); ++r) {
     EXPECT_EQ(done[r], 1) << "run " << r;
-    uint64_t at = 0;
-    for (const DevicePlace& pl : l.runs[r].places) {
-      ASSERT_EQ(std::memcmp(pl.data, l.remote[r].data() + at, pl.bytes), 0) << "run " << r;
-      at += pl.bytes;
-    }
+    EXPECT_TRUE(run_in_place(l, r)) << "run " << r;
   }
-  const StagingStats& s = (*p)->stats();
-  EXPECT_GT(s.overlapped, 0u) << "no copy ran while the network had a chunk in flight";
-  EXPECT_LE(s.max_in_network + 0u, options.slots);
-  EXPECT_GE(s.max_in_network, 2u);
+  EXPECT_EQ(net.early_starts(), 0u) << "a chunk landed in a slot whose previous chunk was still being copied";
+  EXPECT_GT(wakes.load(), 0);
+  const StagingStats& s = (*ring)->stats();
+  EXPECT_EQ(s.chunks, chunks);
+  EXPECT_GT(s.overlapped, 0u) << "no copy ran while the network still had chunks to land";
+  EXPECT_GT(s.held, 0u) << "the gate never held a chunk back: the ring was never full";
+  EXPECT_GE(s.max_in_copy, 1u);
+  EXPECT_LE(s.max_in_copy, options.slots);
   // Strided runs were coalesced: fewer copies than places.
-  uint64_t places = 0;
-  for (const StagedRun& r : l.runs) places += r.places.size();
-  EXPECT_LT(s.copies, places);
+  EXPECT_LT(s.copies, places_of(l));
 }
 
-TEST(StagingPipeline, FromTheDeviceCopiesFirstThenSends) {
-  Layout l = make_layout(5, 8);
-  std::mt19937 rng(1);
-  for (uint8_t& b : l.device) b = static_cast<uint8_t>(rng());
-  HostCopyOps ops;
-  std::vector<uint8_t> host(3 * 8192);
-  Result<std::unique_ptr<StagingPipeline>> p = StagingPipeline::create(ops, host, StagingOptions{8192, 3});
-  ASSERT_TRUE(p.is_ok());
-  HostNetwork net(l.remote, std::chrono::microseconds(50), Direction::kFromDevice);
-  Status st = (*p)->run(Direction::kFromDevice, l.runs, net.stage(), [](uint32_t) {},
-                        Clock::now() + std::chrono::seconds(30));
+TEST(LandingRing, ReleaseOnIssueTellsEachRunOnceAndStillLandsEveryByte) {
+  Layout l = make_layout(7, 10);
+  HostCopyOps ops(std::chrono::microseconds(50));
+  const StagingOptions options{4096, 3};
+  std::vector<uint8_t> host(options.slots * options.slot_bytes);
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  GatedNetwork::Options net_options;
+  net_options.check_slots = true;
+  GatedNetwork net(**ring, l, options.slots, net_options);
+  std::vector<int> done(l.runs.size(), 0);
+  Status st = (*ring)->run([&](uint32_t r) { ++done[r]; }, {}, /*release_on_issue=*/true,
+                           Clock::now() + std::chrono::seconds(30));
+  net.join();
   ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(net.early_starts(), 0u);
+  // run() waited for the copies it had issued: every byte is in place now.
   for (size_t r = 0; r < l.runs.size(); ++r) {
-    uint64_t at = 0;
-    for (const DevicePlace& pl : l.runs[r].places) {
-      ASSERT_EQ(std::memcmp(pl.data, l.remote[r].data() + at, pl.bytes), 0) << "run " << r;
-      at += pl.bytes;
-    }
+    EXPECT_EQ(done[r], 1) << "run " << r;
+    EXPECT_TRUE(run_in_place(l, r)) << "run " << r;
   }
 }
 
-TEST(StagingPipeline, ANetworkErrorEndsTheRunWithThatError) {
-  Layout l = make_layout(9, 6);
-  HostCopyOps ops;
-  std::vector<uint8_t> host(4 * 4096);
-  Result<std::unique_ptr<StagingPipeline>> p = StagingPipeline::create(ops, host, StagingOptions{4096, 4});
-  ASSERT_TRUE(p.is_ok());
-  HostNetwork net(l.remote, std::chrono::microseconds(10), Direction::kToDevice);
-  net.fail_after_ = 5;
-  Status st = (*p)->run(Direction::kToDevice, l.runs, net.stage(), [](uint32_t) {},
-                        Clock::now() + std::chrono::seconds(30));
-  EXPECT_EQ(st.code(), Code::kIoError);
-  EXPECT_NE(st.message().find("peer went away"), std::string::npos) << st.message();
-}
-
-TEST(StagingPipeline, AHungNetworkIsATimeoutAtTheDeadline) {
-  Layout l = make_layout(11, 3);
-  HostCopyOps ops;
-  std::vector<uint8_t> host(2 * 4096);
-  Result<std::unique_ptr<StagingPipeline>> p = StagingPipeline::create(ops, host, StagingOptions{4096, 2});
-  ASSERT_TRUE(p.is_ok());
-  HostNetwork net(l.remote, std::chrono::microseconds(10), Direction::kToDevice);
-  net.never_ = true;
+TEST(LandingRing, ANetworkErrorEndsTheRunWithThatErrorAndOpensTheGate) {
+  Layout l = make_layout(9, 10);
+  HostCopyOps ops(std::chrono::microseconds(200));
+  const StagingOptions options{4096, 4};
+  std::vector<uint8_t> host(options.slots * options.slot_bytes);
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  const std::vector<StagedChunk>& chunks = (*ring)->chunks();
+  // Chunk fail_at + slots waits for chunk fail_at's slot, which is never
+  // copied out: only the failure lets it start, and the network's threads
+  // all stop at such chunks until then. Many chunks lie beyond.
+  const uint32_t fail_at = 5;
+  GatedNetwork::Options net_options;
+  net_options.fail_at = fail_at;
+  net_options.delay = std::chrono::microseconds(20);
+  ASSERT_GT(chunks.size(), fail_at + 2u * options.slots * net_options.threads);
+  GatedNetwork net(**ring, l, options.slots, net_options);
+  std::vector<int> done(l.runs.size(), 0);
   const auto t0 = Clock::now();
-  Status st = (*p)->run(Direction::kToDevice, l.runs, net.stage(), [](uint32_t) {},
-                        Clock::now() + std::chrono::milliseconds(200));
-  EXPECT_EQ(st.code(), Code::kTimeout) << st.message();
-  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  Status st = (*ring)->run([&](uint32_t r) { ++done[r]; }, {}, false, Clock::now() + std::chrono::seconds(30));
+  const auto took = Clock::now() - t0;
+  net.join();
+  EXPECT_EQ(st.code(), Code::kIoError) << st.message();
+  EXPECT_NE(st.message().find("peer went away"), std::string::npos) << st.message();
+  // Every chunk got through the gate, none waited out the network's
+  // patience: the failure opened the gate.
+  EXPECT_EQ(net.gate_timeouts(), 0u);
+  EXPECT_EQ(net.started(), chunks.size());
+  EXPECT_LT(took, std::chrono::seconds(2));
+  for (uint32_t k = 0; k < chunks.size(); ++k) EXPECT_TRUE((*ring)->may_start(k)) << "chunk " << k;
+  // What landed after the failure was not copied, and its run is not done.
+  const std::vector<uint32_t> late = net.after_failure();
+  EXPECT_FALSE(late.empty());
+  for (uint32_t k : late) {
+    EXPECT_TRUE(chunk_untouched(l, chunks[k])) << "chunk " << k;
+    EXPECT_EQ(done[chunks[k].run], 0) << "chunk " << k;
+  }
 }
 
-TEST(StagingPipeline, ACopyErrorEndsTheRun) {
+TEST(LandingRing, ACopyErrorEndsTheRunAndTheNetworkDrains) {
   Layout l = make_layout(13, 4);
   HostCopyOps ops;
   ops.fail_next_copy();
-  std::vector<uint8_t> host(2 * 4096);
-  Result<std::unique_ptr<StagingPipeline>> p = StagingPipeline::create(ops, host, StagingOptions{4096, 2});
-  ASSERT_TRUE(p.is_ok());
-  HostNetwork net(l.remote, std::chrono::microseconds(10), Direction::kToDevice);
-  Status st = (*p)->run(Direction::kToDevice, l.runs, net.stage(), [](uint32_t) {},
-                        Clock::now() + std::chrono::seconds(30));
+  const StagingOptions options{4096, 2};
+  std::vector<uint8_t> host(options.slots * options.slot_bytes);
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  ASSERT_GT((*ring)->chunks().size(), 2u * options.slots);
+  GatedNetwork net(**ring, l, options.slots, GatedNetwork::Options{});
+  Status st = (*ring)->run([](uint32_t) {}, {}, false, Clock::now() + std::chrono::seconds(30));
+  net.join();
   EXPECT_EQ(st.code(), Code::kIoError) << st.message();
+  EXPECT_NE(st.message().find("failing as the test asked"), std::string::npos) << st.message();
+  EXPECT_EQ(net.gate_timeouts(), 0u);
+  EXPECT_EQ(net.started(), (*ring)->chunks().size());
 }
 
-TEST(StagingPipeline, BadOptionsAreRefusedWithTheirName) {
+TEST(LandingRing, ChunksThatNeverLandedAreAnError) {
+  Layout l = make_layout(17, 4);
+  HostCopyOps ops;
+  const StagingOptions options{4096, 4};
+  std::vector<uint8_t> host(options.slots * options.slot_bytes);
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  const int64_t chunks = static_cast<int64_t>((*ring)->chunks().size());
+  ASSERT_GT(chunks, 2);
+  GatedNetwork::Options net_options;
+  net_options.land_from = chunks - 2;
+  GatedNetwork net(**ring, l, options.slots, net_options);
+  Status st = (*ring)->run([](uint32_t) {}, {}, false, Clock::now() + std::chrono::seconds(30));
+  net.join();
+  EXPECT_EQ(st.code(), Code::kInternal) << st.message();
+  EXPECT_NE(st.message().find("2 chunk(s) never landed"), std::string::npos) << st.message();
+}
+
+TEST(LandingRing, BadOptionsAreRefusedWithTheirName) {
   HostCopyOps ops;
   std::vector<uint8_t> host(4096);
-  Result<std::unique_ptr<StagingPipeline>> p = StagingPipeline::create(ops, host, StagingOptions{0, 4});
-  ASSERT_FALSE(p.is_ok());
-  EXPECT_NE(p.status().message().find("slot_bytes"), std::string::npos);
-  p = StagingPipeline::create(ops, host, StagingOptions{4096, 1});
-  ASSERT_FALSE(p.is_ok());
-  EXPECT_NE(p.status().message().find("slots"), std::string::npos);
-  p = StagingPipeline::create(ops, host, StagingOptions{4096, 4});
-  ASSERT_FALSE(p.is_ok());
-  EXPECT_NE(p.status().message().find("staging memory"), std::string::npos);
+  Layout l = make_layout(19, 2);
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, StagingOptions{0, 4}, l.runs);
+  ASSERT_FALSE(ring.is_ok());
+  EXPECT_NE(ring.status().message().find("slot_bytes"), std::string::npos) << ring.status().message();
+  ring = LandingRing::create(ops, host, StagingOptions{4096, 1}, l.runs);
+  ASSERT_FALSE(ring.is_ok());
+  EXPECT_NE(ring.status().message().find("slots"), std::string::npos) << ring.status().message();
+  ring = LandingRing::create(ops, host, StagingOptions{4096, 4}, l.runs);
+  ASSERT_FALSE(ring.is_ok());
+  EXPECT_NE(ring.status().message().find("staging memory"), std::string::npos) << ring.status().message();
 }
 
 TEST(Landing, DeviceMemoryUcxCannotReachGoesThroughStaging) {
