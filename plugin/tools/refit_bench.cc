@@ -166,6 +166,7 @@ struct Row {
   std::string mode;
   double refresh_seconds_median = 0;
   double pause_seconds_median = 0;
+  double cpu_seconds_median = 0;
   int64_t completed = 0;
   std::string error;  // "" when none
   int64_t serve_reads = 0;
@@ -217,16 +218,16 @@ void print_resident(const Row& r, bool per_process) {
 }
 
 void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bool serve_check, bool per_process) {
-  std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %9s", "strategy", "median s", "GB/s", "network",
-              "minimum", "local", "verified", "mode", "refresh s", "pause s", "completed");
+  std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %8s %9s", "strategy", "median s", "GB/s", "network",
+              "minimum", "local", "verified", "mode", "refresh s", "pause s", "cpu s", "completed");
   if (serve_check) std::printf(" %8s %6s", "reads", "mixed");
   std::printf("\n");
   for (const Row& r : rows) {
-    std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %9s", r.strategy.c_str(),
+    std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %8s %9s", r.strategy.c_str(),
                 fixed(r.seconds_median, 4).c_str(), fixed(r.gbps, 3).c_str(), human_bytes(r.network_bytes).c_str(),
                 human_bytes(r.minimum_network_bytes).c_str(), human_bytes(r.local_bytes).c_str(),
                 r.verified ? "yes" : "NO", r.mode.c_str(), fixed(r.refresh_seconds_median, 4).c_str(),
-                fixed(r.pause_seconds_median, 4).c_str(),
+                fixed(r.pause_seconds_median, 4).c_str(), fixed(r.cpu_seconds_median, 2).c_str(),
                 (std::to_string(r.completed) + "/" + std::to_string(versions)).c_str());
     if (serve_check)
       std::printf(" %8lld %6lld", static_cast<long long>(r.serve_reads), static_cast<long long>(r.mixed_version_reads));
@@ -405,7 +406,9 @@ int main(int argc, char** argv) {
       "scenario from the planner (each domain receives each needed byte once); mode;\n"
       "refresh s and pause s: the median over versions of the slowest receiver's report\n"
       "\"seconds.total\" and \"pause_seconds\" (staged: the commit's; broadcast: refresh s\n"
-      "is stage 2's and pause s its copy out); completed: refreshes that completed (and\n"
+      "is stage 2's and pause s its copy out); cpu s: the median over versions of the\n"
+      "machine's busy CPU time (all cores, /proc/stat) from the refresh command to the last\n"
+      "receiver done, what the refresh cost in CPU; completed: refreshes that completed (and\n"
       "committed) of N; with --serve-check, reads and mixed (mixed-version reads), summed\n"
       "over the receivers. A strategy's first error is printed below the table.\n"
       "\n"
@@ -420,7 +423,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out,
                  "write {\"scenario\", \"results\": [{\"strategy\", \"seconds_median\", \"gbps\", \"network_bytes\", "
                  "\"minimum_network_bytes\", \"local_bytes\", \"verified\", \"mode\", \"refresh_seconds_median\", "
-                 "\"pause_seconds_median\", \"completed\", \"error\" (null when none), with --serve-check "
+                 "\"pause_seconds_median\", \"cpu_seconds_median\", \"completed\", \"error\" (null when none), with --serve-check "
                  "\"serve_reads\", \"mixed_version_reads\", with --kill \"killed\", \"killed_version\", "
                  "\"kill_error\" (null when every receiver left completed it), \"kill_refresh_seconds\" (that refresh, "
                  "until every receiver left had answered), \"committed_without_killed\" (staged: ranks of a killed "
@@ -542,6 +545,7 @@ int main(int argc, char** argv) {
     row.mode = r.staged ? "staged" : "direct";
     row.refresh_seconds_median = r.median_refresh_seconds();
     row.pause_seconds_median = r.median_pause_seconds();
+    row.cpu_seconds_median = r.median_cpu_seconds();
     row.completed = static_cast<int64_t>(r.versions.size());
     if (!r.status.is_ok()) row.error = r.status.message();
     row.serve_reads = r.serve_reads;
@@ -592,6 +596,7 @@ int main(int argc, char** argv) {
                          {"mode", r.mode},
                          {"refresh_seconds_median", r.refresh_seconds_median},
                          {"pause_seconds_median", r.pause_seconds_median},
+                         {"cpu_seconds_median", r.cpu_seconds_median},
                          {"completed", r.completed},
                          {"error", r.error.empty() ? ordered_json(nullptr) : ordered_json(r.error)}});
       if (serve_check) {

@@ -376,9 +376,11 @@ class Runner {
         REFIT_RETURN_IF_ERROR(refresh_with_kill(v, sources, receivers, C));
         continue;
       }
+      const double cpu0 = machine_busy_seconds();
       const int64_t t0 = monotonic_ns();
       r = group_.request(rx, versioned("refresh", v, true), refresh_deadline());
       if (!r) return r.status();
+      vr.cpu_seconds = machine_busy_seconds() - cpu0;
       int64_t end = t0;
       sum_reports(*r, &vr, t0, &end);
       vr.seconds = static_cast<double>(end - t0) * 1e-9;
@@ -606,6 +608,7 @@ class Runner {
       r = group_.request(sources.children, versioned("publish", v), deadline());
       if (!r) return r.status();
       step(tag + "published");
+      const double cpu0 = machine_busy_seconds();
       const int64_t t0 = monotonic_ns();
       int64_t end = t0;
       r = group_.request(gatherer_rx.children, versioned("refresh", v, true), refresh_deadline());
@@ -627,6 +630,7 @@ class Runner {
         end = std::max(end, x.value("end_ns", end));
       }
       vr.pause_seconds = vr.unpack_seconds;  // the served (final) buffers are written only here
+      vr.cpu_seconds = machine_busy_seconds() - cpu0;
       vr.seconds = static_cast<double>(end - t0) * 1e-9;
       step(tag + "copied out");
       result_.versions.push_back(std::move(vr));
@@ -684,6 +688,7 @@ double median_of(const std::vector<VersionResult>& versions, Field field) {
 double RunResult::median_seconds() const { return median_of(versions, &VersionResult::seconds); }
 double RunResult::median_refresh_seconds() const { return median_of(versions, &VersionResult::refresh_seconds); }
 double RunResult::median_pause_seconds() const { return median_of(versions, &VersionResult::pause_seconds); }
+double RunResult::median_cpu_seconds() const { return median_of(versions, &VersionResult::cpu_seconds); }
 
 double RunResult::median_rejoin_seconds() const {
   std::vector<VersionResult> churned;

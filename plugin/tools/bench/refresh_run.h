@@ -125,6 +125,9 @@ struct VersionResult {
   // The slowest receiver's pause: direct, its report's "pause_seconds" (the
   // refresh); staged, the commit's "pause_seconds"; broadcast, its copy out.
   double pause_seconds = 0;
+  // The machine's busy CPU time over the same span as `seconds`, all cores
+  // (machine_busy_seconds): what the strategy's refresh cost in CPU.
+  double cpu_seconds = 0;
   int64_t network_bytes = 0;  // the receivers' reports summed (broadcast: the gatherer's too)
   int64_t local_bytes = 0;
   bool verified = false;
@@ -192,6 +195,7 @@ struct RunResult {
   double median_seconds() const;
   double median_refresh_seconds() const;
   double median_pause_seconds() const;
+  double median_cpu_seconds() const;
   double median_rejoin_seconds() const;  // of the versions that had churn
   double max_rejoin_seconds() const;
   int64_t resident_first_kib() const;  // summed over `resident`

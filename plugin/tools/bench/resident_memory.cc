@@ -1,6 +1,7 @@
 #include "plugin/tools/bench/resident_memory.h"
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <sstream>
@@ -28,6 +29,15 @@ Result<int64_t> resident_kib(pid_t pid) {
 int64_t heap_in_use_kib() {
   const struct mallinfo2 m = ::mallinfo2();
   return static_cast<int64_t>((m.uordblks + m.hblkhd) / 1024);
+}
+
+double machine_busy_seconds() {
+  std::ifstream in("/proc/stat");
+  std::string cpu;
+  uint64_t user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  if (!(in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal) || cpu != "cpu") return 0;
+  const long ticks = sysconf(_SC_CLK_TCK);
+  return static_cast<double>(user + nice + system + irq + softirq + steal) / static_cast<double>(ticks > 0 ? ticks : 100);
 }
 
 }  // namespace refit::bench

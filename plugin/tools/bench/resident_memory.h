@@ -23,4 +23,11 @@ Result<int64_t> resident_kib(pid_t pid = 0);
 // malloc, so a process reports it about itself.
 int64_t heap_in_use_kib();
 
+// CPU time the whole machine has spent busy (user, nice, system, irq,
+// softirq and steal of /proc/stat's "cpu" line, all cores together) since
+// boot, in seconds; the bench takes it before and after a refresh, so that
+// the difference is the CPU a strategy costs (everything on the machine, in
+// clock ticks of 10 ms). 0 when /proc/stat cannot be read.
+double machine_busy_seconds();
+
 }  // namespace refit::bench
