@@ -74,9 +74,10 @@
  *     "chunk_bytes"  integer [1048576]: largest single GET or PUT
  *     "landing_bytes" integer [67108864]: pinned host memory of the landing ring
  *                    (GPU buffers that UCX cannot write), in slots of
- *                    "chunk_bytes"; at least two slots. Allocated at the first
- *                    such buffer; more slots than the window lets GETs go on
- *                    while earlier chunks are copied to the GPU
+ *                    "chunk_bytes": at least two slots, at most 1 TiB.
+ *                    Allocated at the first such buffer; more slots than the
+ *                    window lets GETs go on while earlier chunks are copied to
+ *                    the GPU
  *     "recipe"       object, for buffers added by recipe name:
  *        "model"       path of a model manifest (safetensors header JSON), required
  *        "framework"   "vllm" ["vllm"]
