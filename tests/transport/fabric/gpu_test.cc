@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "fanout_case.h"
+#include "ring_network.h"
 #include "transport/cuda/cuda_copy_ops.h"
 #include "transport/cuda/cuda_status.h"
 #include "transport/cuda/nccl_comm.h"
@@ -58,53 +59,10 @@ class Gpu : public ::testing::Test {
   }
 };
 
-// A host "network" in front of the landing ring, like the GET engine behind
-// its gate: threads take the chunks in index order, wait until the ring lets
-// each start, copy it from `remote` into its slot and report it landed; the
-// last one out of chunks ends the network.
-class ThreadNetwork {
- public:
-  ThreadNetwork(cuda::LandingRing& ring, const std::vector<std::vector<uint8_t>>& remote, int threads = 3)
-      : ring_(ring), remote_(remote), threads_(threads) {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { serve(); });
-  }
-  ~ThreadNetwork() {
-    for (std::thread& t : workers_) t.join();
-  }
-
- private:
-  void serve() {
-    const std::vector<cuda::StagedChunk>& chunks = ring_.chunks();
-    while (true) {
-      const uint32_t k = next_.fetch_add(1);
-      if (k >= chunks.size()) break;
-      const auto patience = cuda::Clock::now() + std::chrono::seconds(10);
-      bool open = true;
-      while (!ring_.may_start(k)) {
-        if (cuda::Clock::now() >= patience) {
-          open = false;
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::microseconds(5));
-      }
-      if (!open) {
-        ring_.landed(k, Status::timeout("thread network: chunk " + std::to_string(k) + " never got its slot"));
-        continue;
-      }
-      const cuda::StagedChunk& c = chunks[k];
-      std::memcpy(ring_.slot_of(k), remote_[c.run].data() + c.offset, c.bytes);
-      ring_.landed(k, Status::ok());
-    }
-    if (++finished_ == threads_) ring_.network_over();
-  }
-
-  cuda::LandingRing& ring_;
-  const std::vector<std::vector<uint8_t>>& remote_;
-  const int threads_;
-  std::atomic<uint32_t> next_{0};
-  std::atomic<int> finished_{0};
-  std::vector<std::thread> workers_;
-};
+// The chunks' bytes on the "network" side: run r's are remote[r].
+cuda::RingNetwork::BytesOf from(const std::vector<std::vector<uint8_t>>& remote) {
+  return [&remote](const cuda::StagedChunk& c) { return remote[c.run].data() + c.offset; };
+}
 
 TEST_F(Gpu, StagingLandsStridedRunsInDeviceMemoryAndReadsThemBack) {
   Result<cuda::DeviceBuffer> dev = cuda::DeviceBuffer::allocate(0, 8 << 20);
@@ -137,7 +95,7 @@ TEST_F(Gpu, StagingLandsStridedRunsInDeviceMemoryAndReadsThemBack) {
   ASSERT_GT((*ring)->chunks().size(), 4u);  // more chunks than slots: slots are reused
   std::vector<int> done(runs.size(), 0);
   {
-    ThreadNetwork net(**ring, remote);
+    cuda::RingNetwork net(**ring, from(remote), 3, std::chrono::seconds(10));
     Status st = (*ring)->run([&](uint32_t r) { ++done[r]; }, {}, /*release_on_issue=*/false,
                              cuda::Clock::now() + std::chrono::seconds(30));
     ASSERT_TRUE(st.is_ok()) << st.message();
@@ -183,7 +141,7 @@ TEST_F(Gpu, IrregularPiecesGoThroughTheScatterKernel) {
       **ops, std::span<uint8_t>(slots->data(), slots->bytes()), cuda::StagingOptions{256 << 10, 8}, runs);
   ASSERT_TRUE(ring.is_ok()) << ring.status().message();
   {
-    ThreadNetwork net(**ring, remote);
+    cuda::RingNetwork net(**ring, from(remote), 3, std::chrono::seconds(10));
     Status st = (*ring)->run([](uint32_t) {}, {}, /*release_on_issue=*/false,
                              cuda::Clock::now() + std::chrono::seconds(30));
     ASSERT_TRUE(st.is_ok()) << st.message();

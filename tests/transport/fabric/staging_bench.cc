@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "ring_network.h"
 #include "transport/cuda/cuda_copy_ops.h"
 #include "transport/cuda/cuda_status.h"
 #include "transport/cuda/staging.h"
@@ -23,55 +24,6 @@ using namespace refit;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-// A few threads standing in for the NIC: they take the ring's chunks in
-// index order, wait until the ring lets each start (polling, as the engine's
-// progress thread does), copy it from `source` into its slot and report it
-// landed. The last one out of chunks ends the network.
-class Network {
- public:
-  Network(cuda::LandingRing& ring, const std::vector<uint8_t>& source, uint64_t per_run, int threads)
-      : ring_(ring), source_(source), per_run_(per_run), threads_(threads) {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { serve(); });
-  }
-  ~Network() {
-    for (std::thread& t : workers_) t.join();
-  }
-
- private:
-  void serve() {
-    const std::vector<cuda::StagedChunk>& chunks = ring_.chunks();
-    while (true) {
-      const uint32_t k = next_.fetch_add(1);
-      if (k >= chunks.size()) break;
-      const auto patience = Clock::now() + std::chrono::seconds(60);
-      bool open = true;
-      while (!ring_.may_start(k)) {
-        if (Clock::now() >= patience) {
-          open = false;
-          break;
-        }
-        std::this_thread::yield();
-      }
-      if (!open) {
-        ring_.landed(k, Status::timeout("bench network: chunk " + std::to_string(k) + " never got its slot"));
-        continue;
-      }
-      const cuda::StagedChunk& c = chunks[k];
-      std::memcpy(ring_.slot_of(k), source_.data() + c.run * per_run_ + c.offset, c.bytes);
-      ring_.landed(k, Status::ok());
-    }
-    if (++finished_ == threads_) ring_.network_over();
-  }
-
-  cuda::LandingRing& ring_;
-  const std::vector<uint8_t>& source_;
-  const uint64_t per_run_;
-  const int threads_;
-  std::atomic<uint32_t> next_{0};
-  std::atomic<int> finished_{0};
-  std::vector<std::thread> workers_;
-};
 
 int fail(const Status& s) {
   std::cerr << "refit-staging-bench: " << s.message() << "\n";
@@ -114,7 +66,9 @@ int main(int argc, char** argv) {
     const auto t0 = Clock::now();
     Status st;
     {
-      Network net(**landing, source, per, static_cast<int>(std::min<uint32_t>(slots, 8)));
+      cuda::RingNetwork net(
+          **landing, [&](const cuda::StagedChunk& c) { return source.data() + c.run * per + c.offset; },
+          static_cast<int>(std::min<uint32_t>(slots, 8)), std::chrono::seconds(60));
       st = (*landing)->run([](uint32_t) {}, {}, /*release_on_issue=*/false, Clock::now() + std::chrono::seconds(120));
     }
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
