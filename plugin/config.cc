@@ -1,5 +1,6 @@
 #include "plugin/config.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "plugin/json_reader.h"
@@ -107,7 +108,9 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     if (r.ok() && c.chunk_bytes > c.window_bytes) {
       r.fail("chunk_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + ")");
     }
-    c.landing_bytes = static_cast<uint64_t>(r.integer(doc, "", "landing_bytes", int64_t{64} << 20, 8192, int64_t{1} << 40));
+    // By default 64 MiB, and at least two chunks.
+    const int64_t landing_default = std::max<int64_t>(int64_t{64} << 20, 2 * static_cast<int64_t>(c.chunk_bytes));
+    c.landing_bytes = static_cast<uint64_t>(r.integer(doc, "", "landing_bytes", landing_default, 8192, int64_t{1} << 40));
     if (r.ok() && c.landing_bytes < 2 * c.chunk_bytes) {
       r.fail("landing_bytes", "must hold at least two chunks of \"chunk_bytes\" (2 x " +
                                   std::to_string(c.chunk_bytes) + "), got " + std::to_string(c.landing_bytes));

@@ -620,7 +620,8 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     std::vector<cuda::StagedRun> ring_runs;
     for (uint32_t i = 0; i < part.net.size(); ++i) {
       if (part.net[i].device == nullptr) continue;
-      ring_runs.push_back(cuda::StagedRun{{cuda::DevicePlace{part.net[i].device, part.net[i].bytes}}});
+      ring_runs.push_back(cuda::StagedRun{{cuda::DevicePlace{part.net[i].device, part.net[i].bytes}},
+                                          static_cast<uint32_t>(part.net[i].source)});
       ring_net.push_back(i);
     }
     Result<std::unique_ptr<cuda::LandingRing>> made = cuda::LandingRing::create(
@@ -825,10 +826,11 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   report->pushes = schedule.sends.size();
   if (ring) {
     report->landing = true;
-    report->landing_slots = config_.landing_bytes / config_.chunk_bytes;
-    report->landing_chunks = ring->stats().chunks;
-    report->landing_copies = ring->stats().copies;
-    report->landing_held = ring->stats().held;
+    const cuda::StagingStats stats = ring->stats();
+    report->landing_slots = ring->slots();
+    report->landing_chunks = stats.chunks;
+    report->landing_copies = stats.copies;
+    report->landing_held = stats.held;
   }
   report->network_bytes = r.bytes_done;
   report->local_bytes = part.local_bytes;

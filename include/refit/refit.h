@@ -72,12 +72,12 @@
  *        "transports"  list of strings ["shm"]: the UCX fabric's transports
  *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
  *     "chunk_bytes"  integer [1048576]: largest single GET or PUT
- *     "landing_bytes" integer [67108864]: pinned host memory of the landing ring
- *                    (GPU buffers that UCX cannot write), in slots of
- *                    "chunk_bytes": at least two slots, at most 1 TiB.
- *                    Allocated at the first such buffer; more slots than the
- *                    window lets GETs go on while earlier chunks are copied to
- *                    the GPU
+ *     "landing_bytes" integer [67108864, or two chunks if more]: pinned host
+ *                    memory of the landing ring (GPU buffers that UCX cannot
+ *                    write), in slots of "chunk_bytes": at least two slots, at
+ *                    most 1 TiB. Allocated at the first such buffer; more
+ *                    slots than the window lets GETs go on while earlier
+ *                    chunks are copied to the GPU
  *     "recipe"       object, for buffers added by recipe name:
  *        "model"       path of a model manifest (safetensors header JSON), required
  *        "framework"   "vllm" ["vllm"]
@@ -279,7 +279,7 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * "total"}, "pause_seconds", in staged mode "committed", and with "verify"
  * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}, and
  * when GETs went through the landing ring "landing": {"slots", "chunks",
- * "copies", "held" (times a GET waited for its slot)}}. "{}" before
+ * "copies", "held" (chunks whose GET waited for its slot)}}. "{}" before
  * the first. Owned by the receiver,
  * valid until its next refresh starts or it is destroyed.
  */

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <utility>
 
@@ -40,12 +41,29 @@ LandingRing::LandingRing(CopyOps& ops, std::span<uint8_t> host, StagingOptions o
       runs_(std::move(runs)),
       freed_(new std::atomic<int64_t>[options.slots]) {
   for (uint32_t i = 0; i < options_.slots; ++i) freed_[i].store(-1);
+  // Per lane, its chunks in run order; then one from each lane in turn.
+  std::map<uint32_t, std::deque<StagedChunk>> lanes;
   for (uint32_t r = 0; r < runs_.size(); ++r) {
     const uint64_t total = runs_[r].bytes();
     for (uint64_t off = 0; off < total; off += options_.slot_bytes) {
-      chunks_.push_back(StagedChunk{r, off, std::min(options_.slot_bytes, total - off)});
+      lanes[runs_[r].lane].push_back(StagedChunk{r, off, std::min(options_.slot_bytes, total - off)});
     }
   }
+  while (!lanes.empty()) {
+    for (auto it = lanes.begin(); it != lanes.end();) {
+      chunks_.push_back(it->second.front());
+      it->second.pop_front();
+      it = it->second.empty() ? lanes.erase(it) : std::next(it);
+    }
+  }
+  waited_.reset(new std::atomic<bool>[chunks_.size()]);
+  for (size_t k = 0; k < chunks_.size(); ++k) waited_[k].store(false);
+}
+
+StagingStats LandingRing::stats() const {
+  StagingStats s = stats_;
+  s.held = held_.load();
+  return s;
 }
 
 Result<std::unique_ptr<LandingRing>> LandingRing::create(CopyOps& ops, std::span<uint8_t> host,
@@ -68,7 +86,7 @@ bool LandingRing::may_start(uint32_t chunk) const {
   if (freed_[chunk % options_.slots].load(std::memory_order_acquire) == static_cast<int64_t>(chunk - options_.slots)) {
     return true;
   }
-  held_.fetch_add(1, std::memory_order_relaxed);
+  if (!waited_[chunk].exchange(true, std::memory_order_relaxed)) held_.fetch_add(1, std::memory_order_relaxed);
   return false;
 }
 
@@ -199,11 +217,11 @@ Status LandingRing::run(const RunDone& run_done, const std::function<void()>& sl
     if (freed && slots_freed) slots_freed();
     if (over && in_copy.empty()) break;
     if (Clock::now() >= bound && !in_copy.empty()) {
-      gate_open_.store(true, std::memory_order_release);
+      // A broken device (the bound is past the network's deadline, so its
+      // batch is over): the gate stays shut over slots copies may still read.
       return Status::timeout("staging: the copies from the landing ring did not finish");
     }
   }
-  stats_.held = held_.load();
   if (status.is_ok()) {
     uint32_t missing = 0;
     for (uint32_t r = 0; r < runs_.size(); ++r) missing += release_on_issue ? to_issue[r] : to_copy[r];

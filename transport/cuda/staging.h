@@ -56,11 +56,16 @@ struct DevicePlace {
 };
 struct StagedRun {
   std::vector<DevicePlace> places;
+  // Where the run's bytes come from (the receiver: its source rank). The
+  // ring numbers its chunks round robin over the lanes, in run order within
+  // each, so that slots go to every source in turn rather than to one
+  // source's runs after another's.
+  uint32_t lane = 0;
   uint64_t bytes() const;
 };
 
 // One chunk: bytes [offset, offset + bytes) of run `run`; it lands in slot
-// (its index) % slots.
+// (its index) % slots. The chunks of one run are in order.
 struct StagedChunk {
   uint32_t run = 0;
   uint64_t offset = 0;
@@ -78,7 +83,7 @@ struct StagingStats {
   uint64_t copies = 0;         // after coalescing (copy_plan.h)
   uint32_t max_in_copy = 0;    // chunks in the copy stage at once
   uint64_t overlapped = 0;     // copies issued while the network still ran
-  uint64_t held = 0;           // times may_start() said no: a chunk waited for its slot
+  uint64_t held = 0;           // chunks that waited for their slot (may_start said no at least once)
 };
 
 class LandingRing {
@@ -87,7 +92,8 @@ class LandingRing {
   // in device memory (see run()).
   using RunDone = std::function<void(uint32_t run)>;
 
-  // Splits `runs` into chunks of at most options.slot_bytes, in order.
+  // Splits `runs` into chunks of at most options.slot_bytes, numbered round
+  // robin over the runs' lanes.
   // `host` holds options.slots slots of options.slot_bytes (pinned for CUDA,
   // registered with the network by the caller); it, `ops` and the device
   // places outlive the ring.
@@ -103,7 +109,7 @@ class LandingRing {
   // The engine's gate: may chunk k start landing in its slot now? True once
   // chunk k - slots has been copied out of it, and always after a failure
   // once no copy reads a slot any more (so that the network drains at once;
-  // what lands then is not copied). `held` counts the refusals.
+  // what lands then is not copied).
   bool may_start(uint32_t chunk) const;
   // The network finished chunk k (ok: its bytes are in its slot).
   void landed(uint32_t chunk, const Status& status);
@@ -122,7 +128,8 @@ class LandingRing {
   Status run(const RunDone& run_done, const std::function<void()>& slots_freed, bool release_on_issue,
              Clock::time_point bound);
 
-  const StagingStats& stats() const { return stats_; }
+  uint32_t slots() const { return options_.slots; }
+  StagingStats stats() const;
 
  private:
   LandingRing(CopyOps& ops, std::span<uint8_t> host, StagingOptions options, std::vector<StagedRun> runs);
@@ -137,6 +144,7 @@ class LandingRing {
   std::unique_ptr<std::atomic<int64_t>[]> freed_;
   std::atomic<bool> gate_open_{false};  // after a failure, once no copy reads a slot
   mutable std::atomic<uint64_t> held_{0};
+  std::unique_ptr<std::atomic<bool>[]> waited_;  // per chunk: counted in held_
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<uint32_t, Status>> landed_;  // guarded by mu_

@@ -218,6 +218,7 @@ TEST(LandingRing, LandsEveryRunThroughFewerSlotsThanChunksAndOverlapsCopiesWithT
   EXPECT_EQ(s.chunks, chunks);
   EXPECT_GT(s.overlapped, 0u) << "no copy ran while the network still had chunks to land";
   EXPECT_GT(s.held, 0u) << "the gate never held a chunk back: the ring was never full";
+  EXPECT_LE(s.held, s.chunks) << "held counts chunks, not refusals";
   EXPECT_GE(s.max_in_copy, 1u);
   EXPECT_LE(s.max_in_copy, options.slots);
   // Strided runs were coalesced: fewer copies than places.
@@ -320,6 +321,29 @@ TEST(LandingRing, ChunksThatNeverLandedAreAnError) {
   net.join();
   EXPECT_EQ(st.code(), Code::kInternal) << st.message();
   EXPECT_NE(st.message().find("2 chunk(s) never landed"), std::string::npos) << st.message();
+}
+
+// Chunks are numbered round robin over the runs' lanes (the sources), each
+// lane's in run order, so that the slots go to every source in turn.
+TEST(LandingRing, ChunksTakeTheLanesInTurn) {
+  HostCopyOps ops;
+  std::vector<uint8_t> device(64 << 10), host(2 * 4096);
+  std::vector<StagedRun> runs;
+  const std::vector<std::pair<uint32_t, uint64_t>> lane_bytes = {{0, 10000}, {0, 4096}, {7, 5000}, {3, 100}};
+  uint64_t at = 0;
+  for (const auto& [lane, n] : lane_bytes) {
+    runs.push_back(StagedRun{{DevicePlace{device.data() + at, n}}, lane});
+    at += n;
+  }
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, StagingOptions{4096, 2}, runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  std::vector<std::pair<uint32_t, uint64_t>> order;  // (run, offset)
+  for (const StagedChunk& c : (*ring)->chunks()) order.emplace_back(c.run, c.offset);
+  // Lanes 0, 3, 7 in turn: run 0 (3 chunks) then run 1 in lane 0; run 3 in
+  // lane 3; run 2 (2 chunks) in lane 7.
+  const std::vector<std::pair<uint32_t, uint64_t>> want = {{0, 0}, {3, 0}, {2, 0}, {0, 4096}, {2, 4096},
+                                                           {0, 8192}, {1, 0}};
+  EXPECT_EQ(order, want);
 }
 
 TEST(LandingRing, BadOptionsAreRefusedWithTheirName) {
