@@ -693,7 +693,10 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   // It must stop as soon as the transfer ends (the refresh waits for it):
   // it sleeps on a condition variable, and listens for an abort in short
   // slices (the coordinator connection cannot be woken).
-  std::atomic<bool> watching{fan_status.is_ok()};
+  // Whether the fabric began: read here, before the fan-out thread (which
+  // writes fan_status) starts.
+  const bool begun = fan_status.is_ok();
+  std::atomic<bool> watching{begun};
   std::mutex watch_mu;
   std::condition_variable watch_cv;
   std::string abort_reason;       // the instance aborted: not retried
@@ -728,7 +731,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     });
   }
   std::thread fan;
-  if (fan_status.is_ok()) {
+  if (begun) {
     fan = std::thread([&] {
       size_t done = 0;
       bool finished = false;
@@ -753,7 +756,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   }
 
   std::thread lander;
-  if (ring && fan_status.is_ok()) {
+  if (ring && begun) {
     lander = std::thread([&] {
       const bool fabric_waits = config_.local_fabric == "nccl";
       // Copies are local and end in bounded time, also past the refresh's
@@ -776,7 +779,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
 
   const Clock::time_point start = Clock::now();
   ucx::BatchReport r;
-  if (fan_status.is_ok()) {
+  if (begun) {
     r = net->run_batch(
         gets, deadline,
         [&](uint32_t run, const Status& st) {
