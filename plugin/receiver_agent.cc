@@ -610,7 +610,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   if (ring_region_) net->add_local_region(*ring_region_);
   // The engine's runs: a GET straight into its place for each network run,
   // or, for a run through the landing ring, one per chunk of the ring, into
-  // its slot (the ring's gate holds it until the slot is free).
+  // a slot (the ring's gate holds it until a slot is free).
   std::vector<ucx::GetRun> gets;
   std::vector<int64_t> get_chunk;      // per engine run: its ring chunk, or -1
   std::vector<uint32_t> get_net;       // per engine run: its network run (direct)
@@ -620,8 +620,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     std::vector<cuda::StagedRun> ring_runs;
     for (uint32_t i = 0; i < part.net.size(); ++i) {
       if (part.net[i].device == nullptr) continue;
-      ring_runs.push_back(cuda::StagedRun{{cuda::DevicePlace{part.net[i].device, part.net[i].bytes}},
-                                          static_cast<uint32_t>(part.net[i].source)});
+      ring_runs.push_back(cuda::StagedRun{{cuda::DevicePlace{part.net[i].device, part.net[i].bytes}}});
       ring_net.push_back(i);
     }
     Result<std::unique_ptr<cuda::LandingRing>> made = cuda::LandingRing::create(
@@ -646,7 +645,8 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     const std::vector<cuda::StagedChunk>& chunks = ring->chunks();
     for (uint32_t k = 0; k < chunks.size(); ++k) {
       const CompiledPart::Get& g = part.net[ring_net[chunks[k].run]];
-      gets.push_back(ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote + chunks[k].offset, ring->slot_of(k),
+      // Named at the ring's start; the gate moves it to the slot it gets.
+      gets.push_back(ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote + chunks[k].offset, ring->base(),
                                  chunks[k].bytes});
       get_chunk.push_back(k);
       get_net.push_back(ring_net[chunks[k].run]);
@@ -791,10 +791,10 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
           std::lock_guard<std::mutex> lock(mu);
           if (release(get_net[run])) cv.notify_one();
         },
-        ring ? ucx::ChunkScheduler::Gate([&](uint32_t run) {
-          return get_chunk[run] < 0 || ring->may_start(static_cast<uint32_t>(get_chunk[run]));
+        ring ? ucx::GetEngine::Gate([&](uint32_t run, void** local) {
+          return get_chunk[run] < 0 || ring->acquire(static_cast<uint32_t>(get_chunk[run]), local);
         })
-             : ucx::ChunkScheduler::Gate());
+             : ucx::GetEngine::Gate());
   }
   if (ring) ring->network_over();
   const Clock::time_point net_end = Clock::now();

@@ -279,7 +279,7 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * "total"}, "pause_seconds", in staged mode "committed", and with "verify"
  * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}, and
  * when GETs went through the landing ring "landing": {"slots", "chunks",
- * "copies", "held" (chunks whose GET waited for its slot)}}. "{}" before
+ * "copies", "held" (chunks whose GET waited for a slot)}}. "{}" before
  * the first. Owned by the receiver,
  * valid until its next refresh starts or it is destroyed.
  */

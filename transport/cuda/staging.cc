@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
-#include <map>
 #include <mutex>
 #include <utility>
 
@@ -35,29 +34,20 @@ Status validate(const StagingOptions& options) {
 }
 
 LandingRing::LandingRing(CopyOps& ops, std::span<uint8_t> host, StagingOptions options, std::vector<StagedRun> runs)
-    : ops_(ops),
-      host_(host),
-      options_(options),
-      runs_(std::move(runs)),
-      freed_(new std::atomic<int64_t>[options.slots]) {
-  for (uint32_t i = 0; i < options_.slots; ++i) freed_[i].store(-1);
-  // Per lane, its chunks in run order; then one from each lane in turn.
-  std::map<uint32_t, std::deque<StagedChunk>> lanes;
+    : ops_(ops), host_(host), options_(options), runs_(std::move(runs)) {
   for (uint32_t r = 0; r < runs_.size(); ++r) {
     const uint64_t total = runs_[r].bytes();
     for (uint64_t off = 0; off < total; off += options_.slot_bytes) {
-      lanes[runs_[r].lane].push_back(StagedChunk{r, off, std::min(options_.slot_bytes, total - off)});
+      chunks_.push_back(StagedChunk{r, off, std::min(options_.slot_bytes, total - off)});
     }
   }
-  while (!lanes.empty()) {
-    for (auto it = lanes.begin(); it != lanes.end();) {
-      chunks_.push_back(it->second.front());
-      it->second.pop_front();
-      it = it->second.empty() ? lanes.erase(it) : std::next(it);
-    }
-  }
+  for (uint32_t i = options_.slots; i > 0; --i) free_slots_.push_back(i - 1);
+  slot_.reset(new std::atomic<uint32_t>[chunks_.size()]);
   waited_.reset(new std::atomic<bool>[chunks_.size()]);
-  for (size_t k = 0; k < chunks_.size(); ++k) waited_[k].store(false);
+  for (size_t k = 0; k < chunks_.size(); ++k) {
+    slot_[k].store(0);
+    waited_[k].store(false);
+  }
 }
 
 StagingStats LandingRing::stats() const {
@@ -78,16 +68,25 @@ Result<std::unique_ptr<LandingRing>> LandingRing::create(CopyOps& ops, std::span
 }
 
 uint8_t* LandingRing::slot_of(uint32_t chunk) const {
-  return host_.data() + static_cast<uint64_t>(chunk % options_.slots) * options_.slot_bytes;
+  return host_.data() + static_cast<uint64_t>(slot_[chunk].load(std::memory_order_acquire)) * options_.slot_bytes;
 }
 
-bool LandingRing::may_start(uint32_t chunk) const {
-  if (chunk < options_.slots || gate_open_.load(std::memory_order_acquire)) return true;
-  if (freed_[chunk % options_.slots].load(std::memory_order_acquire) == static_cast<int64_t>(chunk - options_.slots)) {
+bool LandingRing::acquire(uint32_t chunk, void** slot) {
+  if (gate_open_.load(std::memory_order_acquire)) {
+    slot_[chunk].store(0, std::memory_order_release);
+    *slot = host_.data();
     return true;
   }
-  if (!waited_[chunk].exchange(true, std::memory_order_relaxed)) held_.fetch_add(1, std::memory_order_relaxed);
-  return false;
+  std::lock_guard<std::mutex> lock(slots_mu_);
+  if (free_slots_.empty()) {
+    if (!waited_[chunk].exchange(true, std::memory_order_relaxed)) held_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  const uint32_t i = free_slots_.back();
+  free_slots_.pop_back();
+  slot_[chunk].store(i, std::memory_order_release);
+  *slot = host_.data() + static_cast<uint64_t>(i) * options_.slot_bytes;
+  return true;
 }
 
 void LandingRing::landed(uint32_t chunk, const Status& status) {
@@ -197,8 +196,11 @@ Status LandingRing::run(const RunDone& run_done, const std::function<void()>& sl
         return status.is_ok() ? d.status().with_context("staging: copy") : status;
       }
       if (!*d) break;
+      {
+        std::lock_guard<std::mutex> lock(slots_mu_);
+        for (uint32_t k : in_copy.front().chunks) free_slots_.push_back(slot_[k].load(std::memory_order_acquire));
+      }
       for (uint32_t k : in_copy.front().chunks) {
-        freed_[k % options_.slots].store(k, std::memory_order_release);
         if (!release_on_issue && status.is_ok() && --to_copy[chunks_[k].run] == 0) run_done(chunks_[k].run);
       }
       chunks_in_copy -= static_cast<uint32_t>(in_copy.front().chunks.size());

@@ -6,16 +6,18 @@
 // CUDA), every byte passes through a landing ring: a few pinned host slots,
 // registered with the network, that GETs land in chunk by chunk; each chunk
 // is copied on to its device places as soon as it has landed, and its slot
-// takes the next chunk once that copy is done. With n slots, up to n chunks
+// takes another chunk once that copy is done. With n slots, up to n chunks
 // are in the network or in a copy at once, so the copies of one chunk
 // overlap the GETs of the next ones, and the pinned memory is n slots,
 // whatever the size of the buffers.
 //
-// The ring does not drive the network: it tells the GET engine which chunk
-// may start (chunk k goes in slot k % n once chunk k - n has left it; a gate
-// of the engine, ucx::ChunkScheduler::Gate) and hears from it which chunk
-// landed. A chunk's device side may be many places (a strided box): its
-// pieces become 2-D/3-D copies (copy_plan.h).
+// The ring does not drive the network: it is the GET engine's gate
+// (ucx::GetEngine::Gate). When the engine is about to issue a chunk, the
+// ring gives it a free slot to land in, or holds it while every slot is
+// busy; it hears from the engine which chunk landed. Any chunk takes any
+// free slot, so a slow source holds only the slots of its own chunks in
+// flight, not the others'. A chunk's device side may be many places (a
+// strided box): its pieces become 2-D/3-D copies (copy_plan.h).
 //
 // The logic is plain C++ over CopyOps (device_ops.h): CUDA in production, a
 // host implementation in the CPU tests and under REFIT_LANDING_MIRROR.
@@ -24,8 +26,8 @@
 // with no help from the source, so a GPU shard is served from a pinned copy
 // of the whole shard, filled at publish (plugin/source_agent.h).
 //
-// Threads: may_start(), landed() and network_over() from any thread (the
-// engine calls the first two with its mutex held; they never block on the
+// Threads: acquire(), landed() and network_over() from any thread (the
+// engine calls the first two with its mutex held; they never wait for the
 // copy stage); run() on one thread of its own.
 
 #include <atomic>
@@ -56,16 +58,11 @@ struct DevicePlace {
 };
 struct StagedRun {
   std::vector<DevicePlace> places;
-  // Where the run's bytes come from (the receiver: its source rank). The
-  // ring numbers its chunks round robin over the lanes, in run order within
-  // each, so that slots go to every source in turn rather than to one
-  // source's runs after another's.
-  uint32_t lane = 0;
   uint64_t bytes() const;
 };
 
-// One chunk: bytes [offset, offset + bytes) of run `run`; it lands in slot
-// (its index) % slots. The chunks of one run are in order.
+// One chunk: bytes [offset, offset + bytes) of run `run`. The chunks of a
+// run are in order, and the runs in order.
 struct StagedChunk {
   uint32_t run = 0;
   uint64_t offset = 0;
@@ -83,7 +80,7 @@ struct StagingStats {
   uint64_t copies = 0;         // after coalescing (copy_plan.h)
   uint32_t max_in_copy = 0;    // chunks in the copy stage at once
   uint64_t overlapped = 0;     // copies issued while the network still ran
-  uint64_t held = 0;           // chunks that waited for their slot (may_start said no at least once)
+  uint64_t held = 0;           // chunks that waited for a slot (acquire said no at least once)
 };
 
 class LandingRing {
@@ -92,8 +89,7 @@ class LandingRing {
   // in device memory (see run()).
   using RunDone = std::function<void(uint32_t run)>;
 
-  // Splits `runs` into chunks of at most options.slot_bytes, numbered round
-  // robin over the runs' lanes.
+  // Splits `runs` into chunks of at most options.slot_bytes.
   // `host` holds options.slots slots of options.slot_bytes (pinned for CUDA,
   // registered with the network by the caller); it, `ops` and the device
   // places outlive the ring.
@@ -103,14 +99,18 @@ class LandingRing {
   LandingRing& operator=(const LandingRing&) = delete;
 
   const std::vector<StagedChunk>& chunks() const { return chunks_; }
-  // Where chunk k lands.
-  uint8_t* slot_of(uint32_t chunk) const;
+  // The slots' memory, all of them (what the network registers; a chunk's
+  // GET may name it before acquire() moves it to its slot).
+  uint8_t* base() const { return host_.data(); }
 
-  // The engine's gate: may chunk k start landing in its slot now? True once
-  // chunk k - slots has been copied out of it, and always after a failure
-  // once no copy reads a slot any more (so that the network drains at once;
-  // what lands then is not copied).
-  bool may_start(uint32_t chunk) const;
+  // The engine's gate: may chunk k start landing now? True when a slot is
+  // free, which it takes: *slot is where the chunk lands. False while every
+  // slot is busy. After a failure, once no copy reads a slot any more,
+  // always true, with the first slot (the network drains at once; what
+  // lands then is not copied).
+  bool acquire(uint32_t chunk, void** slot);
+  // Where chunk k lands: the slot acquire() gave it.
+  uint8_t* slot_of(uint32_t chunk) const;
   // The network finished chunk k (ok: its bytes are in its slot).
   void landed(uint32_t chunk, const Status& status);
   // No landed() follows (the engine's batch returned).
@@ -140,11 +140,12 @@ class LandingRing {
   const StagingOptions options_;
   const std::vector<StagedRun> runs_;
   std::vector<StagedChunk> chunks_;
-  // Per slot: the last chunk copied out of it (-1: none yet).
-  std::unique_ptr<std::atomic<int64_t>[]> freed_;
   std::atomic<bool> gate_open_{false};  // after a failure, once no copy reads a slot
-  mutable std::atomic<uint64_t> held_{0};
-  std::unique_ptr<std::atomic<bool>[]> waited_;  // per chunk: counted in held_
+  std::mutex slots_mu_;
+  std::vector<uint32_t> free_slots_;               // guarded by slots_mu_
+  std::unique_ptr<std::atomic<uint32_t>[]> slot_;  // per chunk: the slot it took
+  std::unique_ptr<std::atomic<bool>[]> waited_;    // per chunk: counted in held_
+  std::atomic<uint64_t> held_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<uint32_t, Status>> landed_;  // guarded by mu_

@@ -52,11 +52,11 @@ class ChunkScheduler {
   static Result<ChunkScheduler> create(const WindowLimits& limits, std::span<const ChunkRun> runs,
                                        uint32_t num_endpoints);
 
-  // May a chunk of this run be issued now? (A run whose local memory is
-  // still in use, e.g. a slot of a landing ring still being copied out.)
-  // Runs of one endpoint are issued in order, so an endpoint whose next run
-  // is held waits as a whole; a gate must therefore only hold a run on
-  // behalf of runs before it, or nothing behind it could ever go.
+  // May a chunk of this run be issued now? (A run that needs local memory
+  // still in use, e.g. a free slot of a landing ring.) Runs of one endpoint
+  // are issued in order, so an endpoint whose next run is held waits as a
+  // whole; a gate must therefore only hold a run for what runs already
+  // issued will release, or nothing behind it could ever go.
   using Gate = std::function<bool(uint32_t run)>;
 
   // The next chunk that fits the window (and that `gate`, if any, lets go),

@@ -171,13 +171,15 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
     if (it == batch_eps_.end()) batch_eps_.push_back(r.endpoint);
     run_ep_.push_back(e);
     run_memh_.push_back((*local)->get());
+    run_region_.push_back(*local);
+    run_local_.push_back(static_cast<uint8_t*>(r.local_address));
     chunk_runs->push_back(ChunkRun{e, r.bytes});
   }
   return Status::ok();
 }
 
 BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point deadline,
-                                 RunCallback on_run_done, ChunkScheduler::Gate gate) {
+                                 RunCallback on_run_done, Gate gate) {
   const auto start = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   ++generation_;
@@ -185,6 +187,8 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   batch_eps_.clear();
   run_ep_.clear();
   run_memh_.clear();
+  run_region_.clear();
+  run_local_.clear();
   std::vector<ChunkRun> chunk_runs;
   Status bad = validate_locked(runs, &chunk_runs);
   if (bad.is_ok()) {
@@ -207,6 +211,24 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   run_reported_.assign(runs.size(), false);
   on_run_done_ = std::move(on_run_done);
   gate_ = std::move(gate);
+  scheduler_gate_ = nullptr;
+  if (gate_) {
+    scheduler_gate_ = [this](uint32_t run) {
+      void* moved = nullptr;
+      if (!gate_(run, &moved)) return false;
+      if (moved != nullptr) {
+        if (!run_region_[run]->contains(moved, runs_[run].bytes)) {
+          // Issued all the same (the scheduler counts it), into its own
+          // place; the run fails when it completes.
+          fail_run_locked(run, Status::internal(run_name(run, runs_[run]) +
+                                                ": the gate moved it outside its local region"));
+          return true;
+        }
+        run_local_[run] = static_cast<uint8_t*>(moved);
+      }
+      return true;
+    };
+  }
   bytes_done_ = 0;
   gets_issued_ = 0;
 
@@ -269,6 +291,7 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   runs_ = {};
   on_run_done_ = nullptr;
   gate_ = nullptr;
+  scheduler_gate_ = nullptr;
   report.elapsed = Clock::now() - start;
   return report;
 }
@@ -399,7 +422,7 @@ void GetEngine::pump_locked() {
     batch_eps_[e]->force_close("peer failed", Clock::now() + options_.cancel_grace);
     abandon_am_locked(batch_eps_[e]);
   }
-  while (auto c = scheduler_->next(gate_)) issue_locked(*c);
+  while (auto c = scheduler_->next(scheduler_gate_)) issue_locked(*c);
 }
 
 void GetEngine::wake() {
@@ -443,7 +466,7 @@ void GetEngine::issue_locked(const Chunk& c) {
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &GetEngine::on_op_done;
   param.user_data = slot;
-  void* local = static_cast<uint8_t*>(r.local_address) + c.offset;
+  void* local = run_local_[c.run] + c.offset;
   ucp_rkey_h rkey = r.endpoint->rkey(r.rkey_id)->get();
   ucs_status_ptr_t req =
       r.op == Op::kPut
@@ -497,7 +520,7 @@ void GetEngine::issue_am_locked(Slot* slot, const GetRun& r) {
   const bool put = r.op == Op::kPut;
   ucs_status_ptr_t req = ucp_am_send_nbx(
       r.endpoint->get(), put ? am_rma::kPutRequest : am_rma::kGetRequest, &slot->am_header,
-      sizeof(slot->am_header), put ? static_cast<uint8_t*>(r.local_address) + c.offset : nullptr,
+      sizeof(slot->am_header), put ? run_local_[c.run] + c.offset : nullptr,
       put ? c.bytes : 0, &param);
   if (req == nullptr) {
     slot->am_sent = true;  // sent in place; the reply completes the slot
@@ -531,14 +554,12 @@ ucs_status_t GetEngine::on_am_reply(void* arg, const void* header, size_t header
   if (st == UCS_OK && current && self->runs_[slot->chunk.run].op == Op::kGet) {
     // One piece of the GET's bytes (am_rma.h); the slot is done when all
     // have landed. A piece that does not fit the chunk fails it.
-    const GetRun& r = self->runs_[slot->chunk.run];
     const uint64_t want = slot->chunk.bytes;
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length == 0 || h.offset > want ||
         length > want - h.offset || length > want - slot->am_received) {
       st = UCS_ERR_MESSAGE_TRUNCATED;
     } else {
-      std::memcpy(static_cast<uint8_t*>(r.local_address) + slot->chunk.offset + h.offset, data,
-                  length);
+      std::memcpy(self->run_local_[slot->chunk.run] + slot->chunk.offset + h.offset, data, length);
       slot->am_received += length;
       if (slot->am_received < want) return UCS_OK;
     }

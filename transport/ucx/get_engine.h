@@ -105,6 +105,13 @@ struct GetEngineOptions {
 class GetEngine {
  public:
   using RunCallback = std::function<void(uint32_t run, const Status& status)>;
+  // Asked (with mutex_ held, on the progressing thread; it must not call
+  // into the engine) before the first chunk of a run is issued: false holds
+  // the run back (the rules of ChunkScheduler::Gate apply), true lets it go,
+  // and may set *local to where the run lands instead of its local_address
+  // (a free slot of a landing ring): inside the same registered region, with
+  // room for the run's bytes, else the run fails.
+  using Gate = std::function<bool(uint32_t run, void** local)>;
 
   // `worker` is borrowed and must outlive the engine.
   static Result<std::unique_ptr<GetEngine>> create(Worker& worker, GetEngineOptions options);
@@ -120,14 +127,11 @@ class GetEngine {
   // Runs one batch to completion, error or `deadline`. Validates every run
   // before issuing any (errors name the run). `on_run_done` is called once
   // per run as it finishes (ok or not).
-  // `gate`, if given, is asked (with mutex_ held, on the progressing thread;
-  // it must not call into the engine) before the first chunk of a run is
-  // issued, and holds the run back while it says false: the rules of
-  // ChunkScheduler::Gate apply. Whoever opens a gate calls wake() so that
-  // the engine asks again.
+  // `gate`, if given, holds runs back or moves them (Gate); whoever opens
+  // it calls wake() so that the engine asks again.
   BatchReport run_batch(std::span<const GetRun> runs,
                         std::chrono::steady_clock::time_point deadline,
-                        RunCallback on_run_done = {}, ChunkScheduler::Gate gate = {});
+                        RunCallback on_run_done = {}, Gate gate = {});
 
   // Makes the running batch look at its gate again soon. Any thread, also
   // from no batch (then it does nothing useful); never blocks.
@@ -221,7 +225,10 @@ class GetEngine {
   std::vector<uint32_t> run_ep_;
   std::vector<ucp_mem_h> run_memh_;  // local registration of each run
   RunCallback on_run_done_;
-  ChunkScheduler::Gate gate_;
+  Gate gate_;
+  ChunkScheduler::Gate scheduler_gate_;  // gate_, as the scheduler asks it
+  std::vector<uint8_t*> run_local_;      // per run: where it lands (the gate may move it)
+  std::vector<const MemoryRegion*> run_region_;  // per run: the local region it lies in
   uint64_t bytes_done_ = 0;
   uint64_t gets_issued_ = 0;
 

@@ -1,8 +1,8 @@
 #pragma once
 // A host "network" in front of a landing ring, like the GET engine behind
 // its gate: threads take the ring's chunks in index order, wait until the
-// ring lets each start (polling, as the engine's progress thread asks
-// again), copy its bytes into its slot and report it landed; the last one
+// ring gives each a slot (polling, as the engine's progress thread asks
+// again), copy its bytes into that slot and report it landed; the last one
 // out of chunks ends the network. A chunk whose slot stays busy past
 // `patience` lands as a timeout. For the GPU tests and refit-staging-bench.
 
@@ -41,7 +41,8 @@ class RingNetwork {
       if (k >= chunks.size()) break;
       const Clock::time_point give_up = Clock::now() + patience_;
       bool open = true;
-      while (!ring_.may_start(k)) {
+      void* slot = nullptr;
+      while (!ring_.acquire(k, &slot)) {
         if (Clock::now() >= give_up) {
           open = false;
           break;
@@ -52,7 +53,7 @@ class RingNetwork {
         ring_.landed(k, Status::timeout("ring network: chunk " + std::to_string(k) + " never got its slot"));
         continue;
       }
-      std::memcpy(ring_.slot_of(k), bytes_of_(chunks[k]), chunks[k].bytes);
+      std::memcpy(slot, bytes_of_(chunks[k]), chunks[k].bytes);
       ring_.landed(k, Status::ok());
     }
     if (++finished_ == threads_) ring_.network_over();

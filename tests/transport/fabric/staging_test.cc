@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -85,10 +86,10 @@ bool run_in_place(const Layout& l, size_t r) {
 
 // A network that behaves like the UCX GET engine behind the ring's gate:
 // its threads take the chunks in index order, each waits until the ring
-// lets its chunk start, and lands it after a delay that differs from chunk
-// to chunk (so that chunks land out of order) by copying the run's bytes
-// into the chunk's slot. The last thread out of chunks calls
-// network_over(), as the engine does when its batch returns.
+// gives its chunk a slot, and lands it after a delay that differs from
+// chunk to chunk (so that chunks land out of order) by copying the run's
+// bytes into that slot. The last thread out of chunks calls network_over(),
+// as the engine does when its batch returns.
 class GatedNetwork {
  public:
   struct Options {
@@ -96,11 +97,13 @@ class GatedNetwork {
     std::chrono::microseconds delay{50};
     int64_t fail_at = -1;    // this chunk lands with an error; the others still land
     int64_t land_from = -1;  // chunks from this one on are taken and never land
-    // Checks, as each chunk k starts, that chunk k - slots (the one before it
-    // in the same slot) is at its device places: then each slot holds one
-    // chunk at a time, and at most `slots` chunks are between the gate and
-    // the end of their copy. Only while no chunk failed: after a failure the
-    // gate opens for every chunk on purpose.
+    // This chunk, once it has its slot, lands only after every other chunk
+    // has landed (a slow source): the others must not wait for its slot.
+    int64_t slow = -1;
+    // Checks, as each chunk gets a slot, that the chunk that had the slot
+    // before is at its device places: then each slot holds one chunk at a
+    // time. Only while no chunk failed: after a failure the gate opens for
+    // every chunk on purpose.
     bool check_slots = false;
   };
 
@@ -122,12 +125,14 @@ class GatedNetwork {
     std::lock_guard<std::mutex> lock(mu_);
     return after_failure_;
   }
-  // Chunks that started while the chunk before them in their slot was not
-  // yet at its device places (check_slots).
+  // Chunks that got a slot while the chunk before them in it was not yet at
+  // its device places (check_slots).
   uint64_t early_starts() const { return early_starts_.load(); }
   // Chunks whose gate was still shut when the network's patience (4 s for
   // all chunks together) ran out; each landed as a timeout.
   uint64_t gate_timeouts() const { return gate_timeouts_.load(); }
+  // The slow chunk (Options::slow) landed last, after every other one.
+  bool slow_was_last() const { return slow_last_.load(); }
 
  private:
   void serve() {
@@ -137,7 +142,8 @@ class GatedNetwork {
       if (k >= chunks.size()) break;
       if (options_.land_from >= 0 && k >= options_.land_from) continue;
       bool open = true;
-      while (!ring_.may_start(k)) {
+      void* slot = nullptr;
+      while (!ring_.acquire(k, &slot)) {
         if (Clock::now() >= patience_) {
           open = false;
           break;
@@ -150,20 +156,33 @@ class GatedNetwork {
         continue;
       }
       ++started_;
-      if (options_.check_slots && k >= slots_ && !chunk_in_place(layout_, chunks[k - slots_])) ++early_starts_;
+      if (slot != ring_.slot_of(k)) ++early_starts_;  // the ring must say where it put the chunk
+      if (options_.check_slots) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto [prev, fresh] = last_in_slot_.emplace(slot, k);
+        if (!fresh && !chunk_in_place(layout_, chunks[prev->second])) ++early_starts_;
+        prev->second = k;
+      }
       std::this_thread::sleep_for(options_.delay * (1 + (k * 7) % 4));
+      if (k == options_.slow) {
+        while (landed_.load() + 1 < chunks.size() && Clock::now() < patience_) {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        slow_last_ = landed_.load() + 1 == chunks.size();
+      }
       if (k == options_.fail_at) {
         ring_.landed(k, Status::io_error("fake network: the peer went away"));
         failure_reported_ = true;
         continue;
       }
       const StagedChunk& c = chunks[k];
-      std::memcpy(ring_.slot_of(k), layout_.remote[c.run].data() + c.offset, c.bytes);
+      std::memcpy(slot, layout_.remote[c.run].data() + c.offset, c.bytes);
       if (failure_reported_) {
         std::lock_guard<std::mutex> lock(mu_);
         after_failure_.push_back(k);
       }
       ring_.landed(k, Status::ok());
+      ++landed_;
     }
     if (++finished_ == options_.threads) ring_.network_over();
   }
@@ -177,8 +196,11 @@ class GatedNetwork {
   std::atomic<int> finished_{0};
   std::atomic<uint64_t> started_{0}, early_starts_{0}, gate_timeouts_{0};
   std::atomic<bool> failure_reported_{false};
+  std::atomic<uint64_t> landed_{0};
+  std::atomic<bool> slow_last_{false};
   mutable std::mutex mu_;
-  std::vector<uint32_t> after_failure_;  // guarded by mu_
+  std::vector<uint32_t> after_failure_;          // guarded by mu_
+  std::map<void*, uint32_t> last_in_slot_;       // guarded by mu_
   std::vector<std::thread> threads_;
 };
 
@@ -212,7 +234,7 @@ TEST(LandingRing, LandsEveryRunThroughFewerSlotsThanChunksAndOverlapsCopiesWithT
     EXPECT_EQ(done[r], 1) << "run " << r;
     EXPECT_TRUE(run_in_place(l, r)) << "run " << r;
   }
-  EXPECT_EQ(net.early_starts(), 0u) << "a chunk landed in a slot whose previous chunk was still being copied";
+  EXPECT_EQ(net.early_starts(), 0u) << "a chunk got a slot whose previous chunk was still being copied";
   EXPECT_GT(wakes.load(), 0);
   const StagingStats& s = (*ring)->stats();
   EXPECT_EQ(s.chunks, chunks);
@@ -256,9 +278,9 @@ TEST(LandingRing, ANetworkErrorEndsTheRunWithThatErrorAndOpensTheGate) {
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
   ASSERT_TRUE(ring.is_ok()) << ring.status().message();
   const std::vector<StagedChunk>& chunks = (*ring)->chunks();
-  // Chunk fail_at + slots waits for chunk fail_at's slot, which is never
-  // copied out: only the failure lets it start, and the network's threads
-  // all stop at such chunks until then. Many chunks lie beyond.
+  // Chunk fail_at's slot is never copied out; the failure makes run()
+  // return an error and, once its copies are done, open the gate for every
+  // chunk. Many chunks lie beyond.
   const uint32_t fail_at = 5;
   GatedNetwork::Options net_options;
   net_options.fail_at = fail_at;
@@ -277,7 +299,10 @@ TEST(LandingRing, ANetworkErrorEndsTheRunWithThatErrorAndOpensTheGate) {
   EXPECT_EQ(net.gate_timeouts(), 0u);
   EXPECT_EQ(net.started(), chunks.size());
   EXPECT_LT(took, std::chrono::seconds(2));
-  for (uint32_t k = 0; k < chunks.size(); ++k) EXPECT_TRUE((*ring)->may_start(k)) << "chunk " << k;
+  for (uint32_t k = 0; k < chunks.size(); ++k) {
+    void* slot = nullptr;
+    EXPECT_TRUE((*ring)->acquire(k, &slot)) << "chunk " << k;
+  }
   // What landed after the failure was not copied, and its run is not done.
   const std::vector<uint32_t> late = net.after_failure();
   EXPECT_FALSE(late.empty());
@@ -323,27 +348,58 @@ TEST(LandingRing, ChunksThatNeverLandedAreAnError) {
   EXPECT_NE(st.message().find("2 chunk(s) never landed"), std::string::npos) << st.message();
 }
 
-// Chunks are numbered round robin over the runs' lanes (the sources), each
-// lane's in run order, so that the slots go to every source in turn.
-TEST(LandingRing, ChunksTakeTheLanesInTurn) {
+// Any chunk takes any free slot, in whatever order the network asks; with
+// every slot taken, the next chunk waits.
+TEST(LandingRing, AnyChunkTakesAnyFreeSlot) {
   HostCopyOps ops;
   std::vector<uint8_t> device(64 << 10), host(2 * 4096);
-  std::vector<StagedRun> runs;
-  const std::vector<std::pair<uint32_t, uint64_t>> lane_bytes = {{0, 10000}, {0, 4096}, {7, 5000}, {3, 100}};
-  uint64_t at = 0;
-  for (const auto& [lane, n] : lane_bytes) {
-    runs.push_back(StagedRun{{DevicePlace{device.data() + at, n}}, lane});
-    at += n;
-  }
+  std::vector<StagedRun> runs = {StagedRun{{DevicePlace{device.data(), 5 * 4096}}}};
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, StagingOptions{4096, 2}, runs);
   ASSERT_TRUE(ring.is_ok()) << ring.status().message();
-  std::vector<std::pair<uint32_t, uint64_t>> order;  // (run, offset)
-  for (const StagedChunk& c : (*ring)->chunks()) order.emplace_back(c.run, c.offset);
-  // Lanes 0, 3, 7 in turn: run 0 (3 chunks) then run 1 in lane 0; run 3 in
-  // lane 3; run 2 (2 chunks) in lane 7.
-  const std::vector<std::pair<uint32_t, uint64_t>> want = {{0, 0}, {3, 0}, {2, 0}, {0, 4096}, {2, 4096},
-                                                           {0, 8192}, {1, 0}};
-  EXPECT_EQ(order, want);
+  ASSERT_EQ((*ring)->chunks().size(), 5u);
+  void* a = nullptr;
+  void* b = nullptr;
+  void* c = nullptr;
+  ASSERT_TRUE((*ring)->acquire(3, &a));
+  ASSERT_TRUE((*ring)->acquire(1, &b));
+  EXPECT_FALSE((*ring)->acquire(0, &c));
+  EXPECT_FALSE((*ring)->acquire(0, &c));  // asked again: still one chunk held
+  EXPECT_NE(a, b);
+  for (void* p : {a, b}) {
+    const uint8_t* q = static_cast<uint8_t*>(p);
+    EXPECT_TRUE(q == host.data() || q == host.data() + 4096);
+  }
+  EXPECT_EQ((*ring)->slot_of(3), a);
+  EXPECT_EQ((*ring)->slot_of(1), b);
+  EXPECT_EQ((*ring)->stats().held, 1u);
+}
+
+// A slow source: one chunk keeps its slot until every other chunk has
+// landed, and the others go on through the remaining slots meanwhile.
+TEST(LandingRing, ASlowChunkHoldsOnlyItsOwnSlot) {
+  Layout l = make_layout(21, 8);
+  HostCopyOps ops;
+  const StagingOptions options{4096, 3};
+  std::vector<uint8_t> host(options.slots * options.slot_bytes);
+  Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().message();
+  ASSERT_GT((*ring)->chunks().size(), 4u * options.slots);
+  GatedNetwork::Options net_options;
+  net_options.slow = 1;
+  net_options.check_slots = true;
+  net_options.delay = std::chrono::microseconds(10);
+  GatedNetwork net(**ring, l, options.slots, net_options);
+  std::vector<int> done(l.runs.size(), 0);
+  Status st = (*ring)->run([&](uint32_t r) { ++done[r]; }, {}, false, Clock::now() + std::chrono::seconds(30));
+  net.join();
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_TRUE(net.slow_was_last()) << "the other chunks waited for the slow chunk's slot";
+  EXPECT_EQ(net.gate_timeouts(), 0u);
+  EXPECT_EQ(net.early_starts(), 0u);
+  for (size_t r = 0; r < l.runs.size(); ++r) {
+    EXPECT_EQ(done[r], 1) << "run " << r;
+    EXPECT_TRUE(run_in_place(l, r)) << "run " << r;
+  }
 }
 
 TEST(LandingRing, BadOptionsAreRefusedWithTheirName) {

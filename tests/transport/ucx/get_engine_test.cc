@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -208,13 +209,13 @@ TEST_P(GetEngineMultiProcess, OneLargeChunkLandsBitExact) {
   }
 }
 
-// A landing ring: run k lands in slot k % 2 of a two-slot ring, and may only
-// start once the copier thread has moved run k - 2 out of that slot to its
-// final place. Every byte must arrive at its place: a run that started in a
-// slot still holding an earlier one would have overwritten it.
-TEST_P(GetEngineMultiProcess, GatedRunsWaitForTheirSlot) {
+// A landing ring: every run is registered at slot 0 of a two-slot ring; the
+// gate holds a run until a slot is free and moves it there; a copier thread
+// moves each landed run to its final place and frees its slot. Every byte
+// must arrive at its place: a run that landed in a slot still holding
+// another would have overwritten it.
+TEST_P(GetEngineMultiProcess, GatedRunsWaitForAFreeSlotAndLandThere) {
   constexpr uint64_t kSlot = 300 << 10;  // two chunks of the window
-  constexpr uint32_t kSlots = 2;
   std::vector<uint8_t> dst(3 << 20, 0);
   std::vector<GetRun> runs;
   std::vector<std::pair<uint32_t, uint64_t>> src;  // peer, remote offset
@@ -224,18 +225,18 @@ TEST_P(GetEngineMultiProcess, GatedRunsWaitForTheirSlot) {
     const uint64_t bytes = std::min<uint64_t>(dst.size() - at, 1 + rng() % kSlot);
     const uint32_t k = static_cast<uint32_t>(runs.size() % peers_.size());
     const uint64_t roff = rng() % (kPeerBytes - bytes);
-    uint8_t* slot = local_.data() + (runs.size() % kSlots) * kSlot;
-    runs.push_back(GetRun{eps_[k].get(), 1, peers_[k].base + roff, slot, bytes});
+    runs.push_back(GetRun{eps_[k].get(), 1, peers_[k].base + roff, local_.data(), bytes});
     src.push_back({k, roff});
     dst_off.push_back(at);
     at += bytes;
   }
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<uint32_t> landed;                     // guarded by mu
-  std::vector<std::atomic<int64_t>> freed(kSlots);  // the last run moved out of each slot
-  for (auto& f : freed) f.store(-1);
-  bool over = false;  // guarded by mu
+  std::vector<uint32_t> landed;          // guarded by mu
+  std::vector<uint8_t*> free_slots = {local_.data(), local_.data() + kSlot};  // guarded by mu
+  std::vector<uint8_t*> slot_of(runs.size(), nullptr);  // guarded by mu
+  int held = 0;                          // guarded by mu
+  bool over = false;                     // guarded by mu
   std::thread copier([&] {
     while (true) {
       std::vector<uint32_t> take;
@@ -246,14 +247,28 @@ TEST_P(GetEngineMultiProcess, GatedRunsWaitForTheirSlot) {
         take.swap(landed);
       }
       for (uint32_t run : take) {
-        std::memcpy(dst.data() + dst_off[run], runs[run].local_address, runs[run].bytes);
-        freed[run % kSlots].store(run);
+        uint8_t* slot = nullptr;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          slot = slot_of[run];
+        }
+        std::memcpy(dst.data() + dst_off[run], slot, runs[run].bytes);
+        std::lock_guard<std::mutex> lock(mu);
+        free_slots.push_back(slot);
       }
       engine_->wake();
     }
   });
-  auto gate = [&](uint32_t run) {
-    return run < kSlots || freed[run % kSlots].load() == static_cast<int64_t>(run - kSlots);
+  auto gate = [&](uint32_t run, void** local) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (free_slots.empty()) {
+      ++held;
+      return false;
+    }
+    slot_of[run] = free_slots.back();
+    free_slots.pop_back();
+    *local = slot_of[run];
+    return true;
   };
   auto report = engine_->run_batch(
       runs, Clock::now() + std::chrono::seconds(20),
@@ -271,6 +286,7 @@ TEST_P(GetEngineMultiProcess, GatedRunsWaitForTheirSlot) {
   cv.notify_one();
   copier.join();
   ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_GT(held, 0) << "two slots never ran out";
   EXPECT_EQ(engine_->outstanding_requests(), 0u);
   for (size_t i = 0; i < runs.size(); ++i) {
     for (uint64_t j = 0; j < runs[i].bytes; ++j) {
@@ -279,6 +295,21 @@ TEST_P(GetEngineMultiProcess, GatedRunsWaitForTheirSlot) {
       }
     }
   }
+}
+
+// A gate that moves a run outside its registered region fails that run.
+TEST_P(GetEngineMultiProcess, AGateThatMovesARunOutsideItsRegionFailsIt) {
+  std::vector<uint8_t> elsewhere(4096);
+  GetRun run{eps_[0].get(), 1, peers_[0].base, local_.data(), 4096};
+  auto report = engine_->run_batch({&run, 1}, Clock::now() + std::chrono::seconds(20), {},
+                                   [&](uint32_t, void** local) {
+                                     *local = elsewhere.data();
+                                     return true;
+                                   });
+  EXPECT_EQ(report.status.code(), Code::kInternal) << report.status.message();
+  EXPECT_NE(report.status.message().find("outside its local region"), std::string::npos) << report.status.message();
+  EXPECT_TRUE(std::all_of(elsewhere.begin(), elsewhere.end(), [](uint8_t b) { return b == 0; }));
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
 }
 
 TEST_P(GetEngineMultiProcess, KilledPeerGivesErrorWithinDeadline) {
