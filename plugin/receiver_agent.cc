@@ -712,6 +712,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
           if (n.is_ok() && n->has_value() && (**n).body.value("version", int64_t{0}) == version) {
             abort_reason = (**n).body.value("reason", std::string("no reason given"));
             fabric_->cancel();
+            net->halt(Status::io_error("the instance aborted this version: " + abort_reason));
             return;
           }
         } else {
@@ -725,6 +726,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
         if (p.is_ok() && !p->value("unchanged", false)) {
           replanned.store(true, std::memory_order_release);
           fabric_->cancel();
+          net->halt(Status::io_error("the membership changed during the refresh"));
           return;
         }
       }
@@ -769,6 +771,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
             if (release(ring_net[ring_run])) cv.notify_one();
           },
           [&] { net->wake(); }, fabric_waits, bound);
+      if (!landing_status.is_ok()) net->halt(landing_status);  // the refresh failed: stop pulling
       {
         std::lock_guard<std::mutex> lock(mu);
         landing_done = true;
@@ -783,6 +786,9 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
     r = net->run_batch(
         gets, deadline,
         [&](uint32_t run, const Status& st) {
+          // A failed run fails the refresh: the rest need not be pulled (a
+          // new attempt plans anew).
+          if (!st.is_ok()) net->halt(st);
           if (get_chunk[run] >= 0) {
             ring->landed(static_cast<uint32_t>(get_chunk[run]), st);
             return;

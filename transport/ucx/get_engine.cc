@@ -210,6 +210,8 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   run_status_.assign(runs.size(), Status::ok());
   run_reported_.assign(runs.size(), false);
   on_run_done_ = std::move(on_run_done);
+  halted_ = false;
+  halt_.store(false, std::memory_order_release);
   gate_ = std::move(gate);
   scheduler_gate_ = nullptr;
   if (gate_) {
@@ -405,6 +407,26 @@ void GetEngine::finish_run_locked(uint32_t run) {
   if (on_run_done_) on_run_done_(run, run_status_[run]);
 }
 
+bool GetEngine::halt_locked() {
+  if (!halt_.load(std::memory_order_acquire)) return false;
+  if (!halted_) {
+    halted_ = true;
+    Status why;
+    {
+      std::lock_guard<std::mutex> lock(halt_mu_);
+      why = halt_why_;
+    }
+    for (uint32_t i = 0; i < runs_.size(); ++i) {
+      if (!scheduler_->run_finished(i)) fail_run_locked(i, why.with_context(run_name(i, runs_[i]) + ": halted"));
+    }
+    for (uint32_t e = 0; e < batch_eps_.size(); ++e) {
+      for (uint32_t run : scheduler_->drop_endpoint(e)) finish_run_locked(run);
+    }
+    if (scheduler_->done()) batch_cv_.notify_all();
+  }
+  return true;
+}
+
 void GetEngine::pump_locked() {
   if (!scheduler_) return;
   // Endpoints that failed: drop what is not issued, fail their runs, and
@@ -422,7 +444,23 @@ void GetEngine::pump_locked() {
     batch_eps_[e]->force_close("peer failed", Clock::now() + options_.cancel_grace);
     abandon_am_locked(batch_eps_[e]);
   }
-  while (auto c = scheduler_->next(scheduler_gate_)) issue_locked(*c);
+  if (halt_locked()) return;
+  // A run callback may halt the batch from inside issue_locked (a GET that
+  // completes in place): asked after every chunk.
+  while (auto c = scheduler_->next(scheduler_gate_)) {
+    issue_locked(*c);
+    if (halt_locked()) return;
+  }
+}
+
+void GetEngine::halt(const Status& why) {
+  {
+    std::lock_guard<std::mutex> lock(halt_mu_);
+    if (halt_.load(std::memory_order_acquire)) return;  // the first reason stays
+    halt_why_ = why.is_ok() ? Status::io_error("halted") : why;
+  }
+  halt_.store(true, std::memory_order_release);
+  wake();
 }
 
 void GetEngine::wake() {

@@ -52,6 +52,7 @@
 // and not yet completed; after run_batch() returns it is zero unless the
 // report says otherwise (an internal error).
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -137,6 +138,14 @@ class GetEngine {
   // from no batch (then it does nothing useful); never blocks.
   void wake();
 
+  // Ends the running batch early, for a caller that knows it failed (a run
+  // failed, a copy stage behind the network broke, the plan changed): no
+  // further chunk is issued, every run not yet finished fails with `why`,
+  // and run_batch() returns once what is in flight has completed (not
+  // cancelled: its memory is in use until then). Any thread, also from a
+  // run callback or a gate; never blocks. The next batch starts afresh.
+  void halt(const Status& why);
+
   // Makes every PUT completed so far on `endpoints` visible in the peers'
   // memory: ucp_ep_flush_nbx on each, then waits until all complete or
   // `deadline` (driving progress itself, or waiting on the progress thread,
@@ -191,6 +200,8 @@ class GetEngine {
   void finish_run_locked(uint32_t run);
   void fail_run_locked(uint32_t run, const Status& status);
   void pump_locked();
+  // Carries out a halt() once; true while the batch is halted.
+  bool halt_locked();
   void issue_locked(const Chunk& chunk);
   void cancel_locked(const std::string& reason);
   Slot* take_slot_locked();
@@ -215,6 +226,11 @@ class GetEngine {
   std::vector<Slot*> free_slots_;
   uint64_t outstanding_ = 0;
   uint64_t generation_ = 0;
+  // halt(): requested (any thread), and carried out in this batch (mutex_).
+  std::atomic<bool> halt_{false};
+  std::mutex halt_mu_;  // guards halt_why_; never held with mutex_ waited for
+  Status halt_why_;
+  bool halted_ = false;
   // Batch state, valid while a batch runs.
   std::optional<ChunkScheduler> scheduler_;
   std::span<const GetRun> runs_;

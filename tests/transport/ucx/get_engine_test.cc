@@ -297,6 +297,43 @@ TEST_P(GetEngineMultiProcess, GatedRunsWaitForAFreeSlotAndLandThere) {
   }
 }
 
+// halt() from a run callback: nothing more is issued, the runs not yet
+// finished fail with the reason, and the batch returns once what was in
+// flight completed, with no request outstanding.
+TEST_P(GetEngineMultiProcess, HaltEndsTheBatchOnceWhatIsInFlightCompletes) {
+  std::vector<GetRun> runs;
+  for (uint32_t i = 0; i < 400; ++i) {
+    const uint32_t k = i % peers_.size();
+    runs.push_back(GetRun{eps_[k].get(), 1, peers_[k].base + (i * 8192) % (kPeerBytes - 8192),
+                          local_.data() + i * 8192, 8192});
+  }
+  std::vector<int> reported(runs.size(), 0);
+  std::vector<Status> got(runs.size());
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(20),
+                                   [&](uint32_t run, const Status& s) {
+                                     ++reported[run];
+                                     got[run] = s;
+                                     if (run == 3) engine_->halt(Status::io_error("the test halts the batch"));
+                                   });
+  EXPECT_EQ(report.status.code(), Code::kIoError) << report.status.message();
+  EXPECT_NE(report.status.message().find("the test halts the batch"), std::string::npos) << report.status.message();
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+  size_t halted = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    EXPECT_EQ(reported[i], 1) << "run " << i;
+    if (!got[i].is_ok()) {
+      ++halted;
+      EXPECT_NE(got[i].message().find("halted"), std::string::npos) << got[i].message();
+    }
+  }
+  EXPECT_GT(halted, runs.size() / 2) << "the batch ran on after halt()";
+  EXPECT_LT(report.bytes_done, runs.size() * 8192u);
+  // The next batch is not halted.
+  GetRun one{eps_[0].get(), 1, peers_[0].base, local_.data(), 4096};
+  auto next = engine_->run_batch({&one, 1}, Clock::now() + std::chrono::seconds(20));
+  EXPECT_TRUE(next.status.is_ok()) << next.status.message();
+}
+
 // A gate that moves a run outside its registered region fails that run.
 TEST_P(GetEngineMultiProcess, AGateThatMovesARunOutsideItsRegionFailsIt) {
   std::vector<uint8_t> elsewhere(4096);
