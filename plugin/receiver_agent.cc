@@ -711,8 +711,10 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
           Result<std::optional<control::Frame>> n = link_->wait_notice_of({MsgType::kAbort}, until);
           if (n.is_ok() && n->has_value() && (**n).body.value("version", int64_t{0}) == version) {
             abort_reason = (**n).body.value("reason", std::string("no reason given"));
+            // Only the wait for peers ends: the network goes on, since the
+            // ranks of other instances in the domain may still need the
+            // slices this rank pulls and passes on.
             fabric_->cancel();
-            net->halt(Status::io_error("the instance aborted this version: " + abort_reason));
             return;
           }
         } else {
@@ -725,8 +727,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
         Result<Json> p = link_->request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", part.epoch}});
         if (p.is_ok() && !p->value("unchanged", false)) {
           replanned.store(true, std::memory_order_release);
-          fabric_->cancel();
-          net->halt(Status::io_error("the membership changed during the refresh"));
+          fabric_->cancel();  // as for an abort, the network goes on for the peers
           return;
         }
       }
