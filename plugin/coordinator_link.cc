@@ -93,6 +93,7 @@ void CoordinatorLink::start_heartbeat(control::MemberRef member) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     member_ = member;
+    dropped_.store(false, std::memory_order_release);
   }
   if (heartbeat_.joinable()) return;
   {
@@ -116,14 +117,26 @@ void CoordinatorLink::heartbeat_loop() {
   while (!hb_cv_.wait_for(hb, config_.heartbeat, [this] { return hb_stop_; })) {
     hb.unlock();
     Status st;
+    bool dropped = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (client_ && member_) {
         Result<control::Json> reply = client_->request(MsgType::kHeartbeat, control::to_json(*member_));
         st = reply.status();
+        if (st.code() == Code::kNotFound) {  // declared dead: no use going on
+          member_.reset();
+          dropped_.store(true, std::memory_order_release);
+          dropped = true;
+        }
       }
     }
-    if (!st.is_ok()) log_.warn("heartbeat: " + st.message());
+    if (dropped) {
+      log_.warn("heartbeat: " + st.message() +
+                ": the coordinator declared this member dead (its heartbeats came later than the coordinator's "
+                "timeout); it registers again at its next refresh or publish");
+    } else if (!st.is_ok()) {
+      log_.warn("heartbeat: " + st.message());
+    }
     hb.lock();
   }
 }

@@ -7,7 +7,11 @@
 // goes through mutex_; a call holds it for one request (or one short wait
 // for a notice), never across a whole refresh, so heartbeats go on while an
 // agent moves data. The heartbeat thread sends one heartbeat per member
-// every config.heartbeat and logs (does not stop on) a failed one.
+// every config.heartbeat and logs (does not stop on) a failed one. A reply
+// that the member is not registered means the coordinator declared it dead
+// (its heartbeats came too late, e.g. on a starved machine): the link then
+// says dropped(), stops heartbeating, and the agent registers again at its
+// next join.
 
 #include <atomic>
 #include <chrono>
@@ -43,9 +47,12 @@ class CoordinatorLink {
   Result<std::optional<control::Frame>> wait_notice_of(std::initializer_list<control::MsgType> types,
                                                        std::chrono::steady_clock::time_point deadline);
 
-  // Starts heartbeating `member` (once registered); stop_heartbeat() ends it.
+  // Starts heartbeating `member` (once registered; clears dropped());
+  // stop_heartbeat() ends it.
   void start_heartbeat(control::MemberRef member);
   void stop_heartbeat();
+  // The coordinator no longer holds the member: it was declared dead.
+  bool dropped() const { return dropped_.load(std::memory_order_acquire); }
 
   // The embedded coordinator's port (0 when not embedded).
   uint16_t embedded_port() const;
@@ -63,6 +70,7 @@ class CoordinatorLink {
   std::mutex hb_mutex_;
   std::condition_variable hb_cv_;
   bool hb_stop_ = false;  // guarded by hb_mutex_
+  std::atomic<bool> dropped_{false};
   std::thread heartbeat_;
 };
 

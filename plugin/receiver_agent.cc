@@ -332,6 +332,7 @@ Status ReceiverAgent::landing_ring(bool pinned) {
 }
 
 Status ReceiverAgent::join() {
+  if (joined_ && link_->dropped()) joined_ = false;  // declared dead: the coordinator holds nothing of it
   if (joined_ && !changed_) return Status::ok();
   if (buffers_.empty()) return Status::invalid("join: add at least one buffer first");
   const control::MemberRef me{control::Role::kReceiver, config_.rank};
@@ -965,8 +966,18 @@ Status ReceiverAgent::stage_barrier(Status st, int64_t version, Clock::time_poin
   Result<Json> r = link_->request(MsgType::kReportStaged, body);
   if (!r.is_ok()) return r.status();
   while (true) {
-    Result<std::optional<control::Frame>> n = link_->wait_notice_of({MsgType::kCommit, MsgType::kAbort}, deadline);
+    // In slices, to notice at once when the coordinator declared this rank
+    // dead: it then aborts the instance's version and tells this rank nothing.
+    const Clock::time_point until = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    Result<std::optional<control::Frame>> n = link_->wait_notice_of({MsgType::kCommit, MsgType::kAbort}, until);
     if (!n.is_ok()) return n.status();
+    if (!n->has_value() && link_->dropped()) {
+      aborted_ = true;
+      return Status::io_error("staged version " + std::to_string(version) +
+                              ", but the coordinator declared this receiver dead meanwhile (its heartbeats came "
+                              "later than the coordinator's timeout), so its instance aborted the version");
+    }
+    if (!n->has_value() && Clock::now() < deadline) continue;
     if (!n->has_value()) {
       Json failed = body;
       failed["reason"] = "no commit before the deadline";

@@ -146,6 +146,7 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
 }
 
 Status SourceAgent::join() {
+  if (joined_ && link_->dropped()) joined_ = false;  // declared dead: the coordinator holds nothing of it
   if (joined_ && !changed_) return Status::ok();
   if (tensors_.empty()) return Status::invalid("join: add at least one tensor first");
   if (joined_) {

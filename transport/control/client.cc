@@ -126,8 +126,11 @@ class Client::Impl {
         return Status::invalid(std::string(type_name(type)) + ": expected a reply, got " + type_name(f->type));
       }
       if (f->body.value("ok", false) != true) {
-        return Status::invalid(f->body.contains("error") && f->body["error"].is_string()
-                                   ? f->body["error"].get<std::string>() : "refused without a reason");
+        std::string error = f->body.contains("error") && f->body["error"].is_string()
+                                ? f->body["error"].get<std::string>() : "refused without a reason";
+        const auto nf = f->body.find("not_found");
+        if (nf != f->body.end() && nf->is_boolean() && nf->get<bool>()) return Status::not_found(std::move(error));
+        return Status::invalid(std::move(error));
       }
       return std::move(f->body);
     }

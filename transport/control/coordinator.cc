@@ -399,7 +399,11 @@ std::string endpoint_name(const tcp::socket& s) {
 
 Json reply(const Status& s) {
   if (s.is_ok()) return Json{{"ok", true}};
-  return Json{{"ok", false}, {"error", s.message()}};
+  Json r{{"ok", false}, {"error", s.message()}};
+  // A member the coordinator does not hold (declared dead, or never
+  // registered): the agent registers again rather than retrying.
+  if (s.code() == Code::kNotFound) r["not_found"] = true;
+  return r;
 }
 
 }  // namespace
