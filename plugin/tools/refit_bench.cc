@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -131,8 +132,10 @@ std::string human_bytes(int64_t b) {
 class Progress {
  public:
   Progress() : tty_(::isatty(STDERR_FILENO) == 1) {}
+  // Called from the threads of interleaved runs too.
   void update(const std::string& strategy, const std::string& step, int done, int total) {
     if (!tty_) return;
+    std::lock_guard<std::mutex> lock(mu_);
     constexpr int kWidth = 24;
     const int filled = total > 0 ? std::min(kWidth, done * kWidth / total) : 0;
     std::string line = "\r[" + std::string(filled, '#') + std::string(kWidth - filled, '.') + "] " + strategy + ": " + step;
@@ -141,6 +144,7 @@ class Progress {
     std::fflush(stderr);
   }
   void finish(const std::string& strategy, const refit::bench::RunResult& r) {
+    std::lock_guard<std::mutex> lock(mu_);
     if (tty_) std::fprintf(stderr, "\r\x1b[K");
     if (!r.status.is_ok()) {
       std::fprintf(stderr, "refit-bench: %s failed: %s\n", strategy.c_str(), r.status.message().c_str());
@@ -153,6 +157,7 @@ class Progress {
 
  private:
   bool tty_;
+  std::mutex mu_;
 };
 
 struct Row {
@@ -167,6 +172,7 @@ struct Row {
   double refresh_seconds_median = 0;
   double pause_seconds_median = 0;
   double cpu_seconds_median = 0;
+  double machine_cpu_seconds_median = 0;
   int64_t completed = 0;
   std::string error;  // "" when none
   int64_t serve_reads = 0;
@@ -218,23 +224,33 @@ void print_resident(const Row& r, bool per_process) {
 }
 
 void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bool serve_check, bool per_process) {
-  std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %8s %9s", "strategy", "median s", "GB/s", "network",
-              "minimum", "local", "verified", "mode", "refresh s", "pause s", "cpu s", "completed");
+  std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %8s %8s %9s", "strategy", "median s", "GB/s", "network",
+              "minimum", "local", "verified", "mode", "refresh s", "pause s", "cpu s", "busy s", "completed");
   if (serve_check) std::printf(" %8s %6s", "reads", "mixed");
   std::printf("\n");
   for (const Row& r : rows) {
-    std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %8s %9s", r.strategy.c_str(),
+    std::printf("%-10s %10s %8s %14s %14s %14s %9s %7s %10s %10s %8s %8s %9s", r.strategy.c_str(),
                 fixed(r.seconds_median, 4).c_str(), fixed(r.gbps, 3).c_str(), human_bytes(r.network_bytes).c_str(),
                 human_bytes(r.minimum_network_bytes).c_str(), human_bytes(r.local_bytes).c_str(),
                 r.verified ? "yes" : "NO", r.mode.c_str(), fixed(r.refresh_seconds_median, 4).c_str(),
                 fixed(r.pause_seconds_median, 4).c_str(), fixed(r.cpu_seconds_median, 2).c_str(),
-                (std::to_string(r.completed) + "/" + std::to_string(versions)).c_str());
+                fixed(r.machine_cpu_seconds_median, 2).c_str(), (std::to_string(r.completed) + "/" + std::to_string(versions)).c_str());
     if (serve_check)
       std::printf(" %8lld %6lld", static_cast<long long>(r.serve_reads), static_cast<long long>(r.mixed_version_reads));
     std::printf("\n");
   }
   std::printf("GB/s: %s delivered to the receivers per refresh (10^9 bytes per second of the median)\n",
               human_bytes(payload).c_str());
+  const Row* refit = nullptr;
+  for (const Row& r : rows)
+    if (r.strategy == "refit") refit = &r;
+  for (const Row& r : rows) {
+    if (refit == nullptr || &r == refit || refit->seconds_median <= 0 || r.seconds_median <= 0) continue;
+    std::printf("refit / %s: %.3f of the time", r.strategy.c_str(), refit->seconds_median / r.seconds_median);
+    if (r.cpu_seconds_median > 0)
+      std::printf(", %.3f of the CPU", refit->cpu_seconds_median / r.cpu_seconds_median);
+    std::printf("\n");
+  }
   for (const Row& r : rows) {
     const char* s = r.strategy.c_str();
     if (r.rejoins > 0)
@@ -314,7 +330,7 @@ int usage_error(const std::string& message) {
 int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
   std::string mode = "direct", kill_text;
-  bool serve_check = false, rejoin = false;
+  bool serve_check = false, rejoin = false, small_pages = false, sequential = false;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
   double timeout_s = 60, heartbeat_timeout_s = 0;
@@ -406,11 +422,29 @@ int main(int argc, char** argv) {
       "scenario from the planner (each domain receives each needed byte once); mode;\n"
       "refresh s and pause s: the median over versions of the slowest receiver's report\n"
       "\"seconds.total\" and \"pause_seconds\" (staged: the commit's; broadcast: refresh s\n"
-      "is stage 2's and pause s its copy out); cpu s: the median over versions of the\n"
-      "machine's busy CPU time (all cores, /proc/stat) from the refresh command to the last\n"
-      "receiver done, what the refresh cost in CPU; completed: refreshes that completed (and\n"
+      "is stage 2's and pause s its copy out); cpu s: the median over versions of the CPU\n"
+      "time (user and system, /proc/PID/stat) of the strategy's processes (every rank and\n"
+      "refit-bench with its coordinator) from the refresh command to the last receiver done,\n"
+      "what the refresh cost in CPU whatever else the machine runs; busy s: the same span's\n"
+      "busy CPU time of the whole machine (all cores, /proc/stat), which is cores x seconds\n"
+      "when the machine was saturated; completed: refreshes that completed (and\n"
       "committed) of N; with --serve-check, reads and mixed (mixed-version reads), summed\n"
-      "over the receivers. A strategy's first error is printed below the table.\n"
+      "over the receivers. A strategy's first error is printed below the table, and below\n"
+      "it refit's median time and cpu s as fractions of each other strategy's.\n"
+      "\n"
+      "Turns: refit and no-dedup run at once, each with processes of its own, and take\n"
+      "turns version by version (refit's version 1, no-dedup's version 1, refit's version 2,\n"
+      "..., in the order of --strategies); each holds its turn from its sources' fill through\n"
+      "its verification, so no two strategies' work overlaps, while a change of the\n"
+      "machine's load (other tenants, memory bandwidth) between versions affects both alike.\n"
+      "Their processes are alive together: the memory of both strategies at once.\n"
+      "--sequential runs every strategy after the one before; --kill, --churn and\n"
+      "--late-join imply it. broadcast always runs on its own.\n"
+      "\n"
+      "Host memory: every rank's buffers are allocated as a server would, 2 MiB-aligned on\n"
+      "transparent huge pages (MADV_HUGEPAGE), as the library allocates its own staging\n"
+      "copies; --small-pages puts them on 4 KiB pages (MADV_NOHUGEPAGE). The cma fabric's\n"
+      "writes into a peer's small pages cost about 2.4 times those into huge pages.\n"
       "\n"
       "A progress bar is drawn on stderr when it is a terminal; otherwise one line per\n"
       "strategy. Exit status: 0 all verified (and no mixed read), 1 a strategy failed, a\n"
@@ -445,6 +479,10 @@ int main(int argc, char** argv) {
   app.add_flag("--memory-table", memory_table,
                "print every process's resident memory, not only the sums (always with --churn, --kill, "
                "--late-join)");
+  app.add_flag("--sequential", sequential,
+               "run refit and no-dedup one after the other instead of taking turns version by version (see above)");
+  app.add_flag("--small-pages", small_pages,
+               "the ranks' buffers on 4 KiB pages instead of transparent huge pages (see above)");
   app.add_flag("--serve-check", serve_check,
                "run a serving reader in every receiver process and count mixed-version reads (see above)");
   app.add_option("--kill", kill_text, "ROLE:RANK@FRACTION, e.g. receiver:1@0.5: kill a rank during the last "
@@ -493,6 +531,7 @@ int main(int argc, char** argv) {
   options.refresh_timeout = options.step_timeout;
   options.staged = mode == "staged";
   options.serve_check = serve_check;
+  options.huge_pages = !small_pages;
   if (!kill_text.empty()) {
     auto k = parse_kill(kill_text);
     if (!k) return usage_error(k.status().message());
@@ -527,11 +566,43 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   ordered_json all_reports = ordered_json::object();
   bool all_ok = true;
-  for (Strategy s : *strategies) {
-    const std::string name = refit::strategy_name(s);
+  // refit and no-dedup take turns version by version, each with processes
+  // of its own (run_interleaved), unless --sequential or a membership test;
+  // broadcast runs on its own.
+  std::vector<refit::bench::RunResult> results(strategies->size());
+  std::vector<size_t> together;
+  if (!sequential && kill_text.empty() && churn == 0 && late_join == 0) {
+    for (size_t i = 0; i < strategies->size(); ++i)
+      if ((*strategies)[i] != refit::Strategy::kBroadcast) together.push_back(i);
+    if (together.size() < 2) together.clear();
+  }
+  if (!together.empty()) {
+    std::vector<refit::Strategy> ss;
+    std::vector<refit::bench::RunOptions> os;
+    for (size_t i : together) {
+      const std::string name = refit::strategy_name((*strategies)[i]);
+      ss.push_back((*strategies)[i]);
+      os.push_back(options);
+      os.back().progress = [&progress, name](const std::string& step, int done, int total) {
+        progress.update(name, step, done, total);
+      };
+    }
+    std::vector<refit::bench::RunResult> rs = refit::bench::run_interleaved(*layout, ss, os);
+    for (size_t k = 0; k < together.size(); ++k) {
+      progress.finish(refit::strategy_name(ss[k]), rs[k]);
+      results[together[k]] = std::move(rs[k]);
+    }
+  }
+  for (size_t i = 0; i < strategies->size(); ++i) {
+    if (std::find(together.begin(), together.end(), i) != together.end()) continue;
+    const std::string name = refit::strategy_name((*strategies)[i]);
     options.progress = [&](const std::string& step, int done, int total) { progress.update(name, step, done, total); };
-    refit::bench::RunResult r = refit::bench::run_refreshes(*layout, s, options);
-    progress.finish(name, r);
+    results[i] = refit::bench::run_refreshes(*layout, (*strategies)[i], options);
+    progress.finish(name, results[i]);
+  }
+  for (size_t i = 0; i < strategies->size(); ++i) {
+    const refit::bench::RunResult& r = results[i];
+    const std::string name = refit::strategy_name((*strategies)[i]);
     Row row;
     row.strategy = name;
     row.seconds_median = r.median_seconds();
@@ -546,6 +617,7 @@ int main(int argc, char** argv) {
     row.refresh_seconds_median = r.median_refresh_seconds();
     row.pause_seconds_median = r.median_pause_seconds();
     row.cpu_seconds_median = r.median_cpu_seconds();
+    row.machine_cpu_seconds_median = r.median_machine_cpu_seconds();
     row.completed = static_cast<int64_t>(r.versions.size());
     if (!r.status.is_ok()) row.error = r.status.message();
     row.serve_reads = r.serve_reads;
@@ -570,7 +642,11 @@ int main(int argc, char** argv) {
     row.heap_last_kib = r.heap_last_kib();
     ordered_json per_version = ordered_json::array();
     for (const auto& v : r.versions)
-      per_version.push_back({{"version", v.version}, {"seconds", v.seconds}, {"reports", v.reports}});
+      per_version.push_back({{"version", v.version},
+                             {"seconds", v.seconds},
+                             {"cpu_seconds", v.cpu_seconds},
+                             {"machine_cpu_seconds", v.machine_cpu_seconds},
+                             {"reports", v.reports}});
     all_reports[name] = std::move(per_version);
     all_ok = all_ok && row.verified && row.mixed_version_reads == 0;
     rows.push_back(row);
@@ -597,6 +673,7 @@ int main(int argc, char** argv) {
                          {"refresh_seconds_median", r.refresh_seconds_median},
                          {"pause_seconds_median", r.pause_seconds_median},
                          {"cpu_seconds_median", r.cpu_seconds_median},
+                         {"machine_cpu_seconds_median", r.machine_cpu_seconds_median},
                          {"completed", r.completed},
                          {"error", r.error.empty() ? ordered_json(nullptr) : ordered_json(r.error)}});
       if (serve_check) {

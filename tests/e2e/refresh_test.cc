@@ -237,4 +237,61 @@ TEST_F(Refresh, BaselinesVerifyAndMoveMoreBytes) {
   EXPECT_EQ(broadcast.versions.back().network_bytes, 5 * 64 * 32 * 2);
 }
 
+// Interleaved runs (refit-bench's default for refit and no-dedup): both
+// strategies verify and move what they should, and they take turns, one
+// whole version each, never overlapping.
+TEST_F(Refresh, InterleavedRunsTakeTurnsVersionByVersion) {
+  Layout layout = parse(R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                  {"rank": 2, "domain": 0, "instance": 1}, {"rank": 3, "domain": 0, "instance": 1}],
+    "tensors": [
+      {"name": "w", "dtype": "BF16", "shape": [64, 32],
+       "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
+       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}}]})json");
+  auto plan = refit::make_plan(layout);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const int64_t minimum = plan->summary().minimum_network_bytes;
+  std::vector<RunResult> r =
+      refit::bench::run_interleaved(layout, {Strategy::kRefit, Strategy::kNoDedup}, {options(), options()});
+  ASSERT_EQ(r.size(), 2u);
+  for (const RunResult& x : r) {
+    ASSERT_TRUE(x.status.is_ok()) << x.status.message();
+    ASSERT_EQ(x.versions.size(), 3u);
+    EXPECT_TRUE(x.verified());
+  }
+  EXPECT_EQ(r[0].versions.back().network_bytes, minimum);
+  EXPECT_EQ(r[1].versions.back().network_bytes, 2 * minimum);
+  // refit v1, no-dedup v1, refit v2, ...: each version's work (fill to
+  // verification) ends before the next one's begins.
+  for (size_t v = 0; v < 3; ++v) {
+    const auto& a = r[0].versions[v];
+    const auto& b = r[1].versions[v];
+    EXPECT_LT(a.begin_ns, a.end_ns);
+    EXPECT_LE(a.end_ns, b.begin_ns) << "version " << v + 1;
+    if (v + 1 < 3) EXPECT_LE(b.end_ns, r[0].versions[v + 1].begin_ns) << "version " << v + 1;
+  }
+}
+
+// A run that cannot be interleaved fails with a message that says why, and
+// leaves the turns: the other run still completes.
+TEST_F(Refresh, InterleavingRefusesBroadcastAndTheOtherRunGoesOn) {
+  Layout layout = parse(R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 1}],
+    "tensors": [
+      {"name": "w", "dtype": "F32", "shape": [16, 8],
+       "source":   {"mesh": [1], "ranks": [0], "placements": ["R"]},
+       "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["R"]}}]})json");
+  RunOptions o = options();
+  o.versions = 2;
+  std::vector<RunResult> r = refit::bench::run_interleaved(layout, {Strategy::kBroadcast, Strategy::kRefit}, {o, o});
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_FALSE(r[0].status.is_ok());
+  EXPECT_NE(r[0].status.message().find("broadcast"), std::string::npos) << r[0].status.message();
+  ASSERT_TRUE(r[1].status.is_ok()) << r[1].status.message();
+  EXPECT_EQ(r[1].versions.size(), 2u);
+  EXPECT_TRUE(r[1].verified());
+}
+
 }  // namespace

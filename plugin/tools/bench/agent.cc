@@ -1,5 +1,6 @@
 #include "plugin/tools/bench/agent.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "planner/plan.h"
+#include "plugin/host_memory.h"
 #include "plugin/tools/bench/pattern.h"
 #include "plugin/tools/bench/rank_buffers.h"
 #include "plugin/tools/bench/resident_memory.h"
@@ -24,14 +26,22 @@ namespace refit::bench {
 
 namespace {
 
-struct FreeDeleter {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
-
 struct Memory {
-  std::unique_ptr<uint8_t, FreeDeleter> data;
+  std::shared_ptr<uint8_t> data;
   int64_t bytes = 0;
 };
+
+// A buffer of the host, as a server would allocate it: on transparent huge
+// pages (2 MiB-aligned, MADV_HUGEPAGE, as the library allocates its own
+// memory) or, with huge_pages off, on small pages (MADV_NOHUGEPAGE, also
+// where the kernel's default is "always").
+std::shared_ptr<uint8_t> host_buffer(size_t bytes, bool huge_pages) {
+  if (huge_pages) return plugin::map_host_memory(bytes);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  madvise(p, bytes, MADV_NOHUGEPAGE);
+  return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [bytes](uint8_t* q) { munmap(q, bytes); });
+}
 
 double seconds_between(int64_t t0_ns, int64_t t1_ns) { return static_cast<double>(t1_ns - t0_ns) * 1e-9; }
 
@@ -182,13 +192,13 @@ class Agent {
       return it->second.data.get();
     }
     const size_t n = static_cast<size_t>((std::max<int64_t>(bytes, 1) + 63) / 64 * 64);
-    auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, n));
+    std::shared_ptr<uint8_t> p = host_buffer(n, spec_.huge_pages);
     if (p == nullptr) return Status::internal("out of memory for buffer \"" + name + "\" (" + std::to_string(bytes) + " bytes)");
-    std::memset(p, initial, n);
+    std::memset(p.get(), initial, n);
     Memory& m = memory_[name];
-    m.data.reset(p);
+    m.data = std::move(p);
     m.bytes = bytes;
-    return p;
+    return m.data.get();
   }
 
   static int64_t version_of(const Json& cmd) { return cmd.value("version", int64_t{0}); }

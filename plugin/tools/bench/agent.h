@@ -74,6 +74,9 @@ struct AgentSpec {
   // Run the serving reader (see above) in a receiver process.
   bool serve_check = false;
   int64_t sample_every = 4096;
+  // The host's buffers on transparent huge pages (as the library allocates
+  // its own), or on small pages.
+  bool huge_pages = true;
   // How long the child waits for its next command before it gives up.
   std::chrono::milliseconds idle_timeout{300000};
 };

@@ -12,12 +12,33 @@
 
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 namespace refit::bench {
 
 namespace {
 
 constexpr uint32_t kMaxMessageBytes = 64u << 20;
+
+// The parent's ends of every group's children (several groups may run at
+// once, each from a thread of its own); a new child closes them all, so
+// that EOF on its end means that the parent is gone. Forks happen while the
+// process has no other threads, so the mutex is never inherited held.
+std::mutex parent_ends_mu;
+std::set<int>& parent_ends() {
+  static std::set<int> fds;
+  return fds;
+}
+void close_parent_end(int* fd) {
+  if (*fd < 0) return;
+  {
+    std::lock_guard<std::mutex> lock(parent_ends_mu);
+    parent_ends().erase(*fd);
+  }
+  ::close(*fd);
+  *fd = -1;
+}
 
 int ms_left(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -105,8 +126,7 @@ Result<size_t> ProcessGroup::spawn(std::string name, std::function<int(Channel&)
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(125);  // the parent died before prctl
     ::close(sv[0]);
-    for (const Child& c : children_)
-      if (c.fd >= 0) ::close(c.fd);  // siblings' ends: EOF must mean the parent is gone
+    for (int fd : parent_ends()) ::close(fd);  // siblings' ends: EOF must mean the parent is gone
     Channel channel(sv[1]);
     int rc = 1;
     try {
@@ -118,6 +138,10 @@ Result<size_t> ProcessGroup::spawn(std::string name, std::function<int(Channel&)
     ::_exit(rc);
   }
   ::close(sv[1]);
+  {
+    std::lock_guard<std::mutex> lock(parent_ends_mu);
+    parent_ends().insert(sv[0]);
+  }
   children_.push_back(Child{std::move(name), pid, sv[0]});
   return children_.size() - 1;
 }
@@ -319,8 +343,7 @@ Status ProcessGroup::shut_down(Clock::time_point deadline) {
     } else if (first.is_ok() && !c.victim && !(WIFEXITED(c.wait_status) && WEXITSTATUS(c.wait_status) == 0)) {
       first = Status::internal(c.name + " ended badly" + describe_death(c));
     }
-    if (c.fd >= 0) ::close(c.fd);
-    c.fd = -1;
+    close_parent_end(&c.fd);
   }
   return first;
 }
@@ -332,8 +355,7 @@ void ProcessGroup::kill_all() {
       ::waitpid(c.pid, &c.wait_status, 0);
       c.reaped = true;
     }
-    if (c.fd >= 0) ::close(c.fd);
-    c.fd = -1;
+    close_parent_end(&c.fd);
   }
 }
 

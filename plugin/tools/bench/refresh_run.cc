@@ -3,9 +3,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "plugin/tools/bench/agent.h"
 #include "plugin/tools/bench/local_coordinator.h"
@@ -25,6 +29,45 @@ struct Role {
   std::vector<AgentPlace> places;
 };
 
+// The turns of interleaved runs: parties 0, 1, .., n-1, 0, .. in a ring;
+// each holds the turn from wait() until pass(). A party that leaves is
+// skipped from then on (a finished or failed run).
+class Turns {
+ public:
+  explicit Turns(size_t parties) : active_(parties, true) {}
+  void wait(size_t id) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return current_ == id; });
+  }
+  void pass(size_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (current_ == id) advance();
+    cv_.notify_all();
+  }
+  void leave(size_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_[id] = false;
+    if (current_ == id) advance();
+    cv_.notify_all();
+  }
+
+ private:
+  void advance() {  // REQUIRES mu_
+    for (size_t k = 1; k <= active_.size(); ++k) {
+      const size_t c = (current_ + k) % active_.size();
+      if (active_[c]) {
+        current_ = c;
+        return;
+      }
+    }
+    current_ = SIZE_MAX;  // everyone left
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<bool> active_;
+  size_t current_ = 0;
+};
+
 class Runner {
  public:
   Runner(const Layout& layout, Strategy strategy, const RunOptions& options)
@@ -40,7 +83,20 @@ class Runner {
   }
 
   RunResult run() {
-    Status s = run_all();
+    Status s = spawn_all();
+    if (s.is_ok()) s = run_versions();
+    return finish(s);
+  }
+
+  // Interleaved runs (run_interleaved): spawn_all() of every runner from
+  // the calling thread first, then run_versions() of each on a thread of its
+  // own, taking turns version by version, then finish().
+  void take_turns(Turns* turns, size_t id) {
+    turns_ = turns;
+    turn_id_ = id;
+  }
+
+  RunResult finish(Status s) {
     if (!s.is_ok()) {
       group_.kill_all();
       std::string logs;
@@ -55,6 +111,7 @@ class Runner {
     for (auto& [key, sample] : resident_) result_.resident.push_back(std::move(sample));
     group_.kill_all();
     coordinators_.clear();
+    if (turns_ != nullptr) turns_->leave(turn_id_);  // after the shutdown: it must not overlap another's refresh
     return std::move(result_);
   }
 
@@ -66,6 +123,15 @@ class Runner {
     return Clock::now() + std::max<Clock::duration>(options_.step_timeout, options_.refresh_timeout + std::chrono::seconds(5));
   }
 
+  // CPU time used so far by this run's processes: every child still
+  // running and refit-bench itself (with the coordinator).
+  double own_cpu_seconds() const {
+    std::vector<pid_t> pids{0};
+    for (size_t c = 0; c < group_.size(); ++c)
+      if (group_.running(c)) pids.push_back(group_.pid(c));
+    return processes_cpu_seconds(pids);
+  }
+
   void step(const std::string& what) {
     ++done_;
     if (options_.progress) options_.progress(what, done_, total_);
@@ -74,6 +140,7 @@ class Runner {
   Result<size_t> spawn(const std::string& name, AgentSpec spec, bool standby = false) {
     spec.serve_check = options_.serve_check && spec.receiver_layout != nullptr && spec.source_layout == nullptr;
     spec.sample_every = options_.sample_every;
+    spec.huge_pages = options_.huge_pages;
     specs_.push_back(std::make_unique<AgentSpec>(spec));
     const AgentSpec* p = specs_.back().get();
     if (standby) return group_.spawn(name, [p](Channel& ch) { return run_standby(*p, ch); });
@@ -249,20 +316,23 @@ class Runner {
     return Status::ok();
   }
 
-  Status run_all() {
+ public:
+  // Checks the options and forks every process of the run (no threads yet).
+  Status spawn_all() {
     if (options_.versions < 1) return Status::invalid("versions must be at least 1");
     if (options_.kill && options_.versions < 2)
       return Status::invalid("kill needs at least 2 versions: the one before says when to kill");
     if (options_.kill && options_.kill->rejoin && options_.versions < 3)
       return Status::invalid("kill with rejoin needs at least 3 versions: one before the killed one, one after it");
-    const int64_t first = options_.first_version;
+    first_ = options_.first_version;
+    const int64_t first = first_;
     const int64_t last = first + options_.versions - 1;
     if (options_.late_join_version != 0 &&
         (options_.late_join_version <= first || options_.late_join_version > last))
       return Status::invalid("late join at version " + std::to_string(options_.late_join_version) +
                              ": it must be one of the versions after the first, " + std::to_string(first + 1) + ".." +
                              std::to_string(last));
-    if (strategy_ == Strategy::kBroadcast) return run_broadcast(first);
+    if (strategy_ == Strategy::kBroadcast) return Status::ok();  // run_broadcast forks in stages
 
     // Fork every rank first, while this process has no threads.
     const Layout* L = &layout_;
@@ -270,8 +340,9 @@ class Runner {
       derived_.push_back(std::make_unique<Layout>(no_dedup_layout(layout_)));
       L = derived_.back().get();
     }
+    L_ = L;
     const int32_t num_receivers = L->num_ranks(Side::kReceiver);
-    int32_t late_instance = -1;
+    int32_t& late_instance = late_instance_;
     if (options_.late_join_version != 0) {
       for (const auto& r : L->receivers) late_instance = std::max(late_instance, r.instance);
       bool others = false;
@@ -287,8 +358,10 @@ class Runner {
         return Status::invalid(std::string("kill: there is no ") + (k.receiver ? "receiver " : "source ") +
                                std::to_string(k.rank) + " (" + std::to_string(ranks) + " of them)");
     }
-    const int64_t kill_version = !options_.kill ? 0 : options_.kill->rejoin ? last - 1 : last;
-    Role sources, receivers;
+    kill_version_ = !options_.kill ? 0 : options_.kill->rejoin ? last - 1 : last;
+    const int64_t kill_version = kill_version_;
+    Role& sources = sources_;
+    Role& receivers = receivers_;
     total_ = 3 + options_.versions * (options_.staged ? 5 : 4) + (options_.churn > 0 ? options_.versions - 1 : 0) +
              (late_instance >= 0 ? 1 : 0) + (kill_version != 0 && options_.kill->rejoin ? 1 : 0);
     REFIT_RETURN_IF_ERROR(spawn_sources(*L, &sources));
@@ -312,6 +385,21 @@ class Runner {
       standby_ = *c;
     }
     step("started " + std::to_string(group_.size()) + " processes");
+    return Status::ok();
+  }
+
+  // Starts the coordinator, has every rank join, and runs the versions.
+  Status run_versions() {
+    if (strategy_ == Strategy::kBroadcast) return run_broadcast(first_);
+    const Layout* L = L_;
+    const int32_t num_receivers = L->num_ranks(Side::kReceiver);
+    const int32_t late_instance = late_instance_;
+    const int64_t first = first_;
+    const int64_t last = first + options_.versions - 1;
+    const int64_t kill_version = kill_version_;
+    Role& sources = sources_;
+    Role& receivers = receivers_;
+    take_turn();  // the set-up and the first version
     auto coord = coordinator();
     if (!coord) return coord.status();
     const LocalCoordinator& C = **coord;
@@ -333,8 +421,13 @@ class Runner {
     step("receivers joined");
 
     for (int64_t v = first; v <= last; ++v) {
+      if (v > first) {  // the other runs' version, then this one's
+        pass_turn();
+        take_turn();
+      }
       VersionResult vr;
       vr.version = v;
+      vr.begin_ns = monotonic_ns();
       const std::string tag = "version " + std::to_string(v) + ": ";
       REFIT_RETURN_IF_ERROR(ping_idle(receivers));
       if (v > first) {
@@ -376,11 +469,12 @@ class Runner {
         REFIT_RETURN_IF_ERROR(refresh_with_kill(v, sources, receivers, C));
         continue;
       }
-      const double cpu0 = machine_busy_seconds();
+      const double cpu0 = own_cpu_seconds(), busy0 = machine_busy_seconds();
       const int64_t t0 = monotonic_ns();
       r = group_.request(rx, versioned("refresh", v, true), refresh_deadline());
       if (!r) return r.status();
-      vr.cpu_seconds = machine_busy_seconds() - cpu0;
+      vr.machine_cpu_seconds = machine_busy_seconds() - busy0;
+      vr.cpu_seconds = own_cpu_seconds() - cpu0;
       int64_t end = t0;
       sum_reports(*r, &vr, t0, &end);
       vr.seconds = static_cast<double>(end - t0) * 1e-9;
@@ -402,6 +496,7 @@ class Runner {
       std::vector<size_t> all = sources.children;
       all.insert(all.end(), rx.begin(), rx.end());
       REFIT_RETURN_IF_ERROR(sample_resident(v, all));
+      result_.versions.back().end_ns = monotonic_ns();
       step(tag + "verified");
     }
     if (!result_.late_joined.empty())
@@ -410,6 +505,7 @@ class Runner {
     return Status::ok();
   }
 
+ private:
   // The version whose refresh loses a rank (RunOptions::kill). The version
   // before it is live everywhere and verified. Returns OK when the run may
   // go on (or end well): with rejoin, once the replacement has joined; without,
@@ -608,7 +704,7 @@ class Runner {
       r = group_.request(sources.children, versioned("publish", v), deadline());
       if (!r) return r.status();
       step(tag + "published");
-      const double cpu0 = machine_busy_seconds();
+      const double cpu0 = own_cpu_seconds(), busy0 = machine_busy_seconds();
       const int64_t t0 = monotonic_ns();
       int64_t end = t0;
       r = group_.request(gatherer_rx.children, versioned("refresh", v, true), refresh_deadline());
@@ -630,7 +726,8 @@ class Runner {
         end = std::max(end, x.value("end_ns", end));
       }
       vr.pause_seconds = vr.unpack_seconds;  // the served (final) buffers are written only here
-      vr.cpu_seconds = machine_busy_seconds() - cpu0;
+      vr.machine_cpu_seconds = machine_busy_seconds() - busy0;
+      vr.cpu_seconds = own_cpu_seconds() - cpu0;
       vr.seconds = static_cast<double>(end - t0) * 1e-9;
       step(tag + "copied out");
       result_.versions.push_back(std::move(vr));
@@ -648,8 +745,23 @@ class Runner {
   }
 
   const Layout& layout_;
+  void take_turn() {
+    if (turns_ != nullptr) turns_->wait(turn_id_);
+  }
+  void pass_turn() {
+    if (turns_ != nullptr) turns_->pass(turn_id_);
+  }
+
   Strategy strategy_;
   RunOptions options_;  // a copy: broadcast clears `staged`
+  Turns* turns_ = nullptr;  // interleaved with other runs, or not
+  size_t turn_id_ = 0;
+  // What spawn_all() set up for run_versions().
+  const Layout* L_ = nullptr;
+  Role sources_, receivers_;
+  int32_t late_instance_ = -1;
+  int64_t first_ = 1;
+  int64_t kill_version_ = 0;
   RunResult result_;
   int done_ = 0, total_ = 1;
   std::vector<std::unique_ptr<Layout>> derived_;
@@ -689,6 +801,9 @@ double RunResult::median_seconds() const { return median_of(versions, &VersionRe
 double RunResult::median_refresh_seconds() const { return median_of(versions, &VersionResult::refresh_seconds); }
 double RunResult::median_pause_seconds() const { return median_of(versions, &VersionResult::pause_seconds); }
 double RunResult::median_cpu_seconds() const { return median_of(versions, &VersionResult::cpu_seconds); }
+double RunResult::median_machine_cpu_seconds() const {
+  return median_of(versions, &VersionResult::machine_cpu_seconds);
+}
 
 double RunResult::median_rejoin_seconds() const {
   std::vector<VersionResult> churned;
@@ -741,6 +856,43 @@ int64_t RunResult::resident_max_growth_kib(std::string* process) const {
 
 RunResult run_refreshes(const Layout& layout, Strategy strategy, const RunOptions& options) {
   return Runner(layout, strategy, options).run();
+}
+
+std::vector<RunResult> run_interleaved(const Layout& layout, const std::vector<Strategy>& strategies,
+                                       const std::vector<RunOptions>& options) {
+  const size_t n = strategies.size();
+  std::vector<RunResult> results(n);
+  if (options.size() != n) {
+    for (size_t i = 0; i < n; ++i) {
+      results[i].strategy = strategies[i];
+      results[i].status = Status::invalid("run_interleaved: one RunOptions per strategy");
+    }
+    return results;
+  }
+  Turns turns(n);
+  std::vector<std::unique_ptr<Runner>> runners;
+  std::vector<Status> spawned;
+  for (size_t i = 0; i < n; ++i) {
+    runners.push_back(std::make_unique<Runner>(layout, strategies[i], options[i]));
+    runners[i]->take_turns(&turns, i);
+    Status st;
+    if (strategies[i] == Strategy::kBroadcast)
+      st = Status::invalid("broadcast forks its second stage while it runs: it cannot be interleaved");
+    else if (options[i].kill || options[i].churn > 0 || options[i].late_join_version != 0)
+      st = Status::invalid("interleaved runs are steady refreshes: no kill, churn or late join");
+    else
+      st = runners[i]->spawn_all();  // every fork before the first thread
+    spawned.push_back(st);
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (!spawned[i].is_ok()) results[i] = runners[i]->finish(spawned[i]);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < n; ++i) {
+    if (!spawned[i].is_ok()) continue;
+    threads.emplace_back([&, i] { results[i] = runners[i]->finish(runners[i]->run_versions()); });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
 }
 
 std::string agent_config(const AgentPlace& place, const std::string& coordinator_address, const std::string& token_file,

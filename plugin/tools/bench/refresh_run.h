@@ -71,6 +71,8 @@ struct RunOptions {
   // sample_every-th element of each segment per read.
   bool serve_check = false;
   int64_t sample_every = 4096;
+  // The ranks' buffers on transparent huge pages (AgentSpec::huge_pages).
+  bool huge_pages = true;
   // A rank killed (SIGKILL) during the last version's refresh, once
   // `fraction` of the version before's refresh wall time (an estimate of the
   // last one's) has passed since the refresh command went out. Needs
@@ -116,6 +118,10 @@ struct RunOptions {
 
 struct VersionResult {
   int64_t version = 0;
+  // Monotonic clock (ns): when this version's work began (the sources'
+  // fill) and when its verification ended.
+  int64_t begin_ns = 0;
+  int64_t end_ns = 0;
   // From the refresh command to the last receiver done; broadcast: from the
   // gatherer's refresh command to the last receiver's copy done.
   double seconds = 0;
@@ -125,9 +131,13 @@ struct VersionResult {
   // The slowest receiver's pause: direct, its report's "pause_seconds" (the
   // refresh); staged, the commit's "pause_seconds"; broadcast, its copy out.
   double pause_seconds = 0;
-  // The machine's busy CPU time over the same span as `seconds`, all cores
-  // (machine_busy_seconds): what the strategy's refresh cost in CPU.
+  // CPU time of the run's processes (every rank and refit-bench with its
+  // coordinator) over the same span as `seconds` (processes_cpu_seconds):
+  // what the strategy's refresh cost in CPU, whatever else the machine ran.
   double cpu_seconds = 0;
+  // The machine's busy CPU time over that span, all cores and every process
+  // (machine_busy_seconds): cores x seconds when the machine was saturated.
+  double machine_cpu_seconds = 0;
   int64_t network_bytes = 0;  // the receivers' reports summed (broadcast: the gatherer's too)
   int64_t local_bytes = 0;
   bool verified = false;
@@ -196,6 +206,7 @@ struct RunResult {
   double median_refresh_seconds() const;
   double median_pause_seconds() const;
   double median_cpu_seconds() const;
+  double median_machine_cpu_seconds() const;
   double median_rejoin_seconds() const;  // of the versions that had churn
   double max_rejoin_seconds() const;
   int64_t resident_first_kib() const;  // summed over `resident`
@@ -207,6 +218,21 @@ struct RunResult {
 };
 
 RunResult run_refreshes(const Layout& layout, Strategy strategy, const RunOptions& options);
+
+// Runs several strategies at once, each with processes of its own, taking
+// turns version by version: strategy 0's set-up and version 1, strategy 1's
+// set-up and version 1, .., then every strategy's version 2, and so on; a
+// run holds its turn from the sources' fill through the verification (and
+// its shutdown after its last version), so that no two runs' work overlaps
+// while a change of the machine's load between versions affects every
+// strategy alike. options[i] belongs to strategies[i] (its progress
+// callback is called on that run's thread). Refit and no-dedup only, without
+// kill, churn or late join (their results say so otherwise). Every process
+// of every run is forked before the first thread starts, so the calling
+// process must have no threads yet, as for run_refreshes; all runs' processes
+// are alive together (the memory of every strategy at once).
+std::vector<RunResult> run_interleaved(const Layout& layout, const std::vector<Strategy>& strategies,
+                                       const std::vector<RunOptions>& options);
 
 // The config document of an agent, as refit.h documents it.
 struct AgentPlace {

@@ -40,4 +40,25 @@ double machine_busy_seconds() {
   return static_cast<double>(user + nice + system + irq + softirq + steal) / static_cast<double>(ticks > 0 ? ticks : 100);
 }
 
+double processes_cpu_seconds(std::span<const pid_t> pids) {
+  const long ticks = sysconf(_SC_CLK_TCK);
+  uint64_t sum = 0;
+  for (pid_t pid : pids) {
+    std::ifstream in(pid == 0 ? std::string("/proc/self/stat") : "/proc/" + std::to_string(pid) + "/stat");
+    std::string text;
+    if (!in || !std::getline(in, text)) continue;  // gone
+    const size_t paren = text.rfind(')');  // the command name may hold spaces
+    if (paren == std::string::npos || paren + 2 > text.size()) continue;
+    std::istringstream fields(text.substr(paren + 2));
+    std::string f;
+    uint64_t utime = 0, stime = 0;
+    for (int i = 3; i <= 15 && fields >> f; ++i) {
+      if (i == 14) utime = std::strtoull(f.c_str(), nullptr, 10);
+      if (i == 15) stime = std::strtoull(f.c_str(), nullptr, 10);
+    }
+    sum += utime + stime;
+  }
+  return static_cast<double>(sum) / static_cast<double>(ticks > 0 ? ticks : 100);
+}
+
 }  // namespace refit::bench

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <span>
 
 #include "planner/status.h"
 
@@ -29,5 +30,13 @@ int64_t heap_in_use_kib();
 // the difference is the CPU a strategy costs (everything on the machine, in
 // clock ticks of 10 ms). 0 when /proc/stat cannot be read.
 double machine_busy_seconds();
+
+// CPU time (user and system, all threads, those that ended included) that
+// the processes `pids` (0: this process) have used since they started, in
+// seconds, summed; from fields 14 and 15 of /proc/PID/stat, in clock ticks
+// of 10 ms. A process that is gone counts 0. The bench takes it before and
+// after a refresh over its own processes: what the refresh cost them,
+// whatever else runs on the machine.
+double processes_cpu_seconds(std::span<const pid_t> pids);
 
 }  // namespace refit::bench
