@@ -9,10 +9,10 @@
 // huge pages (MADV_HUGEPAGE), where the kernel offers them ("madvise" or
 // "always" in /sys/kernel/mm/transparent_hugepage/enabled). The cma fabric
 // writes into a peer's staging copy with process_vm_writev, which pins the
-// peer's pages one page at a time: into 4 KiB pages that costs about 2.4
-// times a memcpy of the same bytes, into huge pages about one memcpy
-// (docs/refresh.md, "Host memory and huge pages"). A kernel without them
-// gives small pages; nothing else changes.
+// peer's pages one page at a time: into 4 KiB pages it took 2.3 times as
+// long as into huge pages, where it costs what a memcpy does
+// (docs/refresh.md, "Host memory and huge pages"; refit-cma-bench). A
+// kernel without them gives small pages; nothing else changes.
 
 #include <sys/mman.h>
 
