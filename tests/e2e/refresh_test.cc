@@ -269,7 +269,9 @@ TEST_F(Refresh, InterleavedRunsTakeTurnsVersionByVersion) {
     const auto& b = r[1].versions[v];
     EXPECT_LT(a.begin_ns, a.end_ns);
     EXPECT_LE(a.end_ns, b.begin_ns) << "version " << v + 1;
-    if (v + 1 < 3) EXPECT_LE(b.end_ns, r[0].versions[v + 1].begin_ns) << "version " << v + 1;
+    if (v + 1 < 3) {
+      EXPECT_LE(b.end_ns, r[0].versions[v + 1].begin_ns) << "version " << v + 1;
+    }
   }
 }
 
