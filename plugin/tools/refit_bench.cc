@@ -234,7 +234,8 @@ void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bo
                 human_bytes(r.minimum_network_bytes).c_str(), human_bytes(r.local_bytes).c_str(),
                 r.verified ? "yes" : "NO", r.mode.c_str(), fixed(r.refresh_seconds_median, 4).c_str(),
                 fixed(r.pause_seconds_median, 4).c_str(), fixed(r.cpu_seconds_median, 2).c_str(),
-                fixed(r.machine_cpu_seconds_median, 2).c_str(), (std::to_string(r.completed) + "/" + std::to_string(versions)).c_str());
+                fixed(r.machine_cpu_seconds_median, 2).c_str(),
+                (std::to_string(r.completed) + "/" + std::to_string(versions)).c_str());
     if (serve_check)
       std::printf(" %8lld %6lld", static_cast<long long>(r.serve_reads), static_cast<long long>(r.mixed_version_reads));
     std::printf("\n");
@@ -458,7 +459,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out,
                  "write {\"scenario\", \"results\": [{\"strategy\", \"seconds_median\", \"gbps\", \"network_bytes\", "
                  "\"minimum_network_bytes\", \"local_bytes\", \"verified\", \"mode\", \"refresh_seconds_median\", "
-                 "\"pause_seconds_median\", \"cpu_seconds_median\", \"completed\", \"error\" (null when none), with --serve-check "
+                 "\"pause_seconds_median\", \"cpu_seconds_median\", \"machine_cpu_seconds_median\", \"completed\", "
+                 "\"error\" (null when none), with --serve-check "
                  "\"serve_reads\", \"mixed_version_reads\", with --kill \"killed\", \"killed_version\", "
                  "\"kill_error\" (null when every receiver left completed it), \"kill_refresh_seconds\" (that refresh, "
                  "until every receiver left had answered), \"committed_without_killed\" (staged: ranks of a killed "
@@ -473,7 +475,8 @@ int main(int argc, char** argv) {
                  "\"last_heap_kib\"}]}]} to this file");
   app.add_option("--reports", reports_out,
                  "write every receiver's refresh report (refit_receiver_report) of every version and strategy, "
-                 "as {\"<strategy>\": [{\"version\", \"seconds\", \"reports\": [...]}]}, to this file");
+                 "as {\"<strategy>\": [{\"version\", \"seconds\", \"cpu_seconds\", \"machine_cpu_seconds\", "
+                 "\"reports\": [...]}]}, to this file");
   app.add_option("--strategies", strategies_text, "comma-separated, run in this order (default refit,no-dedup,broadcast)");
   app.add_option("--mode", mode, "direct or staged (default direct); see Modes above")
       ->check(CLI::IsMember({"direct", "staged"}));

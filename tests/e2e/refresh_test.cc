@@ -52,6 +52,18 @@ class Refresh : public ::testing::Test {
     return o;
   }
 
+  // TP2 sources to two TP2 replicas in one domain: every byte is needed twice.
+  static Layout two_replicas_in_one_domain() {
+    return parse(R"json({"format": "refit-layout/1",
+      "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+      "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
+                    {"rank": 2, "domain": 0, "instance": 1}, {"rank": 3, "domain": 0, "instance": 1}],
+      "tensors": [
+        {"name": "w", "dtype": "BF16", "shape": [64, 32],
+         "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
+         "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}}]})json");
+  }
+
   // Refreshes `layout` three times and checks every byte and the network bytes.
   static void refresh_and_check(const Layout& layout) {
     ASSERT_FALSE(layout.tensors.empty());
@@ -210,14 +222,7 @@ TEST_F(Refresh, RecipeScenarioTp2ToTwoTp2Replicas) {
 // The baselines run and verify too, and move what their names say: no-dedup
 // pulls every rank's bytes itself, broadcast moves whole tensors.
 TEST_F(Refresh, BaselinesVerifyAndMoveMoreBytes) {
-  Layout layout = parse(R"json({"format": "refit-layout/1",
-    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
-    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
-                  {"rank": 2, "domain": 0, "instance": 1}, {"rank": 3, "domain": 0, "instance": 1}],
-    "tensors": [
-      {"name": "w", "dtype": "BF16", "shape": [64, 32],
-       "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
-       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}}]})json");
+  Layout layout = two_replicas_in_one_domain();
   auto plan = refit::make_plan(layout);
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   const int64_t minimum = plan->summary().minimum_network_bytes;
@@ -241,14 +246,7 @@ TEST_F(Refresh, BaselinesVerifyAndMoveMoreBytes) {
 // strategies verify and move what they should, and they take turns, one
 // whole version each, never overlapping.
 TEST_F(Refresh, InterleavedRunsTakeTurnsVersionByVersion) {
-  Layout layout = parse(R"json({"format": "refit-layout/1",
-    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
-    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0},
-                  {"rank": 2, "domain": 0, "instance": 1}, {"rank": 3, "domain": 0, "instance": 1}],
-    "tensors": [
-      {"name": "w", "dtype": "BF16", "shape": [64, 32],
-       "source":   {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]},
-       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}}]})json");
+  Layout layout = two_replicas_in_one_domain();
   auto plan = refit::make_plan(layout);
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   const int64_t minimum = plan->summary().minimum_network_bytes;
