@@ -189,6 +189,35 @@ TEST_F(Membership, KilledReceiverIsReplacedAndTheNextVersionVerifiesEverywhere) 
   EXPECT_EQ(replacement->first_version, 4);
 }
 
+// Staged, receiver 1 of instance 0 killed in version 3: instance 0 aborts
+// the version, and its surviving rank 0 stops refreshing it. Instance 1
+// must still complete version 3 once the coordinator has declared rank 1
+// dead, not wait for the aborted instance until its deadline (docs/refresh.md,
+// the end of "Staged mode and the instance's commit").
+TEST_F(Membership, AnAbortedInstanceDoesNotHoldUpTheOtherInstance) {
+  const Layout layout = tp2_to_tp2x2();
+  ASSERT_EQ(layout.receivers.size(), 4u);
+  ASSERT_EQ(layout.receivers[2].instance, 1);
+  RunOptions o = options(4);
+  o.kill = RunOptions::Kill{true, 1, 0.2, /*rejoin=*/true};
+  RunResult r = refit::bench::run_refreshes(layout, Strategy::kRefit, o);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.message() << "\nkilled version: " << r.kill_error;
+  ASSERT_EQ(r.killed_version, 3);
+  if (r.killed.find("after every refresh had returned") != std::string::npos) {
+    GTEST_SKIP() << "the kill landed after the refresh: " << r.killed;
+  }
+  const std::vector<int32_t>& done = r.refreshed_without_killed;
+  std::printf("%s; the others' refresh of version 3 took %.3f s; returned OK:", r.killed.c_str(),
+              r.kill_refresh_seconds);
+  for (int32_t rank : done) std::printf(" receiver %d", rank);
+  std::printf("\n");
+  EXPECT_NE(std::find(done.begin(), done.end(), 2), done.end()) << r.kill_error;
+  EXPECT_NE(std::find(done.begin(), done.end(), 3), done.end()) << r.kill_error;
+  EXPECT_LT(r.kill_refresh_seconds, 12 - 2) << "instance 1 waited for the aborted instance: " << r.kill_error;
+  EXPECT_EQ(r.versions.back().version, 4);
+  expect_reports_of(r.versions.back(), 4);
+}
+
 // The same in direct mode, where every server pauses for the whole refresh
 // (the killed version's too, which waits for the coordinator to declare the
 // dead rank gone): the readers go on afterwards, and every process still

@@ -549,6 +549,9 @@ class Runner {
     }
     result_.kill_refresh_seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
     if (k.receiver) joined_[static_cast<size_t>(k.rank)] = false;
+    for (size_t r = 0; r < receivers.children.size(); ++r)
+      if (std::find(ok.begin(), ok.end(), receivers.children[r]) != ok.end())
+        result_.refreshed_without_killed.push_back(static_cast<int32_t>(r));
     if (k.receiver && options_.staged) {
       for (size_t r = 0; r < receivers.children.size(); ++r)
         if (static_cast<int32_t>(r) != k.rank && receivers.places[r].instance == receivers.places[k.rank].instance &&

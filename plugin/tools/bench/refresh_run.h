@@ -189,6 +189,9 @@ struct RunResult {
   // Staged, a receiver killed: the ranks of its instance whose refresh
   // still returned OK and committed the version without it.
   std::vector<int32_t> committed_without_killed;
+  // The receiver ranks (the killed one aside) whose refresh of the killed
+  // version returned OK, in rank order.
+  std::vector<int32_t> refreshed_without_killed;
   // kill with rejoin: who took the killed rank, and how long from the kill
   // until it had joined (it waits for the coordinator to declare the killed
   // one dead).
