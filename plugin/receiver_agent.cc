@@ -66,6 +66,7 @@ struct CompiledPart {
   uint64_t network_bytes = 0;
   uint64_t local_bytes = 0;
   int64_t minimum_network_bytes = -1;
+  bool solo = false;  // the coordinator's solo plan: no local runs (docs/refresh.md, "Retries")
   // Per buffer (index in buffers_): the byte ranges a refresh writes, sorted
   // and merged; staged mode commits exactly these.
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> written;
@@ -137,6 +138,7 @@ struct ReceiverAgent::Report {
   uint64_t network_bytes = 0;
   uint64_t local_bytes = 0;
   int64_t minimum_network_bytes = -1;
+  bool solo = false;
   uint64_t pulls = 0;
   uint64_t pushes = 0;
   uint64_t retries = 0;
@@ -395,7 +397,10 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
   auto part = std::make_shared<CompiledPart>();
   part->epoch = reply.value("epoch", uint64_t{0});
   part->schedule.epoch = part->epoch;
-  if (reply.contains("plan")) part->minimum_network_bytes = reply["plan"].value("minimum_network_bytes", int64_t{-1});
+  if (reply.contains("plan")) {
+    part->minimum_network_bytes = reply["plan"].value("minimum_network_bytes", int64_t{-1});
+    part->solo = reply["plan"].value("solo", false);
+  }
   const int32_t me = config_.rank;
   auto bad = [](const std::string& why) { return Status::invalid("plan from the coordinator: " + why); };
   try {
@@ -900,6 +905,7 @@ Status ReceiverAgent::run_refresh(int64_t requested, Clock::time_point deadline,
   if (st.is_ok()) {
     report->epoch = compiled_->epoch;
     report->minimum_network_bytes = compiled_->minimum_network_bytes;
+    report->solo = compiled_->solo;
     st = execute(*compiled_, version, deadline, report);
   }
   if (st.is_ok() && config_.verify) st = verify(version, report);
@@ -1055,6 +1061,7 @@ void ReceiverAgent::finish(Status status, const Report& r) {
          {"pause_seconds", config_.staged ? 0.0 : r.total_s}};
   if (config_.staged) j["committed"] = false;
   if (r.minimum_network_bytes >= 0) j["minimum_network_bytes"] = r.minimum_network_bytes;
+  if (r.solo) j["solo"] = true;  // the plan part pulled everything itself (docs/refresh.md, "Retries")
   if (config_.verify) {
     j["verify"] = {{"boxes", r.verified_boxes}, {"bytes", r.verified_bytes},
                    {"unverified_bytes", r.unverified_bytes}, {"seconds", r.verify_s}};

@@ -276,7 +276,10 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * "error", "epoch", "network_bytes" (this rank pulled), "local_bytes" (this
  * rank passed on), "minimum_network_bytes" (of the whole plan, all domains),
  * "pulls", "pushes", "retries", "seconds": {"plan", "network", "local",
- * "total"}, "pause_seconds", in staged mode "committed", and with "verify"
+ * "total"}, "pause_seconds", in staged mode "committed", "solo": true when
+ * the coordinator had this rank pull everything itself (a retry after the
+ * membership changed during the version, or another instance aborted it;
+ * "minimum_network_bytes" is then that plan's), and with "verify"
  * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}, and
  * when GETs went through the landing ring "landing": {"slots", "chunks",
  * "copies", "held" (chunks whose GET waited for a slot)}}. "{}" before

@@ -85,7 +85,7 @@ Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::
   }
   const int32_t rank = m.rank;
   sources_.emplace(rank, Member<RegisterSource>{session, now, std::move(m)});
-  ++epoch_;
+  membership_changed();
   return Status::ok();
 }
 
@@ -100,7 +100,7 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
   }
   const int32_t rank = m.rank;
   receivers_.emplace(rank, Member<RegisterReceiver>{session, now, std::move(m)});
-  ++epoch_;
+  membership_changed();
   return Status::ok();
 }
 
@@ -127,7 +127,7 @@ void ControlState::remove_source(int32_t rank) {
     if (d != tensors_.end() && --d->second.sources == 0) tensors_.erase(d);
   }
   sources_.erase(it);
-  ++epoch_;
+  membership_changed();
   advance_version();  // it may have been the last source behind
 }
 
@@ -147,6 +147,9 @@ void ControlState::abort_instance(int32_t instance, int64_t version, const std::
   barriers_.erase(instance);
   int64_t& last = aborted_[instance];
   last = std::max(last, version);
+  // The instance's ranks stop refreshing `version`: whoever still refreshes
+  // it goes on with solo parts (wants_solo).
+  solo_version_ = std::max(solo_version_, version);
 }
 
 void ControlState::remove_receiver(int32_t rank, const std::string& why) {
@@ -155,7 +158,7 @@ void ControlState::remove_receiver(int32_t rank, const std::string& why) {
   const int32_t instance = it->second.info.instance;
   receivers_.erase(it);
   if (instance_ranks(instance).empty()) aborted_.erase(instance);
-  ++epoch_;
+  membership_changed();
   // A rank that leaves in the middle of a refresh (it holds a lease) takes
   // that version down for its whole instance: the others keep their old
   // version instead of committing it without the rank.
@@ -349,7 +352,7 @@ Status ControlState::subscribe(uint64_t session) {
   return Status::ok();
 }
 
-Json ControlState::layout_document() const {
+Json ControlState::layout_document(bool solo) const {
   Json sources = Json::array(), receivers = Json::array(), tensors = Json::array(), buffers = Json::array();
   auto add_buffers = [&buffers](const char* side, int32_t rank, const std::vector<MemberBuffer>& bs) {
     for (const MemberBuffer& b : bs) {
@@ -370,7 +373,7 @@ Json ControlState::layout_document() const {
   }
   dense = 0;
   for (const auto& [rank, r] : receivers_) {
-    receivers.push_back({{"rank", dense}, {"domain", r.info.domain}, {"instance", r.info.instance}});
+    receivers.push_back({{"rank", dense}, {"domain", solo ? dense : r.info.domain}, {"instance", r.info.instance}});
     add_buffers("receiver", dense++, r.info.buffers);
   }
   std::vector<const Declared*> ordered;
@@ -384,8 +387,8 @@ Json ControlState::layout_document() const {
               {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}};
 }
 
-PlanInput ControlState::plan_input() const {
-  PlanInput in{epoch_, layout_document().dump(), {}, {}};
+PlanInput ControlState::plan_input(bool solo) const {
+  PlanInput in{epoch_, solo, layout_document(solo).dump(), {}, {}};
   in.source_ranks.reserve(sources_.size());
   for (const auto& [rank, s] : sources_) in.source_ranks.push_back(rank);
   in.receiver_ranks.reserve(receivers_.size());
@@ -413,6 +416,7 @@ std::string renumbering(const char* side, const std::vector<int32_t>& ranks) {
 std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
   auto out = std::make_shared<PlannedParts>();
   out->epoch = input.epoch;
+  out->solo = input.solo;
   std::string note = renumbering("source", input.source_ranks);
   const std::string receivers_note = renumbering("receiver", input.receiver_ranks);
   if (!receivers_note.empty()) note += (note.empty() ? "" : "; ") + receivers_note;
@@ -456,25 +460,35 @@ Status ControlState::check_fetch(uint64_t session, int32_t rank) const {
   return owned("fetch_plan", receivers_, Role::kReceiver, rank, session);
 }
 
+bool ControlState::wants_solo(int32_t rank) const {
+  auto l = leases_.find(rank);
+  return l != leases_.end() && l->second.version <= solo_version_;
+}
+
 bool ControlState::install_plan(std::shared_ptr<const PlannedParts> plan) {
   if (!plan || plan->epoch != epoch_) return false;
-  plan_ = std::move(plan);
+  (plan->solo ? solo_plan_ : plan_) = std::move(plan);
   ++plans_made_;
   return true;
 }
 
 Result<Json> ControlState::cached_part(int32_t rank) const {
-  if (!plan_current()) return Status::internal("fetch_plan: no plan of the current membership");
-  if (!plan_->status.is_ok()) return plan_->status.with_context("fetch_plan: the membership cannot be planned");
-  auto it = plan_->parts.find(rank);
-  return it == plan_->parts.end() ? Json::array() : it->second;
+  const bool solo = wants_solo(rank);
+  if (!plan_current(solo)) return Status::internal("fetch_plan: no plan of the current membership");
+  const PlannedParts& plan = *(solo ? solo_plan_ : plan_);
+  if (!plan.status.is_ok()) return plan.status.with_context("fetch_plan: the membership cannot be planned");
+  auto it = plan.parts.find(rank);
+  return it == plan.parts.end() ? Json::array() : it->second;
 }
 
-Json ControlState::plan_totals() const {
-  if (!plan_) return Json::object();
-  return Json{{"network_bytes", plan_->network_bytes},
-              {"minimum_network_bytes", plan_->minimum_network_bytes},
-              {"local_bytes", plan_->local_bytes}};
+Json ControlState::plan_totals(int32_t rank) const {
+  const auto& plan = wants_solo(rank) ? solo_plan_ : plan_;
+  if (!plan) return Json::object();
+  Json totals{{"network_bytes", plan->network_bytes},
+              {"minimum_network_bytes", plan->minimum_network_bytes},
+              {"local_bytes", plan->local_bytes}};
+  if (plan->solo) totals["solo"] = true;
+  return totals;
 }
 
 Json ControlState::peers_of(int32_t rank, const Json& runs) const {
@@ -509,9 +523,10 @@ Json ControlState::peers_of(int32_t rank, const Json& runs) const {
   // needs the whole domain (one NCCL communicator) builds it from this list.
   Json domain = Json::array();
   auto me = receivers_.find(rank);
+  const bool solo = wants_solo(rank);  // a domain of its own
   if (me != receivers_.end()) {
     for (const auto& [r, m] : receivers_) {
-      if (m.info.domain == me->second.info.domain) {
+      if (solo ? r == rank : m.info.domain == me->second.info.domain) {
         domain.push_back({{"rank", r}, {"worker_address", Json::binary(m.info.worker_address)}});
       }
     }
@@ -521,7 +536,8 @@ Json ControlState::peers_of(int32_t rank, const Json& runs) const {
 
 Result<Json> ControlState::plan_part(uint64_t session, int32_t rank) {
   REFIT_RETURN_IF_ERROR(check_fetch(session, rank));
-  if (!plan_current()) install_plan(compute_plan(plan_input()));
+  const bool solo = wants_solo(rank);
+  if (!plan_current(solo)) install_plan(compute_plan(plan_input(solo)));
   return cached_part(rank);
 }
 
@@ -579,6 +595,7 @@ Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_p
                            std::to_string(version_) + ")");
   }
   leases_[m.rank] = Lease{m.version, now + lease_timeout_};
+  leased_version_ = std::max(leased_version_, m.version);
   notify_drained();  // a rank moving to a newer version may drain an older one
   return Status::ok();
 }

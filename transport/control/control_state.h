@@ -65,6 +65,7 @@ using Clock = std::chrono::steady_clock;
 // registered ranks (source_ranks[i] is the rank of the document's source i).
 struct PlanInput {
   uint64_t epoch = 0;
+  bool solo = false;  // every receiver in a domain of its own (ControlState::wants_solo)
   std::string layout_json;
   std::vector<int32_t> source_ranks;
   std::vector<int32_t> receiver_ranks;
@@ -77,6 +78,7 @@ struct PlanInput {
 // document's dense positions. Immutable once made.
 struct PlannedParts {
   uint64_t epoch = 0;
+  bool solo = false;
   Status status;  // why planning failed, if it did
   std::map<int32_t, Json> parts;
   // The whole plan's totals (PlanSummary), for the receivers' reports.
@@ -134,15 +136,33 @@ class ControlState {
   // fetch_plan in steps, so that planning can run off the I/O thread:
   // check the request, then, if the cached plan is not current, plan
   // plan_input() and install the result; then read the part from the cache.
+  //
+  // Two plans of a membership: the domains' (shared: a slice crosses the
+  // network once per domain and is passed on inside it), and the solo one,
+  // where every receiver pulls all it needs itself. A rank gets the solo
+  // part for a version that was being refreshed when the membership changed
+  // or an instance aborted it (wants_solo): its peers may have finished that
+  // version under the old plan, or stopped, and would never pass it the
+  // slices a new shared plan routes through them. Newer versions get the
+  // shared plan again.
   Status check_fetch(uint64_t session, int32_t rank) const;
-  bool plan_current() const { return plan_ && plan_->epoch == epoch_; }
-  PlanInput plan_input() const;
+  bool wants_solo(int32_t rank) const;
+  bool plan_current(int32_t rank) const { return plan_current(wants_solo(rank)); }
+  bool plan_current(bool solo) const {
+    const auto& p = solo ? solo_plan_ : plan_;
+    return p && p->epoch == epoch_;
+  }
+  PlanInput plan_input(bool solo = false) const;
   // Keeps `plan` if it is of the current membership; returns whether it did.
   bool install_plan(std::shared_ptr<const PlannedParts> plan);
-  // REQUIRES: plan_current(). Fails when the membership could not be planned.
+  // REQUIRES: plan_current(rank). Fails when the membership could not be planned.
   Result<Json> cached_part(int32_t rank) const;
-  // REQUIRES: plan_current(). The plan's totals, as a fetch_plan reply carries them.
-  Json plan_totals() const;
+  // REQUIRES: plan_current(rank). The plan's totals, as a fetch_plan reply carries them.
+  Json plan_totals(int32_t rank) const;
+  // The epoch a fetch_plan reply names for `rank`'s part: the membership
+  // epoch, with kSoloEpochBit set for a solo part.
+  uint64_t plan_epoch(int32_t rank) const { return wants_solo(rank) ? epoch_ | kSoloEpochBit : epoch_; }
+  static constexpr uint64_t kSoloEpochBit = uint64_t{1} << 32;
   // What a receiver needs to execute `runs` (a cached_part): the worker
   // address of every other rank the runs name, and the address and packed
   // rkey of every buffer of theirs they name; and every receiver of its
@@ -170,7 +190,7 @@ class ControlState {
 
   // The refit-layout/1 document of the current membership, each side's
   // ranks numbered densely in rank order (PlanInput says how).
-  Json layout_document() const;
+  Json layout_document(bool solo = false) const;
 
   size_t num_sources() const { return sources_.size(); }
   size_t num_receivers() const { return receivers_.size(); }
@@ -239,6 +259,16 @@ class ControlState {
   int64_t version_ = 0;  // the group version
   uint64_t epoch_ = 0;  // bumped on every membership change
   std::shared_ptr<const PlannedParts> plan_;
+  std::shared_ptr<const PlannedParts> solo_plan_;
+  // Leases of versions up to this one get solo parts (wants_solo): the
+  // newest version leased when the membership last changed, or the newest
+  // an instance aborted.
+  int64_t solo_version_ = 0;
+  int64_t leased_version_ = 0;  // the newest version any receiver leased
+  void membership_changed() {
+    ++epoch_;
+    solo_version_ = std::max(solo_version_, leased_version_);
+  }
   uint64_t plans_made_ = 0;
   // Verification: per version, box key (box_key()) -> its hash and the
   // source rank that published it. Versions no receiver can still read are

@@ -531,7 +531,7 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
       Result<FetchPlan> request = parse_fetch_plan(frame.body, lim);
       st = request.is_ok() ? state_.check_fetch(id, request->rank) : request.status();
       if (!st.is_ok()) break;
-      if (state_.plan_current()) {
+      if (state_.plan_current(request->rank)) {
         answer_fetch(*s, *request);
         return;
       }
@@ -607,14 +607,15 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
     return;
   }
   // cached_part() succeeded, so the plan is of the current epoch.
-  if (request.have_epoch == state_.epoch()) {  // the receiver holds this part already
-    s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", state_.epoch()},
-                               {"unchanged", true}, {"plan", state_.plan_totals()}});
+  const uint64_t epoch = state_.plan_epoch(request.rank);
+  if (request.have_epoch == epoch) {  // the receiver holds this part already
+    s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", epoch},
+                               {"unchanged", true}, {"plan", state_.plan_totals(request.rank)}});
     return;
   }
   Json peers = state_.peers_of(request.rank, *part);
-  s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", state_.epoch()},
-                             {"plan", state_.plan_totals()}, {"runs", std::move(part).value()},
+  s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", epoch},
+                             {"plan", state_.plan_totals(request.rank)}, {"runs", std::move(part).value()},
                              {"peers", std::move(peers)}});
 }
 
@@ -622,8 +623,16 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
 // plan at a time, while the I/O thread goes on serving everyone else.
 void Coordinator::Impl::start_planning() {
   if (planning_ || shutting_down_) return;
+  // The plan the first waiting fetch needs (the shared or the solo one).
+  bool solo = false;
+  for (const auto& [weak, request] : pending_fetches_) {
+    if (auto s = weak.lock(); s && !s->closed() && !state_.plan_current(request.rank)) {
+      solo = state_.wants_solo(request.rank);
+      break;
+    }
+  }
   planning_ = true;
-  asio::post(planner_, [this, input = state_.plan_input()] {
+  asio::post(planner_, [this, input = state_.plan_input(solo)] {
     const auto t0 = Clock::now();
     std::shared_ptr<const PlannedParts> plan = compute_plan(input);
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
@@ -635,12 +644,13 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
   planning_ = false;
   if (shutting_down_) return;
   const uint64_t epoch = plan->epoch;
+  const bool solo = plan->solo;
   const bool ok = plan->status.is_ok();
   if (!state_.install_plan(std::move(plan))) {
     start_planning();  // the membership changed meanwhile: plan the new one
     return;
   }
-  log("planned membership " + std::to_string(epoch) + " in " + std::to_string(ms) + " ms" +
+  log("planned membership " + std::to_string(epoch) + (solo ? " (solo)" : "") + " in " + std::to_string(ms) + " ms" +
       (ok ? "" : " (it cannot be planned)"));
   auto pending = std::move(pending_fetches_);
   pending_fetches_.clear();
@@ -648,6 +658,10 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
     auto s = weak.lock();
     if (!s || s->closed()) continue;
     Status st = state_.check_fetch(s->id(), request.rank);  // it may have left meanwhile
+    if (st.is_ok() && !state_.plan_current(request.rank)) {
+      pending_fetches_.emplace_back(weak, request);  // it needs the other plan
+      continue;
+    }
     if (st.is_ok()) {
       answer_fetch(*s, request);
     } else {
@@ -655,6 +669,7 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
     }
     s->resume();
   }
+  if (!pending_fetches_.empty()) start_planning();
   deliver_notices();
 }
 

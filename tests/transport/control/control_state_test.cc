@@ -396,6 +396,65 @@ TEST(ControlState, ARankDyingInARefreshAbortsThatVersionForItsInstance) {
   EXPECT_EQ(n[0].type, MsgType::kCommit);
 }
 
+// Whether `runs` has a local run (one receiver passing bytes to another).
+bool has_local_run(const Json& runs) {
+  for (const Json& run : runs)
+    if (run["kind"] == "local") return true;
+  return false;
+}
+
+// A version that was being refreshed when the membership changed, or that
+// an instance aborted, goes on with solo parts: each rank pulls all it needs
+// itself, since its peers may have finished that version under the old plan
+// or stopped, and would never pass on what a new shared plan routes through
+// them. The next version is planned per domain again.
+TEST(ControlState, AVersionCaughtByAMembershipChangeGoesOnWithSoloParts) {
+  ControlState s(StateLimits{}, 10s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  for (int r = 0; r < 4; ++r) {
+    RegisterReceiver m = whole_receiver(r);
+    m.instance = r / 2;
+    ASSERT_TRUE(s.register_receiver(10 + r, m, now).is_ok());
+  }
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(s.lease(10 + r, StageReport{r, 1, ""}, now).is_ok());
+  Result<Json> p = s.plan_part(12, 2);
+  ASSERT_TRUE(p.is_ok()) << p.status().message();
+  EXPECT_TRUE(has_local_run(*p)) << p->dump();
+  EXPECT_EQ(s.plan_epoch(2), s.epoch());
+
+  // Receiver 0 leaves while version 1 is being refreshed.
+  ASSERT_TRUE(s.unregister(10, MemberRef{Role::kReceiver, 0}).is_ok());
+  p = s.plan_part(12, 2);
+  ASSERT_TRUE(p.is_ok()) << p.status().message();
+  ASSERT_FALSE(p->empty());
+  EXPECT_FALSE(has_local_run(*p)) << p->dump();
+  EXPECT_EQ(s.plan_epoch(2), s.epoch() | ControlState::kSoloEpochBit);
+  EXPECT_EQ(s.plan_totals(2).value("solo", false), true);
+  const Json peers = s.peers_of(2, *p);
+  ASSERT_EQ(peers["domain"].size(), 1u) << peers.dump();
+  EXPECT_EQ(peers["domain"][0]["rank"], 2);
+
+  // Version 2 is planned per domain again.
+  ASSERT_TRUE(s.publish(1, 2).is_ok());
+  for (int r = 1; r < 4; ++r) ASSERT_TRUE(s.lease(10 + r, StageReport{r, 2, ""}, now).is_ok());
+  p = s.plan_part(12, 2);
+  ASSERT_TRUE(p.is_ok()) << p.status().message();
+  EXPECT_TRUE(has_local_run(*p)) << p->dump();
+  EXPECT_EQ(s.plan_epoch(2), s.epoch());
+  EXPECT_FALSE(s.plan_totals(2).contains("solo"));
+
+  // Instance 0 (rank 1) aborts version 2: the others finish it solo.
+  const uint64_t epoch = s.epoch();
+  ASSERT_TRUE(s.report_failed(11, StageReport{1, 2, "GET timed out"}).is_ok());
+  EXPECT_EQ(s.epoch(), epoch) << "the membership did not change";
+  p = s.plan_part(13, 3);
+  ASSERT_TRUE(p.is_ok()) << p.status().message();
+  EXPECT_FALSE(has_local_run(*p)) << p->dump();
+  EXPECT_EQ(s.plan_epoch(3), epoch | ControlState::kSoloEpochBit);
+}
+
 TEST(ControlState, DrainsAVersionWhenItsLeasesEnd) {
   ControlState s(StateLimits{}, 10s);
   s.set_lease_timeout(100ms);
