@@ -474,7 +474,7 @@ bool ControlState::install_plan(std::shared_ptr<const PlannedParts> plan) {
 
 Result<Json> ControlState::cached_part(int32_t rank) const {
   const bool solo = wants_solo(rank);
-  if (!plan_current(solo)) return Status::internal("fetch_plan: no plan of the current membership");
+  if (!variant_current(solo)) return Status::internal("fetch_plan: no plan of the current membership");
   const PlannedParts& plan = *(solo ? solo_plan_ : plan_);
   if (!plan.status.is_ok()) return plan.status.with_context("fetch_plan: the membership cannot be planned");
   auto it = plan.parts.find(rank);
@@ -537,7 +537,7 @@ Json ControlState::peers_of(int32_t rank, const Json& runs) const {
 Result<Json> ControlState::plan_part(uint64_t session, int32_t rank) {
   REFIT_RETURN_IF_ERROR(check_fetch(session, rank));
   const bool solo = wants_solo(rank);
-  if (!plan_current(solo)) install_plan(compute_plan(plan_input(solo)));
+  if (!variant_current(solo)) install_plan(compute_plan(plan_input(solo)));
   return cached_part(rank);
 }
 

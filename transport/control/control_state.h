@@ -147,8 +147,8 @@ class ControlState {
   // shared plan again.
   Status check_fetch(uint64_t session, int32_t rank) const;
   bool wants_solo(int32_t rank) const;
-  bool plan_current(int32_t rank) const { return plan_current(wants_solo(rank)); }
-  bool plan_current(bool solo) const {
+  bool plan_current(int32_t rank) const { return variant_current(wants_solo(rank)); }
+  bool variant_current(bool solo) const {
     const auto& p = solo ? solo_plan_ : plan_;
     return p && p->epoch == epoch_;
   }
