@@ -9,7 +9,7 @@
 #include <cstring>
 #include <fstream>
 #include <set>
-#include <sstream>
+#include <thread>
 
 #include "transport/fabric/mailbox.h"
 
@@ -17,22 +17,6 @@ namespace refit::fabric {
 namespace {
 
 constexpr char kMagic[4] = {'R', 'F', 'C', 'M'};
-
-// Field 22 of /proc/PID/stat: the process's start time in clock ticks after
-// boot. With the pid it names one process for the life of the machine.
-Result<uint64_t> start_time_of(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  if (!in || !std::getline(in, text)) return Status::not_found("process " + std::to_string(pid) + " is gone");
-  const size_t paren = text.rfind(')');  // the command name may hold spaces
-  if (paren == std::string::npos) return Status::io_error("cannot read /proc/" + std::to_string(pid) + "/stat");
-  std::istringstream fields(text.substr(paren + 2));
-  std::string f;
-  for (int i = 3; i <= 22 && fields >> f; ++i) {
-    if (i == 22) return static_cast<uint64_t>(std::strtoull(f.c_str(), nullptr, 10));
-  }
-  return Status::io_error("cannot read the start time in /proc/" + std::to_string(pid) + "/stat");
-}
 
 int read_ptrace_scope() {
   std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
@@ -64,10 +48,10 @@ Result<std::unique_ptr<CmaFabric>> CmaFabric::create(const CmaFabricConfig& conf
   }
   std::unique_ptr<CmaFabric> f(new CmaFabric(config));
   f->pid_ = static_cast<int>(getpid());
-  Result<uint64_t> start = start_time_of(f->pid_);
+  Result<uint64_t> start = mailbox::start_time_of(f->pid_);
   if (!start.is_ok()) return start.status();
   f->start_time_ = *start;
-  f->mailbox_.reset(new uint64_t[mailbox::kSlots]());
+  f->mailbox_.reset(new uint64_t[mailbox::kWords]());
   return f;
 }
 
@@ -111,7 +95,7 @@ Status CmaFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   for (const Peer& peer : schedule.peers) {
     Result<PeerProcess> p = parse_contact(peer.contact, peer.rank);
     if (!p.is_ok()) return p.status();
-    Result<uint64_t> start = start_time_of(p->pid);
+    Result<uint64_t> start = mailbox::start_time_of(p->pid);
     if (!start.is_ok() || *start != p->start_time) {
       return Status::io_error("local fabric: receiver rank " + std::to_string(peer.rank) + " (pid " +
                               std::to_string(p->pid) + ") is gone");
@@ -140,13 +124,59 @@ Status CmaFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
     out.insert(s.peer);
   }
   out_peers_.assign(out.begin(), out.end());
-  std::set<int32_t> in;
+  std::set<uint32_t> in;
   for (const Recv& r : schedule.recvs) {
     if (r.peer >= schedule.peers.size()) return Status::invalid("local fabric: a receive names an unknown peer");
-    in.insert(schedule.peers[r.peer].rank);
+    in.insert(r.peer);
   }
-  in_ranks_.assign(in.begin(), in.end());
+  in_peers_.assign(in.begin(), in.end());
+  in_ranks_.clear();
+  for (uint32_t p : in_peers_) in_ranks_.push_back(schedule.peers[p].rank);
+  // Before any byte of this version may land here: the senders of another
+  // version that may still be writing must have stopped.
+  REFIT_RETURN_IF_ERROR(fence_.wait(mailbox_.get(), schedule.version, deadline, &cancelled_));
+  std::atomic_ref<uint64_t>(mailbox_[mailbox::kAcceptingWord])
+      .store(mailbox::flag(schedule.version, schedule.epoch, false), std::memory_order_seq_cst);
+  open_ = true;
   return Status::ok();
+}
+
+namespace {
+// Reads the accepting word of the process (pid, mailbox) into *word.
+Status read_accepting(int pid, uint64_t mailbox_address, uint64_t* word) {
+  struct iovec l{word, sizeof *word};
+  struct iovec r{reinterpret_cast<void*>(mailbox_address + mailbox::kAcceptingWord * sizeof(uint64_t)), sizeof *word};
+  while (true) {
+    const ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (n == static_cast<ssize_t>(sizeof *word)) return Status::ok();
+    if (n < 0 && errno == EINTR) continue;
+    return Status::io_error(n < 0 ? std::strerror(errno) : "short read");
+  }
+}
+}  // namespace
+
+Status CmaFabric::await_accepting(uint32_t peer) {
+  const PeerProcess proc = procs_[peer];
+  return mailbox::await_accepting([&](uint64_t* word) { return read_accepting(proc.pid, proc.mailbox, word); },
+                                  schedule_->peers[peer].rank, schedule_->version, schedule_->epoch, deadline_,
+                                  &cancelled_);
+}
+
+void CmaFabric::close_attempt(bool ok) {
+  if (!open_) return;
+  open_ = false;
+  std::vector<mailbox::Fence::Sender> senders;
+  for (uint32_t p : in_peers_) {
+    const PeerProcess proc = procs_[p];
+    senders.push_back({schedule_->peers[p].rank, [proc](uint64_t open) {
+                         if (mailbox::process_gone(proc.pid, proc.start_time)) return true;
+                         uint64_t word = 0;
+                         return !read_accepting(proc.pid, proc.mailbox, &word).is_ok() || word != open;
+                       }});
+  }
+  fence_.close(mailbox_.get(), senders, schedule_->version, schedule_->epoch, ok);
+  std::atomic_ref<uint64_t>(mailbox_[mailbox::kAcceptingWord])
+      .store(mailbox::flag(schedule_->version, schedule_->epoch, true), std::memory_order_seq_cst);
 }
 
 Status CmaFabric::write(uint32_t peer, const struct iovec* local, const struct iovec* remote, size_t n) {
@@ -190,7 +220,9 @@ Status CmaFabric::send(std::span<const uint32_t> ready) {
   std::vector<struct iovec> local, remote;
   uint32_t batch_peer = kSelf;
   auto flush = [&]() -> Status {
-    Status st = local.empty() ? Status::ok() : write(batch_peer, local.data(), remote.data(), local.size());
+    if (local.empty()) return Status::ok();
+    Status st = await_accepting(batch_peer);
+    if (st.is_ok()) st = write(batch_peer, local.data(), remote.data(), local.size());
     local.clear();
     remote.clear();
     return st;
@@ -231,15 +263,14 @@ Status CmaFabric::finish(bool failed) {
   if (status.is_ok() && !failed) {
     status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_, &cancelled_);
   }
-  if (status.is_ok() && !failed) {
-    mailbox::clear(mailbox_.get(), in_ranks_);
-  } else {  // a retry of this version and membership keeps what peers finished
-    mailbox::clear_except(mailbox_.get(), in_ranks_, mailbox::flag(schedule_->version, schedule_->epoch, false));
-  }
+  // Clears the slots (a retry of this version and membership keeps what
+  // peers finished) and remembers the senders that may still write.
+  close_attempt(status.is_ok() && !failed);
   return status;
 }
 
 void CmaFabric::end() {
+  if (schedule_) close_attempt(false);
   schedule_ = nullptr;
   procs_.clear();
 }

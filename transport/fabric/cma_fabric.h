@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "transport/fabric/local_fabric.h"
+#include "transport/fabric/mailbox.h"
 
 namespace refit::fabric {
 
@@ -63,11 +64,20 @@ class CmaFabric final : public LocalFabric {
   static Result<PeerProcess> parse_contact(const std::vector<uint8_t>& bytes, int32_t rank);
   // Writes `n` local pieces to `n` remote places of peer `peer`.
   Status write(uint32_t peer, const ::iovec* local, const ::iovec* remote, size_t n);
+  // Returns once peer `peer` accepts this attempt's writes; an error when it
+  // moved on, or at the deadline or a cancel.
+  Status await_accepting(uint32_t peer);
+  // Ends the attempt on this rank's side (`ok`: every sender's data landed):
+  // clears the slots, remembers the senders that may still write
+  // (mailbox::Fence::close) and closes the accepting word. Once per attempt,
+  // from finish() or else end().
+  void close_attempt(bool ok);
 
   CmaFabricConfig config_;
   int pid_ = 0;
   uint64_t start_time_ = 0;
-  std::unique_ptr<uint64_t[]> mailbox_;
+  std::unique_ptr<uint64_t[]> mailbox_;  // mailbox::kWords
+  mailbox::Fence fence_;
 
   // One refresh (begin .. end).
   const Schedule* schedule_ = nullptr;
@@ -75,6 +85,8 @@ class CmaFabric final : public LocalFabric {
   std::vector<PeerProcess> procs_;   // per schedule peer
   std::vector<uint32_t> out_peers_;  // peers this rank sends to
   std::vector<int32_t> in_ranks_;    // ranks that send to this rank
+  std::vector<uint32_t> in_peers_;   // their schedule peers
+  bool open_ = false;                // the accepting word names this attempt
 };
 
 }  // namespace refit::fabric

@@ -1,8 +1,12 @@
 #include "transport/fabric/ucx_fabric.h"
 
+#include <poll.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <set>
 #include <thread>
 
@@ -18,6 +22,14 @@ void put_u32(std::vector<uint8_t>& out, uint32_t v) {
 }
 void put_u64(std::vector<uint8_t>& out, uint64_t v) {
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+
+// Names this boot of this host: a pid and start time count only here.
+std::string read_boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
 }
 
 }  // namespace
@@ -39,9 +51,13 @@ Result<std::unique_ptr<UcxFabric>> UcxFabric::create(const UcxFabricConfig& conf
   Result<std::vector<uint8_t>> address = f->worker_->address();
   if (!address.is_ok()) return address.status();
   f->address_ = std::move(address).value();
-  f->mailbox_.reset(new uint64_t[mailbox::kSlots]());
+  f->mailbox_.reset(new uint64_t[mailbox::kWords]());
+  f->pid_ = static_cast<int>(getpid());
+  Result<uint64_t> start = mailbox::start_time_of(f->pid_);
+  if (start.is_ok()) f->start_time_ = *start;  // else 0: peers then rely on the endpoint and the deadline
+  f->boot_id_ = read_boot_id();
   Result<ucx::MemoryRegion> mr =
-      ucx::MemoryRegion::map(*f->context_, f->mailbox_.get(), mailbox::kSlots * sizeof(uint64_t), "mailbox");
+      ucx::MemoryRegion::map(*f->context_, f->mailbox_.get(), mailbox::kWords * sizeof(uint64_t), "mailbox");
   if (!mr.is_ok()) return mr.status();
   f->mailbox_region_.emplace(std::move(mr).value());
   f->flags_.reset(new uint64_t[8]());
@@ -52,10 +68,41 @@ Result<std::unique_ptr<UcxFabric>> UcxFabric::create(const UcxFabricConfig& conf
   if (!server.is_ok()) return server.status();
   f->rma_server_ = std::move(server).value();
   f->rma_server_->export_region(*f->mailbox_region_);
+  f->idle_thread_ = std::thread([p = f.get()] { p->idle_loop(); });
   return f;
 }
 
+void UcxFabric::idle_loop() {
+  Result<int> fd = worker_->event_fd();
+  while (true) {
+    bool armed = false;
+    {
+      std::lock_guard<std::mutex> lock(idle_mutex_);
+      if (idle_stop_) return;
+      if (!engine_) {
+        while (worker_->progress() != 0) {
+        }
+        Result<bool> a = worker_->arm();
+        armed = a.is_ok() && *a;
+      }
+    }
+    if (armed && fd.is_ok()) {
+      pollfd p = {*fd, POLLIN, 0};
+      (void)::poll(&p, 1, 20);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(armed ? 0 : 5));
+    }
+  }
+}
+
 UcxFabric::~UcxFabric() {
+  if (idle_thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(idle_mutex_);
+      idle_stop_ = true;
+    }
+    idle_thread_.join();
+  }
   end();
   peers_.clear();  // endpoints before the worker
   rma_server_.reset();
@@ -82,6 +129,10 @@ std::vector<uint8_t> UcxFabric::contact() const {
   const std::vector<uint8_t>& key = mailbox_region_->packed_rkey();
   put_u32(out, static_cast<uint32_t>(key.size()));
   out.insert(out.end(), key.begin(), key.end());
+  put_u32(out, static_cast<uint32_t>(pid_));
+  put_u64(out, start_time_);
+  put_u32(out, static_cast<uint32_t>(boot_id_.size()));
+  out.insert(out.end(), boot_id_.begin(), boot_id_.end());
   return out;
 }
 
@@ -107,8 +158,16 @@ Result<UcxFabric::Contact> UcxFabric::parse_contact(const std::vector<uint8_t>& 
   if (b.size() - at < 8) return bad("truncated mailbox address");
   for (int i = 0; i < 8; ++i) c.mailbox |= static_cast<uint64_t>(b[at + i]) << (8 * i);
   at += 8;
-  if (!u32(&n) || b.size() - at != n) return bad("truncated mailbox key");
-  c.mailbox_rkey.assign(b.begin() + at, b.end());
+  if (!u32(&n) || b.size() - at < n) return bad("truncated mailbox key");
+  c.mailbox_rkey.assign(b.begin() + at, b.begin() + at + n);
+  at += n;
+  uint32_t pid = 0;
+  if (!u32(&pid) || b.size() - at < 8) return bad("truncated process id");
+  c.pid = static_cast<int>(pid);
+  for (int i = 0; i < 8; ++i) c.start_time |= static_cast<uint64_t>(b[at + i]) << (8 * i);
+  at += 8;
+  if (!u32(&n) || b.size() - at != n || n > 64) return bad("truncated or overlong boot id");
+  c.boot_id.assign(b.begin() + at, b.end());
   return c;
 }
 
@@ -128,6 +187,8 @@ Result<uint64_t> UcxFabric::import(PeerState& p, const std::vector<uint8_t>& rke
 Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   end();
   clear_cancel();
+  // The idle thread stays out of the worker until end().
+  std::unique_lock<std::mutex> idle(idle_mutex_);
   schedule_ = &schedule;
   deadline_ = deadline;
   const size_t n = schedule.peers.size();
@@ -135,6 +196,8 @@ Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   buffer_ids_.assign(n, {});
   mailboxes_.assign(n, 0);
   mailbox_ids_.assign(n, 0);
+  accepting_words_.assign(n, 0);
+  contacts_.clear();
   // Endpoints and keys before the engine's progress thread owns the worker.
   for (size_t i = 0; i < n; ++i) {
     const Peer& peer = schedule.peers[i];
@@ -162,6 +225,10 @@ Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
     if (!id.is_ok()) return id.status();
     mailbox_ids_[i] = *id;
     mailboxes_[i] = c->mailbox + mailbox::slot_of(config_.rank) * sizeof(uint64_t);
+    accepting_words_[i] = c->mailbox + mailbox::kAcceptingWord * sizeof(uint64_t);
+    p.mailbox_id = *id;
+    p.accepting_word = accepting_words_[i];
+    contacts_.push_back(std::move(c).value());
   }
   std::set<uint32_t> out;
   for (const Send& s : schedule.sends) {
@@ -173,12 +240,14 @@ Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
     out.insert(s.peer);
   }
   out_peers_.assign(out.begin(), out.end());
-  std::set<int32_t> in;
+  std::set<uint32_t> in;
   for (const Recv& r : schedule.recvs) {
     if (r.peer >= n) return Status::invalid("local fabric: a receive names peer " + std::to_string(r.peer));
-    in.insert(schedule.peers[r.peer].rank);
+    in.insert(r.peer);
   }
-  in_ranks_.assign(in.begin(), in.end());
+  in_peers_.assign(in.begin(), in.end());
+  in_ranks_.clear();
+  for (uint32_t p : in_peers_) in_ranks_.push_back(schedule.peers[p].rank);
   ucx::GetEngineOptions options;
   options.progress_thread = true;
   options.limits = config_.limits;
@@ -187,7 +256,62 @@ Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   engine_ = std::move(engine).value();
   for (const ucx::MemoryRegion& r : regions_) engine_->add_local_region(r);
   engine_->add_local_region(*flags_region_);
+  idle.unlock();  // the engine's progress thread owns the worker now
+  // Before any byte of this version may land here: the senders of another
+  // version that may still be writing must have stopped.
+  REFIT_RETURN_IF_ERROR(fence_.wait(mailbox_.get(), schedule.version, deadline, &cancelled_));
+  std::atomic_ref<uint64_t>(mailbox_[mailbox::kAcceptingWord])
+      .store(mailbox::flag(schedule.version, schedule.epoch, false), std::memory_order_seq_cst);
+  open_ = true;
   return Status::ok();
+}
+
+Status UcxFabric::await_accepting(uint32_t peer) {
+  auto read = [&](uint64_t* word) {
+    std::atomic_ref<uint64_t>(flags_[1]).store(0, std::memory_order_relaxed);
+    const ucx::GetRun get{eps_[peer], mailbox_ids_[peer], accepting_words_[peer],
+                          reinterpret_cast<uint8_t*>(&flags_[1]), sizeof(uint64_t), ucx::Op::kGet};
+    ucx::BatchReport r = engine_->run_batch(std::span<const ucx::GetRun>(&get, 1), deadline_);
+    *word = std::atomic_ref<uint64_t>(flags_[1]).load(std::memory_order_acquire);
+    return r.status;
+  };
+  return mailbox::await_accepting(read, schedule_->peers[peer].rank, schedule_->version, schedule_->epoch,
+                                  deadline_, &cancelled_);
+}
+
+void UcxFabric::close_attempt(bool ok) {
+  if (!open_) return;
+  open_ = false;
+  std::vector<mailbox::Fence::Sender> senders;
+  for (uint32_t p : in_peers_) {
+    const Contact& c = contacts_[p];
+    const bool here = c.pid > 0 && c.start_time != 0 && !c.boot_id.empty() && c.boot_id == boot_id_;
+    const int32_t rank = schedule_->peers[p].rank;
+    const int pid = c.pid;
+    const uint64_t start = c.start_time;
+    senders.push_back({rank, [this, rank, here, pid, start](uint64_t open) {
+                         return sender_over(rank, open, here, pid, start);
+                       }});
+  }
+  fence_.close(mailbox_.get(), senders, schedule_->version, schedule_->epoch, ok);
+  std::atomic_ref<uint64_t>(mailbox_[mailbox::kAcceptingWord])
+      .store(mailbox::flag(schedule_->version, schedule_->epoch, true), std::memory_order_seq_cst);
+}
+
+bool UcxFabric::sender_over(int32_t rank, uint64_t open, bool here, int pid, uint64_t start_time) {
+  if (here && mailbox::process_gone(pid, start_time)) return true;
+  auto it = peers_.find(rank);
+  if (it == peers_.end() || !it->second.ep || it->second.mailbox_id == 0 || !engine_) {
+    return false;  // no way to look: its flag or the deadline ends the wait
+  }
+  if (it->second.ep->failed()) return true;
+  std::atomic_ref<uint64_t>(flags_[2]).store(0, std::memory_order_relaxed);
+  const ucx::GetRun read{&*it->second.ep, it->second.mailbox_id, it->second.accepting_word,
+                         reinterpret_cast<uint8_t*>(&flags_[2]), sizeof(uint64_t), ucx::Op::kGet};
+  ucx::BatchReport r = engine_->run_batch(std::span<const ucx::GetRun>(&read, 1),
+                                          std::min(deadline_, Clock::now() + std::chrono::seconds(1)));
+  if (!r.status.is_ok()) return false;
+  return std::atomic_ref<uint64_t>(flags_[2]).load(std::memory_order_acquire) != open;
 }
 
 Status UcxFabric::send(std::span<const uint32_t> ready) {
@@ -205,6 +329,11 @@ Status UcxFabric::send(std::span<const uint32_t> ready) {
                                const_cast<uint8_t*>(s.src), s.bytes, ucx::Op::kPut});
   }
   if (puts.empty()) return Status::ok();
+  std::set<uint32_t> to;
+  for (uint32_t i : ready) {
+    if (schedule_->sends[i].peer != kSelf) to.insert(schedule_->sends[i].peer);
+  }
+  for (uint32_t p : to) REFIT_RETURN_IF_ERROR(await_accepting(p));
   ucx::BatchReport r = engine_->run_batch(puts, deadline_);
   return r.status.with_context("local fabric");
 }
@@ -219,7 +348,7 @@ Status UcxFabric::finish(bool failed) {
       status = engine_->flush(out, deadline_).with_context("local fabric");
       failed = !status.is_ok();
     }
-    flags_[0] = mailbox::flag(schedule_->version, schedule_->epoch, failed);
+    flags_[0] = mailbox::flag(schedule_->version, schedule_->epoch, failed);  // flags_[1], [2]: accepting words read
     std::vector<ucx::GetRun> flags;
     std::vector<ucx::Endpoint*> alive;
     for (uint32_t p : out_peers_) {
@@ -238,15 +367,15 @@ Status UcxFabric::finish(bool failed) {
   if (status.is_ok() && !failed) {
     status = mailbox::wait(mailbox_.get(), in_ranks_, schedule_->version, schedule_->epoch, deadline_, &cancelled_);
   }
-  if (status.is_ok() && !failed) {
-    mailbox::clear(mailbox_.get(), in_ranks_);
-  } else {  // a retry of this version and membership keeps what peers finished
-    mailbox::clear_except(mailbox_.get(), in_ranks_, mailbox::flag(schedule_->version, schedule_->epoch, false));
-  }
+  // Clears the slots (a retry of this version and membership keeps what
+  // peers finished) and remembers the senders that may still write.
+  close_attempt(status.is_ok() && !failed);
   return status;
 }
 
 void UcxFabric::end() {
+  if (schedule_) close_attempt(false);
+  std::lock_guard<std::mutex> idle(idle_mutex_);
   engine_.reset();
   schedule_ = nullptr;
   eps_.clear();

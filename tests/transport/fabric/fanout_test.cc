@@ -1,5 +1,6 @@
-// The same fan-out schedule through both local fabrics: the UCX fabric over
-// shared memory, and the NCCL fabric's logic over the host communicator
+// The same fan-out schedule through the local fabrics: the UCX fabric over
+// shared memory, the cma fabric (cross-memory attach; all ranks in this one
+// process), and the NCCL fabric's logic over the host communicator
 // (host_comm.h). The same bytes must land, whatever order the sends become
 // ready in.
 
@@ -9,6 +10,7 @@
 #include "host_comm.h"
 #include "transport/fabric/nccl_fabric.h"
 #ifdef REFIT_TEST_UCX_FABRIC
+#include "transport/fabric/cma_fabric.h"
 #include "transport/fabric/ucx_fabric.h"
 #endif
 
@@ -34,11 +36,9 @@ Result<RankFabric> make_nccl(int32_t rank, std::vector<uint8_t>& buffer) {
 }
 
 #ifdef REFIT_TEST_UCX_FABRIC
-Result<RankFabric> make_ucx(int32_t rank, std::vector<uint8_t>& buffer) {
-  UcxFabricConfig config;
-  config.rank = rank;
-  config.limits.chunk_bytes = 4096;
-  Result<std::unique_ptr<UcxFabric>> f = UcxFabric::create(config);
+// Registers `buffer` with a host fabric just made.
+template <typename F>
+Result<RankFabric> host_rank(Result<std::unique_ptr<F>> f, std::vector<uint8_t>& buffer) {
   if (!f.is_ok()) return f.status();
   RankFabric out;
   Result<std::vector<uint8_t>> key = (*f)->register_buffer("t", buffer.data(), buffer.size());
@@ -48,6 +48,20 @@ Result<RankFabric> make_ucx(int32_t rank, std::vector<uint8_t>& buffer) {
   out.fabric = std::move(f).value();
   return out;
 }
+
+Result<RankFabric> make_ucx(int32_t rank, std::vector<uint8_t>& buffer) {
+  UcxFabricConfig config;
+  config.rank = rank;
+  config.limits.chunk_bytes = 4096;
+  return host_rank(UcxFabric::create(config), buffer);
+}
+
+Result<RankFabric> make_cma(int32_t rank, std::vector<uint8_t>& buffer) {
+  CmaFabricConfig config;
+  config.rank = rank;
+  config.max_iov = 3;  // several system calls per batch
+  return host_rank(CmaFabric::create(config), buffer);
+}
 #endif
 
 class Fanout : public ::testing::TestWithParam<std::string> {
@@ -55,6 +69,7 @@ class Fanout : public ::testing::TestWithParam<std::string> {
   testing::MakeFabric maker() {
 #ifdef REFIT_TEST_UCX_FABRIC
     if (GetParam() == "ucx") return make_ucx;
+    if (GetParam() == "cma") return make_cma;
 #endif
     return make_nccl;
   }
@@ -62,7 +77,7 @@ class Fanout : public ::testing::TestWithParam<std::string> {
 
 TEST_P(Fanout, SameBytesLandThroughEveryFabric) {
 #ifndef REFIT_TEST_UCX_FABRIC
-  if (GetParam() == "ucx") GTEST_SKIP() << "this build has no UCX";
+  if (GetParam() != "nccl") GTEST_SKIP() << "this build has no UCX";
 #endif
   for (uint32_t seed : {1u, 2u, 3u}) {
     const int32_t ranks = 2 + static_cast<int32_t>(seed % 3);
@@ -71,7 +86,7 @@ TEST_P(Fanout, SameBytesLandThroughEveryFabric) {
     std::vector<RankFabric> fabrics;
     for (int32_t r = 0; r < ranks; ++r) {
       Result<RankFabric> f = maker()(r, buffers[r]);
-      if (!f.is_ok() && GetParam() == "ucx") GTEST_SKIP() << "no UCX shared memory here: " << f.status().message();
+      if (!f.is_ok() && GetParam() != "nccl") GTEST_SKIP() << "no " << GetParam() << " fabric here: " << f.status().message();
       ASSERT_TRUE(f.is_ok()) << f.status().message();
       fabrics.push_back(std::move(f).value());
     }
@@ -91,7 +106,7 @@ TEST_P(Fanout, SameBytesLandThroughEveryFabric) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fabrics, Fanout, ::testing::Values("ucx", "nccl"),
+INSTANTIATE_TEST_SUITE_P(Fabrics, Fanout, ::testing::Values("ucx", "cma", "nccl"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
