@@ -330,7 +330,7 @@ int usage_error(const std::string& message) {
 
 int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
-  std::string mode = "direct", kill_text;
+  std::string mode = "direct", kill_text, local_fabric;
   bool serve_check = false, rejoin = false, small_pages = false, sequential = false;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
@@ -341,8 +341,8 @@ int main(int argc, char** argv) {
       "One process per rank (every source and receiver of the scenario), host memory, a\n"
       "coordinator inside refit-bench, UCX tcp on the loopback device as the network and the\n"
       "receivers' default local fabric (cross-memory attach, or UCX shared memory where the\n"
-      "kernel forbids it). For each strategy and each version v = 1..N the\n"
-      "sources write a pattern that changes with v and publish v, then every receiver\n"
+      "kernel forbids it; --local-fabric chooses). For each strategy and each version\n"
+      "v = 1..N the sources write a pattern that changes with v and publish v, then every receiver\n"
       "refreshes to v at once; the time is from that command to the last receiver done, and\n"
       "every receiver byte is verified afterwards (bytes outside the segments must be\n"
       "untouched).\n"
@@ -485,6 +485,10 @@ int main(int argc, char** argv) {
                "--late-join)");
   app.add_flag("--sequential", sequential,
                "run refit and no-dedup one after the other instead of taking turns version by version (see above)");
+  app.add_option("--local-fabric", local_fabric,
+                 "the receivers' local fabric: cma (cross-memory attach) or ucx (UCX shared memory); "
+                 "default: the library's (cma where the kernel allows it)")
+      ->check(CLI::IsMember({"cma", "ucx"}));
   app.add_flag("--small-pages", small_pages,
                "the ranks' buffers on 4 KiB pages instead of transparent huge pages (see above)");
   app.add_flag("--serve-check", serve_check,
@@ -536,6 +540,7 @@ int main(int argc, char** argv) {
   options.staged = mode == "staged";
   options.serve_check = serve_check;
   options.huge_pages = !small_pages;
+  options.local_fabric = local_fabric;
   if (!kill_text.empty()) {
     auto k = parse_kill(kill_text);
     if (!k) return usage_error(k.status().message());

@@ -65,16 +65,16 @@ class Refresh : public ::testing::Test {
   }
 
   // Refreshes `layout` three times and checks every byte and the network bytes.
-  static void refresh_and_check(const Layout& layout) {
+  static void refresh_and_check(const Layout& layout, const RunOptions& o = options()) {
     ASSERT_FALSE(layout.tensors.empty());
     auto plan = refit::make_plan(layout);
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
     const int64_t minimum = plan->summary().minimum_network_bytes;
     ASSERT_GT(minimum, 0);
 
-    RunResult r = refit::bench::run_refreshes(layout, Strategy::kRefit, options());
+    RunResult r = refit::bench::run_refreshes(layout, Strategy::kRefit, o);
     ASSERT_TRUE(r.status.is_ok()) << r.status.message();
-    ASSERT_EQ(r.versions.size(), 3u);
+    ASSERT_EQ(r.versions.size(), static_cast<size_t>(o.versions));
     for (const auto& v : r.versions) {
       EXPECT_TRUE(v.verified) << "version " << v.version;
       EXPECT_EQ(v.network_bytes, minimum) << "version " << v.version << ": the receivers pulled "
@@ -217,6 +217,15 @@ TEST_F(Refresh, RecipeScenarioTp2ToTwoTp2Replicas) {
   ASSERT_EQ(layout->sources.size(), 2u);
   ASSERT_EQ(layout->receivers.size(), 4u);
   refresh_and_check(*layout);
+}
+
+// The same fan-out through the UCX fabric (UCX shared memory), the one for
+// hosts whose kernel forbids cross-memory attach: two replicas in one
+// domain, so every byte is passed on once.
+TEST_F(Refresh, TheUcxFabricCarriesTheFanOut) {
+  RunOptions o = options();
+  o.local_fabric = "ucx";
+  refresh_and_check(two_replicas_in_one_domain(), o);
 }
 
 // The baselines run and verify too, and move what their names say: no-dedup

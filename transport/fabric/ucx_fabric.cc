@@ -110,10 +110,12 @@ UcxFabric::~UcxFabric() {
   mailbox_region_.reset();
   flags_region_.reset();
   worker_.reset();
+  for (std::unique_ptr<ucx::GetEngine>& e : retired_) (void)e.release();  // see retired_
   context_.reset();
 }
 
 Result<std::vector<uint8_t>> UcxFabric::register_buffer(const std::string& name, void* data, uint64_t bytes) {
+  std::lock_guard<std::mutex> idle(idle_mutex_);  // registers while nobody progresses the worker
   Result<ucx::MemoryRegion> region = ucx::MemoryRegion::map(*context_, data, bytes, name);
   if (!region.is_ok()) return region.status();
   regions_.push_back(std::move(region).value());
@@ -376,6 +378,10 @@ Status UcxFabric::finish(bool failed) {
 void UcxFabric::end() {
   if (schedule_) close_attempt(false);
   std::lock_guard<std::mutex> idle(idle_mutex_);
+  if (engine_ && engine_->outstanding_requests() > 0) {
+    engine_->retire();
+    retired_.push_back(std::move(engine_));
+  }
   engine_.reset();
   schedule_ = nullptr;
   eps_.clear();

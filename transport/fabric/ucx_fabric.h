@@ -112,8 +112,8 @@ class UcxFabric final : public LocalFabric {
   std::map<int32_t, PeerState> peers_;  // by rank, kept across refreshes
 
   // The idle progress (see Threads above): progresses the worker while no
-  // engine exists; begin() and end() hold idle_mutex_ while they touch the
-  // worker or make and destroy the engine.
+  // engine exists; register_buffer(), begin() and end() hold idle_mutex_
+  // while they touch the worker or make and destroy the engine.
   void idle_loop();
   std::mutex idle_mutex_;
   bool idle_stop_ = false;  // guarded by idle_mutex_
@@ -124,6 +124,12 @@ class UcxFabric final : public LocalFabric {
   const Schedule* schedule_ = nullptr;
   Clock::time_point deadline_;
   std::unique_ptr<ucx::GetEngine> engine_;
+  // Engines that ended with requests outstanding (GetEngine::retire): kept
+  // alive for as long as the worker, since UCX may complete those requests
+  // until it destroys the endpoints, at the latest in the worker's
+  // destruction; then left undestroyed, as their destructors would touch
+  // the worker. One per refresh that a dead peer left that way.
+  std::vector<std::unique_ptr<ucx::GetEngine>> retired_;
   std::vector<ucx::Endpoint*> eps_;               // per schedule peer
   std::vector<std::vector<uint64_t>> buffer_ids_;  // per schedule peer, per buffer: rkey id
   std::vector<uint64_t> mailboxes_;               // per schedule peer: its slot for this rank

@@ -67,14 +67,7 @@ GetEngine::GetEngine(Worker& worker, GetEngineOptions options)
     : worker_(worker), options_(options), instance_(next_instance()) {}
 
 GetEngine::~GetEngine() {
-  if (thread_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    (void)worker_.signal();
-    thread_.join();
-  }
+  retire();
   std::lock_guard<std::mutex> lock(mutex_);
   (void)set_reply_handlers(false);
 }
@@ -108,6 +101,16 @@ void GetEngine::remove_local_region(const MemoryRegion& region) {
   std::lock_guard<std::mutex> lock(mutex_);
   local_regions_.erase(std::remove(local_regions_.begin(), local_regions_.end(), &region),
                        local_regions_.end());
+}
+
+void GetEngine::retire() {
+  if (!thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  (void)worker_.signal();
+  thread_.join();
 }
 
 uint64_t GetEngine::outstanding_requests() const {

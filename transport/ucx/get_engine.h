@@ -164,6 +164,13 @@ class GetEngine {
 
   // UCX requests issued and not yet completed (zero between batches).
   uint64_t outstanding_requests() const;
+  // For an engine left with outstanding requests (a peer that died where
+  // UCX cannot tell, as over shared memory) on endpoints that outlive it:
+  // stops the progress thread, so that a new engine may own the worker.
+  // The engine must then stay alive as long as UCX may complete those
+  // requests, that is until their endpoints and the worker are destroyed:
+  // the completions point into it.
+  void retire();
   // Request slots ever allocated (bounded by the window's op limit).
   size_t slot_count() const;
 

@@ -909,7 +909,10 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
   ordered_json net = {{"transports", options.network_transports}};
   if (!options.network_devices.empty()) net["devices"] = options.network_devices;
   c["network"] = std::move(net);
-  if (place.receiver) c["local"] = {{"transports", options.local_transports}};
+  if (place.receiver) {
+    c["local"] = {{"transports", options.local_transports}};
+    if (!options.local_fabric.empty()) c["local"]["fabric"] = options.local_fabric;
+  }
   if (place.receiver && options.staged) c["mode"] = "staged";
   if (options.heartbeat_timeout.count() > 0)
     c["heartbeat_ms"] = std::max<int64_t>(100, options.heartbeat_timeout.count() / 4);

@@ -59,6 +59,9 @@ struct RunOptions {
   std::vector<std::string> network_transports{"tcp"};
   std::vector<std::string> network_devices{"lo"};
   std::vector<std::string> local_transports{"shm"};
+  // The receivers' "local.fabric" ("cma", "ucx"); empty: the library's
+  // default.
+  std::string local_fabric;
   // Deadline of each step (every child's answer to one command).
   std::chrono::milliseconds step_timeout{60000};
   // Passed to refit_receiver_refresh and refit_source_wait_drained.
