@@ -77,19 +77,6 @@ Status await_accepting(const std::function<Status(uint64_t* word)>& read, int32_
   }
 }
 
-void clear(uint64_t* slots, std::span<const int32_t> from) {
-  for (int32_t r : from) std::atomic_ref<uint64_t>(slots[slot_of(r)]).store(0, std::memory_order_release);
-}
-
-void clear_except(uint64_t* slots, std::span<const int32_t> from, uint64_t keep) {
-  for (int32_t r : from) {
-    uint64_t seen = std::atomic_ref<uint64_t>(slots[slot_of(r)]).load(std::memory_order_acquire);
-    // Only a flag that is not `keep` is cleared, and only if it is still the
-    // one seen: a peer may write its flag meanwhile.
-    if (seen != keep) std::atomic_ref<uint64_t>(slots[slot_of(r)]).compare_exchange_strong(seen, 0);
-  }
-}
-
 void Fence::close(uint64_t* slots, std::span<const Sender> senders, int64_t version, uint64_t epoch, bool ok) {
   const uint64_t keep = flag(version, epoch, false);
   for (const Sender& s : senders) {

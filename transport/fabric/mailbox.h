@@ -95,17 +95,6 @@ Status await_accepting(const std::function<Status(uint64_t* word)>& read, int32_
                        uint64_t epoch, std::chrono::steady_clock::time_point deadline,
                        const std::atomic<bool>* cancel);
 
-// Zeroes the slots of `from`, once their flags are consumed.
-void clear(uint64_t* slots, std::span<const int32_t> from);
-// After a failed attempt: zeroes the slots of `from` except those that hold
-// `keep`, the flag of a peer that passed on all its slices for this version
-// in this membership. A retry of the same version and membership then finds
-// those flags again (the peer may have finished and will not send twice,
-// and the bytes it sent are still in place: in one plan every byte of a
-// rank's buffer comes from one place), while a failed flag or one of
-// another membership does not outlive the attempt that saw it.
-void clear_except(uint64_t* slots, std::span<const int32_t> from, uint64_t keep);
-
 // The senders that may still be writing into this rank (see the fence above).
 class Fence {
  public:
@@ -118,14 +107,19 @@ class Fence {
     // on only once its writes of the attempt returned). Polled by wait().
     std::function<bool(uint64_t open)> over;
   };
-  // Ends this rank's attempt (version, epoch) with these senders: clears
-  // their slots as clear() does after an attempt that succeeded (`ok`), as
-  // clear_except(flag(version, epoch, false)) does after one that failed,
-  // and remembers each sender whose flag for the attempt was not there. The
-  // slot a sender's flag was seen in is the slot cleared, one compare and
-  // swap each, so a flag that lands meanwhile stays for wait() to find. A
-  // sender seen to end the attempt is forgotten (with any earlier attempt of
-  // it: its attempts run one at a time).
+  // Ends this rank's attempt (version, epoch) with these senders. Their
+  // slots are cleared once consumed: all of them after an attempt that
+  // succeeded (`ok`); after one that failed, all but those that hold the ok
+  // flag of this attempt, so that a retry of the same version and
+  // membership finds what a peer finished (it will not send again, and its
+  // bytes are in place: in one plan each byte of a rank's buffer comes from
+  // one place), while a failed flag or one of another attempt does not
+  // outlive the attempt that saw it. Each sender whose flag for the attempt
+  // was not there is remembered. The value a sender's flag was seen as is
+  // the value cleared, one compare and swap each, so a flag that lands
+  // meanwhile stays for wait() to find. A sender seen to end the attempt is
+  // forgotten (with any earlier attempt of it: its attempts run one at a
+  // time).
   void close(uint64_t* slots, std::span<const Sender> senders, int64_t version, uint64_t epoch, bool ok);
   // Before this rank accepts writes for `version`: waits until every
   // remembered sender of another version has ended that attempt (its flag,

@@ -75,7 +75,7 @@ Result<std::unique_ptr<UcxFabric>> UcxFabric::create(const UcxFabricConfig& conf
 void UcxFabric::idle_loop() {
   Result<int> fd = worker_->event_fd();
   while (true) {
-    bool armed = false;
+    enum { kEngine, kPending, kArmed, kNoFd } next = kEngine;
     {
       std::lock_guard<std::mutex> lock(idle_mutex_);
       if (idle_stop_) return;
@@ -83,14 +83,17 @@ void UcxFabric::idle_loop() {
         while (worker_->progress() != 0) {
         }
         Result<bool> a = worker_->arm();
-        armed = a.is_ok() && *a;
+        next = !a.is_ok() || !fd.is_ok() ? kNoFd : *a ? kArmed : kPending;
       }
     }
-    if (armed && fd.is_ok()) {
+    if (next == kPending) continue;  // events came in meanwhile: progress again
+    if (next == kArmed) {
       pollfd p = {*fd, POLLIN, 0};
-      (void)::poll(&p, 1, 20);
+      (void)::poll(&p, 1, 20);  // until an event, or 20 ms to notice idle_stop_
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(armed ? 0 : 5));
+      // The engine owns the worker (its thread progresses it), or no fd to
+      // sleep on.
+      std::this_thread::sleep_for(std::chrono::milliseconds(next == kEngine ? 5 : 1));
     }
   }
 }
