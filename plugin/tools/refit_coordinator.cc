@@ -19,6 +19,7 @@
 
 #include "transport/control/auth.h"
 #include "transport/control/coordinator.h"
+#include "transport/control/metrics.h"
 
 namespace {
 
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
   int64_t lease_ms = 60000, heartbeat_ms = 10000, read_ms = 10000, idle_ms = 60000, write_ms = 10000, auth_ms = 5000;
   uint32_t max_frame = refit::control::kDefaultMaxFrameBytes;
   size_t max_connections = 4096;
+  std::string metrics, metrics_token_file;
   refit::control::CoordinatorConfig defaults;
   size_t max_queued = defaults.max_queued_bytes, max_buffered = defaults.max_buffered_bytes;
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: any free port, printed)")->required();
@@ -81,6 +83,10 @@ int main(int argc, char** argv) {
                  "frame); past it, a big reply is refused and a connection that sends more is dropped")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--metrics", metrics,
+                 "HOST:PORT to serve Prometheus metrics on (GET /metrics, read-only; docs/operations.md)");
+  app.add_option("--metrics-token-file", metrics_token_file,
+                 "with --metrics: scrapes must send \"Authorization: Bearer TOKEN\" with the token in this file");
   app.footer("Example:\n  refit-coordinator --listen 0.0.0.0:7070 --token-file /etc/refit/token\n"
              "Exit status: 0 after SIGINT/SIGTERM, 2 bad input (one line on stderr), 1 internal error.");
   try {
@@ -122,6 +128,26 @@ int main(int argc, char** argv) {
     }
   }
   config.log = log_line;
+  refit::control::MetricsServerOptions metrics_options;
+  if (!metrics.empty()) {
+    refit::Status st = refit::control::parse_metrics_address(metrics, &metrics_options.host, &metrics_options.port);
+    if (!st.is_ok()) {
+      std::cerr << "refit-coordinator: --metrics: " << st.message() << "\n";
+      return kExitBadInput;
+    }
+    if (!metrics_token_file.empty()) {
+      auto bearer = refit::control::read_token_file(metrics_token_file);
+      if (!bearer.is_ok()) {
+        std::cerr << "refit-coordinator: --metrics-token-file: " << bearer.status().message() << "\n";
+        return kExitBadInput;
+      }
+      metrics_options.bearer_token = std::move(bearer).value();
+    }
+    metrics_options.log = log_line;
+  } else if (!metrics_token_file.empty()) {
+    std::cerr << "refit-coordinator: --metrics-token-file needs --metrics\n";
+    return kExitBadInput;
+  }
 
   // Block the signals before the I/O thread starts so that only sigwait()
   // below receives them.
@@ -137,9 +163,51 @@ int main(int argc, char** argv) {
     return co.status().code() == refit::Code::kInvalidArgument ? kExitBadInput : kExitInternal;
   }
   log_line("listening on " + listen.substr(0, listen.rfind(':')) + ":" + std::to_string((*co)->port()));
+
+  // Metrics are read from the coordinator's stats at each scrape; a failing
+  // scrape or a stopped server never touches the coordinator itself.
+  refit::control::MetricsRegistry registry;
+  std::unique_ptr<refit::control::MetricsServer> metrics_server;
+  if (!metrics.empty()) {
+    using Type = refit::control::MetricsRegistry::Type;
+    registry.declare("refit_members", Type::kGauge, "Live members of the job, by role.");
+    registry.declare("refit_published_version", Type::kGauge,
+                     "The newest version every source rank has published (0: none yet).");
+    registry.declare("refit_connections", Type::kGauge, "Open control-plane connections.");
+    registry.declare("refit_connections_refused_total", Type::kCounter,
+                     "Connections closed for a failed authentication or a protocol violation.");
+    registry.declare("refit_plans_total", Type::kCounter, "Plans made (one per membership asked for a plan).");
+    registry.declare("refit_buffered_bytes", Type::kGauge,
+                     "Queued replies and partly read requests of all connections together.");
+    refit::control::Coordinator* coordinator = co->get();
+    auto render = [&registry, coordinator] {
+      auto st = coordinator->stats();
+      if (st.is_ok()) {
+        registry.set("refit_members", {{"role", "source"}}, static_cast<double>(st->sources));
+        registry.set("refit_members", {{"role", "receiver"}}, static_cast<double>(st->receivers));
+        registry.set("refit_published_version", {}, static_cast<double>(st->version));
+        registry.set("refit_connections", {}, static_cast<double>(st->connections));
+        // Counters mirror the coordinator's own monotonic counts.
+        registry.add("refit_connections_refused_total", {},
+                     static_cast<double>(st->refused) - registry.value("refit_connections_refused_total", {}));
+        registry.add("refit_plans_total", {}, static_cast<double>(st->plans) - registry.value("refit_plans_total", {}));
+        registry.set("refit_buffered_bytes", {}, static_cast<double>(st->buffered_bytes));
+      }
+      return registry.render();
+    };
+    auto server = refit::control::MetricsServer::start(metrics_options, render);
+    if (!server.is_ok()) {
+      std::cerr << "refit-coordinator: --metrics: " << server.status().message() << "\n";
+      (*co)->stop();
+      return kExitBadInput;
+    }
+    metrics_server = std::move(*server);
+    log_line("metrics on http://" + metrics_options.host + ":" + std::to_string(metrics_server->port()) + "/metrics");
+  }
   int sig = 0;
   sigwait(&signals, &sig);
   log_line(std::string("stopping on ") + (sig == SIGINT ? "SIGINT" : "SIGTERM"));
+  if (metrics_server) metrics_server->stop();
   (*co)->stop();
   return 0;
 }
