@@ -208,7 +208,10 @@ void ControlState::touch_session(uint64_t session, Clock::time_point now) {
     if (s.session == session) s.last_seen = now;
   }
   for (auto& [rank, r] : receivers_) {
-    if (r.session == session) r.last_seen = now;
+    if (r.session != session) continue;
+    r.last_seen = now;
+    // Its lease renewals wait behind the plan too (they share the connection).
+    if (auto l = leases_.find(rank); l != leases_.end()) l->second.expires = std::max(l->second.expires, now + lease_timeout_);
   }
 }
 

@@ -204,9 +204,9 @@ class ControlState {
   // Whether every declared rank of the instance is registered (true when it
   // declares no size).
   bool instance_complete(int32_t instance) const;
-  // Marks every member the session registered as seen now: the coordinator
-  // holds the session's requests (planning) and so does not read its
-  // heartbeats.
+  // Marks every member the session registered as seen now, and renews their
+  // leases: the coordinator holds the session's requests (planning) and so
+  // does not read its heartbeats or lease renewals.
   void touch_session(uint64_t session, Clock::time_point now);
   Status release(uint64_t session, const StageReport& m);
   // True when version v is drained now; otherwise the session gets a
