@@ -277,7 +277,7 @@ Body receiver_body(ReceiverSpec spec) {
       }
       std::string error = st == REFIT_OK ? "" : refit_last_error();
       for (char& c : error) c = c == '\n' ? ' ' : c;
-      std::fprintf(stderr, "receiver %d: %s %s\n", spec.rank, refit_status_name(st), error.c_str());
+      std::fprintf(stderr, "receiver %d: %s %s %s\n", spec.rank, refit_status_name(st), error.c_str(), refit_receiver_report(r));
       line.send(std::string(refit_status_name(st)) + " " + std::to_string(held) + " " + bytes + " " +
                 std::to_string(std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count()) + " " + error);
     };
@@ -350,11 +350,11 @@ TEST_F(Trust, ADrainedVersionIsNeverReadAgain) {
 }
 
 // The lease times out after 400 ms. Receivers 0 and 1 want all of "w" in
-// one domain, so each passes the other the half it pulled; receiver 1
-// starts 2.5 s after receiver 0, which waits for it meanwhile, under its
-// lease. The lease is renewed while the refresh runs: the source's
-// wait_drained(1), asked meanwhile, waits until both refreshes released it,
-// and both get version 1 whole.
+// one domain: receiver 0 pulls it from the source and passes it on to
+// receiver 1. Receiver 1 starts first and waits 2.5 s under its lease for
+// receiver 0, which starts late. The lease is renewed while the refresh
+// runs: the source's wait_drained(1), asked meanwhile, waits until both
+// refreshes released version 1, and both get it whole.
 TEST_F(Trust, ALeaseLivesAsLongAsItsRefresh) {
   refit::control::CoordinatorConfig cc = coordinator_config();
   cc.lease_timeout = milliseconds(400);
@@ -366,19 +366,19 @@ TEST_F(Trust, ALeaseLivesAsLongAsItsRefresh) {
     ASSERT_FALSE(joined.empty());
     ASSERT_EQ(joined[0], "REFIT_OK");
   }
-  kid(1).send("refresh 1 20000");
-  kid(2).send("refresh 1 20000 2500");
-  std::this_thread::sleep_for(milliseconds(500));  // receiver 0 leased and waits for receiver 1
+  kid(2).send("refresh 1 20000");
+  kid(1).send("refresh 1 20000 2500");
+  std::this_thread::sleep_for(milliseconds(500));  // receiver 1 leased and waits for receiver 0
   kid(0).send("drain 1");
   const std::vector<std::string> a = words(kid(1).recv()), b = words(kid(2).recv());
   ASSERT_GE(a.size(), 4u);
   ASSERT_GE(b.size(), 4u);
   EXPECT_EQ(a[0], "REFIT_OK");
-  EXPECT_EQ(a[1], "1");
   EXPECT_EQ(a[2], "ok") << "the source overwrote version 1 while a refresh still read it";
-  EXPECT_GT(std::stoll(a[3]), 2000) << "the refresh was to outlive its lease timeout";
   EXPECT_EQ(b[0], "REFIT_OK");
-  EXPECT_EQ(b[2], "ok");
+  EXPECT_EQ(b[1], "1");
+  EXPECT_EQ(b[2], "ok") << "the source overwrote version 1 while a refresh still read it";
+  EXPECT_GT(std::stoll(b[3]), 2000) << "the refresh was to outlive its lease timeout";
   const std::vector<std::string> drained = words(kid(0).recv());
   ASSERT_GE(drained.size(), 3u);
   EXPECT_EQ(drained[1], "REFIT_OK");
