@@ -359,7 +359,10 @@ Result<LeaseRequest> parse_lease(const Json& body, const MessageLimits& lim) {
   LeaseRequest m{std::move(report).value(), false};
   auto it = body.find("renew");
   if (it != body.end()) {
-    if (!it->is_boolean()) return Status::invalid("lease: renew must be a boolean, got " + it->dump(-1, ' ', true, Json::error_handler_t::replace).substr(0, 40));
+    if (!it->is_boolean()) {
+      return Status::invalid("lease: renew must be a boolean, got " +
+                             it->dump(-1, ' ', true, Json::error_handler_t::replace).substr(0, 40));
+    }
     m.renew = it->get<bool>();
   }
   return m;
