@@ -65,8 +65,9 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   AgentConfig c;
   c.receiver = receiver;
   if (receiver) {
-    r.object(doc, "", {"rank", "domain", "instance", "coordinator", "network", "local", "window_bytes",
-                       "chunk_bytes", "landing_bytes", "heartbeat_ms", "log_level", "recipe", "mode", "verify"});
+    r.object(doc, "", {"rank", "domain", "instance", "instance_ranks", "coordinator", "network", "local",
+                       "window_bytes", "chunk_bytes", "landing_bytes", "heartbeat_ms", "log_level", "recipe", "mode",
+                       "verify"});
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
@@ -81,6 +82,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   c.rank = static_cast<int32_t>(r.integer(doc, "", "rank", std::nullopt, 0, kMaxRank));
   c.domain = static_cast<int32_t>(r.integer(doc, "", "domain", 0, 0, kMaxRank));
   if (receiver) c.instance = static_cast<int32_t>(r.integer(doc, "", "instance", 0, 0, kMaxRank));
+  if (receiver) c.instance_ranks = static_cast<int32_t>(r.integer(doc, "", "instance_ranks", 0, 1, kMaxRank + 1));
 
   if (const Json* co = r.member(doc, "", "coordinator", true)) {
     r.object(*co, "coordinator", {"address", "token_file", "embedded", "timeout_ms"});

@@ -43,6 +43,7 @@ struct AgentConfig {
   int32_t rank = 0;
   int32_t domain = 0;
   int32_t instance = 0;  // receivers
+  int32_t instance_ranks = 0;  // receivers: the instance's declared size; 0: not declared
   CoordinatorEndpoint coordinator;
   TransportConfig network{{"tcp"}, {}};
   TransportConfig local{{"shm"}, {}};  // receivers: the UCX fabric's transports

@@ -42,6 +42,59 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// Renews a lease while the refresh that holds it runs (docs/refresh.md,
+// "Leases"): three times per lease timeout, on a thread of its own, so that
+// a refresh of any length keeps it. If a renewal is refused (the lease
+// expired or was revoked: the sources may be overwriting the version), it
+// stops and lost() says why; the refresh then fails.
+class LeaseKeeper {
+ public:
+  LeaseKeeper(CoordinatorLink* link, Json lease, std::chrono::milliseconds timeout)
+      : link_(link), lease_(std::move(lease)) {
+    lease_["renew"] = true;
+    const auto period = std::max(timeout / 3, std::chrono::milliseconds(10));
+    thread_ = std::thread([this, period] { run(period); });
+  }
+  ~LeaseKeeper() { stop(); }
+  LeaseKeeper(const LeaseKeeper&) = delete;
+  LeaseKeeper& operator=(const LeaseKeeper&) = delete;
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  // Why the lease was lost; "" while it holds. Call after stop().
+  const std::string& lost() const { return lost_; }
+
+ private:
+  void run(std::chrono::milliseconds period) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, period, [this] { return stop_; })) {
+      lock.unlock();
+      Result<Json> r = link_->request(MsgType::kLease, lease_);
+      lock.lock();
+      // A refusal is final; a connection that failed may recover before
+      // the lease expires, and the release at the end tells either way.
+      if (!r.is_ok() && r.status().code() == Code::kNotFound) {
+        lost_ = r.status().message();
+        return;
+      }
+    }
+  }
+
+  CoordinatorLink* link_;
+  Json lease_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::string lost_;   // written by the thread, read after stop()
+  std::thread thread_;
+};
+
 }  // namespace
 
 // One receiver's part of the plan of one membership epoch, compiled.
@@ -151,6 +204,7 @@ struct ReceiverAgent::Report {
   bool landing = false;
   uint64_t landing_slots = 0, landing_chunks = 0, landing_copies = 0, landing_held = 0;
   bool touched = false;        // some attempt began writing the buffers
+  bool lease_lost = false;     // the lease expired or was revoked under the refresh: not retried
 };
 
 ReceiverAgent::ReceiverAgent(AgentConfig config)
@@ -348,6 +402,7 @@ Status ReceiverAgent::join() {
   m.rank = config_.rank;
   m.instance = config_.instance;
   m.domain = config_.domain;
+  m.instance_ranks = config_.instance_ranks;
   m.worker_address = fabric_->contact();
   for (const Buf& b : buffers_) {
     control::MemberBuffer mb;
@@ -861,31 +916,62 @@ Status ReceiverAgent::run_refresh(int64_t requested, Clock::time_point deadline,
   Result<Json> sub = link_->request(MsgType::kSubscribe, Json::object());
   if (!sub.is_ok()) return sub.status();
   int64_t latest = sub->value("version", int64_t{0});
-  const int64_t want = requested == -1 ? 1 : requested;
-  while (latest < want) {
-    Result<std::optional<Json>> n = link_->wait_notice(MsgType::kVersionNotify, deadline);
-    if (!n.is_ok()) return n.status();
-    if (!n->has_value()) {
-      return Status::timeout(requested == -1 ? std::string("no version was published before the deadline")
-                                             : "version " + std::to_string(requested) +
-                                                   " was not published before the deadline (the latest is " +
-                                                   std::to_string(latest) + ")");
+  int64_t want = requested == -1 ? 1 : requested;
+  std::string drained;  // REFIT_LATEST: why the latest known version was passed over
+  int64_t version = 0;
+  Json lease;
+  std::chrono::milliseconds lease_timeout{60000};
+  while (true) {
+    while (latest < want) {
+      Result<std::optional<Json>> n = link_->wait_notice(MsgType::kVersionNotify, deadline);
+      if (!n.is_ok()) return n.status();
+      if (!n->has_value()) {
+        if (!drained.empty()) {
+          return Status::timeout("no version newer than " + std::to_string(latest) +
+                                 " was published before the deadline, and that one can no longer be read: " +
+                                 drained);
+        }
+        return Status::timeout(requested == -1 ? std::string("no version was published before the deadline")
+                                               : "version " + std::to_string(requested) +
+                                                     " was not published before the deadline (the latest is " +
+                                                     std::to_string(latest) + ")");
+      }
+      latest = std::max(latest, (**n).value("version", int64_t{0}));
     }
-    latest = std::max(latest, (**n).value("version", int64_t{0}));
-  }
-  const int64_t version = requested == -1 ? latest : requested;
-  if (version < latest) {
-    return Status::not_found("version " + std::to_string(version) + " is older than " + std::to_string(latest) +
-                             ", the latest published: the sources hold only the latest");
+    version = requested == -1 ? latest : requested;
+    if (version < latest) {
+      return Status::not_found("version " + std::to_string(version) + " is older than " + std::to_string(latest) +
+                               ", the latest published: the sources hold only the latest");
+    }
+    lease = Json{{"rank", config_.rank}, {"version", version}};
+    Result<Json> leased = link_->request(MsgType::kLease, lease);
+    if (leased.is_ok()) {
+      lease_timeout = std::chrono::milliseconds(leased->value("timeout_ms", int64_t{60000}));
+      break;
+    }
+    const std::string& why = leased.status().message();
+    if (requested == -1 && leased.status().code() == Code::kNotFound &&
+        why.find("was drained") != std::string::npos) {
+      // The sources are overwriting it: the latest is the next version.
+      drained = why;
+      want = version + 1;
+      continue;
+    }
+    if (why.find("(\"instance_ranks\") registered") == std::string::npos) return leased.status();
+    // A rank of the instance has not joined (yet): wait for it.
+    if (Clock::now() + kRetryPause >= deadline) return Status::timeout(why + ", until the deadline");
+    std::this_thread::sleep_for(kRetryPause);
+    Result<Json> again = link_->request(MsgType::kSubscribe, Json::object());
+    if (!again.is_ok()) return again.status();
+    latest = std::max(latest, again->value("version", int64_t{0}));
   }
   report->version = version;
   if (log_.enabled(LogLevel::kDebug)) {
     log_.debug("refresh to " + std::to_string(version) + ": version known after " +
                std::to_string(seconds_between(t0, Clock::now())) + " s");
   }
-  const Json lease{{"rank", config_.rank}, {"version", version}};
-  Result<Json> leased = link_->request(MsgType::kLease, lease);
-  if (!leased.is_ok()) return leased.status();
+  std::optional<LeaseKeeper> keeper;
+  keeper.emplace(link_.get(), lease, lease_timeout);
   Json fetch{{"rank", config_.rank}};
   if (compiled_) fetch["epoch"] = compiled_->epoch;  // the coordinator then sends only "unchanged"
   Result<Json> plan = link_->request(MsgType::kFetchPlan, fetch);
@@ -909,8 +995,18 @@ Status ReceiverAgent::run_refresh(int64_t requested, Clock::time_point deadline,
     st = execute(*compiled_, version, deadline, report);
   }
   if (st.is_ok() && config_.verify) st = verify(version, report);
+  keeper->stop();
   Result<Json> released = link_->request(MsgType::kRelease, lease);
-  if (st.is_ok() && !released.is_ok()) log_.warn(released.status().message());
+  if (!keeper->lost().empty() || (!released.is_ok() && released.status().code() == Code::kNotFound)) {
+    // The sources may have overwritten what this refresh read.
+    report->lease_lost = true;
+    const std::string why = keeper->lost().empty() ? released.status().message() : keeper->lost();
+    if (st.is_ok()) st = Status::io_error("the lease on version " + std::to_string(version) +
+                                          " was lost during the refresh, so what it read cannot be trusted: " + why);
+  } else if (st.is_ok() && !released.is_ok()) {
+    st = released.status().with_context("the lease on version " + std::to_string(version) +
+                                         " could not be released");
+  }
   return st;
 }
 
@@ -985,11 +1081,29 @@ Status ReceiverAgent::stage_barrier(Status st, int64_t version, Clock::time_poin
     }
     if (!n->has_value() && Clock::now() < deadline) continue;
     if (!n->has_value()) {
+      // The deadline passed with every notice sent so far read: withdraw.
+      // The coordinator answers in order, so its reply is the decision for
+      // the whole instance: committed already (then this rank commits too;
+      // commit is final), or aborted by this withdrawal.
       Json failed = body;
-      failed["reason"] = "no commit before the deadline";
-      (void)link_->request(MsgType::kReportFailed, failed);
+      failed["reason"] = "no commit before its deadline";
+      Result<Json> w = link_->request(MsgType::kReportFailed, failed);
+      if (w.is_ok() && w->value("committed", false)) {
+        log_.info("staged version " + std::to_string(version) + ": the deadline passed, but the instance had "
+                  "committed it; committing it too");
+        staged_version_ = version;
+        staged_ranges_ = compiled_->written;
+        return Status::ok();
+      }
+      aborted_ = true;
+      if (!w.is_ok()) {
+        return Status::timeout("staged version " + std::to_string(version) +
+                               ", but the instance did not commit before the deadline, and the coordinator could "
+                               "not be told (the instance may still commit it without this rank): " +
+                               w.status().message());
+      }
       return Status::timeout("staged version " + std::to_string(version) +
-                             ", but the instance did not commit before the deadline");
+                             ", but the instance did not commit before the deadline; it aborted the version");
     }
     const control::Frame& f = **n;
     if (f.body.value("version", int64_t{0}) != version) continue;  // an old barrier's word
@@ -1113,7 +1227,7 @@ Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds tim
     // coordinator replans without it once it is declared dead, and the
     // ranks of the domain fail and retry together), or ranks of the domain
     // on different memberships. Not an abort of the instance, nor bad input.
-    const bool retryable = !aborted_ && !report.verify_failed && report.version > 0 &&
+    const bool retryable = !aborted_ && !report.verify_failed && !report.lease_lost && report.version > 0 &&
                            (st.code() == Code::kIoError ||
                             st.message().find("another membership") != std::string::npos);
     if (st.is_ok() || !retryable || Clock::now() + kRetryPause * 2 >= deadline) break;

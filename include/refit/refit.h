@@ -12,7 +12,8 @@
  *    has written version v into its shards it calls refit_source_publish(v).
  *    Version v is available to receivers once every source rank of the
  *    group has published it. The shards must stay unchanged until
- *    refit_source_wait_drained(v) returns REFIT_OK.
+ *    refit_source_wait_drained(v) returns REFIT_OK (see "Versions, leases
+ *    and commits" below).
  *  - A receiver lives in an inference process. It registers the buffers it
  *    wants filled (refit_receiver_add_buffer), then refreshes to a version:
  *    it pulls exactly its slices from the sources over the network, once per
@@ -54,6 +55,14 @@
  *
  *   Receiver only:
  *     "instance"     integer >= 0 [0]: the inference replica this rank belongs to
+ *     "instance_ranks" integer >= 1 [not declared]: how many ranks the instance
+ *                    has. Every rank of the instance must declare the same
+ *                    number. A version is refreshed and committed for the
+ *                    instance only while all of them are members: a refresh
+ *                    waits (until its deadline) for a rank that has not joined,
+ *                    and a rank missing aborts the version for this instance
+ *                    only. Not declared: the ranks registered at the time are
+ *                    the instance
  *     "mode"         "direct" | "staged" ["direct"]: direct refreshes write the
  *                    server's buffers (pause for the whole refresh); staged ones
  *                    write staging copies while the server goes on, and
@@ -84,6 +93,34 @@
  *        "tp", "pp", "dp"       integers [1]: the inference side's parallelism
  *        "expert_parallel"      bool [false]
  *        "gpus_per_domain"      integer [tp*pp*dp]
+ *
+ * Versions, leases and commits (what never tears):
+ *  - A receiver reads a version from the sources under a lease, which the
+ *    library renews while the refresh runs, however long it takes. If the
+ *    lease is lost anyway (the receiver stalled past the coordinator's lease
+ *    timeout, or it was declared dead) the refresh fails with
+ *    REFIT_IO_ERROR; it never returns REFIT_OK with what it read. A release
+ *    that fails fails the refresh too.
+ *  - Once refit_source_wait_drained(v) has returned REFIT_OK to any source
+ *    (and so once a snapshot or mirror publish has reused the memory of v),
+ *    no lease on v or an older version is granted again: the sources may be
+ *    overwriting it. A refresh to REFIT_LATEST then waits for a newer
+ *    version (REFIT_TIMEOUT if none is published before its deadline); a
+ *    refresh to v itself (or older) fails with REFIT_NOT_FOUND, "version v
+ *    was drained".
+ *  - Staged mode: commit is final. Once the coordinator has decided commit
+ *    for (instance, v), every rank of the instance commits v, and no rank is
+ *    ever told abort for it. A rank whose deadline passes after it reported
+ *    "staged" first reads every notice already sent to it, then withdraws:
+ *    the coordinator answers in order, so its answer is the decision. If the
+ *    instance had committed v, refit_receiver_refresh() returns REFIT_OK
+ *    (one round trip past timeout_ms) and the rank commits v like the
+ *    others; otherwise the withdrawal aborts v for the whole instance and
+ *    every rank keeps its old version (REFIT_TIMEOUT here, REFIT_IO_ERROR on
+ *    the others). Either way every rank of the instance ends on the same
+ *    version. The one exception is a rank that cannot reach the coordinator
+ *    at all at its deadline: it keeps its old version and its error says the
+ *    instance may have committed without it.
  *
  * Descriptions of tensors and buffers are JSON too (see each function).
  * dtype names are the safetensors ones: BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8
@@ -193,7 +230,9 @@ REFIT_EXPORT refit_status_t refit_source_publish(refit_source_t* source, int64_t
 /**
  * Waits until no receiver reads `version` or an older one from the sources
  * (every lease on it released or expired): then the trainer may overwrite
- * its shards. REFIT_TIMEOUT after `timeout_ms`.
+ * its shards. From then on no receiver is granted `version` or an older one
+ * again (see "Versions, leases and commits"). REFIT_TIMEOUT after
+ * `timeout_ms`.
  */
 REFIT_EXPORT refit_status_t refit_source_wait_drained(refit_source_t* source, int64_t version,
                                                       int64_t timeout_ms);
@@ -230,6 +269,13 @@ REFIT_EXPORT refit_status_t refit_receiver_add_buffer(refit_receiver_t* receiver
  * Registers this receiver's buffers with the coordinator. Called by the
  * first refresh if not before. Every rank of a domain should have joined
  * before any of them refreshes: a domain's ranks execute one plan together.
+ * REFIT_INVALID_ARGUMENT, naming the buffer and the problem, when a buffer
+ * cannot be planned against the tensors the joined sources declare (a
+ * tensor none of them declares, a box outside the tensor, another dtype or
+ * number of dims), or when "instance_ranks" disagrees with the instance's
+ * other ranks; nothing of the other members changes. A receiver that joins
+ * before any source is checked when it refreshes (its refresh fails, naming
+ * the problem; the others are planned without it).
  */
 REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
 
@@ -244,7 +290,9 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
  * Staged mode: the server goes on reading its buffers. REFIT_OK means the
  * version is staged on every rank of this instance and the coordinator has
  * said commit: call refit_receiver_commit() in a pause. On failure (here or
- * on any rank of the instance) the buffers keep the old version.
+ * on any rank of the instance) the buffers keep the old version. Every
+ * rank of an instance ends a version the same way ("Versions, leases and
+ * commits"); REFIT_OK may come one coordinator round trip after timeout_ms.
  */
 REFIT_EXPORT refit_status_t refit_receiver_refresh(refit_receiver_t* receiver, int64_t version,
                                                    int64_t timeout_ms);

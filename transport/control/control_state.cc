@@ -98,10 +98,121 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
     return Status::invalid("register_receiver: the coordinator already holds the limit of " +
                            std::to_string(limits_.max_receivers) + " receivers");
   }
+  // What cannot be planned is refused now, naming the buffer, rather than
+  // found when planning, where it would fail every member's plan.
+  if (!sources_.empty()) REFIT_RETURN_IF_ERROR(plannable(m.rank, m, /*full=*/true).with_context("register_receiver"));
+  const std::vector<int32_t> peers = instance_ranks(m.instance);
+  for (int32_t other : peers) {
+    const int32_t declared = receivers_.at(other).info.instance_ranks;
+    if (declared != m.instance_ranks) {
+      return Status::invalid("register_receiver: receiver rank " + std::to_string(m.rank) + " declares instance " +
+                             std::to_string(m.instance) + " to have " +
+                             (m.instance_ranks ? std::to_string(m.instance_ranks) : std::string("undeclared")) +
+                             " ranks (\"instance_ranks\"), its rank " + std::to_string(other) + " declared " +
+                             (declared ? std::to_string(declared) : std::string("none")));
+    }
+  }
+  if (m.instance_ranks > 0 && peers.size() >= static_cast<size_t>(m.instance_ranks)) {
+    return Status::invalid("register_receiver: instance " + std::to_string(m.instance) + " declares " +
+                           std::to_string(m.instance_ranks) + " ranks (\"instance_ranks\") and all of them are "
+                           "registered; receiver rank " + std::to_string(m.rank) + " would be one too many");
+  }
   const int32_t rank = m.rank;
   receivers_.emplace(rank, Member<RegisterReceiver>{session, now, std::move(m)});
   membership_changed();
   return Status::ok();
+}
+
+Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool full) const {
+  for (const MemberBuffer& b : m.buffers) {
+    for (size_t i = 0; i < b.segments.size(); ++i) {
+      const Segment& seg = b.segments[i];
+      const std::string where = "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
+                                std::to_string(i) + "] (tensor \"" + seg.tensor + "\")";
+      auto t = tensors_.find(seg.tensor);
+      if (t == tensors_.end()) return Status::invalid(where + ": no registered source declares this tensor");
+      const TensorDecl& decl = t->second.decl;
+      if (seg.start.size() != decl.shape.size() || seg.size.size() != decl.shape.size()) {
+        return Status::invalid(where + ": start " + dims(seg.start) + " size " + dims(seg.size) + " do not have the " +
+                               std::to_string(decl.shape.size()) + " dims of the tensor, " + decl.dtype +
+                               dims(decl.shape));
+      }
+      for (size_t d = 0; d < decl.shape.size(); ++d) {
+        if (seg.start[d] < 0 || seg.size[d] <= 0 || seg.size[d] > decl.shape[d] ||
+            seg.start[d] > decl.shape[d] - seg.size[d]) {
+          return Status::invalid(where + ": the box start " + dims(seg.start) + " size " + dims(seg.size) +
+                                 " is not inside the tensor, " + decl.dtype + dims(decl.shape));
+        }
+      }
+      if (b.dtype != decl.dtype) {
+        return Status::invalid(where + ": the buffer's dtype is " + b.dtype + ", the sources declare the tensor as " +
+                               decl.dtype);
+      }
+    }
+  }
+  if (!full) return Status::ok();
+  // The rest of what the planner checks of a receiver (every element inside
+  // its buffer, no two segments overlapping), by the planner itself: a
+  // layout of this receiver alone, with the tensors it names.
+  Json tensors = Json::array(), buffers = Json::array();
+  std::set<std::string> named;
+  for (const MemberBuffer& b : m.buffers) {
+    Json segs = Json::array();
+    for (const Segment& seg : b.segments) {
+      segs.push_back({{"tensor", seg.tensor}, {"start", seg.start}, {"size", seg.size}, {"offset", seg.offset},
+                      {"strides", seg.strides}});
+      if (named.insert(seg.tensor).second) {
+        const TensorDecl& d = tensors_.at(seg.tensor).decl;
+        tensors.push_back({{"name", d.name}, {"dtype", d.dtype}, {"shape", d.shape}});
+      }
+    }
+    buffers.push_back({{"side", "receiver"}, {"rank", 0}, {"name", b.name}, {"dtype", b.dtype}, {"bytes", b.bytes},
+                       {"segments", std::move(segs)}});
+  }
+  const Json doc{{"format", "refit-layout/1"}, {"sources", Json::array({{{"rank", 0}, {"domain", 0}}})},
+                 {"receivers", Json::array({{{"rank", 0}, {"domain", 0}, {"instance", 0}}})},
+                 {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}};
+  Result<Layout> alone = parse_layout_json(doc.dump(), "receiver rank " + std::to_string(rank) + " alone");
+  return alone.status();
+}
+
+std::vector<int32_t> ControlState::planned_receivers() const {
+  std::vector<int32_t> out;
+  out.reserve(receivers_.size());
+  for (const auto& [rank, r] : receivers_) {
+    if (plannable(rank, r.info, /*full=*/false).is_ok()) out.push_back(rank);
+  }
+  return out;
+}
+
+bool ControlState::instance_complete(int32_t instance) const { return instance_shortfall(instance).empty(); }
+
+std::string ControlState::instance_shortfall(int32_t instance) const {
+  const std::vector<int32_t> ranks = instance_ranks(instance);
+  if (ranks.empty()) return "";
+  const int32_t declared = receivers_.at(ranks.front()).info.instance_ranks;
+  if (declared == 0 || ranks.size() >= static_cast<size_t>(declared)) return "";
+  return "instance " + std::to_string(instance) + " has " + std::to_string(ranks.size()) + " of its " +
+         std::to_string(declared) + " ranks (\"instance_ranks\") registered";
+}
+
+bool ControlState::committed(int32_t rank, int64_t version) const {
+  auto r = receivers_.find(rank);
+  if (r == receivers_.end()) return false;
+  auto c = committed_.find(r->second.info.instance);
+  return c != committed_.end() && c->second >= version;
+}
+
+void ControlState::touch_session(uint64_t session, Clock::time_point now) {
+  for (auto& [rank, s] : sources_) {
+    if (s.session == session) s.last_seen = now;
+  }
+  for (auto& [rank, r] : receivers_) {
+    if (r.session != session) continue;
+    r.last_seen = now;
+    // Its lease renewals wait behind the plan too (they share the connection).
+    if (auto l = leases_.find(rank); l != leases_.end()) l->second.expires = std::max(l->second.expires, now + lease_timeout_);
+  }
 }
 
 template <typename T>
@@ -140,6 +251,9 @@ std::vector<int32_t> ControlState::instance_ranks(int32_t instance) const {
 }
 
 void ControlState::abort_instance(int32_t instance, int64_t version, const std::string& reason) {
+  // Commit is final: a version the instance committed (or one older than
+  // it) is never aborted.
+  if (auto c = committed_.find(instance); c != committed_.end() && c->second >= version) return;
   for (int32_t rank : instance_ranks(instance)) {
     notices_.push_back(Notice{receivers_[rank].session, MsgType::kAbort,
                               Json{{"instance", instance}, {"version", version}, {"reason", reason}}});
@@ -157,7 +271,10 @@ void ControlState::remove_receiver(int32_t rank, const std::string& why) {
   if (it == receivers_.end()) return;
   const int32_t instance = it->second.info.instance;
   receivers_.erase(it);
-  if (instance_ranks(instance).empty()) aborted_.erase(instance);
+  if (instance_ranks(instance).empty()) {
+    aborted_.erase(instance);
+    committed_.erase(instance);
+  }
   membership_changed();
   // A rank that leaves in the middle of a refresh (it holds a lease) takes
   // that version down for its whole instance: the others keep their old
@@ -372,7 +489,8 @@ Json ControlState::layout_document(bool solo) const {
     add_buffers("source", dense++, s.info.buffers);
   }
   dense = 0;
-  for (const auto& [rank, r] : receivers_) {
+  for (int32_t rank : planned_receivers()) {
+    const Member<RegisterReceiver>& r = receivers_.at(rank);
     receivers.push_back({{"rank", dense}, {"domain", solo ? dense : r.info.domain}, {"instance", r.info.instance}});
     add_buffers("receiver", dense++, r.info.buffers);
   }
@@ -391,8 +509,7 @@ PlanInput ControlState::plan_input(bool solo) const {
   PlanInput in{epoch_, solo, layout_document(solo).dump(), {}, {}};
   in.source_ranks.reserve(sources_.size());
   for (const auto& [rank, s] : sources_) in.source_ranks.push_back(rank);
-  in.receiver_ranks.reserve(receivers_.size());
-  for (const auto& [rank, r] : receivers_) in.receiver_ranks.push_back(rank);
+  in.receiver_ranks = planned_receivers();
   return in;
 }
 
@@ -473,6 +590,11 @@ bool ControlState::install_plan(std::shared_ptr<const PlannedParts> plan) {
 }
 
 Result<Json> ControlState::cached_part(int32_t rank) const {
+  if (auto r = receivers_.find(rank); r != receivers_.end()) {
+    // Left out of the plan: the others are planned without it.
+    REFIT_RETURN_IF_ERROR(
+        plannable(rank, r->second.info, /*full=*/false).with_context("fetch_plan: this receiver cannot be planned"));
+  }
   const bool solo = wants_solo(rank);
   if (!variant_current(solo)) return Status::internal("fetch_plan: no plan of the current membership");
   const PlannedParts& plan = *(solo ? solo_plan_ : plan_);
@@ -544,6 +666,16 @@ Result<Json> ControlState::plan_part(uint64_t session, int32_t rank) {
 Status ControlState::report_staged(uint64_t session, const StageReport& m) {
   REFIT_RETURN_IF_ERROR(owned("report_staged", receivers_, Role::kReceiver, m.rank, session));
   const int32_t instance = receivers_[m.rank].info.instance;
+  if (committed(m.rank, m.version)) {
+    // It reports again what the instance already committed (it had not
+    // heard yet): it is told commit, as the others were.
+    auto c = committed_.find(instance);
+    notices_.push_back(Notice{session, c->second == m.version ? MsgType::kCommit : MsgType::kAbort,
+                              Json{{"instance", instance}, {"version", m.version},
+                                   {"reason", "the instance already committed version " +
+                                                  std::to_string(c->second)}}});
+    return Status::ok();
+  }
   auto aborted = aborted_.find(instance);
   if (aborted != aborted_.end() && aborted->second >= m.version) {
     // A rank that staged after another had already failed: the version
@@ -569,6 +701,11 @@ Status ControlState::report_staged(uint64_t session, const StageReport& m) {
   Barrier& barrier = barriers_[instance];
   barrier.version = m.version;
   barrier.staged.insert(m.rank);
+  if (const std::string missing = instance_shortfall(instance); !missing.empty()) {
+    // A rank missing: the version is never committed for this instance.
+    abort_instance(instance, m.version, missing);
+    return Status::ok();
+  }
   const std::vector<int32_t> ranks = instance_ranks(instance);
   for (int32_t r : ranks) {
     if (!barrier.staged.count(r)) return Status::ok();
@@ -578,6 +715,8 @@ Status ControlState::report_staged(uint64_t session, const StageReport& m) {
                               Json{{"instance", instance}, {"version", m.version}}});
   }
   barriers_.erase(instance);
+  int64_t& last = committed_[instance];
+  last = std::max(last, m.version);
   return Status::ok();
 }
 
@@ -588,8 +727,26 @@ Status ControlState::report_failed(uint64_t session, const StageReport& m) {
   return Status::ok();
 }
 
-Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_point now) {
+Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_point now, bool renew) {
   REFIT_RETURN_IF_ERROR(owned("lease", receivers_, Role::kReceiver, m.rank, session));
+  if (renew) {
+    auto it = leases_.find(m.rank);
+    if (it == leases_.end() || it->second.version != m.version) {
+      return Status::not_found("lease: receiver rank " + std::to_string(m.rank) + " holds no lease on version " +
+                               std::to_string(m.version) + " to renew: it expired or was revoked, and the sources " +
+                               "may be overwriting that version");
+    }
+    it->second.expires = now + lease_timeout_;
+    return Status::ok();
+  }
+  if (m.version <= drained_through_) {
+    return Status::not_found("lease: version " + std::to_string(m.version) + " was drained (the sources were told " +
+                             "no receiver reads version " + std::to_string(drained_through_) +
+                             " or older, and may be overwriting it); the latest is " + std::to_string(version_));
+  }
+  if (const std::string missing = instance_shortfall(receivers_.at(m.rank).info.instance); !missing.empty()) {
+    return Status::unsupported("lease: " + missing + "; a version is refreshed only with all of them");
+  }
   if (m.version > version_) {
     return Status::invalid("lease: version " + std::to_string(m.version) + " is not published (latest is " +
                            std::to_string(version_) + ")");
@@ -624,7 +781,10 @@ Result<bool> ControlState::wait_drained(uint64_t session, int64_t version) {
   bool is_source = false;
   for (const auto& [rank, s] : sources_) is_source = is_source || s.session == session;
   if (!is_source) return Status::invalid("wait_drained: only a connection that registered a source may wait");
-  if (drained(version)) return true;
+  if (drained(version)) {
+    drained_through_ = std::max(drained_through_, version);
+    return true;
+  }
   if (num_drain_waiters_ >= limits_.max_subscribers) {
     return Status::invalid("wait_drained: the coordinator already holds the limit of " +
                            std::to_string(limits_.max_subscribers) + " waiters");
@@ -639,6 +799,7 @@ void ControlState::notify_drained() {
       ++it;
       continue;
     }
+    drained_through_ = std::max(drained_through_, it->first);
     for (uint64_t s : it->second) notices_.push_back(Notice{s, MsgType::kDrained, Json{{"version", it->first}}});
     num_drain_waiters_ -= it->second.size();
     it = drain_waiters_.erase(it);

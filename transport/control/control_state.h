@@ -27,17 +27,26 @@
 // 0 and so holds the group version until it has published a newer one.
 //
 // Commit barrier (DESIGN.md section 6): each receiver rank of an instance
-// reports "staged v"; when every registered rank of the instance has, every
-// one of them is sent commit v. A failure report, or a rank of the instance
-// leaving (or declared dead) while it or another rank staged v or held a
-// lease on v, sends abort v to the others instead; a rank that reports
-// staged v after that is sent abort v too. A report of a newer version abandons an
-// unfinished barrier of an older one (its ranks are sent abort).
+// reports "staged v"; when every rank of the instance has (all its declared
+// "instance_ranks" registered, when it declares them), every one of them is
+// sent commit v, and (instance, v) is committed: final. A failure report, or
+// a rank of the instance leaving (or declared dead) while it or another rank
+// staged v or held a lease on v, sends abort v to the others instead, unless
+// v is already committed: the coordinator never sends abort for a committed
+// version. A rank that reports staged v after an abort is sent abort v too;
+// one that reports staged v, or withdraws (report_failed) from v, after v
+// committed is told committed (committed()). A report of a newer version
+// abandons an unfinished barrier of an older one (its ranks are sent abort).
+// An instance that declares its size and lacks a rank is never committed:
+// a rank missing aborts the version for that instance only.
 //
 // Leases (DESIGN.md section 6): a receiver rank leases the version it reads
 // from the sources, at most one at a time, until it releases it, the lease
-// expires or the rank leaves. A source asks wait_drained(v): it is told at
-// once, or by a drained notice later, when no lease on v or older remains.
+// expires (it is renewed while the refresh runs) or the rank leaves. A
+// source asks wait_drained(v): it is told at once, or by a drained notice
+// later, when no lease on v or older remains. From then on no lease on v or
+// an older version is granted again (drained_through()): the sources may be
+// overwriting its memory.
 //
 // Thread safety: none; one thread (the coordinator's I/O thread) owns it.
 
@@ -109,6 +118,14 @@ class ControlState {
   ~ControlState();
 
   Status register_source(uint64_t session, RegisterSource m, Clock::time_point now);
+  // Refused, naming the buffer and the problem, when its segments cannot be
+  // planned against the tensors the registered sources declare (a tensor no
+  // source declares, a box outside the tensor, a dtype or rank that differs)
+  // or when the instance's declared size ("instance_ranks") disagrees with
+  // its other ranks' or is already reached. A receiver registered while no
+  // source is, and one that a later source makes unplannable, is left out
+  // of the plan (its fetch_plan fails, naming the problem); the other
+  // members are planned without it.
   Status register_receiver(uint64_t session, RegisterReceiver m, Clock::time_point now);
   Status unregister(uint64_t session, const MemberRef& m);
   Status heartbeat(uint64_t session, const MemberRef& m, Clock::time_point now);
@@ -173,8 +190,24 @@ class ControlState {
   Result<Json> plan_part(uint64_t session, int32_t rank);
   Status report_staged(uint64_t session, const StageReport& m);
   Status report_failed(uint64_t session, const StageReport& m);
-  // `m.reason` is unused for leases.
-  Status lease(uint64_t session, const StageReport& m, Clock::time_point now);
+  // `m.reason` is unused for leases. Refused (not_found) for a version that
+  // was drained (drained_through()); refused while the rank's instance lacks
+  // a declared rank (instance_complete()). renew: extends the lease the rank
+  // holds on m.version, refused (not_found) when it holds none.
+  Status lease(uint64_t session, const StageReport& m, Clock::time_point now, bool renew = false);
+  Clock::duration lease_timeout() const { return lease_timeout_; }
+  // The newest version a wait_drained answered drained: no lease on it or
+  // an older one is granted again.
+  int64_t drained_through() const { return drained_through_; }
+  // Whether the instance of receiver `rank` committed `version` (or newer).
+  bool committed(int32_t rank, int64_t version) const;
+  // Whether every declared rank of the instance is registered (true when it
+  // declares no size).
+  bool instance_complete(int32_t instance) const;
+  // Marks every member the session registered as seen now, and renews their
+  // leases: the coordinator holds the session's requests (planning) and so
+  // does not read its heartbeats or lease renewals.
+  void touch_session(uint64_t session, Clock::time_point now);
   Status release(uint64_t session, const StageReport& m);
   // True when version v is drained now; otherwise the session gets a
   // drained notice when it is.
@@ -224,6 +257,12 @@ class ControlState {
   std::vector<int32_t> instance_ranks(int32_t instance) const;
   bool drained(int64_t version) const;
   void notify_drained();
+  // Whether receiver `rank` can be planned against the declared tensors;
+  // `full` adds the planner's own checks of its buffers (at registration).
+  Status plannable(int32_t rank, const RegisterReceiver& m, bool full) const;
+  // The receivers the plan includes: the plannable ones, in rank order.
+  std::vector<int32_t> planned_receivers() const;
+  std::string instance_shortfall(int32_t instance) const;
   // Raises version_ to the lowest version the sources published, if higher,
   // and queues a version_notify for every subscriber when it does.
   void advance_version();
@@ -247,6 +286,9 @@ class ControlState {
   // The last version each instance aborted: a rank that reports it staged
   // afterwards (it had not heard yet) gets the abort, not a new barrier.
   std::map<int32_t, int64_t> aborted_;
+  // The last version each instance committed: final, never aborted.
+  std::map<int32_t, int64_t> committed_;
+  int64_t drained_through_ = 0;
   std::vector<Notice> notices_;
   struct Lease {
     int64_t version = 0;

@@ -462,7 +462,13 @@ void Coordinator::Impl::sweep() {
   sweeper_.expires_after(period);
   sweeper_.async_wait([this](error_code ec) {
     if (ec || shutting_down_) return;
-    for (const std::string& line : state_.sweep(Clock::now())) log(line);
+    // A connection whose fetch_plan waits for the planner is not read
+    // meanwhile, its heartbeats included: its members live.
+    const auto now = Clock::now();
+    for (const auto& [weak, request] : pending_fetches_) {
+      if (auto s = weak.lock(); s && !s->closed()) state_.touch_session(s->id(), now);
+    }
+    for (const std::string& line : state_.sweep(now)) log(line);
     deliver_notices();
     sweep();
   });
@@ -544,11 +550,21 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
       start_planning();
       return;
     }
-    case MsgType::kLease:
+    case MsgType::kLease: {
+      Result<LeaseRequest> m = parse_lease(frame.body, lim);
+      st = m.is_ok() ? state_.lease(id, m->report, now, m->renew) : m.status();
+      if (st.is_ok()) {
+        // The holder renews it well within this (docs/refresh.md, "Leases").
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(state_.lease_timeout()).count();
+        s->reply("lease", Json{{"ok", true}, {"timeout_ms", ms}});
+        deliver_notices();
+        return;
+      }
+      break;
+    }
     case MsgType::kRelease: {
-      Result<StageReport> m = parse_stage_report(frame.body, false, lim, type_name(frame.type));
-      st = !m.is_ok() ? m.status()
-           : frame.type == MsgType::kLease ? state_.lease(id, *m, now) : state_.release(id, *m);
+      Result<StageReport> m = parse_stage_report(frame.body, false, lim, "release");
+      st = m.is_ok() ? state_.release(id, *m) : m.status();
       break;
     }
     case MsgType::kWaitDrained: {
@@ -586,6 +602,13 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
       const bool failed = frame.type == MsgType::kReportFailed;
       Result<StageReport> m = parse_stage_report(frame.body, failed, lim);
       st = !m.is_ok() ? m.status() : failed ? state_.report_failed(id, *m) : state_.report_staged(id, *m);
+      if (st.is_ok() && failed && state_.committed(m->rank, m->version)) {
+        // Too late to withdraw: the instance committed the version, and
+        // this rank must commit it too (commit is final).
+        s->reply("report_failed", Json{{"ok", true}, {"committed", true}});
+        deliver_notices();
+        return;
+      }
       break;
     }
     default:
@@ -632,9 +655,10 @@ void Coordinator::Impl::start_planning() {
     }
   }
   planning_ = true;
-  asio::post(planner_, [this, input = state_.plan_input(solo)] {
+  asio::post(planner_, [this, input = state_.plan_input(solo), delay = config_.test_plan_delay] {
     const auto t0 = Clock::now();
     std::shared_ptr<const PlannedParts> plan = compute_plan(input);
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);  // tests only: a plan of cluster scale
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
     asio::post(io_, [this, plan, ms] { on_planned(plan, ms); });
   });
@@ -654,9 +678,11 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
       (ok ? "" : " (it cannot be planned)"));
   auto pending = std::move(pending_fetches_);
   pending_fetches_.clear();
+  const auto now = Clock::now();
   for (auto& [weak, request] : pending) {
     auto s = weak.lock();
     if (!s || s->closed()) continue;
+    state_.touch_session(s->id(), now);  // its heartbeats waited behind the plan
     Status st = state_.check_fetch(s->id(), request.rank);  // it may have left meanwhile
     if (st.is_ok() && !state_.plan_current(request.rank)) {
       pending_fetches_.emplace_back(weak, request);  // it needs the other plan

@@ -33,7 +33,9 @@
 // Planning (fetch_plan) runs on a second thread of its own, one plan at a
 // time, so a cluster-scale plan does not hold up the other connections; the
 // connection that asked waits (its later requests are not read) until its
-// reply is sent, which keeps replies in request order.
+// reply is sent, which keeps replies in request order. Its members count as
+// alive meanwhile (their heartbeats wait behind the plan), however long the
+// plan takes.
 //
 // Thread safety: start(), stop(), port() and stats() may be called from any
 // thread. Everything else (acceptor, sessions, state) belongs to the I/O
@@ -77,6 +79,10 @@ struct CoordinatorConfig {
   size_t max_buffered_bytes = size_t{1} << 30;
   // One line per event worth an operator's eye; default: stderr.
   std::function<void(const std::string&)> log;
+  // Test only (never set by the library or its tools): every plan takes at
+  // least this much longer, standing in for a membership of cluster scale,
+  // so that tests can show the coordinator serving everyone meanwhile.
+  std::chrono::milliseconds test_plan_delay{0};
 };
 
 struct CoordinatorStats {

@@ -225,6 +225,9 @@ Result<RegisterReceiver> parse_register_receiver(const Json& body, const Message
   if (r.int_in(body, "", "rank", 0, lim.max_rank - 1, &v)) m.rank = static_cast<int32_t>(v);
   if (r.int_in(body, "", "instance", 0, lim.max_rank - 1, &v)) m.instance = static_cast<int32_t>(v);
   if (r.int_in(body, "", "domain", 0, lim.max_rank - 1, &v)) m.domain = static_cast<int32_t>(v);
+  if (r.int_in(body, "", "instance_ranks", 1, lim.max_rank, &v, /*required=*/false)) {
+    m.instance_ranks = static_cast<int32_t>(v);
+  }
   r.bytes(body, "", "worker_address", lim.max_address_bytes, &m.worker_address);
   if (r.ok() && m.worker_address.empty()) r.fail("worker_address", "must not be empty");
   if (!r.ok()) return r.status();
@@ -336,14 +339,33 @@ Json to_json(const RegisterSource& m) {
 }
 
 Json to_json(const RegisterReceiver& m) {
-  return {{"rank", m.rank}, {"instance", m.instance}, {"domain", m.domain},
-          {"worker_address", Json::binary(m.worker_address)}, {"buffers", buffers_json(m.buffers)}};
+  Json j{{"rank", m.rank}, {"instance", m.instance}, {"domain", m.domain},
+         {"worker_address", Json::binary(m.worker_address)}, {"buffers", buffers_json(m.buffers)}};
+  if (m.instance_ranks > 0) j["instance_ranks"] = m.instance_ranks;
+  return j;
 }
 
 Json to_json(const MemberRef& m) { return {{"role", role_name(m.role)}, {"rank", m.rank}}; }
 
 Json to_json(const BoxHash& h) {
   return {{"rank", h.rank}, {"tensor", h.tensor}, {"start", h.start}, {"size", h.size}, {"hash", h.hash}};
+}
+
+// ---- Leases that live as long as the refresh holding them ----------------
+
+Result<LeaseRequest> parse_lease(const Json& body, const MessageLimits& lim) {
+  Result<StageReport> report = parse_stage_report(body, false, lim, "lease");
+  if (!report.is_ok()) return report.status();
+  LeaseRequest m{std::move(report).value(), false};
+  auto it = body.find("renew");
+  if (it != body.end()) {
+    if (!it->is_boolean()) {
+      return Status::invalid("lease: renew must be a boolean, got " +
+                             it->dump(-1, ' ', true, Json::error_handler_t::replace).substr(0, 40));
+    }
+    m.renew = it->get<bool>();
+  }
+  return m;
 }
 
 }  // namespace refit::control

@@ -74,6 +74,9 @@ struct RegisterReceiver {
   int32_t domain = 0;
   std::vector<uint8_t> worker_address;
   std::vector<MemberBuffer> buffers;
+  // The declared number of ranks of the instance ("instance_ranks"); 0: not
+  // declared (the registered ranks are the instance).
+  int32_t instance_ranks = 0;
 };
 
 struct MemberRef {  // unregister and heartbeat
@@ -135,5 +138,15 @@ Json to_json(const RegisterSource& m);
 Json to_json(const RegisterReceiver& m);
 Json to_json(const MemberRef& m);
 Json to_json(const BoxHash& h);
+
+// ---- Leases that live as long as the refresh holding them ----------------
+// lease {rank, version, renew?}: renew (bool, default false) extends the
+// lease the rank already holds on `version` and is refused when it holds
+// none (it expired or was revoked): the refresh holding it must then fail.
+struct LeaseRequest {
+  StageReport report;
+  bool renew = false;
+};
+Result<LeaseRequest> parse_lease(const Json& body, const MessageLimits& limits);
 
 }  // namespace refit::control

@@ -25,8 +25,8 @@ void parse_request(const Frame& f, const MessageLimits& lim) {
     case MsgType::kFetchPlan: (void)parse_fetch_plan(f.body, lim); break;
     case MsgType::kReportStaged: (void)parse_stage_report(f.body, false, lim); break;
     case MsgType::kReportFailed: (void)parse_stage_report(f.body, true, lim); break;
-    case MsgType::kLease:
-    case MsgType::kRelease: (void)parse_stage_report(f.body, false, lim, "lease"); break;
+    case MsgType::kLease: (void)parse_lease(f.body, lim); break;
+    case MsgType::kRelease: (void)parse_stage_report(f.body, false, lim, "release"); break;
     case MsgType::kWaitDrained: (void)parse_publish_version(f.body, "wait_drained"); break;
     case MsgType::kVersionHashes: (void)parse_version_hashes(f.body, lim); break;
     default: break;

@@ -274,9 +274,14 @@ TEST(ControlState, APlanningFailureSaysHowRanksWereRenumbered) {
   ControlState s(StateLimits{}, 1s);
   const auto now = Clock::now();
   ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
-  RegisterReceiver odd = whole_receiver(5);
-  odd.buffers[0].segments[0].tensor = "v";  // no source declares it
+  // Each receiver can be planned; together they cannot, as no source
+  // holds what receiver 5 wants of tensor "v".
   ASSERT_TRUE(s.register_receiver(10, whole_receiver(0), now).is_ok());
+  RegisterSource v_decl = source(1);
+  v_decl.tensors.push_back(TensorDecl{"v", "BF16", {1024}});
+  ASSERT_TRUE(s.register_source(2, v_decl, now).is_ok());
+  RegisterReceiver odd = whole_receiver(5);
+  odd.buffers[0].segments[0].tensor = "v";
   ASSERT_TRUE(s.register_receiver(15, odd, now).is_ok());
   Result<Json> p = s.plan_part(15, 5);
   ASSERT_FALSE(p.is_ok());
@@ -544,6 +549,126 @@ TEST(ControlState, RefusesReplicasThatDisagreeOnAVersion) {
   EXPECT_EQ(s.version(), 0) << "the refused publish changed nothing";
   EXPECT_TRUE(s.publish(2, 1, {BoxHash{1, "w", {0}, {1024}, 5}}).is_ok());
   EXPECT_EQ(s.version(), 1);
+}
+
+// Once a source was told v drained, no lease on v or older is granted again.
+TEST(ControlState, ADrainedVersionIsNeverLeasedAgain) {
+  ControlState s(StateLimits{}, 10s);
+  auto t0 = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), t0).is_ok());
+  ASSERT_TRUE(s.register_receiver(10, receiver(0, 0), t0).is_ok());
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  ASSERT_TRUE(s.publish(1, 2).is_ok());
+  auto d = s.wait_drained(1, 1);
+  ASSERT_TRUE(d.is_ok() && *d);
+  EXPECT_EQ(s.drained_through(), 1);
+  Status st = s.lease(10, StageReport{0, 1, ""}, t0);
+  EXPECT_EQ(st.code(), Code::kNotFound);
+  EXPECT_NE(st.message().find("version 1 was drained"), std::string::npos) << st.message();
+  ASSERT_TRUE(s.lease(10, StageReport{0, 2, ""}, t0).is_ok());
+  // Drained through a notice: the fence moves when the notice is sent.
+  ASSERT_TRUE(s.publish(1, 3).is_ok());
+  d = s.wait_drained(1, 2);
+  ASSERT_TRUE(d.is_ok());
+  EXPECT_FALSE(*d);
+  ASSERT_TRUE(s.release(10, StageReport{0, 2, ""}).is_ok());
+  EXPECT_EQ(s.drained_through(), 2);
+  EXPECT_FALSE(s.lease(10, StageReport{0, 2, ""}, t0).is_ok());
+}
+
+// A renewal keeps a lease past its timeout; one that expired cannot be renewed.
+TEST(ControlState, ALeaseIsRenewedUntilItExpires) {
+  ControlState s(StateLimits{}, 10s);
+  s.set_lease_timeout(100ms);
+  auto t0 = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), t0).is_ok());
+  ASSERT_TRUE(s.register_receiver(10, receiver(0, 0), t0).is_ok());
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  EXPECT_EQ(s.lease(10, StageReport{0, 1, ""}, t0, /*renew=*/true).code(), Code::kNotFound) << "none to renew";
+  ASSERT_TRUE(s.lease(10, StageReport{0, 1, ""}, t0).is_ok());
+  ASSERT_TRUE(s.lease(10, StageReport{0, 1, ""}, t0 + 80ms, true).is_ok());
+  EXPECT_TRUE(s.sweep(t0 + 150ms).empty()) << "renewed at 80 ms";
+  EXPECT_EQ(s.sweep(t0 + 200ms).size(), 1u);
+  EXPECT_EQ(s.lease(10, StageReport{0, 1, ""}, t0 + 210ms, true).code(), Code::kNotFound);
+  EXPECT_EQ(s.release(10, StageReport{0, 1, ""}).code(), Code::kNotFound);
+}
+
+// Commit is final: after commit v, a rank's failure, withdrawal or death
+// sends no abort of v, and a rank that withdraws learns it committed.
+TEST(ControlState, ACommittedVersionIsNeverAborted) {
+  ControlState s(StateLimits{}, 100ms);
+  auto t0 = Clock::now();
+  ASSERT_TRUE(s.register_receiver(10, receiver(0, 0), t0).is_ok());
+  ASSERT_TRUE(s.register_receiver(11, receiver(1, 0), t0).is_ok());
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 3, ""}).is_ok());
+  ASSERT_TRUE(s.report_staged(11, StageReport{1, 3, ""}).is_ok());
+  ASSERT_EQ(s.take_notices().size(), 2u);
+  EXPECT_TRUE(s.committed(0, 3));
+  ASSERT_TRUE(s.report_failed(10, StageReport{0, 3, "no commit before its deadline"}).is_ok());
+  EXPECT_TRUE(s.take_notices().empty()) << "no abort after commit";
+  EXPECT_TRUE(s.committed(0, 3));
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 3, ""}).is_ok());
+  auto n = s.take_notices();
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_EQ(n[0].type, MsgType::kCommit);
+  ASSERT_TRUE(s.heartbeat(10, MemberRef{Role::kReceiver, 0}, t0 + 90ms).is_ok());
+  s.sweep(t0 + 150ms);  // rank 1 dies
+  EXPECT_TRUE(s.take_notices().empty());
+}
+
+// "instance_ranks": a lease and a commit need every declared rank; the
+// declared size must agree and bounds the instance.
+TEST(ControlState, AnInstanceMissingADeclaredRankNeverCommits) {
+  ControlState s(StateLimits{}, 10s);
+  auto t0 = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), t0).is_ok());
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  RegisterReceiver a = receiver(0, 0), b = receiver(1, 0), c = receiver(2, 0), odd = receiver(3, 0);
+  a.instance_ranks = b.instance_ranks = c.instance_ranks = 2;
+  odd.instance_ranks = 3;
+  ASSERT_TRUE(s.register_receiver(10, a, t0).is_ok());
+  EXPECT_FALSE(s.register_receiver(13, odd, t0).is_ok()) << "another declared size";
+  Status st = s.lease(10, StageReport{0, 1, ""}, t0);
+  EXPECT_NE(st.message().find("instance 0 has 1 of its 2 ranks"), std::string::npos) << st.message();
+  ASSERT_TRUE(s.report_staged(10, StageReport{0, 1, ""}).is_ok());
+  auto n = s.take_notices();
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_EQ(n[0].type, MsgType::kAbort);
+  ASSERT_TRUE(s.register_receiver(11, b, t0).is_ok());
+  EXPECT_FALSE(s.register_receiver(12, c, t0).is_ok()) << "one too many";
+  ASSERT_TRUE(s.lease(10, StageReport{0, 1, ""}, t0).is_ok());
+}
+
+// A receiver that cannot be planned is refused at registration, naming the
+// buffer; one registered before any source is left out of the plan, and the
+// others are planned.
+TEST(ControlState, AnUnplannableReceiverIsRefusedAndDoesNotStallTheOthers) {
+  ControlState s(StateLimits{}, 10s);
+  auto now = Clock::now();
+  RegisterReceiver early = whole_receiver(1);
+  early.buffers[0].segments[0].tensor = "nope";
+  ASSERT_TRUE(s.register_receiver(11, early, now).is_ok()) << "no source to check against yet";
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  RegisterReceiver unknown = whole_receiver(2), outside = whole_receiver(3), overlap = whole_receiver(4);
+  unknown.buffers[0].segments[0].tensor = "nope";
+  outside.buffers[0].segments[0].start = {1};
+  overlap.buffers[0].segments.push_back(overlap.buffers[0].segments[0]);
+  Status st = s.register_receiver(12, unknown, now);
+  EXPECT_NE(st.message().find("buffer \"model\" segments[0] (tensor \"nope\"): no registered source declares"),
+            std::string::npos) << st.message();
+  st = s.register_receiver(13, outside, now);
+  EXPECT_NE(st.message().find("is not inside the tensor, BF16[1024]"), std::string::npos) << st.message();
+  st = s.register_receiver(14, overlap, now);
+  EXPECT_FALSE(st.is_ok());
+  std::printf("%s\n", st.message().c_str());
+  ASSERT_TRUE(s.register_receiver(10, whole_receiver(0), now).is_ok());
+  Result<Json> good = s.plan_part(10, 0);
+  ASSERT_TRUE(good.is_ok()) << good.status().message();
+  EXPECT_FALSE(good->empty());
+  Result<Json> bad = s.plan_part(11, 1);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("no registered source declares"), std::string::npos)
+      << bad.status().message();
 }
 
 }  // namespace
