@@ -1,4 +1,9 @@
-"""refit: a ctypes binding over librefit.so (include/refit/refit.h).
+"""The raw ctypes binding over librefit.so (include/refit/refit.h).
+
+Internal to the ``refit`` package: the public API (``refit.Source``,
+``refit.Receiver``) is built on it and keeps references to the tensors it
+hands the library. ``integration/python/refit.py`` re-exports this module for
+the plain examples that work with raw buffers.
 
 Only the C ABI's function table is used: ``refit_get_api(REFIT_ABI_VERSION)``,
 whose ``abi_version`` and ``size`` are checked before any entry is read. Every
@@ -13,16 +18,19 @@ the agent object keeps a reference to each buffer it was given.
 
 Usage::
 
-    lib = refit.Library()                       # $REFIT_LIBRARY, or a path
+    lib = Library()                             # see Library for the search order
     with lib.receiver({"rank": 0, "coordinator": {...}}) as rx:
         rx.add_buffer({"name": "w", "dtype": "F32", "segments": [...]}, buf)
         rx.refresh(refit.LATEST, timeout_ms=30000)
         print(rx.report())
 """
 
+from __future__ import annotations
+
 import ctypes
 import json
 import os
+from typing import Any
 
 ABI_VERSION = 1
 LATEST = -1
@@ -82,6 +90,15 @@ class RefitError(Exception):
         self.message = message
 
 
+# Status -> the exception class raised for it; the package's errors module
+# fills it with one subclass of RefitError per status.
+ERROR_CLASSES: dict[int, type] = {}
+
+
+def _error(call, status, status_name, message):
+    return ERROR_CLASSES.get(status, RefitError)(call, status, status_name, message)
+
+
 def _text(doc):
     if isinstance(doc, (dict, list)):
         return json.dumps(doc).encode()
@@ -113,17 +130,29 @@ def _address(buffer, nbytes):
     return ctypes.addressof(anchor), int(size if nbytes is None else nbytes), (view, anchor)
 
 
+def default_library_path() -> str:
+    """$REFIT_LIBRARY, else the librefit.so installed inside the package (a
+    wheel built by ``pip install .``), else "librefit.so" through the dynamic
+    loader's search path."""
+    env = os.environ.get("REFIT_LIBRARY")
+    if env:
+        return env
+    bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", "librefit.so")
+    if os.path.exists(bundled):
+        return bundled
+    return "librefit.so"
+
+
 class Library:
-    """librefit.so, loaded from `path`, else $REFIT_LIBRARY, else "librefit.so"
-    through the dynamic loader's search path."""
+    """librefit.so, loaded from `path`, else default_library_path()."""
 
     def __init__(self, path=None):
-        path = path or os.environ.get("REFIT_LIBRARY") or "librefit.so"
+        path = path or default_library_path()
         try:
             self._dll = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         except OSError as e:
-            raise RefitError("load", INTERNAL, "REFIT_INTERNAL",
-                             f"cannot load {path}: {e} (set REFIT_LIBRARY or pass the path)") from e
+            raise _error("load", INTERNAL, "REFIT_INTERNAL",
+                         f"cannot load {path}: {e} (set REFIT_LIBRARY or pass the path)") from e
         get_api = self._dll.refit_get_api
         get_api.restype = ctypes.POINTER(_Api)
         get_api.argtypes = [ctypes.c_uint32]
@@ -131,14 +160,13 @@ class Library:
         if not api:
             last = self._dll.refit_last_error
             last.restype = ctypes.c_char_p
-            raise RefitError("refit_get_api", UNSUPPORTED, "REFIT_UNSUPPORTED",
-                             (last() or b"").decode(errors="replace"))
+            raise _error("refit_get_api", UNSUPPORTED, "REFIT_UNSUPPORTED", (last() or b"").decode(errors="replace"))
         # Check the table's own header before reading any entry.
         head = ctypes.cast(api, ctypes.POINTER(ctypes.c_uint32 * 2)).contents
         if head[0] != ABI_VERSION or head[1] < ctypes.sizeof(_Api):
-            raise RefitError("refit_get_api", UNSUPPORTED, "REFIT_UNSUPPORTED",
-                             f"{path} serves ABI {head[0]} with a table of {head[1]} bytes; "
-                             f"this binding needs ABI {ABI_VERSION} and {ctypes.sizeof(_Api)} bytes")
+            raise _error("refit_get_api", UNSUPPORTED, "REFIT_UNSUPPORTED",
+                         f"{path} serves ABI {head[0]} with a table of {head[1]} bytes; "
+                         f"this binding needs ABI {ABI_VERSION} and {ctypes.sizeof(_Api)} bytes")
         self.api = api.contents
         self.path = path
 
@@ -149,7 +177,7 @@ class Library:
         if status != OK:
             name = (self.api.status_name(status) or b"unknown").decode()
             message = (self.api.last_error() or b"").decode(errors="replace")
-            raise RefitError(call, status, name, message)
+            raise _error(call, status, name, message)
         return status
 
     def source(self, config):
