@@ -99,7 +99,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if hf_config is None:
             hf_config = self.model_config.hf_config.to_dict()
         params = list(self.model.named_parameters())
-        self._check_dtypes(params, init_info.manifest)
 
         self._files = tempfile.TemporaryDirectory(prefix="refit-vllm-")
         model_path = write_model_files(self._files.name, init_info.manifest, hf_config)
@@ -107,18 +106,41 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                   "mode": "staged", "coordinator": dict(init_info.coordinator),
                   "recipe": {"model": model_path, "framework": "vllm", "tp": tp, "pp": pp, "dp": instances,
                              "expert_parallel": _expert_parallel(self.vllm_config)}}
-        receiver = Receiver(config)
+        receiver: Receiver | None = None
+        error: BaseException | None = None
         try:
+            self._check_dtypes(params, init_info.manifest)
+            receiver = Receiver(config)
             for name, param in params:
                 self._add(receiver, name, param)
             receiver.join()
-        except BaseException:
-            receiver.close()
+        except Exception as e:  # reported to the other workers before it is raised
+            error = e
+        # Every worker of the instance must have joined before any refreshes
+        # (refit.h, refit_receiver_join), and a worker that failed must not
+        # leave the others waiting for it.
+        failed = self._workers_failed(error is not None)
+        if error is not None or failed:
+            if receiver is not None:
+                receiver.close()
             self._files.cleanup()
             self._files = None
-            raise
+            if error is not None:
+                raise error
+            raise errors.invalid(f"refit: {failed} other worker(s) of this vLLM instance failed to register "
+                                 "their parameters (their logs say why); nothing was registered")
         self._receiver = receiver
         self._timeout_s = float(init_info.timeout_s)
+
+    @staticmethod
+    def _workers_failed(failed_here: bool) -> int:
+        """How many workers of this instance failed (a sum over vLLM's world group)."""
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed import get_world_group
+        flag = torch.tensor([1 if failed_here else 0], dtype=torch.int64)
+        dist.all_reduce(flag, group=get_world_group().cpu_group)
+        return int(flag.item()) - (1 if failed_here else 0)
 
     @staticmethod
     def _check_dtypes(params: list[tuple[str, Any]], manifest: dict[str, Any]) -> None:

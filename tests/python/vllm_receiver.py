@@ -46,18 +46,27 @@ def mismatches(model, reference):
     return [n for n in ours if not torch.equal(ours[n].data.view(torch.int32), theirs[n].data.view(torch.int32))]
 
 
+def vllm_config(out):
+    return VllmConfig(model_config=ModelConfig(model=str(out / "hf"), dtype="float32", skip_tokenizer_init=True,
+                                               enforce_eager=True),
+                      load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"),
+                      parallel_config=ParallelConfig(tensor_parallel_size=TP),
+                      weight_transfer_config=WeightTransferConfig(backend="refit"))
+
+
 def main(rank, port, out, versions):
-    vc = VllmConfig(model_config=ModelConfig(model=str(out / "hf"), dtype="float32", skip_tokenizer_init=True,
-                                             enforce_eager=True),
-                    load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"),
-                    parallel_config=ParallelConfig(tensor_parallel_size=TP),
-                    weight_transfer_config=WeightTransferConfig(backend="refit"))
+    vc = vllm_config(out)
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=TP, rank=rank, local_rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
         initialize_model_parallel(TP, 1)
         model = initialize_model(vllm_config=vc)
-        reference = initialize_model(vllm_config=vc)
+    # The reference: the same model class under a config of its own (vLLM
+    # registers each attention layer's name once per config).
+    ref_config = vllm_config(out)
+    with set_current_vllm_config(ref_config):
+        reference = initialize_model(vllm_config=ref_config)
+    with set_current_vllm_config(vc):
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()  # padding rows (vocabulary) are written by neither loader
