@@ -59,7 +59,8 @@ def main(rank, world, tp, port, out, versions):
     fully_shard(model, mesh=dp_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    placements = {n: [str(p) for p in t.placements] for n, t in model.named_parameters() if isinstance(t, DTensor)}
+    placements = {n: [type(p).__name__ for p in t.placements] for n, t in model.named_parameters()
+                  if isinstance(t, DTensor)}
     if rank == 0:
         manifest = {n: {"dtype": "F32", "shape": list(p.shape)} for n, p in model.named_parameters()}
         (out / "manifest.json").write_text(json.dumps(manifest))
