@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "planner/dtype.h"
+#include "planner/model_config.h"
 #include "planner/status.h"
 
 namespace refit {
@@ -21,8 +22,16 @@ struct ManifestTensor {
   std::vector<int64_t> shape;
 };
 
-// In the order the JSON lists them (deterministic for a given file).
-using Manifest = std::vector<ManifestTensor>;
+// A model: its tensors in the order the JSON lists them (deterministic for a
+// given file), and its Hugging Face config, which the recipes need for what
+// shapes do not tell (heads, head_dim, tied embeddings, experts, MLA ranks,
+// FP8 blocks). The parsers below fill the tensors only; the caller reads the
+// config (model_config.h says where it lies) and sets `config`. A manifest
+// without one lays out nothing: the recipes name the key they lack.
+struct Manifest : std::vector<ManifestTensor> {
+  using std::vector<ManifestTensor>::vector;
+  ModelConfig config;
+};
 
 // Parses manifest JSON text. `origin` (a file name) starts every message.
 Result<Manifest> parse_manifest_json(std::string_view json_text, const std::string& origin);

@@ -204,6 +204,18 @@ Result<std::shared_ptr<const RecipeLayout>> load_recipe(const RecipeConfig& reci
   text << in.rdbuf();
   Result<Manifest> model = parse_manifest_json(text.str(), recipe.model);
   if (!model.is_ok()) return model.status();
+  // The Hugging Face config beside the manifest (NAME.config.json): head
+  // counts and head_dim come from it, never from a guess.
+  const std::string config_path = model_config_path(recipe.model, false);
+  std::ifstream config_in(config_path, std::ios::binary);
+  if (!config_in)
+    return Status::not_found("config: \"recipe.model\": cannot open the model's Hugging Face config \"" + config_path +
+                             "\" beside the manifest");
+  std::stringstream config_text;
+  config_text << config_in.rdbuf();
+  Result<ModelConfig> config = parse_model_config(config_text.str(), config_path);
+  if (!config.is_ok()) return config.status();
+  model->config = std::move(config).value();
   auto out = std::make_shared<RecipeLayout>();
   for (const ManifestTensor& t : *model) out->layout.add_tensor(t.name, t.dtype, t.shape);
   InferSide infer;

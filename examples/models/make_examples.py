@@ -12,6 +12,10 @@ the real ones (Llama/Qwen3 dense, Qwen3 MoE) so every recipe rule is used:
   small-moe    4 layers, hidden 256, 4 query heads, 2 KV heads of 64, with
                q_norm/k_norm, a router and 8 experts of width 128, vocab 4096
 
+Beside each manifest NAME.json lies its Hugging Face config NAME.config.json:
+head counts, head_dim, vocabulary, tied embeddings and experts, which the
+recipes read instead of guessing them from shapes.
+
 Run: python3 make_examples.py [outdir]   (default: this folder)
 """
 import json
@@ -51,7 +55,11 @@ def small_dense(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64, inter=15
         mlp(m, f"{p}.mlp", hidden, inter)
     m["model.norm.weight"] = tensor(hidden)
     m["lm_head.weight"] = tensor(vocab, hidden)
-    return m
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": layers,
+              "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "intermediate_size": inter, "vocab_size": vocab,
+              "tie_word_embeddings": False}
+    return m, config
 
 
 def small_moe(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, moe_inter=128, vocab=4096):
@@ -64,7 +72,11 @@ def small_moe(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8,
             mlp(m, f"{p}.mlp.experts.{e}", hidden, moe_inter)
     m["model.norm.weight"] = tensor(hidden)
     m["lm_head.weight"] = tensor(vocab, hidden)
-    return m
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": layers,
+              "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "num_experts": experts, "moe_intermediate_size": moe_inter,
+              "vocab_size": vocab, "tie_word_embeddings": False}
+    return m, config
 
 
 MODELS = {"small-dense": small_dense, "small-moe": small_moe}
@@ -73,7 +85,7 @@ MODELS = {"small-dense": small_dense, "small-moe": small_moe}
 def main():
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent
     for name, build in MODELS.items():
-        m = build()
+        m, config = build()
         nbytes = 0
         for v in m.values():
             n = DTYPE_BYTES[v["dtype"]]
@@ -83,6 +95,7 @@ def main():
         # One tensor a line: small diffs when a shape changes.
         lines = [f"  {json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))}" for k, v in m.items()]
         (out / f"{name}.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
+        (out / f"{name}.config.json").write_text(json.dumps(config, indent=2) + "\n")
         print(f"{name}: {len(m)} tensors, {nbytes / 2**20:.1f} MiB")
 
 

@@ -88,7 +88,9 @@
  *                    slots than the window lets GETs go on while earlier
  *                    chunks are copied to the GPU
  *     "recipe"       object, for buffers added by recipe name:
- *        "model"       path of a model manifest (safetensors header JSON), required
+ *        "model"       path of a model manifest (safetensors header JSON), required;
+ *                      its Hugging Face config NAME.config.json must lie beside
+ *                      NAME.json (heads and head_dim come from it)
  *        "framework"   "vllm" ["vllm"]
  *        "tp", "pp", "dp"       integers [1]: the inference side's parallelism
  *        "expert_parallel"      bool [false]

@@ -140,6 +140,135 @@ Result<TensorRole> parse_tensor_name(std::string_view name) {
 
 std::string quoted(const Manifest& model, int32_t tensor) { return "tensor \"" + model[tensor].name + "\""; }
 
+namespace {
+
+// Heads and head_dim of a GQA layer from the config, checked against the
+// shapes: q_proj rows = heads * head_dim, k_proj rows = KV heads * head_dim,
+// q_norm/k_norm = head_dim.
+Status attention_heads(const Manifest& model, LayerInfo& L, const std::string& where) {
+  const ModelConfig& c = model.config;
+  const std::string why = "attention (" + where + ")";
+  auto heads = c.require(c.num_attention_heads, "num_attention_heads", why);
+  if (!heads) return heads.status();
+  auto kv = c.require(c.num_key_value_heads, "num_key_value_heads", why);
+  if (!kv) return kv.status();
+  auto hd = c.attention_head_dim(why);
+  if (!hd) return hd.status();
+  L.head_dim = *hd;
+  L.q_heads = *heads;
+  L.kv_heads = *kv;
+  const auto rows = [&](Role r) { return model[L.w(r)].shape[0]; };
+  const std::string said = " (" + c.origin + ": " + std::to_string(L.q_heads) + " heads, " +
+                           std::to_string(L.kv_heads) + " KV heads, head_dim " + std::to_string(L.head_dim) + ")";
+  if (rows(Role::kQ) != L.q_heads * L.head_dim)
+    return Status::invalid(quoted(model, L.w(Role::kQ)) + " has " + std::to_string(rows(Role::kQ)) +
+                           " rows, the config says " + std::to_string(L.q_heads * L.head_dim) + said);
+  if (rows(Role::kK) != L.kv_heads * L.head_dim)
+    return Status::invalid(quoted(model, L.w(Role::kK)) + " has " + std::to_string(rows(Role::kK)) +
+                           " rows, the config says " + std::to_string(L.kv_heads * L.head_dim) + said);
+  for (Role r : {Role::kQNorm, Role::kKNorm})
+    if (L.w(r) >= 0 && rows(r) != L.head_dim)
+      return Status::invalid(quoted(model, L.w(r)) + " has " + std::to_string(rows(r)) + " entries, head_dim is " +
+                             std::to_string(L.head_dim) + said);
+  if (L.q_heads % L.kv_heads != 0)
+    return Status::invalid(quoted(model, L.w(Role::kK)) + ": " + std::to_string(L.q_heads) + " query heads over " +
+                           std::to_string(L.kv_heads) + " KV heads do not form equal groups" + said);
+  return Status::ok();
+}
+
+// MLA shapes against the config's ranks (DeepSeek-V2/V3): kv_a rows =
+// kv_lora_rank + qk_rope_head_dim, kv_b rows = heads * (qk_nope + v_head_dim),
+// the query path's rows = heads * (qk_nope + qk_rope), q_a rows = q_lora_rank.
+Status mla_ranks(const Manifest& model, const LayerInfo& L, const std::string& where) {
+  const ModelConfig& c = model.config;
+  const std::string why = "multi-head latent attention (" + where + ")";
+  auto heads = c.require(c.num_attention_heads, "num_attention_heads", why);
+  if (!heads) return heads.status();
+  auto kv_rank = c.require(c.kv_lora_rank, "kv_lora_rank", why);
+  if (!kv_rank) return kv_rank.status();
+  auto nope = c.require(c.qk_nope_head_dim, "qk_nope_head_dim", why);
+  if (!nope) return nope.status();
+  auto rope = c.require(c.qk_rope_head_dim, "qk_rope_head_dim", why);
+  if (!rope) return rope.status();
+  auto v = c.require(c.v_head_dim, "v_head_dim", why);
+  if (!v) return v.status();
+  const auto check = [&](Role r, int64_t want, const std::string& rule) -> Status {
+    if (L.w(r) < 0 || model[L.w(r)].shape[0] == want) return Status::ok();
+    return Status::invalid(quoted(model, L.w(r)) + " has " + std::to_string(model[L.w(r)].shape[0]) +
+                           " rows; " + c.origin + " says " + rule + " = " + std::to_string(want));
+  };
+  REFIT_RETURN_IF_ERROR(check(Role::kKVA, *kv_rank + *rope, "kv_lora_rank + qk_rope_head_dim"));
+  REFIT_RETURN_IF_ERROR(check(Role::kKVB, *heads * (*nope + *v), "num_attention_heads * (qk_nope_head_dim + v_head_dim)"));
+  REFIT_RETURN_IF_ERROR(
+      check(L.w(Role::kQB) >= 0 ? Role::kQB : Role::kQ, *heads * (*nope + *rope),
+            "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)"));
+  if (L.w(Role::kQA) >= 0) {
+    if (!c.has_q_lora_rank || !c.q_lora_rank)
+      return Status::invalid(c.require(std::nullopt, "q_lora_rank", why).status().message() +
+                             " (the model has q_a_proj)");
+    REFIT_RETURN_IF_ERROR(check(Role::kQA, *c.q_lora_rank, "q_lora_rank"));
+  }
+  return Status::ok();
+}
+
+// The model-wide facts against the config: vocabulary, tied embeddings,
+// experts, the FP8 block size.
+Status check_model_config(const Manifest& model, const ModelInfo& info) {
+  const ModelConfig& c = model.config;
+  if (info.embed >= 0) {
+    auto vocab = c.require(c.vocab_size, "vocab_size", "the embedding");
+    if (!vocab) return vocab.status();
+    for (int32_t t : {info.embed, info.lm_head})
+      if (t >= 0 && model[t].shape[0] != *vocab)
+        return Status::invalid(quoted(model, t) + " has " + std::to_string(model[t].shape[0]) + " rows; " + c.origin +
+                               " says \"vocab_size\": " + std::to_string(*vocab));
+    if (!c.tie_word_embeddings)
+      return Status::invalid(c.require(std::nullopt, "tie_word_embeddings", "the output layer").status().message());
+    if (*c.tie_word_embeddings && info.lm_head >= 0)
+      return Status::invalid(quoted(model, info.lm_head) + ": " + c.origin +
+                             " says \"tie_word_embeddings\": true, so the model has no lm_head of its own");
+    if (!*c.tie_word_embeddings && info.lm_head < 0 && info.final_norm >= 0)
+      return Status::invalid(c.origin + " says \"tie_word_embeddings\": false, but the manifest has no "
+                             "lm_head.weight");
+  }
+  int64_t first_moe = -1;
+  for (size_t li = 0; li < info.layers.size(); ++li) {
+    const LayerInfo& L = info.layers[li];
+    if (!L.moe) continue;
+    if (first_moe < 0) first_moe = static_cast<int64_t>(li);
+    const std::string why = "the routed experts (layer " + std::to_string(li) + ")";
+    auto experts = c.require(c.num_experts, "num_experts\" or \"n_routed_experts", why);
+    if (!experts) return experts.status();
+    if (L.num_experts() != *experts)
+      return Status::invalid("layer " + std::to_string(li) + " has " + std::to_string(L.num_experts()) +
+                             " routed experts in the manifest; " + c.origin + " says " + std::to_string(*experts));
+    auto width = c.require(c.moe_intermediate_size, "moe_intermediate_size", why);
+    if (!width) return width.status();
+    if (L.expert_inter != *width)
+      return Status::invalid(quoted(model, L.experts[0].gate) + " has " + std::to_string(L.expert_inter) + " rows; " +
+                             c.origin + " says \"moe_intermediate_size\": " + std::to_string(*width));
+  }
+  if (c.first_k_dense_replace && first_moe >= 0 && first_moe != *c.first_k_dense_replace)
+    return Status::invalid("the first layer with routed experts is " + std::to_string(first_moe) + "; " + c.origin +
+                           " says \"first_k_dense_replace\": " + std::to_string(*c.first_k_dense_replace));
+  for (int32_t s : info.scale_of) {
+    if (s < 0) continue;
+    if (!c.weight_block_size)
+      return Status::invalid(c.require(std::nullopt, "quantization_config.weight_block_size",
+                                       "the FP8 block scales (" + quoted(model, s) + ")")
+                                 .status()
+                                 .message());
+    if ((*c.weight_block_size)[0] != kFp8Block || (*c.weight_block_size)[1] != kFp8Block)
+      return Status::unsupported(c.origin + ": \"quantization_config.weight_block_size\" is [" +
+                                 std::to_string((*c.weight_block_size)[0]) + ", " +
+                                 std::to_string((*c.weight_block_size)[1]) + "]; refit lays out 128x128 blocks only");
+    break;
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Result<ModelInfo> analyze_model(const Manifest& model) {
   ModelInfo info;
   if (model.size() >= (size_t{1} << 31)) return Status::invalid("manifest has too many tensors");
@@ -244,6 +373,7 @@ Result<ModelInfo> analyze_model(const Manifest& model) {
         if (has(r)) return Status::invalid(quoted(model, L.w(r)) + ": " + where + " mixes MLA and GQA attention");
       if (has(Role::kQANorm) && !has(Role::kQA)) return missing(Role::kQANorm, "q_a_proj");
       if (has(Role::kKVANorm) && !has(Role::kKVA)) return missing(Role::kKVANorm, "kv_a_proj_with_mqa");
+      REFIT_RETURN_IF_ERROR(mla_ranks(model, L, where));
       if (has(Role::kQA) && has(Role::kKVA) && shape(Role::kQA)[1] != shape(Role::kKVA)[1])
         return Status::invalid(quoted(model, L.w(Role::kKVA)) + ": input width " +
                                std::to_string(shape(Role::kKVA)[1]) + " differs from q_a_proj's " +
@@ -270,22 +400,7 @@ Result<ModelInfo> analyze_model(const Manifest& model) {
           return Status::invalid(quoted(model, b) + " has " + std::to_string(model[b].shape[0]) +
                                  " entries for a weight of " + std::to_string(shape(r)[0]) + " rows");
       }
-      if (has(Role::kQNorm)) L.head_dim = shape(Role::kQNorm)[0];
-      else if (has(Role::kKNorm)) L.head_dim = shape(Role::kKNorm)[0];
-      else L.head_dim = kDefaultHeadDim;
-      const bool assumed = !has(Role::kQNorm) && !has(Role::kKNorm);
-      const std::string hd = "head_dim " + std::to_string(L.head_dim) +
-                             (assumed ? " (assumed: the model has no q_norm/k_norm to tell it)" : "");
-      for (Role r : {Role::kQ, Role::kK}) {
-        if (shape(r)[0] % L.head_dim != 0)
-          return Status::invalid(quoted(model, L.w(r)) + ": " + std::to_string(shape(r)[0]) +
-                                 " rows are not a whole number of heads of " + hd);
-      }
-      L.q_heads = shape(Role::kQ)[0] / L.head_dim;
-      L.kv_heads = shape(Role::kK)[0] / L.head_dim;
-      if (L.q_heads % L.kv_heads != 0)
-        return Status::invalid(quoted(model, L.w(Role::kK)) + ": " + std::to_string(L.q_heads) + " query heads over " +
-                               std::to_string(L.kv_heads) + " KV heads (" + hd + ") do not form equal groups");
+      REFIT_RETURN_IF_ERROR(attention_heads(model, L, where));
     } else {
       for (Role r : {Role::kO, Role::kQNorm, Role::kKNorm, Role::kQANorm, Role::kKVANorm, Role::kInputNorm})
         if (has(r)) return Status::invalid(quoted(model, L.w(r)) + ": " + where + " has no q/k/v projections");
@@ -344,6 +459,7 @@ Result<ModelInfo> analyze_model(const Manifest& model) {
     }
     if (has(Role::kPostAttnNorm) && !L.dense_mlp && !L.moe) return missing(Role::kPostAttnNorm, "MLP");
   }
+  REFIT_RETURN_IF_ERROR(check_model_config(model, info));
   return info;
 }
 

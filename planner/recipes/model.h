@@ -4,12 +4,14 @@
 // of each framework, and a writer that builds explicit buffers and regions,
 // FP8 block-scale companions included.
 //
-// A manifest carries names and shapes only. What a recipe needs beyond them
-// is derived here, once, and checked: head_dim from q_norm/k_norm when the
-// model has them, else 128 (Llama, Mistral, Qwen and DeepSeek's dense layers
-// all use 128; a model that does not and has no q_norm is laid out wrong);
-// KV heads = k_proj rows / head_dim; query heads = q_proj rows / head_dim;
-// layer and expert counts from the largest index named.
+// A manifest carries names and shapes; its Hugging Face config (model_config.h)
+// carries what shapes do not tell. What a recipe needs is derived here, once,
+// and checked against both: query heads, KV heads and head_dim from the config
+// (head_dim else hidden_size / heads), which must match q_proj/k_proj rows and
+// q_norm/k_norm; the vocabulary, tied embeddings, expert count and width, MLA
+// ranks and the FP8 block size from the config, checked against the shapes;
+// layer and expert counts from the largest index named. A key a layout needs
+// and the config lacks is an error naming it: nothing is guessed.
 
 #include <algorithm>
 #include <array>
@@ -28,8 +30,9 @@
 
 namespace refit::recipes {
 
-inline constexpr int64_t kFp8Block = 128;       // DeepSeek-style 128x128 weight_scale_inv blocks
-inline constexpr int64_t kDefaultHeadDim = 128;  // when no q_norm/k_norm says otherwise
+// DeepSeek-style 128x128 weight_scale_inv blocks, the only size laid out; a
+// config with another quantization_config.weight_block_size is refused.
+inline constexpr int64_t kFp8Block = 128;
 
 // The role of a tensor in the model, by its Hugging Face name.
 enum class Role : uint8_t {
@@ -98,8 +101,8 @@ struct ModelInfo {
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 };
 
-// Reads every name and shape of `model` and checks what the recipes rely
-// on: each tensor's role, the dims of each role, q/k/v and gate/up present
+// Reads every name and shape of `model`, and its config, and checks what the
+// recipes rely on: each tensor's role, the dims of each role, q/k/v and gate/up present
 // together, equal shapes across a layer's experts, scale shapes of 128x128
 // blocks. Fails naming the tensor.
 Result<ModelInfo> analyze_model(const Manifest& model);

@@ -81,7 +81,7 @@ Result<Manifest> read_safetensors(const std::string& path) {
 
 // <dir>/<model>.json, <dir>/<model>.safetensors, or the folder <dir>/<model>/
 // of .safetensors files, as refit-plan looks for them.
-Result<Manifest> read_model(const std::string& dir, const std::string& model, const std::string& scenario) {
+Result<Manifest> read_tensors(const std::string& dir, const std::string& model, const std::string& scenario) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return Status::not_found(dir + ": no such folder (--models)");
   const fs::path base(dir);
@@ -108,6 +108,26 @@ Result<Manifest> read_model(const std::string& dir, const std::string& model, co
   }
   return Status::not_found(dir + ": no manifest for model \"" + model + "\" of " + scenario + " (looked for " + model +
                            ".json, " + model + ".safetensors and the folder " + model + "/)");
+}
+
+// The tensors and the Hugging Face config beside them: <dir>/<model>.config.json,
+// or config.json in the folder <dir>/<model>/. Without a config the recipes
+// refuse, naming the key they need.
+Result<Manifest> read_model(const std::string& dir, const std::string& model, const std::string& scenario) {
+  auto m = read_tensors(dir, model, scenario);
+  if (!m) return m.status();
+  std::error_code ec;
+  const fs::path base(dir);
+  const bool folder = !fs::exists(base / (model + ".json"), ec) && !fs::exists(base / (model + ".safetensors"), ec);
+  const std::string config = folder ? refit::model_config_path((base / model).string(), true)
+                                    : (base / (model + ".config.json")).string();
+  if (!fs::exists(config, ec)) return m;
+  auto text = read_file(config);
+  if (!text) return text.status();
+  auto c = refit::parse_model_config(*text, config);
+  if (!c) return c.status();
+  m->config = std::move(*c);
+  return m;
 }
 
 std::string fixed(double v, int digits) {

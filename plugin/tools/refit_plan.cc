@@ -157,7 +157,7 @@ Result<Manifest> read_safetensors_folder(const std::string& dir) {
 }
 
 // A manifest .json, a .safetensors file, or a folder of them.
-Result<Manifest> read_model(const std::string& path) {
+Result<Manifest> read_tensors(const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) return read_safetensors_folder(path);
   if (!fs::exists(path, ec)) return Status::not_found(path + ": no such file or folder");
@@ -169,6 +169,23 @@ Result<Manifest> read_model(const std::string& path) {
   auto text = read_file(path);
   if (!text) return text.status();
   return refit::parse_manifest_json(*text, path);
+}
+
+// The tensors and the Hugging Face config beside them (config.json in a
+// folder, NAME.config.json beside NAME.json). A model without a config still
+// reads: the recipes then refuse, naming the key they need.
+Result<Manifest> read_model(const std::string& path) {
+  auto m = read_tensors(path);
+  if (!m) return m.status();
+  std::error_code ec;
+  const std::string config = refit::model_config_path(path, fs::is_directory(path, ec));
+  if (!fs::exists(config, ec)) return m;
+  auto text = read_file(config);
+  if (!text) return text.status();
+  auto c = refit::parse_model_config(*text, config);
+  if (!c) return c.status();
+  m->config = std::move(*c);
+  return m;
 }
 
 // The manifest of `model` under `dir`: <model>.json, <model>.safetensors, or

@@ -35,4 +35,11 @@ inline nlohmann::json small_llama_manifest() {
   return m;
 }
 
+// Its Hugging Face config (written beside the manifest as NAME.config.json).
+inline nlohmann::json small_llama_config() {
+  return {{"architectures", {"Qwen3ForCausalLM"}}, {"num_hidden_layers", 2},  {"hidden_size", 128},
+          {"num_attention_heads", 4},              {"num_key_value_heads", 2}, {"head_dim", 32},
+          {"intermediate_size", 256},              {"vocab_size", 1001},       {"tie_word_embeddings", false}};
+}
+
 }  // namespace refit::testing

@@ -69,6 +69,11 @@ class Membership : public ::testing::Test {
     auto m = refit::parse_manifest_json(read_text(model), model);
     EXPECT_TRUE(m.is_ok()) << m.status().message();
     if (!m.is_ok()) return Layout();
+    const std::string config = std::string(REFIT_SOURCE_ROOT) + "/examples/models/small-dense.config.json";
+    auto c = refit::parse_model_config(read_text(config), config);
+    EXPECT_TRUE(c.is_ok()) << c.status().message();
+    if (!c.is_ok()) return Layout();
+    m->config = *c;
     auto layout = refit::layout_from_scenario(*s, *m);
     EXPECT_TRUE(layout.is_ok()) << layout.status().message();
     return layout.is_ok() ? std::move(*layout) : Layout();

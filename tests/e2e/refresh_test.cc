@@ -212,6 +212,10 @@ TEST_F(Refresh, RecipeScenarioTp2ToTwoTp2Replicas) {
   ASSERT_TRUE(scenario.is_ok()) << scenario.status().message();
   auto model = refit::parse_manifest_json(read(root + "/examples/models/small-dense.json"), "small-dense.json");
   ASSERT_TRUE(model.is_ok()) << model.status().message();
+  auto config = refit::parse_model_config(read(root + "/examples/models/small-dense.config.json"),
+                                          "small-dense.config.json");
+  ASSERT_TRUE(config.is_ok()) << config.status().message();
+  model->config = *config;
   auto layout = refit::layout_from_scenario(*scenario, *model);
   ASSERT_TRUE(layout.is_ok()) << layout.status().message();
   ASSERT_EQ(layout->sources.size(), 2u);

@@ -55,6 +55,11 @@ class ServeCheck : public ::testing::Test {
     auto model = refit::parse_manifest_json(read(root + "/examples/models/small-dense.json"), "small-dense.json");
     EXPECT_TRUE(model.is_ok()) << model.status().message();
     if (!model.is_ok()) return Layout();
+    auto config = refit::parse_model_config(read(root + "/examples/models/small-dense.config.json"),
+                                            "small-dense.config.json");
+    EXPECT_TRUE(config.is_ok()) << config.status().message();
+    if (!config.is_ok()) return Layout();
+    model->config = *config;
     auto layout = refit::layout_from_scenario(*scenario, *model);
     EXPECT_TRUE(layout.is_ok()) << layout.status().message();
     return layout.is_ok() ? std::move(*layout) : Layout();

@@ -468,6 +468,9 @@ TEST(WriteLayout, RecipeLayoutRoundTripPlansIdentically) {
   const json m = refit::testing::small_llama_manifest();
   auto manifest = parse_manifest_json(m.dump(), "m.json");
   ASSERT_TRUE(manifest) << manifest.status().message();
+  auto config = parse_model_config(refit::testing::small_llama_config().dump(), "m.config.json");
+  ASSERT_TRUE(config) << config.status().message();
+  manifest->config = *config;
   auto scenario = parse_scenario(R"J({"model": "m",
       "train": {"gpus": 4, "tp": 2, "dp": 2, "pp": 1, "gpus_per_domain": 4},
       "infer": {"gpus": 8, "tp": 4, "dp": 2, "gpus_per_domain": 4}})J",

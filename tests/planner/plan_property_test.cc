@@ -1943,6 +1943,16 @@ Manifest tiny_model(bool moe) {
   }
   add("model.norm.weight", {hidden});
   add("lm_head.weight", {vocab, hidden});
+  m.config.origin = "tiny.config.json";
+  m.config.num_attention_heads = heads;
+  m.config.num_key_value_heads = kv;
+  m.config.head_dim = hd;
+  m.config.vocab_size = vocab;
+  m.config.tie_word_embeddings = false;
+  if (moe) {
+    m.config.num_experts = experts;
+    m.config.moe_intermediate_size = moe_inter;
+  }
   return m;
 }
 

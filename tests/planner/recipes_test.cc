@@ -2,11 +2,13 @@
 // replication, vocab padding, EP placement, Megatron's QKV interleave, FP8
 // block scales), the errors, and an element-by-element comparison of whole
 // layouts against brute-force references of the vLLM and Megatron rules for
-// every scenario shape in shared/scenarios, rebuilt here with small models.
+// every scenario shape of the shared scenarios, rebuilt here with small models;
+// heads and head_dim from each model's Hugging Face config, never guessed.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <optional>
 #include <string>
@@ -25,7 +27,7 @@ namespace {
 struct ModelSpec {
   enum class Kind { kDense, kMoe, kMla } kind = Kind::kDense;
   int64_t layers = 2, hidden = 16, heads = 4, kv_heads = 2, head_dim = 8, inter = 32, vocab = 100;
-  bool qk_norm = true, tied = false;
+  bool qk_norm = true, tied = false, qkv_bias = false;
   int64_t experts = 0, moe_inter = 0;  // kMoe, kMla
   // kMla (DeepSeek-V3): the first dense_layers layers have a dense MLP.
   int64_t dense_layers = 1, q_lora = 24, kv_lora = 16, nope = 4, rope = 4, v_dim = 4, shared = 1;
@@ -61,6 +63,11 @@ Manifest make_model(const ModelSpec& s) {
       proj(p + ".self_attn.k_proj.weight", s.kv_heads * s.head_dim, s.hidden);
       proj(p + ".self_attn.v_proj.weight", s.kv_heads * s.head_dim, s.hidden);
       proj(p + ".self_attn.o_proj.weight", s.hidden, s.heads * s.head_dim);
+      if (s.qkv_bias) {
+        add(m, p + ".self_attn.q_proj.bias", {s.heads * s.head_dim});
+        add(m, p + ".self_attn.k_proj.bias", {s.kv_heads * s.head_dim});
+        add(m, p + ".self_attn.v_proj.bias", {s.kv_heads * s.head_dim});
+      }
       if (s.qk_norm) {
         add(m, p + ".self_attn.q_norm.weight", {s.head_dim});
         add(m, p + ".self_attn.k_norm.weight", {s.head_dim});
@@ -91,6 +98,29 @@ Manifest make_model(const ModelSpec& s) {
   }
   add(m, "model.norm.weight", {s.hidden});
   if (!s.tied) add(m, "lm_head.weight", {s.vocab, s.hidden});
+  // Its Hugging Face config, as config.json would give it.
+  ModelConfig& c = m.config;
+  c.origin = "test.config.json";
+  c.num_attention_heads = s.heads;
+  c.vocab_size = s.vocab;
+  c.tie_word_embeddings = s.tied;
+  if (s.kind == ModelSpec::Kind::kMla) {
+    c.has_q_lora_rank = true;
+    c.q_lora_rank = s.q_lora;
+    c.kv_lora_rank = s.kv_lora;
+    c.qk_nope_head_dim = s.nope;
+    c.qk_rope_head_dim = s.rope;
+    c.v_head_dim = s.v_dim;
+    c.first_k_dense_replace = s.dense_layers;
+  } else {
+    c.num_key_value_heads = s.kv_heads;
+    c.head_dim = s.head_dim;
+  }
+  if (s.kind != ModelSpec::Kind::kDense) {
+    c.num_experts = s.experts;
+    c.moe_intermediate_size = s.moe_inter;
+  }
+  if (s.fp8) c.weight_block_size = std::array<int64_t, 2>{128, 128};
   return m;
 }
 
@@ -561,7 +591,7 @@ void check_against_references(const ModelSpec& spec, const TrainSide& train, con
 
 TEST(Vllm, KvHeadsReplicatedWhenTpExceedsKvHeads) {
   ModelSpec s = dense(1);
-  s.heads = 16, s.kv_heads = 2, s.head_dim = 128, s.qk_norm = false, s.hidden = 64;  // head_dim assumed 128
+  s.heads = 16, s.kv_heads = 2, s.head_dim = 128, s.qk_norm = false, s.hidden = 64;  // head_dim 128 from the config
   const Layout L = build_ok(make_model(s), train_side(1, 1, 1, 1), infer_side(8, 1, 1));
   const std::string qkv = "model.layers.0.self_attn.qkv_proj.weight";
   const int64_t q_rows = 2 * 128;  // 16 heads / tp 8
@@ -1068,25 +1098,224 @@ TEST(Recipes, UnknownTensorNameIsAnError) {
       << r.status().message();
 }
 
-TEST(Recipes, HeadDimFromQNormElse128) {
+TEST(Recipes, HeadsAndHeadDimFromTheConfig) {
   ModelSpec s = dense(1);
-  s.head_dim = 16, s.heads = 4, s.kv_heads = 2;
-  auto info = recipes::analyze_model(make_model(s));
+  s.head_dim = 16, s.heads = 4, s.kv_heads = 2, s.qk_norm = false;
+  Manifest m = make_model(s);
+  auto info = recipes::analyze_model(m);
   ASSERT_TRUE(info.is_ok()) << info.status().message();
   EXPECT_EQ(info->layers[0].head_dim, 16);
   EXPECT_EQ(info->layers[0].q_heads, 4);
   EXPECT_EQ(info->layers[0].kv_heads, 2);
-  s.qk_norm = false;
-  s.head_dim = 64;  // q rows 256: 2 heads of the assumed 128
-  auto assumed = recipes::analyze_model(make_model(s));
-  ASSERT_TRUE(assumed.is_ok()) << assumed.status().message();
-  EXPECT_EQ(assumed->layers[0].head_dim, 128);
-  EXPECT_EQ(assumed->layers[0].q_heads, 2);
-  EXPECT_EQ(assumed->layers[0].kv_heads, 1);
-  s.head_dim = 8;  // k_proj has 16 rows: not a whole head of 128
-  auto bad = recipes::analyze_model(make_model(s));
-  ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("assumed"), std::string::npos) << bad.status().message();
+
+  // No head_dim: hidden_size / num_attention_heads, Hugging Face's rule.
+  m.config.head_dim.reset();
+  m.config.hidden_size = 64;
+  info = recipes::analyze_model(m);
+  ASSERT_TRUE(info.is_ok()) << info.status().message();
+  EXPECT_EQ(info->layers[0].head_dim, 16);
+
+  const auto refused = [](const Manifest& bad, const std::string& want) {
+    auto r = recipes::analyze_model(bad);
+    ASSERT_FALSE(r.is_ok()) << want;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().message();
+  };
+  // Neither head_dim nor hidden_size: refused naming the key, never 128.
+  Manifest no_hd = m;
+  no_hd.config.hidden_size.reset();
+  refused(no_hd, "test.config.json: the key \"head_dim\" is missing");
+  Manifest no_kv = make_model(s);
+  no_kv.config.num_key_value_heads.reset();
+  refused(no_kv, "the key \"num_key_value_heads\" is missing");
+  Manifest no_vocab = make_model(s);
+  no_vocab.config.vocab_size.reset();
+  refused(no_vocab, "the key \"vocab_size\" is missing");
+  Manifest no_tie = make_model(s);
+  no_tie.config.tie_word_embeddings.reset();
+  refused(no_tie, "the key \"tie_word_embeddings\" is missing");
+  Manifest no_config = make_model(s);
+  no_config.config = ModelConfig{};
+  refused(no_config, "has no Hugging Face config");
+  // A config that disagrees with the shapes.
+  Manifest wrong_hd = make_model(s);
+  wrong_hd.config.head_dim = 8;
+  refused(wrong_hd, "tensor \"model.layers.0.self_attn.q_proj.weight\" has 64 rows, the config says 32");
+  Manifest wrong_tie = make_model(s);
+  wrong_tie.config.tie_word_embeddings = true;
+  refused(wrong_tie, "tensor \"lm_head.weight\": test.config.json says \"tie_word_embeddings\": true");
+  Manifest wrong_vocab = make_model(s);
+  wrong_vocab.config.vocab_size = 99;
+  refused(wrong_vocab, "\"vocab_size\": 99");
+  ModelSpec e = moe(4, 8);
+  Manifest wrong_experts = make_model(e);
+  wrong_experts.config.num_experts = 8;
+  refused(wrong_experts, "layer 0 has 4 routed experts in the manifest; test.config.json says 8");
+  Manifest no_experts = make_model(e);
+  no_experts.config.num_experts.reset();
+  refused(no_experts, "\"num_experts\" or \"n_routed_experts\" is missing");
+  ModelSpec d = mla(4, 8);
+  Manifest no_rank = make_model(d);
+  no_rank.config.kv_lora_rank.reset();
+  refused(no_rank, "the key \"kv_lora_rank\" is missing");
+  d.fp8 = true;
+  Manifest no_block = make_model(d);
+  no_block.config.weight_block_size.reset();
+  refused(no_block, "\"quantization_config.weight_block_size\" is missing");
+}
+
+TEST(Recipes, ConfigParsing) {
+  auto c = parse_model_config(R"J({"num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
+      "vocab_size": 151936, "tie_word_embeddings": true, "rope_scaling": null, "torch_dtype": "bfloat16",
+      "q_lora_rank": null, "n_routed_experts": 8,
+      "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})J", "q.config.json");
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_EQ(c->origin, "q.config.json");
+  EXPECT_EQ(c->num_key_value_heads, 2);
+  EXPECT_FALSE(c->head_dim.has_value());
+  EXPECT_EQ(*c->attention_head_dim("x"), 64);
+  EXPECT_EQ(c->tie_word_embeddings, true);
+  EXPECT_TRUE(c->has_q_lora_rank);
+  EXPECT_FALSE(c->q_lora_rank.has_value());
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->weight_block_size, (std::array<int64_t, 2>{128, 128}));
+  const auto bad = [](const char* text, const std::string& want) {
+    auto r = parse_model_config(text, "b.config.json");
+    ASSERT_FALSE(r.is_ok()) << text;
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().message();
+  };
+  bad("{", "b.config.json: not valid JSON");
+  bad("[1]", "must be a JSON object");
+  bad(R"({"head_dim": "64"})", "\"head_dim\" must be a positive integer, got \"64\"");
+  bad(R"({"num_key_value_heads": 0})", "\"num_key_value_heads\" must be a positive integer");
+  bad(R"({"tie_word_embeddings": 1})", "\"tie_word_embeddings\" must be true or false");
+  bad(R"({"num_experts": 8, "n_routed_experts": 16})", "disagree");
+  bad(R"({"quantization_config": {"weight_block_size": [128]}})", "weight_block_size");
+  EXPECT_EQ(model_config_path("m/llama.json", false), "m/llama.config.json");
+  EXPECT_EQ(model_config_path("m/llama.safetensors", false), "m/llama.config.json");
+  EXPECT_EQ(model_config_path("ckpt/", true), "ckpt/config.json");
+}
+
+// Llama-3.2-1B and Qwen2.5-0.5B as their Hugging Face configs give them (the
+// keys that matter, as in their config.json), one layer each: full-size
+// shapes, 8 KV heads of 64 and 2 KV heads of 64, which shapes alone cannot
+// tell from 4 of 128 and 1 of 128.
+constexpr const char* kLlama32_1bConfig = R"J({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
+    "vocab_size": 128256, "tie_word_embeddings": true, "num_hidden_layers": 16})J";
+constexpr const char* kQwen25_05bConfig = R"J({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 896,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+    "vocab_size": 151936, "tie_word_embeddings": true, "num_hidden_layers": 24})J";
+
+Manifest llama32_1b() {
+  ModelSpec s = dense(1);
+  s.hidden = 2048, s.heads = 32, s.kv_heads = 8, s.head_dim = 64, s.inter = 8192, s.vocab = 128256;
+  s.qk_norm = false, s.tied = true;
+  Manifest m = make_model(s);
+  auto c = parse_model_config(kLlama32_1bConfig, "llama-3.2-1b.config.json");
+  EXPECT_TRUE(c.is_ok()) << c.status().message();
+  if (c.is_ok()) m.config = *c;
+  return m;
+}
+
+Manifest qwen25_05b() {
+  ModelSpec s = dense(1);
+  s.hidden = 896, s.heads = 14, s.kv_heads = 2, s.head_dim = 64, s.inter = 4864, s.vocab = 151936;
+  s.qk_norm = false, s.tied = true, s.qkv_bias = true;
+  Manifest m = make_model(s);
+  auto c = parse_model_config(kQwen25_05bConfig, "qwen2.5-0.5b.config.json");
+  EXPECT_TRUE(c.is_ok()) << c.status().message();
+  if (c.is_ok()) m.config = *c;
+  return m;
+}
+
+// vLLM's QKVParallelLinear at tp: rank t holds q rows [t*q, (t+1)*q), then
+// its KV head(s); with tp > KV heads, tp/kv ranks share each head.
+void expect_vllm_qkv(const Layout& L, int64_t tp, int64_t heads, int64_t kv_heads, int64_t hd, int64_t hidden,
+                     bool bias) {
+  const std::string pre = "model.layers.0.self_attn.";
+  const int64_t q_rows = heads / tp * hd;
+  const int64_t kv_rows = (tp >= kv_heads ? 1 : kv_heads / tp) * hd;
+  for (int32_t t = 0; t < tp; ++t) {
+    SCOPED_TRACE("tp " + std::to_string(tp) + " rank " + std::to_string(t));
+    const int64_t kv_head0 = tp >= kv_heads ? t / (tp / kv_heads) : t * (kv_heads / tp);
+    const Buffer* b = buffer_of(L, Side::kReceiver, t, pre + "qkv_proj.weight");
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(b->bytes, (q_rows + 2 * kv_rows) * hidden * 2);
+    auto q = segs(L, Side::kReceiver, t, pre + "q_proj.weight");
+    auto k = segs(L, Side::kReceiver, t, pre + "k_proj.weight");
+    auto v = segs(L, Side::kReceiver, t, pre + "v_proj.weight");
+    ASSERT_EQ(q.size(), 1u);
+    ASSERT_EQ(k.size(), 1u);
+    ASSERT_EQ(v.size(), 1u);
+    EXPECT_EQ(q[0].box, box2(t * q_rows, q_rows, 0, hidden));
+    EXPECT_EQ(q[0].offset, 0);
+    EXPECT_EQ(k[0].box, box2(kv_head0 * hd, kv_rows, 0, hidden));
+    EXPECT_EQ(k[0].offset, q_rows * hidden);
+    EXPECT_EQ(v[0].box, box2(kv_head0 * hd, kv_rows, 0, hidden));
+    EXPECT_EQ(v[0].offset, (q_rows + kv_rows) * hidden);
+    if (bias) {
+      const Buffer* bb = buffer_of(L, Side::kReceiver, t, pre + "qkv_proj.bias");
+      ASSERT_NE(bb, nullptr);
+      EXPECT_EQ(bb->bytes, (q_rows + 2 * kv_rows) * 2);
+      auto kb = segs(L, Side::kReceiver, t, pre + "k_proj.bias");
+      ASSERT_EQ(kb.size(), 1u);
+      EXPECT_EQ(kb[0].box, box1(kv_head0 * hd, kv_rows));
+      EXPECT_EQ(kb[0].offset, q_rows);
+    }
+  }
+}
+
+TEST(Vllm, Llama32_1bKvHeadsOf64AtTp2AndTp8) {
+  const Manifest m = llama32_1b();
+  for (int64_t tp : {2, 8}) {
+    const Layout L = build_ok(m, train_side(1, 1, 1, 1), infer_side(tp, 1, 1));
+    // tp 8: rank 0 k rows [0, 64), rank 1 [64, 128): one head of 64 each,
+    // a qkv_proj of 256 + 2*64 = 384 rows (the bug gave both ranks [0, 128)).
+    expect_vllm_qkv(L, tp, 32, 8, 64, 2048, false);
+    // Tied: the embedding only, padded to 64 and split over tp.
+    const Buffer* e = buffer_of(L, Side::kReceiver, 0, "model.embed_tokens.weight");
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->bytes, 128256 / tp * 2048 * 2);
+    EXPECT_EQ(L.find_tensor("lm_head.weight"), -1);
+  }
+}
+
+TEST(Vllm, Qwen25_05bTwoKvHeadsOf64AtTp2RefusedAtTp8) {
+  const Manifest m = qwen25_05b();
+  const Layout L = build_ok(m, train_side(1, 1, 1, 1), infer_side(2, 1, 1));
+  expect_vllm_qkv(L, 2, 14, 2, 64, 896, true);
+  // 14 query heads do not split over 8 ranks: vLLM refuses tp 8, so do we.
+  auto r = build(m, train_side(1, 1, 1, 1), infer_side(8, 1, 1));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("14 query heads (head_dim 64) do not split evenly over tp=8"),
+            std::string::npos)
+      << r.status().message();
+}
+
+// Megatron's linear_qkv at tp 2: each rank holds its query groups, each
+// [q heads of the group, k head, v head].
+TEST(Megatron, Llama32_1bAndQwen25_05bAtTp2) {
+  struct Case {
+    const char* name;
+    Manifest m;
+    int64_t heads, kv, hidden;
+  };
+  for (const Case& c : {Case{"llama-3.2-1b", llama32_1b(), 32, 8, 2048}, Case{"qwen2.5-0.5b", qwen25_05b(), 14, 2, 896}}) {
+    SCOPED_TRACE(c.name);
+    const Layout L = build_ok(c.m, train_side(2, 1, 1, 1), infer_side(2, 1, 1));
+    const int64_t hd = 64, per_group = c.heads / c.kv, groups = c.kv / 2, group_rows = (per_group + 2) * hd;
+    for (int32_t t = 0; t < 2; ++t) {
+      auto k = segs(L, Side::kSource, t, "model.layers.0.self_attn.k_proj.weight");
+      ASSERT_EQ(static_cast<int64_t>(k.size()), groups);
+      for (int64_t g = 0; g < groups; ++g) {
+        EXPECT_EQ(k[g].buffer, "decoder.layers.0.self_attention.linear_qkv.weight");
+        EXPECT_EQ(k[g].box, box2((t * groups + g) * hd, hd, 0, c.hidden));
+        EXPECT_EQ(k[g].offset, (g * group_rows + per_group * hd) * c.hidden);
+        EXPECT_EQ(k[g].buffer_bytes, groups * group_rows * c.hidden * 2);
+      }
+    }
+  }
 }
 
 TEST(Recipes, StageSplits) {
@@ -1180,7 +1409,7 @@ TEST(Scenarios, ShippedShapesValidateAndMatchReferences) {
     cases.push_back({"kimi-k2-384-h100", s, train_side(1, 1, 256, 1, 1, true, 8), infer_side(16, 8, 1, true, 8)});
   }
   {
-    // local-bench-1b: dense, TP2 -> TP2 x DP2 (no q_norm: head_dim 128).
+    // local-bench-1b: dense, TP2 -> TP2 x DP2 (no q_norm; head_dim 128 from the config).
     ModelSpec s = dense(2);
     s.heads = 4, s.kv_heads = 2, s.head_dim = 128, s.qk_norm = false, s.hidden = 32;
     cases.push_back({"local-bench-1b", s, train_side(2, 1, 1, 1, 1, false, 2), infer_side(2, 2, 1, false, 4)});

@@ -196,6 +196,7 @@ TEST_F(RefitPlanCli, TableByDefaultAndNothingUnderQuiet) {
 TEST_F(RefitPlanCli, ScenarioWithModelsFolderAndModelFile) {
   const json m = manifest();
   const std::string mj = write("models/tiny.json", m.dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
   const std::string s = write("tp2.json", scenario().dump());
   Outcome r = run({"--scenario", s, "--models", path("models").string(), "--json", "-"});
   ASSERT_EQ(r.code, 0) << r.err;
@@ -215,6 +216,7 @@ TEST_F(RefitPlanCli, SafetensorsFileAndFolder) {
   const json m = manifest();
   const std::string s = write("tp2.json", scenario("ckpt").dump());
   write("one/ckpt.safetensors", safetensors(m));
+  write("one/ckpt.config.json", refit::testing::small_llama_config().dump());
   Outcome r = run({"--scenario", s, "--models", path("one").string(), "--json", "-"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["tensors"], m.size());
@@ -223,6 +225,7 @@ TEST_F(RefitPlanCli, SafetensorsFileAndFolder) {
   for (const auto& [name, t] : m.items()) (name < "model.layers.1" ? a : b)[name] = t;
   write("two/ckpt/model-00001-of-00002.safetensors", safetensors(a));
   write("two/ckpt/model-00002-of-00002.safetensors", safetensors(b));
+  write("two/ckpt/config.json", refit::testing::small_llama_config().dump());
   r = run({"--scenario", s, "--models", path("two").string(), "--json", "-"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["tensors"], m.size());
@@ -262,6 +265,7 @@ TEST_F(RefitPlanCli, RunsHaveTheFormatsShape) {
 TEST_F(RefitPlanCli, LayoutOutPlansLikeItsInput) {
   const json m = manifest();
   write("models/tiny.json", m.dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
   const std::string s = write("tp2.json", scenario().dump());
   Outcome r = run({"--scenario", s, "--models", path("models").string(), "--layout-out", path("out.json").string(),
                    "--json", path("a.json").string()});
@@ -298,6 +302,7 @@ TEST_F(RefitPlanCli, StrategiesAndChunkBytes) {
 
 TEST_F(RefitPlanCli, CompareOneRowPerScenario) {
   write("models/tiny.json", manifest().dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
   const std::string a = write("a.json", scenario().dump());
   json sb = scenario();
   sb["infer"]["gpus_per_domain"] = 2;  // two receiving domains: twice the minimum
@@ -342,6 +347,7 @@ TEST_F(RefitPlanCli, BadUsage) {
 
 TEST_F(RefitPlanCli, BadInputsNameFileKeyAndProblem) {
   write("models/tiny.json", manifest().dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
   const std::string models = path("models").string();
 
   const std::string broken = write("broken.json", "{\"format\": ");
@@ -359,6 +365,22 @@ TEST_F(RefitPlanCli, BadInputsNameFileKeyAndProblem) {
 
   const std::string s3 = write("s3.json", scenario("absent").dump());
   expect_bad({"--scenario", s3, "--models", models}, R"(no manifest for model "absent")");
+
+  // No config beside the manifest, a config without a key the layout needs,
+  // a config that is not JSON: each refused, naming what is missing.
+  write("noconf/tiny.json", manifest().dump());
+  const std::string s4 = write("s4.json", scenario().dump());
+  expect_bad({"--scenario", s4, "--models", path("noconf").string()}, "has no Hugging Face config");
+  json conf = refit::testing::small_llama_config();
+  conf.erase("num_key_value_heads");
+  write("nokv/tiny.json", manifest().dump());
+  write("nokv/tiny.config.json", conf.dump());
+  expect_bad({"--scenario", s4, "--models", path("nokv").string()},
+             path("nokv/tiny.config.json").string() + R"(: the key "num_key_value_heads" is missing)");
+  write("badconf/tiny.json", manifest().dump());
+  write("badconf/tiny.config.json", "{\"head_dim\": ");
+  expect_bad({"--scenario", s4, "--models", path("badconf").string()},
+             path("badconf/tiny.config.json").string() + ": not valid JSON");
 
   json m = manifest();
   m["model.norm.weight"]["shape"] = {-1};

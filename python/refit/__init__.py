@@ -1,0 +1,35 @@
+"""refit: fresh RL-trainer weights into running inference servers.
+
+    import refit
+
+    with refit.Source({"rank": rank, "coordinator": {...}}) as src:
+        src.add_module(model)            # DTensors (FSDP2, TP) as they are
+        src.publish(step)
+        src.wait_drained(step)
+
+    rx = refit.Receiver({"rank": r, "mode": "staged", "coordinator": {...}})
+    rx.add("w", tensor, {"dtensor": {...}, "shape": [...]})
+    rx.refresh()                          # or: await rx.refresh_async()
+    rx.commit()
+    rx.report()                           # a dict
+
+Errors are one class per status (refit.InvalidArgumentError,
+refit.NotFoundError, refit.PeerError, refit.TimeoutError,
+refit.UnsupportedError, refit.InternalError), all refit.Error, each carrying
+the library's message. ``refit.vllm`` is the vLLM weight-transfer engine
+(imported on use; vLLM is not needed to import refit).
+"""
+
+from __future__ import annotations
+
+from .agents import LATEST, Receiver, Source, library
+from .errors import (Error, InternalError, InvalidArgumentError, NotFoundError, PeerError, TimeoutError,
+                     UnsupportedError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LATEST", "Source", "Receiver", "library",
+    "Error", "InvalidArgumentError", "NotFoundError", "PeerError", "TimeoutError", "UnsupportedError",
+    "InternalError", "__version__",
+]

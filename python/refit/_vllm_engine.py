@@ -1,0 +1,291 @@
+"""The vLLM engine classes of refit.vllm (which documents them). Importing
+this module imports vLLM and checks its version."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from . import errors
+from ._tensors import dtype_name
+from .agents import Receiver, Source
+from .vllm import BACKEND, import_vllm, recipe_name, write_model_files
+
+import_vllm()
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    ModuleSource,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+@dataclass
+class RefitInitInfo(WeightTransferInitInfo):
+    """What each worker needs: where the coordinator is and what the trainer serves.
+
+    coordinator: refit's "coordinator" config ({"address", "token_file", ...}).
+    manifest: the trainer's tensors, {"name": {"dtype": "BF16", "shape": [...]}}
+        in Hugging Face names (a safetensors header without offsets).
+    hf_config: the model's Hugging Face config; default: vLLM's hf_config.
+    instance: this server's index among the servers refreshed together
+        (default: vLLM's data-parallel index); instances: how many (default:
+        vLLM's data-parallel size).
+    domain: ranks of one domain share a local fabric (default 0: one host).
+    config: more receiver config keys (network, local, verify, log_level, ...).
+    timeout_s: deadline of one refresh.
+    """
+
+    coordinator: dict[str, Any]
+    manifest: dict[str, Any]
+    hf_config: dict[str, Any] | None = None
+    instance: int | None = None
+    instances: int | None = None
+    domain: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 60.0
+
+
+@dataclass
+class RefitUpdateInfo(WeightTransferUpdateInfo):
+    """The version to stage (what the trainer published)."""
+
+    version: int
+
+
+def _expert_parallel(vllm_config: Any) -> bool:
+    return bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
+
+
+class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    """The worker side: a staged refit receiver over the live parameters."""
+
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._receiver: Receiver | None = None
+        self._files: tempfile.TemporaryDirectory[str] | None = None
+        self._staged: int | None = None
+        self._active = False
+        self._timeout_s = 60.0
+        self.rank = -1
+
+    # -- set-up -------------------------------------------------------------
+
+    def _rank(self, instance: int) -> tuple[int, int, int]:
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+        pc = self.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        tp_rank = get_tensor_model_parallel_rank()
+        pp_rank = get_pp_group().rank_in_group
+        return tp_rank + tp * (pp_rank + pp * instance), tp, pp
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        if self._receiver is not None:
+            raise errors.invalid("refit: init_transfer_engine called twice; shutdown() first")
+        pc = self.parallel_config
+        instance = pc.data_parallel_index if init_info.instance is None else int(init_info.instance)
+        instances = pc.data_parallel_size if init_info.instances is None else int(init_info.instances)
+        self.rank, tp, pp = self._rank(instance)
+        hf_config = init_info.hf_config
+        if hf_config is None:
+            hf_config = self.model_config.hf_config.to_dict()
+        params = list(self.model.named_parameters())
+
+        self._files = tempfile.TemporaryDirectory(prefix="refit-vllm-")
+        model_path = write_model_files(self._files.name, init_info.manifest, hf_config)
+        config = {**init_info.config, "rank": self.rank, "domain": int(init_info.domain), "instance": instance,
+                  "mode": "staged", "coordinator": dict(init_info.coordinator),
+                  "recipe": {"model": model_path, "framework": "vllm", "tp": tp, "pp": pp, "dp": instances,
+                             "expert_parallel": _expert_parallel(self.vllm_config)}}
+        receiver: Receiver | None = None
+        error: BaseException | None = None
+        try:
+            self._check_dtypes(params, init_info.manifest)
+            receiver = Receiver(config)
+            for name, param in params:
+                self._add(receiver, name, param)
+            receiver.join()
+        except Exception as e:  # reported to the other workers before it is raised
+            error = e
+        # Every worker of the instance must have joined before any refreshes
+        # (refit.h, refit_receiver_join), and a worker that failed must not
+        # leave the others waiting for it.
+        failed = self._workers_failed(error is not None)
+        if error is not None or failed:
+            if receiver is not None:
+                receiver.close()
+            self._files.cleanup()
+            self._files = None
+            if error is not None:
+                raise error
+            raise errors.invalid(f"refit: {failed} other worker(s) of this vLLM instance failed to register "
+                                 "their parameters (their logs say why); nothing was registered")
+        self._receiver = receiver
+        self._timeout_s = float(init_info.timeout_s)
+
+    @staticmethod
+    def _workers_failed(failed_here: bool) -> int:
+        """How many workers of this instance failed (a sum over vLLM's world group)."""
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed import get_world_group
+        flag = torch.tensor([1 if failed_here else 0], dtype=torch.int64)
+        dist.all_reduce(flag, group=get_world_group().cpu_group)
+        return int(flag.item()) - (1 if failed_here else 0)
+
+    @staticmethod
+    def _check_dtypes(params: list[tuple[str, Any]], manifest: dict[str, Any]) -> None:
+        """Every parameter must have the trainer's dtype: refit moves bytes,
+        it does not convert."""
+        trainer = {t["dtype"] for n, t in manifest.items() if not n.endswith("_scale_inv")}
+        for name, param in params:
+            ours = dtype_name(param.dtype, f"vLLM parameter \"{name}\"")
+            if name.endswith("_scale_inv") or name.endswith("weight_scale"):
+                continue
+            if trainer and ours not in trainer:
+                raise errors.invalid(f"vLLM parameter \"{name}\" is {ours}, the trainer's tensors are "
+                                     f"{', '.join(sorted(trainer))}: refit does not convert dtypes; start vLLM "
+                                     "with the trainer's dtype")
+
+    @staticmethod
+    def _add(receiver: Receiver, name: str, param: Any) -> None:
+        target = recipe_name(name)
+        try:
+            receiver.add(target, param.data, "recipe")
+        except errors.NotFoundError as e:
+            raise errors.NotFoundError(
+                e.call, e.status, e.status_name,
+                f"vLLM parameter \"{name}\" has no counterpart in refit's vLLM recipe for this model "
+                f"(the names the trainer serves do not match the server's): {e.message}") from None
+
+    # -- one round ----------------------------------------------------------
+
+    def _need(self) -> Receiver:
+        if self._receiver is None:
+            raise errors.invalid("refit: init_transfer_engine has not been called")
+        return self._receiver
+
+    def start_weight_update(self) -> None:
+        self._need()
+        self._active = True
+        self._staged = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes the accelerator after receive_weights;
+        # refit's refresh is complete when it returns, on the CPU too.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        receiver = self._need()
+        if not self._active:
+            raise errors.invalid("refit: update_weights before start_weight_update")
+        self._staged = None
+        receiver.refresh(int(update_info.version), self._timeout_s)  # raises; buffers keep the old version
+        self._staged = int(update_info.version)
+
+    def finish_weight_update(self) -> None:
+        receiver = self._need()
+        if not self._active:
+            raise errors.invalid("refit: finish_weight_update without start_weight_update")
+        self._active = False
+        if self._staged is None:
+            return  # nothing staged (no update, or it failed): the weights stay as they were
+        self._staged = None
+        receiver.commit()
+
+    def report(self) -> dict[str, Any]:
+        return self._need().report()
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+        if self._files is not None:
+            self._files.cleanup()
+            self._files = None
+
+
+@dataclass
+class RefitTrainerInitInfo(TrainerInitInfo):
+    """The trainer side: refit's source config (coordinator, network, ...;
+    "rank" is `rank`) and what the workers' init needs beyond the manifest
+    (RefitInitInfo's other fields, as a dict)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    source_config: dict[str, Any] = field(default_factory=dict)
+    worker_init: dict[str, Any] = field(default_factory=dict)
+    drain_timeout_s: float = 60.0
+
+
+def _manifest(source: WeightSource) -> dict[str, Any]:
+    return {m.name: {"dtype": dtype_name(m.dtype, f"tensor \"{m.name}\""), "shape": [int(d) for d in m.shape]}
+            for m in source.metadata}
+
+
+def _placement(p: Any) -> str:
+    from vllm.distributed.weight_transfer.base import Shard
+    return f"S({p.dim})" if isinstance(p, Shard) else "R"
+
+
+class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
+    init_info_cls = RefitTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: WeightSource, rank: int, refit_source: Source,
+                 init_info: RefitTrainerInitInfo) -> None:
+        super().__init__(client=client, source=source, is_sender=rank == 0, rank=rank)
+        self._src = refit_source
+        self._info = init_info
+        self.version = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client: Any,
+                     source: WeightSource | None = None) -> "RefitTrainerWeightTransferEngine":
+        if source is None:
+            raise errors.invalid("refit: the trainer engine needs a WeightSource")
+        src = Source({**init_info.source_config, "rank": init_info.rank})
+        try:
+            if isinstance(source, ModuleSource):
+                # The module itself: DTensors with every placement, strided shards included.
+                src.add_module(source._module)
+            else:
+                by_name = {m.name: m for m in source.metadata}
+                for name, local in source.iter_local():
+                    m = by_name[name]
+                    if m.owners is None or m.placements is None:
+                        src.add(name, local)  # this rank holds it whole
+                    else:
+                        src.add(name, local, shape=m.shape,
+                                spec={"mesh": list(m.mesh_shape), "ranks": list(m.owners),
+                                      "placements": [_placement(p) for p in m.placements]})
+            src.join()
+            engine = cls(client=client, source=source, rank=init_info.rank, refit_source=src, init_info=init_info)
+            if engine.is_sender:
+                client.init_weight_transfer_engine({**init_info.worker_init, "manifest": _manifest(source)})
+        except BaseException:
+            src.close()
+            raise
+        return engine
+
+    def send_weights(self) -> None:
+        self.version += 1
+        self._src.publish(self.version)
+        if self.is_sender:
+            self.client.start_weight_update()
+            try:
+                self.client.update_weights({"version": self.version})
+            finally:
+                self.client.finish_weight_update()
+        self._src.wait_drained(self.version, self._info.drain_timeout_s)
+
+    def shutdown(self) -> None:
+        self._src.close()

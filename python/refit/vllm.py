@@ -1,0 +1,121 @@
+"""refit as vLLM's weight-transfer backend "refit".
+
+Supported vLLM: 0.33.x (the WeightTransferEngine interface with
+start_weight_update / update_weights / finish_weight_update, the factory's
+register_engine, TrainerWeightTransferEngine and WeightSource). This module
+imports without vLLM; the engine classes (RefitWeightTransferEngine,
+RefitTrainerWeightTransferEngine, RefitInitInfo, RefitUpdateInfo,
+RefitTrainerInitInfo) import it when first used, and a vLLM outside the
+supported range is refused then, naming its version.
+
+Registration: the ``vllm.general_plugins`` entry point ``refit`` (in the
+package's metadata) calls :func:`register`, which vLLM runs in every process
+it starts, so ``--weight-transfer-config '{"backend": "refit"}'`` works with
+nothing else installed. ``register`` is safe to call more than once.
+
+Inference side (:class:`RefitWeightTransferEngine`, one per worker):
+
+- ``init_transfer_engine`` creates a staged refit receiver for this worker's
+  rank (tp_rank + tp * (pp_rank + pp * instance)) and registers the storage
+  of every live parameter vLLM allocated (its TP shard, fused qkv_proj /
+  gate_up_proj / w13 / w2, padded vocabulary) as a receiver buffer, laid out
+  by refit's vLLM recipe for the trainer's manifest and the model's Hugging
+  Face config. A parameter the recipe does not know, a dtype that differs
+  from the trainer's, or a buffer smaller than the recipe's is refused before
+  any transfer.
+- ``start_weight_update`` opens a round; ``update_weights({"version": N})``
+  stages version N (the server keeps serving the old weights meanwhile);
+  ``finish_weight_update`` commits: the staged bytes are copied into the
+  parameters. A refresh that failed on any rank of the instance raises from
+  ``update_weights`` and leaves every parameter at the old version. Call
+  finish between vLLM's pause and resume (``pause_generation`` /
+  ``resume_generation``): the commit is the only moment the weights change.
+
+Trainer side (:class:`RefitTrainerWeightTransferEngine`): every trainer rank
+registers its shards (DTensors as they are) with a refit source; each
+``send_weights`` publishes the next version, and the sender (rank 0) drives
+the workers' start / update / finish through vLLM's client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from . import errors
+
+SUPPORTED_VLLM = ((0, 33), (0, 34))  # [min, max): 0.33.x
+BACKEND = "refit"
+
+# vLLM renames parameters between versions; the recipe uses one spelling.
+# Each (vLLM's, refit's) pair rewrites a name before it is looked up.
+_NAME_ALIASES = (
+    (".mlp.experts.routed_experts.", ".mlp.experts."),
+)
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises UnsupportedError for a vLLM outside SUPPORTED_VLLM."""
+    parts = version.split("+")[0].split(".")
+    try:
+        key = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        raise errors.unsupported(f"vLLM version {version!r} cannot be read") from None
+    lo, hi = SUPPORTED_VLLM
+    if not lo <= key < hi:
+        raise errors.unsupported(f"vLLM {version} is not supported by refit.vllm "
+                                 f"(supported: {lo[0]}.{lo[1]}.x); its weight-transfer interface differs")
+
+
+def recipe_name(vllm_name: str) -> str:
+    """The recipe's name for a vLLM parameter name."""
+    for theirs, ours in _NAME_ALIASES:
+        vllm_name = vllm_name.replace(theirs, ours)
+    return vllm_name
+
+
+def write_model_files(directory: str, manifest: dict[str, Any], hf_config: dict[str, Any]) -> str:
+    """Writes `manifest` as model.json and `hf_config` as model.config.json
+    (docs/planner: a manifest and its Hugging Face config side by side);
+    returns the manifest's path."""
+    path = os.path.join(directory, "model.json")
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    with open(os.path.join(directory, "model.config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return path
+
+
+_ENGINE_NAMES = ("RefitWeightTransferEngine", "RefitTrainerWeightTransferEngine", "RefitInitInfo",
+                 "RefitUpdateInfo", "RefitTrainerInitInfo")
+
+
+def import_vllm() -> Any:
+    """vLLM, checked against SUPPORTED_VLLM; UnsupportedError when missing or outside it."""
+    try:
+        import vllm
+    except ImportError as e:
+        lo = SUPPORTED_VLLM[0]
+        raise errors.unsupported(f"refit.vllm needs vLLM {lo[0]}.{lo[1]}.x: {e}") from e
+    check_vllm_version(vllm.__version__)
+    return vllm
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINE_NAMES:
+        from . import _vllm_engine
+        return getattr(_vllm_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register() -> None:
+    """Registers backend "refit" with vLLM's factories (idempotent): what the
+    ``vllm.general_plugins`` entry point runs in each vLLM process."""
+    import_vllm()
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "refit._vllm_engine", "RefitWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "refit._vllm_engine",
+                                                     "RefitTrainerWeightTransferEngine")
