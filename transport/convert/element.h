@@ -3,9 +3,8 @@
 // kernel is built from, shared by the CPU kernels (convert.cc) and the CUDA
 // kernel (convert_kernel.cu) so that both give the same bits. Every
 // convention is in docs/conversion.md; in short, each function gives the
-// bits that PyTorch's CPU `.to(dtype)` gives for the same input, except that
-// e4m3_from_f32 saturates where torch gives NaN (|x| >= 480), which block
-// quantization never reaches.
+// bits that PyTorch's CPU `.to(dtype)` gives for the same input (NaN
+// payloads aside).
 //
 // Pure functions of their argument; no state, any thread.
 
@@ -81,9 +80,9 @@ REFIT_HD uint16_t f16_from_f32(float f) {
   return static_cast<uint16_t>(sign | r);
 }
 
-// F32 -> E4M3 (fn), round to nearest even, saturating: |x| >= 480 (and
-// infinity) gives +-448 where torch gives NaN; NaN gives 0x7F with the
-// input's sign. Below 480 the bits are torch's.
+// F32 -> E4M3 (fn), round to nearest even, saturating: whatever rounds
+// past 448 (|x| > 464, infinity included) gives +-448; NaN gives 0x7F with
+// the input's sign. The bits of torch's CPU .to(torch.float8_e4m3fn).
 REFIT_HD uint8_t e4m3_from_f32(float f) {
   const uint32_t u = f32_bits(f);
   const uint32_t sign = (u >> 24) & 0x80u;
@@ -97,8 +96,7 @@ REFIT_HD uint8_t e4m3_from_f32(float f) {
   // Normal: drop 20 mantissa bits with round to nearest even and rebias the
   // exponent from 127 to 7; a carry out of the mantissa bumps the exponent.
   const uint32_t nrm = (a + ((7u - 127u) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
-  uint32_t r = select(a < (121u << 23), sub, nrm);
-  r = select(a >= 0x43F00000u, kE4M3MaxBits, r);  // >= 480 and infinity
+  uint32_t r = select(a < (121u << 23), sub, nrm > kE4M3MaxBits ? kE4M3MaxBits : nrm);
   r = select(a > 0x7F800000u, 0x7Fu, r);
   return static_cast<uint8_t>(sign | r);
 }

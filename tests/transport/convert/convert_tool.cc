@@ -4,6 +4,7 @@
 //
 //   refit_convert_tool quantize BF16|F32 ROWS COLS BLOCK_ROWS BLOCK_COLS IN VALUES_OUT SCALES_OUT
 //   refit_convert_tool cast FROM TO COUNT IN OUT
+//   refit_convert_tool e4m3 COUNT IN OUT      (F32 elements, no scaling)
 //
 // IN holds ROWS x COLS (or COUNT) little-endian elements, row-major. A
 // refusal (NaN in a block) prints the Status and exits 2.
@@ -11,12 +12,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "transport/convert/convert.h"
+#include "transport/convert/element.h"
 
 namespace {
 
@@ -33,7 +36,8 @@ bool write_file(const std::string& path, const void* p, size_t n) {
 
 int usage() {
   std::cerr << "usage: refit_convert_tool quantize BF16|F32 ROWS COLS BLOCK_ROWS BLOCK_COLS IN VALUES_OUT SCALES_OUT\n"
-               "       refit_convert_tool cast FROM TO COUNT IN OUT\n";
+               "       refit_convert_tool cast FROM TO COUNT IN OUT\n"
+               "       refit_convert_tool e4m3 COUNT IN OUT\n";
   return 1;
 }
 
@@ -94,6 +98,21 @@ int main(int argc, char** argv) {
       return 2;
     }
     return write_file(argv[6], out.data(), out.size()) ? 0 : 1;
+  }
+  if (cmd == "e4m3" && argc == 5) {
+    const int64_t n = std::atoll(argv[2]);
+    const std::vector<char> in = read_file(argv[3]);
+    if (n < 0 || static_cast<int64_t>(in.size()) != n * 4) {
+      std::cerr << argv[3] << ": " << in.size() << " bytes, expected " << n * 4 << "\n";
+      return 1;
+    }
+    std::vector<uint8_t> out(n);
+    for (int64_t i = 0; i < n; ++i) {
+      float f;
+      std::memcpy(&f, in.data() + 4 * i, 4);
+      out[i] = convert::e4m3_from_f32(f);
+    }
+    return write_file(argv[4], out.data(), out.size()) ? 0 : 1;
   }
   return usage();
 }

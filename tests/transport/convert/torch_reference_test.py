@@ -182,3 +182,25 @@ def test_f32_casts(tmp_path, to):
     got = run_cast(tmp_path, bits, "F32", to)
     assert np.count_nonzero(got != want) == 0
     print(f"\nF32 -> {to}: {bits.size} values, 0 differ")
+
+
+def test_f32_to_e4m3_elements(tmp_path):
+    """The element conversion alone: rounding, subnormals, saturation past
+    448 (infinity included), against torch's .to(float8_e4m3fn)."""
+    rng = np.random.default_rng(13)
+    bits = rng.integers(0, 2**32, size=2_000_000, dtype=np.uint64).astype(np.uint32)
+    # Most of them in and around E4M3's range: 2^-12 to 2^10.
+    near = rng.integers(0x39800000, 0x44800000, size=bits.size * 3 // 4, dtype=np.uint64).astype(np.uint32)
+    bits[: near.size] = near | (rng.integers(0, 2, size=near.size, dtype=np.uint64).astype(np.uint32) << 31)
+    bits = np.concatenate([bits, np.array([0x7F800000, 0xFF800000, 0x43E80000, 0x43E80001], dtype=np.uint32)])
+    bits = bits[(bits & 0x7FFFFFFF) <= 0x7F800000]  # no NaN
+    src = tmp_path / "e4m3_src.bin"
+    out = tmp_path / "e4m3_out.bin"
+    bits.tofile(src)
+    proc = subprocess.run([str(TOOL), "e4m3", str(bits.size), str(src), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = np.fromfile(out, dtype=np.uint8)
+    want = torch.from_numpy(bits.view(np.int32)).view(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.count_nonzero(got != want) == 0
+    print(f"\nF32 -> F8_E4M3 elements: {bits.size} values, 0 differ")
