@@ -20,11 +20,11 @@ Status quantize_e4m3_blocks_cuda(const QuantizeArgs& a, void* stream) {
 
   const size_t scratch_bytes = 8 + 4 * static_cast<size_t>(nblocks);
   void* scratch = nullptr;
-  REFIT_RETURN_IF_ERROR(cuda::from_cuda(cudaMalloc(&scratch, scratch_bytes),
+  REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMalloc(&scratch, scratch_bytes),
                                         "cudaMalloc(" + std::to_string(scratch_bytes) + " bytes)")
                             .with_context(where));
   auto* bad = static_cast<unsigned long long*>(scratch);
-  Status st = cuda::from_cuda(cudaMemsetAsync(bad, 0xFF, 8, s), "cudaMemsetAsync(8 bytes)");
+  Status st = ::refit::cuda::from_cuda(cudaMemsetAsync(bad, 0xFF, 8, s), "cudaMemsetAsync(8 bytes)");
   if (st.is_ok()) {
     convert::cuda::DeviceQuantize q;
     q.src = a.src;
@@ -40,13 +40,13 @@ Status quantize_e4m3_blocks_cuda(const QuantizeArgs& a, void* stream) {
     q.block_cols = a.block.cols;
     q.amax_scratch = reinterpret_cast<uint32_t*>(static_cast<char*>(scratch) + 8);
     q.bad_block = bad;
-    st = cuda::from_cuda(static_cast<cudaError_t>(convert::cuda::launch_quantize_e4m3(q, s)),
+    st = ::refit::cuda::from_cuda(static_cast<cudaError_t>(convert::cuda::launch_quantize_e4m3(q, s)),
                          "launch of the quantize kernels (" + std::to_string(nblocks) + " blocks)");
   }
   unsigned long long bad_host = ~0ull;
-  if (st.is_ok()) st = cuda::from_cuda(cudaMemcpyAsync(&bad_host, bad, 8, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync(8 bytes to host)");
-  if (st.is_ok()) st = cuda::from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-  const Status freed = cuda::from_cuda(cudaFree(scratch), "cudaFree(scratch)");
+  if (st.is_ok()) st = ::refit::cuda::from_cuda(cudaMemcpyAsync(&bad_host, bad, 8, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync(8 bytes to host)");
+  if (st.is_ok()) st = ::refit::cuda::from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  const Status freed = ::refit::cuda::from_cuda(cudaFree(scratch), "cudaFree(scratch)");
   REFIT_RETURN_IF_ERROR(st.with_context(where));
   REFIT_RETURN_IF_ERROR(freed.with_context(where));
   if (bad_host != ~0ull) {
