@@ -257,7 +257,7 @@ TEST(ParseLayout, MalformedAndWrongFormat) {
 TEST(ParseLayout, UnknownMissingAndMistypedKeys) {
   json d = formats_example();
   d["plan"] = 1;
-  EXPECT_EQ(error_of(d), R"J(L.json: unknown key "plan" (known: format, sources, receivers, tensors, buffers))J");
+  EXPECT_EQ(error_of(d), R"J(L.json: unknown key "plan" (known: format, sources, receivers, tensors, buffers, weight_block_size))J");
   d = formats_example();
   d["tensors"][0]["layout"] = 1;
   EXPECT_EQ(error_of(d),
