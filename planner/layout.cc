@@ -162,9 +162,10 @@ Status check_region(const Layout& L, const Tensor& t, const Region& r, Side side
   const Buffer& b = L.buffers[bi];
   if (b.side != side)
     return Status::invalid(where + ": buffer \"" + b.name + "\" belongs to the other side");
-  if (b.dtype != t.dtype)
+  if (b.dtype != t.dtype_on(side))
     return Status::invalid(where + ": buffer \"" + b.name + "\" has dtype " + std::string(dtype_name(b.dtype)) +
-                           ", the tensor " + std::string(dtype_name(t.dtype)));
+                           ", the tensor " + std::string(dtype_name(t.dtype_on(side))) + " on the " +
+                           side_name(side) + " side");
   const RankSets& sets = L.sets(side);
   if (r.ranks >= sets.size() || b.ranks >= sets.size()) return Status::invalid(where + ": unknown rank set");
   if (!is_subset(sets.get(r.ranks), sets.get(b.ranks)))
@@ -236,7 +237,7 @@ Status validate(const Layout& L) {
       return false;
     }
     const Tensor& f = L.tensors[it->second.tensor];
-    if (f.shape != t.shape || f.dtype != t.dtype) return false;
+    if (f.shape != t.shape || f.dtype_on(side) != t.dtype_on(side)) return false;
     for (uint32_t k = 0; k < it->second.buffers; ++k) {
       const uint64_t a = uint64_t{f.base(side)} + k, b = uint64_t{t.base(side)} + k;
       if (a >= L.buffers.size() || b >= L.buffers.size()) return false;
@@ -261,6 +262,10 @@ Status validate(const Layout& L) {
                              " dims; at most " + std::to_string(kMaxDims) + " are supported");
     for (int64_t s : t.shape)
       if (s < 0) return Status::invalid("tensor \"" + t.name + "\" has a negative dim");
+    if (t.derived_from >= 0 &&
+        (t.derived_from >= static_cast<int64_t>(L.tensors.size()) || !t.sources.empty()))
+      return Status::invalid("tensor \"" + t.name + "\" is derived (computed by the receivers) but " +
+                             (t.sources.empty() ? "names no tensor it is derived from" : "has sources"));
     for (Side side : {Side::kSource, Side::kReceiver}) {
       if (same_again(ti, side)) continue;
       for (const Region& r : L.regions(ti, side)) {

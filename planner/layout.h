@@ -11,9 +11,11 @@
 // Thread safety: a Layout is built by one thread, then read-only; any number
 // of threads may read a finished Layout.
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -109,7 +111,16 @@ struct Tensor {
   // buffers then sit at the same relative positions after their own base.
   uint32_t source_base = 0;
   uint32_t receiver_base = 0;
+  // The receivers' dtype when refit converts the tensor on the way
+  // (planner/conversion.h, docs/conversion.md); unset: `dtype` on both sides.
+  std::optional<DType> receiver_dtype;
+  // A tensor the receivers compute instead of receiving: the block scales
+  // (`W.weight_scale_inv`) of tensor `derived_from`, which is quantized to
+  // F8_E4M3 on the way. It has no sources, and a plan has no units of it.
+  // -1 for every other tensor.
+  int64_t derived_from = -1;
   int64_t bytes() const;
+  DType dtype_on(Side s) const { return s == Side::kReceiver && receiver_dtype ? *receiver_dtype : dtype; }
   uint32_t base(Side s) const { return s == Side::kSource ? source_base : receiver_base; }
   uint32_t buffer_of(Side s, const Region& r) const { return base(s) + r.buffer; }
 };
@@ -129,6 +140,10 @@ struct Layout {
   std::vector<Buffer> buffers;
   RankSets source_sets;
   RankSets receiver_sets;
+  // The F8_E4M3 quantization block over a tensor's last two dims (rows,
+  // cols): the receivers' model's quantization_config.weight_block_size.
+  // Used only by tensors quantized on the way (planner/conversion.h).
+  std::array<int64_t, 2> weight_block_size{128, 128};
 
   RankSets& sets(Side s) { return s == Side::kSource ? source_sets : receiver_sets; }
   const RankSets& sets(Side s) const { return s == Side::kSource ? source_sets : receiver_sets; }
@@ -164,7 +179,8 @@ Index row_major_strides(const std::vector<int64_t>& shape);
 // Checks everything the planner relies on, and names the culprit on failure:
 // ranks in range and domains/instances non-negative; every region's box
 // non-empty and inside its tensor; its buffer of the region's side, of the
-// tensor's dtype, held by every rank of the region; every element it maps
+// tensor's dtype on that side (Tensor::dtype_on), held by every rank of the
+// region; a derived tensor without sources; every element it maps
 // inside the buffer; no two regions of one rank overlapping in a buffer.
 // Does not check that sources cover what receivers need: the planner does.
 Status validate(const Layout& layout);

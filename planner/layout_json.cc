@@ -7,8 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "planner/conversion.h"
 #include "planner/json_util.h"
-
 #include "planner/placement.h"
 
 namespace refit {
@@ -72,12 +72,20 @@ class Parser {
     }
     if (!doc.is_object())
       return Status::invalid(origin_ + ": a layout must be a JSON object, got " + show(doc));
-    REFIT_RETURN_IF_ERROR(check_keys(doc, "", {"format", "sources", "receivers", "tensors", "buffers"}));
+    REFIT_RETURN_IF_ERROR(
+        check_keys(doc, "", {"format", "sources", "receivers", "tensors", "buffers", "weight_block_size"}));
     auto fmt = doc.find("format");
     if (fmt == doc.end()) return fail("", "missing key \"format\"");
     if (!fmt->is_string() || fmt->get_ref<const std::string&>() != kLayoutFormat)
       return fail("format", "must be \"" + std::string(kLayoutFormat) + "\", got " + show(*fmt));
 
+    // The F8_E4M3 block (rows, cols), as quantization_config.weight_block_size.
+    if (auto wb = doc.find("weight_block_size"); wb != doc.end()) {
+      const bool ok = wb->is_array() && wb->size() == 2 && (*wb)[0].is_number_integer() &&
+                      (*wb)[1].is_number_integer() && (*wb)[0].get<int64_t>() > 0 && (*wb)[1].get<int64_t>() > 0;
+      if (!ok) return fail("weight_block_size", "must be two positive integers (rows, cols), got " + show(*wb));
+      L_.weight_block_size = {(*wb)[0].get<int64_t>(), (*wb)[1].get<int64_t>()};
+    }
     REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kSource));
     REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kReceiver));
     auto tensors = list(doc, "tensors", true);
@@ -90,7 +98,7 @@ class Parser {
       for (size_t i = 0; i < (*buffers)->size(); ++i) REFIT_RETURN_IF_ERROR(parse_buffer((**buffers)[i], i));
     }
     build_groups();
-    Status s = validate(L_);
+    Status s = has_conversions(L_) ? resolve_conversions(L_) : validate(L_);
     if (!s) return s.with_context(origin_);
     return std::move(L_);
   }
@@ -377,26 +385,32 @@ class Parser {
     for (size_t j = 0; j < (*segs)->size(); ++j) {
       Segment s;
       REFIT_RETURN_IF_ERROR(
-          parse_segment((**segs)[j], path + ".segments[" + std::to_string(j) + "]", g.dtype, elems, &s));
+          parse_segment((**segs)[j], path + ".segments[" + std::to_string(j) + "]", g.side, g.dtype, elems, &s));
       g.segments.push_back(s);
     }
     add_to_group(std::move(g), static_cast<int32_t>(rank));
     return Status::ok();
   }
 
-  Status parse_segment(const json& s, const std::string& path, DType dtype, int64_t elems, Segment* out) {
+  Status parse_segment(const json& s, const std::string& path, Side side, DType dtype, int64_t elems, Segment* out) {
     if (!s.is_object()) return fail(path, "must be an object, got " + show(s));
     auto name = field(s, "tensor", path);
     if (!name) return name.status();
     if (!(*name)->is_string()) return fail(path + ".tensor", "must be a tensor name, got " + show(**name));
     auto it = tensor_index_.find((*name)->get_ref<const std::string&>());
     if (it == tensor_index_.end()) return fail(path + ".tensor", "unknown tensor " + show(**name));
-    const Tensor& t = L_.tensors[it->second];
+    Tensor& t = L_.tensors[it->second];
     Context ctx(this, context_.substr(0, context_.size() - 1) + ", tensor \"" + t.name + "\")");
     REFIT_RETURN_IF_ERROR(check_keys(s, path, {"tensor", "start", "size", "offset", "strides"}));
-    if (t.dtype != dtype)
-      return fail(path, "the tensor is " + std::string(dtype_name(t.dtype)) + " but the buffer is " +
-                             std::string(dtype_name(dtype)) + "; a buffer holds one dtype");
+    // A receiver buffer may hold the tensor in another dtype than its
+    // sources: the tensor is converted on the way (planner/conversion.h),
+    // and all its receivers hold that dtype.
+    if (side == Side::kReceiver && t.dtype != dtype && !t.receiver_dtype && t.receivers.empty())
+      t.receiver_dtype = dtype;
+    if (t.dtype_on(side) != dtype)
+      return fail(path, "the tensor is " + std::string(dtype_name(t.dtype_on(side))) + " on the " + side_name(side) +
+                             " side but the buffer is " + std::string(dtype_name(dtype)) +
+                             "; all of a tensor's buffers on one side hold one dtype");
     const int nd = static_cast<int>(t.shape.size());
     std::vector<int64_t> start, size, strides;
     REFIT_RETURN_IF_ERROR(int_list(s, "start", path, nd, 0, "non-negative integers", &start));
@@ -596,7 +610,10 @@ std::string Writer::escaped(std::string_view s) {
 }
 
 void write_layout(const Layout& L, Writer& w) {
-  w.raw("{\"format\": ").str(kLayoutFormat).raw(",\n \"sources\": [");
+  w.raw("{\"format\": ").str(kLayoutFormat);
+  if (has_conversions(L))
+    w.raw(",\n \"weight_block_size\": ").list(L.weight_block_size.data(), 2);
+  w.raw(",\n \"sources\": [");
   for (size_t i = 0; i < L.sources.size(); ++i) {
     w.raw(i ? ",\n  " : "\n  ").raw("{\"rank\": ").num(static_cast<int64_t>(i));
     w.raw(", \"domain\": ").num(L.sources[i].domain).raw("}");

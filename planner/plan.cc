@@ -219,7 +219,8 @@ class Planner {
 
   Status plan_tensor(uint32_t ti) {
     const Tensor& t = L_.tensors[ti];
-    if (t.receivers.empty()) return Status::ok();
+    // A derived tensor (block scales) is computed by the receivers, not moved.
+    if (t.receivers.empty() || t.derived_from >= 0) return Status::ok();
     source_sig_ = source_signature(t);
     // (domain, region, part) entries, grouped by domain.
     entries_.clear();
@@ -465,6 +466,7 @@ int64_t minimum_network_bytes(const Layout& L) {
   std::vector<std::pair<int32_t, uint32_t>> dr;  // (domain, region)
   std::vector<const Box*> boxes;
   for (const Tensor& t : L.tensors) {
+    if (t.derived_from >= 0) continue;
     dr.clear();
     for (uint32_t ri = 0; ri < t.receivers.size(); ++ri) {
       const auto& ranks = L.receiver_sets.get(t.receivers[ri].ranks);
@@ -572,7 +574,8 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   plan.receiver_nic_.assign(L.receivers.size(), 0);
   PlanSummary& s = plan.summary_;
   s.tensors = static_cast<int64_t>(L.tensors.size());
-  for (const Tensor& t : L.tensors) s.total_bytes += t.bytes();
+  for (const Tensor& t : L.tensors)
+    if (t.derived_from < 0) s.total_bytes += t.bytes();
 
   if (options.strategy == Strategy::kBroadcast) {
     // A missing source still fails the same way as under refit.

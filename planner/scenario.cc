@@ -119,7 +119,8 @@ class Object {
 };
 
 Status parse_train(const Object& o, TrainSide* t) {
-  REFIT_RETURN_IF_ERROR(o.check_keys({"gpus", "tp", "cp", "dp", "pp", "ep", "fsdp", "gpus_per_domain"}));
+  REFIT_RETURN_IF_ERROR(o.check_keys({"gpus", "tp", "cp", "dp", "pp", "ep", "fsdp", "gpus_per_domain", "model"}));
+  REFIT_RETURN_IF_ERROR(o.string("model", false, true, &t->model));
   REFIT_RETURN_IF_ERROR(o.positive_int("gpus", true, &t->gpus));
   REFIT_RETURN_IF_ERROR(o.positive_int("tp", true, &t->tp));
   REFIT_RETURN_IF_ERROR(o.positive_int("cp", false, &t->cp));
@@ -132,7 +133,8 @@ Status parse_train(const Object& o, TrainSide* t) {
 }
 
 Status parse_infer(const Object& o, InferSide* t) {
-  REFIT_RETURN_IF_ERROR(o.check_keys({"gpus", "tp", "dp", "pp", "expert_parallel", "gpus_per_domain"}));
+  REFIT_RETURN_IF_ERROR(o.check_keys({"gpus", "tp", "dp", "pp", "expert_parallel", "gpus_per_domain", "model"}));
+  REFIT_RETURN_IF_ERROR(o.string("model", false, true, &t->model));
   REFIT_RETURN_IF_ERROR(o.positive_int("gpus", true, &t->gpus));
   REFIT_RETURN_IF_ERROR(o.positive_int("tp", true, &t->tp));
   REFIT_RETURN_IF_ERROR(o.positive_int("dp", true, &t->dp));
@@ -193,6 +195,8 @@ Result<Scenario> parse_scenario(std::string_view json_text, const std::string& o
   auto infer = top.object("infer", true);
   if (!infer) return infer.status();
   REFIT_RETURN_IF_ERROR(parse_infer(*infer, &s.infer));
+  if (s.train.model.empty()) s.train.model = s.model;
+  if (s.infer.model.empty()) s.infer.model = s.model;
   if (doc.contains("hardware")) {
     auto hw = top.object("hardware", true);
     if (!hw) return hw.status();

@@ -15,12 +15,17 @@ struct TrainSide {
   int64_t gpus = 0, tp = 1, cp = 1, dp = 1, pp = 1, ep = 1;
   bool fsdp = false;
   int64_t gpus_per_domain = 0;
+  // The model this side holds ("train.model"), the scenario's "model" when
+  // absent: a BF16 trainer may feed an FP8 server of the same architecture
+  // (docs/conversion.md).
+  std::string model;
 };
 
 struct InferSide {
   int64_t gpus = 0, tp = 1, dp = 1, pp = 1;
   bool expert_parallel = false;
   int64_t gpus_per_domain = 0;
+  std::string model;  // "infer.model", as TrainSide::model
 };
 
 struct Hardware {
@@ -45,7 +50,8 @@ struct Scenario {
 };
 
 // Parses and checks a scenario: every key known and of the right type, the
-// required ones present, gpus == tp*cp*dp*pp (train) and tp*dp*pp (infer),
+// required ones present, train.model and infer.model set (to "model" when
+// absent), gpus == tp*cp*dp*pp (train) and tp*dp*pp (infer),
 // ep divides tp*cp*dp, gpus_per_domain >= 1. `origin` starts every message.
 Result<Scenario> parse_scenario(std::string_view json_text, const std::string& origin);
 

@@ -11,6 +11,9 @@ the real ones (Llama/Qwen3 dense, Qwen3 MoE) so every recipe rule is used:
                pads it to a multiple of 64, Megatron's shards end unevenly)
   small-moe    4 layers, hidden 256, 4 query heads, 2 KV heads of 64, with
                q_norm/k_norm, a router and 8 experts of width 128, vocab 4096
+  small-moe-fp8  small-moe as an FP8 server holds it: projection weights in
+               F8_E4M3 with 128x128 F32 block scales ("<name>_scale_inv"),
+               and small-moe-fp8.config.json with its quantization_config
 
 Beside each manifest NAME.json lies its Hugging Face config NAME.config.json:
 head counts, head_dim, vocabulary, tied embeddings and experts, which the
@@ -22,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 
 
 def tensor(*shape, dtype="BF16"):
@@ -79,7 +82,35 @@ def small_moe(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8,
     return m, config
 
 
-MODELS = {"small-dense": small_dense, "small-moe": small_moe}
+def fp8(m, block=(128, 128)):
+    """The model as an FP8 server holds it (DeepSeek-V3's checkpoint
+    convention): every projection weight of attention and MLP/experts in
+    F8_E4M3 with its F32 block scales beside it as "<name>_scale_inv", one
+    per block, rounded up; embeddings, norms, router and lm_head in BF16."""
+    out = {}
+    for k, v in m.items():
+        linear = k.endswith("_proj.weight") and len(v["shape"]) == 2
+        if not linear:
+            out[k] = v
+            continue
+        rows, cols = v["shape"]
+        out[k] = tensor(rows, cols, dtype="F8_E4M3")
+        out[k + "_scale_inv"] = tensor(-(-rows // block[0]), -(-cols // block[1]), dtype="F32")
+    return out
+
+
+MODELS = {
+    "small-dense": small_dense,
+    "small-moe": small_moe,
+    # small-moe for a server that runs it in FP8; a BF16 trainer of
+    # small-moe feeds it (examples/scenarios/moe-bf16-to-fp8.json).
+    "small-moe-fp8": lambda: fp8(small_moe()),
+}
+# quantization_config of the models that have one, as <name>.config.json.
+CONFIGS = {
+    "small-moe-fp8": {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                              "weight_block_size": [128, 128]}},
+}
 
 
 def main():
@@ -97,6 +128,8 @@ def main():
         (out / f"{name}.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
         (out / f"{name}.config.json").write_text(json.dumps(config, indent=2) + "\n")
         print(f"{name}: {len(m)} tensors, {nbytes / 2**20:.1f} MiB")
+        if name in CONFIGS:
+            (out / f"{name}.config.json").write_text(json.dumps(CONFIGS[name], indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -544,6 +544,11 @@ int main(int argc, char** argv) {
   if (!scenario_text) return usage_error(scenario_text.status().message());
   auto scenario = refit::parse_scenario(*scenario_text, scenario_path);
   if (!scenario) return usage_error(scenario.status().message());
+  // The agents do not convert dtypes yet (docs/conversion.md): a scenario
+  // whose sides hold different models is planned by refit-plan only.
+  if (scenario->train.model != scenario->infer.model)
+    return usage_error(scenario_path + ": train.model (\"" + scenario->train.model + "\") and infer.model (\"" +
+                       scenario->infer.model + "\") differ; refit-bench cannot convert dtypes yet (docs/conversion.md)");
   auto model = read_model(models_dir, scenario->model, scenario_path);
   if (!model) return usage_error(model.status().message());
   auto layout = refit::layout_from_scenario(*scenario, *model);

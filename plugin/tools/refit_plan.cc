@@ -9,6 +9,7 @@
 // Quiet by default: nothing but the result, and nothing at all under --quiet.
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -26,6 +27,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "planner/conversion.h"
 #include "planner/layout.h"
 #include "planner/layout_json.h"
 #include "planner/manifest.h"
@@ -309,6 +311,7 @@ class Loader {
     if (!text) return text.status();
     auto s = refit::parse_scenario(*text, path);
     if (!s) return s.status();
+    if (s->train.model != s->infer.model) return two_models(*s, path, t0);
     std::string model_path = o_.model;
     if (model_path.empty()) {
       auto found = find_model(o_.models_dir, s->model, path);
@@ -328,6 +331,51 @@ class Loader {
   }
 
  private:
+  // A trainer and a server holding the model in other dtypes (a BF16
+  // trainer, an FP8 server): each side from its own manifest, the weight
+  // block size from the server's <model>.config.json when it has one
+  // (quantization_config.weight_block_size), else 128x128.
+  Result<Input> two_models(const refit::Scenario& s, const std::string& path,
+                           std::chrono::steady_clock::time_point t0) {
+    if (o_.models_dir.empty())
+      return Status::invalid(path + ": train.model (\"" + s.train.model + "\") and infer.model (\"" + s.infer.model +
+                             "\") differ: give --models DIR, which holds both");
+    auto train_path = find_model(o_.models_dir, s.train.model, path);
+    if (!train_path) return train_path.status();
+    auto infer_path = find_model(o_.models_dir, s.infer.model, path);
+    if (!infer_path) return infer_path.status();
+    auto train = manifest_at(*train_path);
+    if (!train) return train.status();
+    auto infer = manifest_at(*infer_path);
+    if (!infer) return infer.status();
+    auto block = weight_block_size(s.infer.model);
+    if (!block) return block.status();
+    auto layout = refit::layout_from_scenario_models(s, **train, **infer, *block);
+    if (!layout) return layout.status().with_context(path);
+    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0};
+    in.layout_seconds = seconds_since(t0);
+    return in;
+  }
+
+  Result<std::array<int64_t, 2>> weight_block_size(const std::string& model) {
+    std::array<int64_t, 2> block{128, 128};
+    const std::string config = (fs::path(o_.models_dir) / (model + ".config.json")).string();
+    std::error_code ec;
+    if (!fs::exists(config, ec)) return block;
+    auto text = read_file(config);
+    if (!text) return text.status();
+    const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return Status::invalid(config + ": not valid JSON");
+    const auto q = j.find("quantization_config");
+    if (q == j.end() || !q->is_object() || !q->contains("weight_block_size")) return block;
+    const nlohmann::json& wb = (*q)["weight_block_size"];
+    if (!wb.is_array() || wb.size() != 2 || !wb[0].is_number_integer() || !wb[1].is_number_integer() ||
+        wb[0].get<int64_t>() <= 0 || wb[1].get<int64_t>() <= 0)
+      return Status::invalid(config + ": \"quantization_config.weight_block_size\" must be two positive integers, got " +
+                             wb.dump());
+    return std::array<int64_t, 2>{wb[0].get<int64_t>(), wb[1].get<int64_t>()};
+  }
+
   // Manifests are read once per run: --compare over many scenarios of one
   // model reads the model once.
   Result<const Manifest*> manifest_at(const std::string& path) {
@@ -349,6 +397,8 @@ class Loader {
 struct Planned {
   PlanSummary summary;
   double plan_seconds = 0;
+  // Layouts with dtype conversions: the bytes with each place of conversion.
+  std::optional<refit::ConversionBytes> at_receiver, at_source;
 };
 
 Result<Planned> plan_one(const Input& in, const PlanOptions& po, const std::string& runs_out) {
@@ -360,7 +410,12 @@ Result<Planned> plan_one(const Input& in, const PlanOptions& po, const std::stri
     REFIT_RETURN_IF_ERROR(write_streamed(runs_out, [&](const refit::TextSink& sink) {
       return refit::write_runs_json(*plan, sink);
     }));
-  return Planned{plan->summary(), secs};
+  Planned out{plan->summary(), secs, std::nullopt, std::nullopt};
+  if (refit::has_conversions(*in.layout) && po.strategy != Strategy::kBroadcast) {
+    out.at_receiver = refit::count_conversion_bytes(*plan, refit::ConvertAt::kReceiver);
+    out.at_source = refit::count_conversion_bytes(*plan, refit::ConvertAt::kSource);
+  }
+  return out;
 }
 
 ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) {
@@ -381,15 +436,38 @@ ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) 
   j["chunks"] = s.chunks;
   j["max_source_nic_bytes"] = s.max_source_nic_bytes;
   j["max_receiver_nic_bytes"] = s.max_receiver_nic_bytes;
+  if (p.at_receiver) {
+    // network_bytes above counts every tensor in its sources' dtype.
+    j["converted_tensors"] = p.at_receiver->converted_tensors;
+    j["derived_scale_tensors"] = p.at_receiver->derived_tensors;
+    j["convert_at_receiver_network_bytes"] = p.at_receiver->network_bytes;
+    j["convert_at_receiver_local_bytes"] = p.at_receiver->local_bytes;
+    j["convert_at_source_network_bytes"] = p.at_source->network_bytes;
+    j["convert_at_source_local_bytes"] = p.at_source->local_bytes;
+    j["convert_at_source_scale_bytes"] = p.at_source->network_scale_bytes;
+    j["quantized_at_source_bytes"] = p.at_source->quantized_at_source_bytes;
+    j["quantized_at_receiver_bytes"] = p.at_source->quantized_at_receiver_bytes;
+  }
   j["layout_seconds"] = in.layout_seconds;
   j["plan_seconds"] = p.plan_seconds;
   return j;
 }
 
 std::string summary_table(const ordered_json& j) {
-  static const char* kByteKeys[] = {"total_bytes",  "network_bytes",        "minimum_network_bytes",
-                                    "local_bytes",  "gather_bytes",         "max_source_nic_bytes",
-                                    "max_receiver_nic_bytes"};
+  static const char* kByteKeys[] = {"total_bytes",
+                                    "network_bytes",
+                                    "minimum_network_bytes",
+                                    "local_bytes",
+                                    "gather_bytes",
+                                    "max_source_nic_bytes",
+                                    "max_receiver_nic_bytes",
+                                    "convert_at_receiver_network_bytes",
+                                    "convert_at_receiver_local_bytes",
+                                    "convert_at_source_network_bytes",
+                                    "convert_at_source_local_bytes",
+                                    "convert_at_source_scale_bytes",
+                                    "quantized_at_source_bytes",
+                                    "quantized_at_receiver_bytes"};
   size_t width = 0;
   for (auto it = j.begin(); it != j.end(); ++it) width = std::max(width, it.key().size());
   std::string out;
@@ -606,6 +684,8 @@ int main(int argc, char** argv) {
       "  refit-plan --scenario examples/scenarios/tp2-to-tp4.json --models examples/models\n"
       "  refit-plan --layout examples/layouts/cross-dim.json --runs runs.json\n"
       "  refit-plan --compare --models examples/models --scenario a.json --scenario b.json\n"
+      "A scenario whose train.model and infer.model differ (a BF16 trainer, an FP8 server) converts on the way\n"
+      "(docs/conversion.md): the summary then adds the bytes with conversion at the receiver and at the source.\n"
       "Exit status: 0 success, 2 bad input (one line on stderr), 1 internal error.");
   try {
     app.parse(argc, argv);

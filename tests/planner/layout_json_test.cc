@@ -257,7 +257,7 @@ TEST(ParseLayout, MalformedAndWrongFormat) {
 TEST(ParseLayout, UnknownMissingAndMistypedKeys) {
   json d = formats_example();
   d["plan"] = 1;
-  EXPECT_EQ(error_of(d), R"J(L.json: unknown key "plan" (known: format, sources, receivers, tensors, buffers))J");
+  EXPECT_EQ(error_of(d), R"J(L.json: unknown key "plan" (known: format, sources, receivers, tensors, buffers, weight_block_size))J");
   d = formats_example();
   d["tensors"][0]["layout"] = 1;
   EXPECT_EQ(error_of(d),
@@ -361,8 +361,13 @@ TEST(ParseLayout, BufferErrors) {
   EXPECT_EQ(error_of(d), R"J(L.json: buffers[0].segments[0].tensor (receiver rank 0 buffer "qkv"): unknown tensor "x")J");
   d = formats_example();
   d["buffers"][0]["dtype"] = "F32";
+  // A receiver buffer of another dtype asks for a conversion on the way
+  // (planner/conversion.h); BF16 to F32 is not one refit does.
   EXPECT_EQ(error_of(d),
-            R"J(L.json: buffers[0].segments[0] (receiver rank 0 buffer "qkv", tensor "q"): the tensor is BF16 but the buffer is F32; a buffer holds one dtype)J");
+            R"J(L.json: tensor "q": BF16 on the sources, F32 on the receivers: not a conversion refit does (F32 to BF16 or F16, BF16 to F16, BF16 or F32 to F8_E4M3 with block scales))J");
+  d["buffers"][0]["side"] = "source";
+  EXPECT_EQ(error_of(d),
+            R"J(L.json: buffers[0].segments[0] (source rank 0 buffer "qkv", tensor "q"): the tensor is BF16 on the source side but the buffer is F32; all of a tensor's buffers on one side hold one dtype)J");
   d = formats_example();
   d["buffers"][0]["side"] = "trainer";
   EXPECT_EQ(error_of(d), R"J(L.json: buffers[0].side: must be "source" or "receiver", got "trainer")J");

@@ -109,6 +109,23 @@ TEST(Scenario, WrongTypeNamesKeyAndValue) {
   EXPECT_EQ(error_of(d), R"(s.json: "reported[0]" must be an object, got 1)");
 }
 
+// Each side may name its own model (a BF16 trainer, an FP8 server of the
+// same architecture: docs/conversion.md); absent, both are "model".
+TEST(Scenario, EachSideMayNameItsModel) {
+  json d = full();
+  auto s = parse_scenario(d.dump(), "s.json");
+  ASSERT_TRUE(s.is_ok()) << s.status().message();
+  EXPECT_EQ(s->train.model, s->model);
+  EXPECT_EQ(s->infer.model, s->model);
+  d["infer"]["model"] = "kimi-k2-fp8";
+  s = parse_scenario(d.dump(), "s.json");
+  ASSERT_TRUE(s.is_ok()) << s.status().message();
+  EXPECT_EQ(s->train.model, s->model);
+  EXPECT_EQ(s->infer.model, "kimi-k2-fp8");
+  d["train"]["model"] = "";
+  EXPECT_EQ(error_of(d), R"(s.json: "train.model" must be a non-empty string, got "")");
+}
+
 TEST(Scenario, UnknownKeysAreNamed) {
   json d = full();
   d["trian"] = json::object();
@@ -116,11 +133,11 @@ TEST(Scenario, UnknownKeysAreNamed) {
   d = full();
   d["train"]["tpp"] = 2;
   EXPECT_EQ(error_of(d),
-            R"(s.json: unknown key "train.tpp" (known: gpus, tp, cp, dp, pp, ep, fsdp, gpus_per_domain))");
+            R"(s.json: unknown key "train.tpp" (known: gpus, tp, cp, dp, pp, ep, fsdp, gpus_per_domain, model))");
   d = full();
   d["infer"]["ep"] = 2;  // the inference side has expert_parallel, not ep
   EXPECT_EQ(error_of(d),
-            R"(s.json: unknown key "infer.ep" (known: gpus, tp, dp, pp, expert_parallel, gpus_per_domain))");
+            R"(s.json: unknown key "infer.ep" (known: gpus, tp, dp, pp, expert_parallel, gpus_per_domain, model))");
   d = full();
   d["hardware"]["nic"] = 1;
   EXPECT_EQ(error_of(d), R"(s.json: unknown key "hardware.nic" (known: nic_gbit_per_gpu, nvlink_gbyte_per_gpu))");

@@ -434,4 +434,51 @@ TEST_F(RefitPlanCli, ShippedExamplesPlan) {
   EXPECT_FALSE(json::parse(slurp(path("runs.json")))["runs"].empty());
 }
 
+// A BF16 trainer to an FP8 server (docs/conversion.md): the shipped
+// moe-bf16-to-fp8 scenario plans, with the bytes of each place of
+// conversion; the same servers in BF16 move as many network bytes as
+// conversion at the receiver, more over the local fabric.
+TEST_F(RefitPlanCli, BF16TrainerToFP8Server) {
+  const fs::path root = REFIT_SOURCE_ROOT;
+  const std::string models = (root / "examples/models").string();
+  const std::string scenario = (root / "examples/scenarios/moe-bf16-to-fp8.json").string();
+  Outcome r = run({"--scenario", scenario, "--models", models, "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json fp8 = json::parse(r.out);
+  EXPECT_EQ(fp8["converted_tensors"], 112);
+  EXPECT_EQ(fp8["derived_scale_tensors"], 112);
+  EXPECT_EQ(fp8["convert_at_receiver_network_bytes"], fp8["network_bytes"]);
+  EXPECT_LT(fp8["convert_at_source_network_bytes"].get<int64_t>(), fp8["network_bytes"].get<int64_t>());
+  EXPECT_GT(fp8["convert_at_source_scale_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(fp8["quantized_at_source_bytes"].get<int64_t>(), 0);
+
+  json bf16_scenario = json::parse(slurp(scenario));
+  bf16_scenario["infer"]["model"] = "small-moe";
+  r = run({"--scenario", write("bf16.json", bf16_scenario.dump()), "--models", models, "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json bf16 = json::parse(r.out);
+  EXPECT_FALSE(bf16.contains("converted_tensors"));
+  EXPECT_EQ(bf16["network_bytes"], fp8["network_bytes"]);
+  EXPECT_LT(fp8["convert_at_receiver_local_bytes"].get<int64_t>(), bf16["local_bytes"].get<int64_t>());
+
+  // Two models need --models: --model names one file.
+  r = run({"--scenario", scenario, "--model", (root / "examples/models/small-moe.json").string()});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("infer.model"), std::string::npos) << r.err;
+}
+
+TEST_F(RefitPlanCli, FP8ServerWithoutAScaleTensorIsRefused) {
+  const fs::path root = REFIT_SOURCE_ROOT;
+  json fp8 = json::parse(slurp(root / "examples/models/small-moe-fp8.json"));
+  fp8.erase("model.layers.0.self_attn.o_proj.weight_scale_inv");
+  write("models/small-moe-fp8.json", fp8.dump());
+  write("models/small-moe.json", slurp(root / "examples/models/small-moe.json"));
+  Outcome r = run({"--scenario", (root / "examples/scenarios/moe-bf16-to-fp8.json").string(), "--models",
+                   path("models").string()});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("\"model.layers.0.self_attn.o_proj.weight_scale_inv\" is missing on the receivers"),
+            std::string::npos)
+      << r.err;
+}
+
 }  // namespace

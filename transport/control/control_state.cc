@@ -544,6 +544,14 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
   Result<Layout> layout = parse_layout_json(input.layout_json, "membership");
   if (!layout.is_ok()) return failed(layout.status());
   const Layout& L = *layout;
+  // The agents do not convert dtypes yet (docs/conversion.md): a receiver
+  // buffer of another dtype than its tensor's sources would be written in
+  // the sources' element size.
+  for (const Tensor& t : L.tensors)
+    if (t.dtype_on(Side::kReceiver) != t.dtype)
+      return failed(Status::unsupported("tensor \"" + t.name + "\" is " + std::string(dtype_name(t.dtype)) +
+                                        " on the sources and " + std::string(dtype_name(t.dtype_on(Side::kReceiver))) +
+                                        " on the receivers; the agents do not convert dtypes yet"));
   Result<Plan> plan = make_plan(L);
   if (!plan.is_ok()) return failed(plan.status());
   out->network_bytes = plan->summary().network_bytes;

@@ -17,6 +17,26 @@ RegisterSource source(int32_t rank) {
   return m;
 }
 
+// A receiver that registers a buffer of another dtype than its tensor's
+// sources (an FP8 server fed by a BF16 trainer) gets a clear refusal: the
+// agents do not convert yet, and would write BF16-sized runs into it.
+TEST(ComputePlan, RefusesADtypeConversionTheAgentsCannotDo) {
+  PlanInput in;
+  in.epoch = 1;
+  in.source_ranks = {0};
+  in.receiver_ranks = {0};
+  in.layout_json = R"J({"format": "refit-layout/1",
+     "sources": [{"rank": 0, "domain": 0}], "receivers": [{"rank": 0, "domain": 0, "instance": 0}],
+     "tensors": [{"name": "w", "dtype": "F32", "shape": [4, 4],
+                  "source": {"mesh": [1], "ranks": [0], "placements": ["R"]}}],
+     "buffers": [{"side": "receiver", "rank": 0, "name": "w", "dtype": "BF16", "bytes": 32,
+                  "segments": [{"tensor": "w", "start": [0, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]}]}]})J";
+  auto parts = compute_plan(in);
+  ASSERT_FALSE(parts->status.is_ok());
+  EXPECT_EQ(parts->status.message(),
+            "tensor \"w\" is F32 on the sources and BF16 on the receivers; the agents do not convert dtypes yet");
+}
+
 TEST(ControlState, RefusesDuplicateRegistration) {
   ControlState s(StateLimits{}, 1s);
   auto now = Clock::now();

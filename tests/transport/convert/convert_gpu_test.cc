@@ -1,0 +1,142 @@
+// The CUDA block quantizer against the CPU kernel: the same E4M3 bytes and
+// F32 scales, bit for bit, on random BF16 and F32 boxes with zeros,
+// subnormals, huge values and partial edge blocks; and the same refusal of
+// NaN with nothing written. Suite 'gpu' (scripts/gpu-check); skips with the
+// reason on a machine without a usable GPU.
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "transport/convert/convert.h"
+#include "transport/convert/convert_cuda.h"
+#include "transport/convert/element.h"
+#include "transport/cuda/cuda_status.h"
+
+namespace refit::convert {
+namespace {
+
+class ConvertGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const Status probe = cuda::probe_device();
+    if (!probe.is_ok()) GTEST_SKIP() << "no usable GPU: " << probe.message();
+  }
+};
+
+// Random bits of `esize` bytes per element, with blocks of every kind:
+// normal values at a random magnitude, zeros and -0, subnormals, values at
+// the type's top.
+std::vector<uint8_t> random_box(DType t, int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> ex(-130, 120), kind(0, 5);
+  std::vector<uint8_t> out(rows * cols * dtype_bytes(t));
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    float x = 0.0f;
+    switch (kind(rng)) {
+      case 0: x = 0.0f; break;
+      case 1: x = -0.0f; break;
+      case 2: x = std::ldexp(nd(rng), -133); break;  // BF16/F32 subnormal
+      case 3: x = std::ldexp(nd(rng), 120); break;    // past any E4M3 range
+      default: x = std::ldexp(nd(rng), ex(rng)); break;
+    }
+    if (t == DType::kBF16) {
+      const uint16_t b = bf16_from_f32(x);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    } else {
+      std::memcpy(out.data() + 4 * i, &x, 4);
+    }
+  }
+  return out;
+}
+
+struct Out {
+  std::vector<uint8_t> values;
+  std::vector<float> scales;
+};
+
+QuantizeArgs box_args(DType t, const void* src, int64_t rows, int64_t cols, BlockSize block, uint8_t* dst,
+                      float* scales) {
+  QuantizeArgs a;
+  a.src_dtype = t;
+  a.src = src;
+  a.src_stride = cols;
+  a.rows = rows;
+  a.cols = cols;
+  a.dst = dst;
+  a.dst_stride = cols;
+  a.scales = scales;
+  a.scale_stride = (cols + block.cols - 1) / block.cols;
+  a.block = block;
+  a.tensor = "w";
+  return a;
+}
+
+Status run_gpu(DType t, const std::vector<uint8_t>& src, int64_t rows, int64_t cols, BlockSize block, Out& out) {
+  const size_t nscales = ((rows + block.rows - 1) / block.rows) * ((cols + block.cols - 1) / block.cols);
+  out.values.assign(rows * cols, 0xAB);
+  out.scales.assign(nscales, -1.0f);
+  void *dsrc = nullptr, *ddst = nullptr, *dscales = nullptr;
+  EXPECT_EQ(cudaMalloc(&dsrc, src.size()), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&ddst, out.values.size()), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&dscales, nscales * 4), cudaSuccess);
+  cudaMemcpy(dsrc, src.data(), src.size(), cudaMemcpyHostToDevice);
+  cudaMemcpy(ddst, out.values.data(), out.values.size(), cudaMemcpyHostToDevice);
+  cudaMemcpy(dscales, out.scales.data(), nscales * 4, cudaMemcpyHostToDevice);
+  const Status s = quantize_e4m3_blocks_cuda(
+      box_args(t, dsrc, rows, cols, block, static_cast<uint8_t*>(ddst), static_cast<float*>(dscales)), nullptr);
+  cudaMemcpy(out.values.data(), ddst, out.values.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(out.scales.data(), dscales, nscales * 4, cudaMemcpyDeviceToHost);
+  cudaFree(dsrc);
+  cudaFree(ddst);
+  cudaFree(dscales);
+  return s;
+}
+
+TEST_F(ConvertGpu, SameBytesAsTheCpuKernel) {
+  struct Case {
+    DType t;
+    int64_t rows, cols;
+    BlockSize block;
+  };
+  int64_t blocks = 0, differing = 0;
+  for (const Case& c : {Case{DType::kBF16, 1024, 2048, {128, 128}}, Case{DType::kBF16, 576, 7168, {128, 128}},
+                        Case{DType::kF32, 700, 300, {128, 128}}, Case{DType::kBF16, 4096, 4096, {1, 16}},
+                        Case{DType::kF32, 333, 517, {8, 32}}}) {
+    const std::vector<uint8_t> src = random_box(c.t, c.rows, c.cols, static_cast<uint32_t>(c.rows * 31 + c.cols));
+    Out cpu, gpu;
+    cpu.values.assign(c.rows * c.cols, 0);
+    cpu.scales.assign(((c.rows + c.block.rows - 1) / c.block.rows) * ((c.cols + c.block.cols - 1) / c.block.cols), 0);
+    ASSERT_TRUE(quantize_e4m3_blocks(box_args(c.t, src.data(), c.rows, c.cols, c.block, cpu.values.data(),
+                                              cpu.scales.data()))
+                    .is_ok());
+    const Status s = run_gpu(c.t, src, c.rows, c.cols, c.block, gpu);
+    ASSERT_TRUE(s.is_ok()) << s.message();
+    for (size_t i = 0; i < cpu.values.size(); ++i) differing += cpu.values[i] != gpu.values[i];
+    differing += std::memcmp(cpu.scales.data(), gpu.scales.data(), cpu.scales.size() * 4) != 0;
+    blocks += static_cast<int64_t>(cpu.scales.size());
+    EXPECT_EQ(cpu.values, gpu.values) << c.rows << "x" << c.cols;
+    EXPECT_EQ(std::memcmp(cpu.scales.data(), gpu.scales.data(), cpu.scales.size() * 4), 0) << c.rows << "x" << c.cols;
+  }
+  std::cout << "GPU against CPU: " << blocks << " blocks, " << differing << " bytes differ\n";
+}
+
+TEST_F(ConvertGpu, NaNRefusedNothingWritten) {
+  std::vector<uint8_t> src = random_box(DType::kBF16, 256, 384, 5);
+  const uint16_t nan = 0x7FC0;
+  std::memcpy(src.data() + 2 * (200 * 384 + 300), &nan, 2);  // block (1, 2)
+  Out gpu;
+  const Status s = run_gpu(DType::kBF16, src, 256, 384, {128, 128}, gpu);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("block (1, 2)"), std::string::npos) << s.message();
+  for (uint8_t v : gpu.values) ASSERT_EQ(v, 0xAB);
+  for (float f : gpu.scales) ASSERT_EQ(f, -1.0f);
+}
+
+}  // namespace
+}  // namespace refit::convert

@@ -1,0 +1,61 @@
+#include "transport/convert/convert_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "transport/convert/convert_kernel.h"
+#include "transport/cuda/cuda_status.h"
+
+namespace refit::convert {
+
+Status quantize_e4m3_blocks_cuda(const QuantizeArgs& a, void* stream) {
+  REFIT_RETURN_IF_ERROR(check_quantize_args(a));
+  const int64_t brows = (a.rows + a.block.rows - 1) / a.block.rows;
+  const int64_t bcols = (a.cols + a.block.cols - 1) / a.block.cols;
+  const int64_t nblocks = brows * bcols;
+  if (nblocks == 0) return Status::ok();
+  const std::string where = "quantize to F8_E4M3 on the GPU: tensor \"" + std::string(a.tensor) + "\"";
+  auto s = static_cast<cudaStream_t>(stream);
+
+  const size_t scratch_bytes = 8 + 4 * static_cast<size_t>(nblocks);
+  void* scratch = nullptr;
+  REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMalloc(&scratch, scratch_bytes),
+                                        "cudaMalloc(" + std::to_string(scratch_bytes) + " bytes)")
+                            .with_context(where));
+  auto* bad = static_cast<unsigned long long*>(scratch);
+  Status st = ::refit::cuda::from_cuda(cudaMemsetAsync(bad, 0xFF, 8, s), "cudaMemsetAsync(8 bytes)");
+  if (st.is_ok()) {
+    convert::cuda::DeviceQuantize q;
+    q.src = a.src;
+    q.src_is_bf16 = a.src_dtype == DType::kBF16;
+    q.src_stride = a.src_stride;
+    q.rows = a.rows;
+    q.cols = a.cols;
+    q.dst = a.dst;
+    q.dst_stride = a.dst_stride;
+    q.scales = a.scales;
+    q.scale_stride = a.scale_stride;
+    q.block_rows = a.block.rows;
+    q.block_cols = a.block.cols;
+    q.amax_scratch = reinterpret_cast<uint32_t*>(static_cast<char*>(scratch) + 8);
+    q.bad_block = bad;
+    st = ::refit::cuda::from_cuda(static_cast<cudaError_t>(convert::cuda::launch_quantize_e4m3(q, s)),
+                         "launch of the quantize kernels (" + std::to_string(nblocks) + " blocks)");
+  }
+  unsigned long long bad_host = ~0ull;
+  if (st.is_ok()) st = ::refit::cuda::from_cuda(cudaMemcpyAsync(&bad_host, bad, 8, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync(8 bytes to host)");
+  if (st.is_ok()) st = ::refit::cuda::from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  const Status freed = ::refit::cuda::from_cuda(cudaFree(scratch), "cudaFree(scratch)");
+  REFIT_RETURN_IF_ERROR(st.with_context(where));
+  REFIT_RETURN_IF_ERROR(freed.with_context(where));
+  if (bad_host != ~0ull) {
+    const int64_t b = static_cast<int64_t>(bad_host);
+    return Status::invalid("quantize to F8_E4M3: tensor \"" + std::string(a.tensor) + "\" block (" +
+                           std::to_string(a.block_row0 + b / bcols) + ", " + std::to_string(a.block_col0 + b % bcols) +
+                           ") holds NaN or an infinity; refusing to quantize it (nothing written)");
+  }
+  return Status::ok();
+}
+
+}  // namespace refit::convert
