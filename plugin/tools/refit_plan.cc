@@ -2,7 +2,8 @@
 // model, and prints what it would move: bytes over the network against the
 // minimum, bytes over the local fabric, units, pulls, chunks, NIC loads and
 // planning time. It writes the explicit layout (--layout-out), every byte run
-// (--runs) and the summary (--json) for other tools.
+// (--runs) and the summary (--json) for other tools. With --simulate it
+// simulates the refresh on a hardware model instead (docs/simulator.md).
 //
 // Exit status: 0 on success, 2 on bad input (one line on stderr that names
 // the file, the key or tensor, and the problem), 1 on an internal error.
