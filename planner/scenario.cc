@@ -200,9 +200,11 @@ Result<Scenario> parse_scenario(std::string_view json_text, const std::string& o
   if (doc.contains("hardware")) {
     auto hw = top.object("hardware", true);
     if (!hw) return hw.status();
-    REFIT_RETURN_IF_ERROR(hw->check_keys({"nic_gbit_per_gpu", "nvlink_gbyte_per_gpu"}));
-    REFIT_RETURN_IF_ERROR(hw->positive_number("nic_gbit_per_gpu", true, &s.hardware.nic_gbit_per_gpu));
-    REFIT_RETURN_IF_ERROR(hw->positive_number("nvlink_gbyte_per_gpu", true, &s.hardware.nvlink_gbyte_per_gpu));
+    // Every key of the simulator's hardware model is accepted (hardware.h).
+    REFIT_RETURN_IF_ERROR(apply_hardware(hw->value(), origin, "hardware", /*require_link_rates=*/true,
+                                         &s.hardware_model, &s.hardware_given));
+    s.hardware.nic_gbit_per_gpu = s.hardware_model.nic_gbit_per_gpu;
+    s.hardware.nvlink_gbyte_per_gpu = s.hardware_model.nvlink_gbyte_per_gpu;
   }
   if (auto it = doc.find("reported"); it != doc.end())
     REFIT_RETURN_IF_ERROR(parse_reported(origin, *it, &s.reported));

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "planner/hardware.h"
 #include "planner/status.h"
 
 namespace refit {
@@ -46,6 +47,11 @@ struct Scenario {
   TrainSide train;
   InferSide infer;
   Hardware hardware;
+  // The simulator's hardware model: the defaults (hardware.h) with what the
+  // scenario's `hardware` object gives applied; `hardware_given` lists the
+  // keys it gave (empty without the object).
+  HardwareModel hardware_model = default_hardware();
+  std::vector<std::string> hardware_given;
   std::vector<Reported> reported;
 };
 

@@ -2,7 +2,8 @@
 // model, and prints what it would move: bytes over the network against the
 // minimum, bytes over the local fabric, units, pulls, chunks, NIC loads and
 // planning time. It writes the explicit layout (--layout-out), every byte run
-// (--runs) and the summary (--json) for other tools.
+// (--runs) and the summary (--json) for other tools. With --simulate it
+// simulates the refresh on a hardware model instead (docs/simulator.md).
 //
 // Exit status: 0 on success, 2 on bad input (one line on stderr that names
 // the file, the key or tensor, and the problem), 1 on an internal error.
@@ -28,6 +29,9 @@
 #include <nlohmann/json.hpp>
 
 #include "planner/conversion.h"
+#include "planner/get_stats.h"
+#include "planner/hardware.h"
+#include "planner/json_util.h"
 #include "planner/layout.h"
 #include "planner/layout_json.h"
 #include "planner/manifest.h"
@@ -35,6 +39,7 @@
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
 #include "planner/status.h"
+#include "plugin/tools/sim/simulator.h"
 
 namespace {
 
@@ -279,6 +284,9 @@ struct Options {
   std::string chunk_bytes;
   bool compare = false;
   bool quiet = false;
+  bool simulate = false;
+  std::string trace_out;
+  std::string hardware_file;
 };
 
 // One layout to plan, read from a layout file or made from a scenario. The
@@ -288,6 +296,7 @@ struct Input {
   std::string origin;  // the file as given
   std::unique_ptr<Layout> layout;
   double layout_seconds = 0;
+  std::optional<refit::Scenario> scenario;  // when made from a scenario
 };
 
 class Loader {
@@ -300,7 +309,7 @@ class Loader {
     if (!text) return text.status();
     auto layout = refit::parse_layout_json(*text, path);
     if (!layout) return layout.status();
-    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0};
+    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0, std::nullopt};
     in.layout_seconds = seconds_since(t0);
     return in;
   }
@@ -325,7 +334,7 @@ class Loader {
     // No validate() here: the recipes' tests check that they make valid
     // layouts, and at cluster scale (18M buffers for kimi-k2-384-h100) it
     // costs several times the plan. Layout files are validated as they are read.
-    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0};
+    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0, std::move(*s)};
     in.layout_seconds = seconds_since(t0);
     return in;
   }
@@ -399,7 +408,12 @@ struct Planned {
   double plan_seconds = 0;
   // Layouts with dtype conversions: the bytes with each place of conversion.
   std::optional<refit::ConversionBytes> at_receiver, at_source;
+  std::optional<refit::GetStats> gets;  // none for the broadcast baseline
 };
+
+// The receiver agent's default chunk_bytes (plugin/config.h): the largest
+// GET it posts, so a longer network run is several GETs.
+constexpr int64_t kAgentGetBytes = int64_t{1} << 20;
 
 Result<Planned> plan_one(const Input& in, const PlanOptions& po, const std::string& runs_out) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -410,11 +424,12 @@ Result<Planned> plan_one(const Input& in, const PlanOptions& po, const std::stri
     REFIT_RETURN_IF_ERROR(write_streamed(runs_out, [&](const refit::TextSink& sink) {
       return refit::write_runs_json(*plan, sink);
     }));
-  Planned out{plan->summary(), secs, std::nullopt, std::nullopt};
+  Planned out{plan->summary(), secs, std::nullopt, std::nullopt, std::nullopt};
   if (refit::has_conversions(*in.layout) && po.strategy != Strategy::kBroadcast) {
     out.at_receiver = refit::count_conversion_bytes(*plan, refit::ConvertAt::kReceiver);
     out.at_source = refit::count_conversion_bytes(*plan, refit::ConvertAt::kSource);
   }
+  if (po.strategy != Strategy::kBroadcast) out.gets = refit::get_stats(*plan, kAgentGetBytes);
   return out;
 }
 
@@ -448,6 +463,15 @@ ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) 
     j["quantized_at_source_bytes"] = p.at_source->quantized_at_source_bytes;
     j["quantized_at_receiver_bytes"] = p.at_source->quantized_at_receiver_bytes;
   }
+  if (p.gets) {
+    // GETs as the receiver agents post them (get_stats.h).
+    j["gets"] = p.gets->gets;
+    j["gets_per_receiver_max"] = p.gets->gets_per_receiver_max;
+    j["gets_busiest_receiver"] = p.gets->busiest_receiver;
+    j["get_bytes_median"] = p.gets->get_bytes_median;
+    j["get_bytes_min"] = p.gets->get_bytes_min;
+    j["get_bytes_max"] = p.gets->get_bytes_max;
+  }
   j["layout_seconds"] = in.layout_seconds;
   j["plan_seconds"] = p.plan_seconds;
   return j;
@@ -461,6 +485,9 @@ std::string summary_table(const ordered_json& j) {
                                     "gather_bytes",
                                     "max_source_nic_bytes",
                                     "max_receiver_nic_bytes",
+                                    "get_bytes_median",
+                                    "get_bytes_min",
+                                    "get_bytes_max",
                                     "convert_at_receiver_network_bytes",
                                     "convert_at_receiver_local_bytes",
                                     "convert_at_source_network_bytes",
@@ -490,6 +517,7 @@ std::string summary_table(const ordered_json& j) {
 struct CompareRow {
   std::string name;
   PlanSummary refit, no_dedup, broadcast;
+  std::optional<refit::GetStats> refit_gets;
   double plan_seconds = 0;
   double layout_seconds = 0;
 };
@@ -507,6 +535,10 @@ ordered_json compare_json(const std::vector<CompareRow>& rows) {
     j["minimum_network_bytes"] = r.refit.minimum_network_bytes;
     j["ratio"] = ratio_value(r.refit.network_bytes, r.refit.minimum_network_bytes);
     j["local_bytes"] = r.refit.local_bytes;
+    if (r.refit_gets) {
+      j["gets_per_receiver_max"] = r.refit_gets->gets_per_receiver_max;
+      j["get_bytes_median"] = r.refit_gets->get_bytes_median;
+    }
     j["no_dedup_bytes"] = r.no_dedup.network_bytes;
     j["no_dedup_ratio"] = ratio_value(r.no_dedup.network_bytes, r.refit.network_bytes);
     j["broadcast_bytes"] = broadcast_total(r.broadcast);
@@ -547,6 +579,237 @@ std::string compare_table(const std::vector<CompareRow>& rows) {
   }
   out += "broadcast counts the gather to one source per tensor and every receiver's full copy\n";
   return out;
+}
+
+// ---------------------------------------------------------------- simulate
+
+int fail(const Status& s);
+
+// The hardware a simulation runs on: the documented defaults, then the
+// scenario's `hardware` object, then --hardware FILE. `from` says which of
+// them gave figures.
+struct HardwareChoice {
+  refit::HardwareModel model;
+  std::vector<std::string> given;
+  std::string from;
+};
+
+Result<HardwareChoice> choose_hardware(const Input& in, const std::string& file) {
+  HardwareChoice h{refit::default_hardware(), {}, "defaults"};
+  if (in.scenario && !in.scenario->hardware_given.empty()) {
+    h.model = in.scenario->hardware_model;
+    h.given = in.scenario->hardware_given;
+    h.from = "scenario";
+  }
+  if (!file.empty()) {
+    auto text = read_file(file);
+    if (!text) return text.status();
+    const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return Status::invalid(file + ": not valid JSON: " + refit::json_util::syntax_error(*text));
+    std::vector<std::string> given;
+    REFIT_RETURN_IF_ERROR(refit::apply_hardware(j, file, "", /*require_link_rates=*/false, &h.model, &given));
+    h.given.insert(h.given.end(), given.begin(), given.end());
+    h.from = h.from == "defaults" ? file : h.from + " and " + file;
+  }
+  return h;
+}
+
+ordered_json hardware_json(const HardwareChoice& h) {
+  ordered_json j;
+  j["from"] = h.from;
+  // Every figure, each with whether it was given or is the default.
+  ordered_json values;
+  const refit::HardwareModel& m = h.model;
+  const std::map<std::string, double> v = {
+      {"nic_gbit_per_gpu", m.nic_gbit_per_gpu},   {"nic_achievable", m.nic_achievable},
+      {"latency_us", m.latency_us},               {"get_op_us", m.get_op_us},
+      {"nvlink_gbyte_per_gpu", m.nvlink_gbyte_per_gpu}, {"nvlink_achievable", m.nvlink_achievable},
+      {"local_op_us", m.local_op_us},             {"h2d_gbyte_per_gpu", m.h2d_gbyte_per_gpu},
+      {"d2h_gbyte_per_gpu", m.d2h_gbyte_per_gpu}, {"window_bytes", m.window_bytes},
+      {"get_chunk_bytes", m.get_chunk_bytes}};
+  for (const refit::HardwareKey& k : refit::hardware_keys()) {
+    const std::string key = k.key;
+    if (key == "gets_land_in_host") values[key] = m.gets_land_in_host;
+    else if (key == "source_host_mirror") values[key] = m.source_host_mirror;
+    else values[key] = v.at(key);
+  }
+  j["values"] = std::move(values);
+  j["given"] = h.given;
+  return j;
+}
+
+ordered_json link_json(const refit::sim::LinkLoad& l) {
+  ordered_json j;
+  j["rank"] = l.rank;
+  j["bytes"] = l.bytes;
+  j["busy_seconds"] = l.busy_seconds;
+  return j;
+}
+
+ordered_json span_json(const refit::sim::Span& s) {
+  ordered_json j;
+  j["start"] = s.start;
+  j["end"] = s.end;
+  j["seconds"] = s.seconds();
+  return j;
+}
+
+ordered_json simulation_json(const Input& in, Strategy strategy, const refit::sim::SimResult& r,
+                             const refit::sim::LowerBound& lb, const HardwareChoice& hw, double plan_seconds,
+                             double sim_seconds) {
+  ordered_json j;
+  j["name"] = in.name;
+  j["strategy"] = refit::strategy_name(strategy);
+  j["simulated"] = true;
+  j["model"] = r.model;
+  j["predicted_seconds"] = r.predicted_seconds;
+  j["lower_bound_seconds"] = lb.seconds;
+  j["predicted_over_bound"] = lb.seconds > 0 ? r.predicted_seconds / lb.seconds : 0.0;
+  ordered_json b;
+  b["binding"] = lb.binding;
+  b["domain_nic_seconds"] = lb.domain_nic_seconds;
+  b["domain"] = lb.domain;
+  b["source_nics_seconds"] = lb.source_nics_seconds;
+  b["gpu_ingress_seconds"] = lb.gpu_ingress_seconds;
+  b["gpu"] = lb.gpu;
+  b["source_exclusive_seconds"] = lb.source_exclusive_seconds;
+  b["exclusive_source"] = lb.exclusive_source;
+  j["lower_bound"] = std::move(b);
+  ordered_json ph;
+  ph["publish"] = span_json(r.phases.publish);
+  ph["network"] = span_json(r.phases.network);
+  ph["h2d"] = span_json(r.phases.h2d);
+  ph["fanout"] = span_json(r.phases.fanout);
+  j["phases"] = std::move(ph);
+  ordered_json busiest;
+  busiest["source_nic"] = link_json(r.busiest_source_nic);
+  busiest["receiver_nic"] = link_json(r.busiest_receiver_nic);
+  ordered_json posting;  // the per-GET cost a receiver pays
+  posting["rank"] = r.busiest_posting.rank;
+  posting["gets"] = r.busiest_posting.bytes;
+  posting["busy_seconds"] = r.busiest_posting.busy_seconds;
+  busiest["get_posting"] = std::move(posting);
+  busiest["nvlink_out"] = link_json(r.busiest_nvlink_out);
+  busiest["nvlink_in"] = link_json(r.busiest_nvlink_in);
+  j["busiest"] = std::move(busiest);
+  j["network_bytes"] = r.network_bytes;
+  j["local_bytes"] = r.local_bytes;
+  j["gets"] = r.gets;
+  j["gets_per_receiver_max"] = r.gets_per_receiver_max;
+  j["local_sends"] = r.local_sends;
+  j["jobs"] = r.jobs;
+  j["events"] = r.events;
+  ordered_json rep = ordered_json::array();
+  if (in.scenario) {
+    for (const refit::Reported& x : in.scenario->reported) {
+      ordered_json e;
+      e["system"] = x.system;
+      e["seconds"] = x.seconds;
+      if (x.seconds_max > 0) e["seconds_max"] = x.seconds_max;
+      e["source"] = x.source;
+      rep.push_back(std::move(e));
+    }
+  }
+  j["reported"] = std::move(rep);
+  j["hardware"] = hardware_json(hw);
+  j["layout_seconds"] = in.layout_seconds;
+  j["plan_seconds"] = plan_seconds;
+  j["simulate_seconds"] = sim_seconds;
+  return j;
+}
+
+std::string simulation_table(const ordered_json& j) {
+  auto secs = [](double v) { return fixed(v, 4) + " s"; };
+  auto link = [&](const ordered_json& l) {
+    return "rank " + std::to_string(l["rank"].get<int64_t>()) + ", " + human_bytes(l["bytes"].get<int64_t>()) +
+           ", busy " + secs(l["busy_seconds"].get<double>());
+  };
+  auto span = [&](const ordered_json& s) {
+    if (s["end"].get<double>() == 0) return std::string("-");
+    return fixed(s["start"].get<double>(), 4) + " to " + fixed(s["end"].get<double>(), 4) + " s";
+  };
+  std::vector<std::pair<std::string, std::string>> rows = {
+      {"name", j["name"].get<std::string>()},
+      {"strategy", j["strategy"].get<std::string>() + " (" + j["model"].get<std::string>() + " model)"},
+      {"predicted (simulated)", secs(j["predicted_seconds"].get<double>())},
+      {"lower bound", secs(j["lower_bound_seconds"].get<double>()) + " (" +
+                          j["lower_bound"]["binding"].get<std::string>() + ")"},
+      {"predicted / bound", fixed(j["predicted_over_bound"].get<double>(), 2)},
+      {"publish copy", span(j["phases"]["publish"])},
+      {"network", span(j["phases"]["network"])},
+      {"host to GPU", span(j["phases"]["h2d"])},
+      {"fan-out", span(j["phases"]["fanout"])},
+      {"busiest source NIC", link(j["busiest"]["source_nic"])},
+      {"busiest receiver NIC", link(j["busiest"]["receiver_nic"])},
+      {"busiest GET posting", "rank " + std::to_string(j["busiest"]["get_posting"]["rank"].get<int64_t>()) + ", " +
+                                  std::to_string(j["busiest"]["get_posting"]["gets"].get<int64_t>()) + " GETs, busy " +
+                                  secs(j["busiest"]["get_posting"]["busy_seconds"].get<double>())},
+      {"busiest NVLink out", link(j["busiest"]["nvlink_out"])},
+      {"busiest NVLink in", link(j["busiest"]["nvlink_in"])},
+      {"GETs", std::to_string(j["gets"].get<int64_t>()) + " (at most " +
+                   std::to_string(j["gets_per_receiver_max"].get<int64_t>()) + " per receiver)"},
+      {"hardware from", j["hardware"]["from"].get<std::string>()},
+  };
+  for (const auto& r : j["reported"]) {
+    std::string v = fixed(r["seconds"].get<double>(), 3);
+    if (r.contains("seconds_max")) v += "-" + fixed(r["seconds_max"].get<double>(), 3);
+    rows.push_back({"reported", v + " s: " + r["system"].get<std::string>()});
+  }
+  size_t w = 0;
+  for (const auto& [k, v] : rows) w = std::max(w, k.size());
+  std::string out;
+  for (const auto& [k, v] : rows) out += k + std::string(w + 2 - k.size(), ' ') + v + "\n";
+  return out;
+}
+
+int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
+  auto hw = choose_hardware(in, o.hardware_file);
+  if (!hw) return fail(hw.status());
+  if (hw->from == "defaults" && !o.quiet)
+    std::cerr << "refit-plan: " << in.origin
+              << " gives no hardware figures; simulating with the defaults (docs/simulator.md)\n";
+  auto t0 = std::chrono::steady_clock::now();
+  auto plan = refit::make_plan(*in.layout, po);
+  if (!plan) return fail(plan.status().with_context(in.origin));
+  // The lower bound needs the refit plan's domains, whatever is simulated.
+  std::optional<Plan> refit_plan;
+  if (po.strategy != Strategy::kRefit) {
+    PlanOptions r = po;
+    r.strategy = Strategy::kRefit;
+    auto p = refit::make_plan(*in.layout, r);
+    if (!p) return fail(p.status().with_context(in.origin));
+    refit_plan.emplace(std::move(*p));
+  }
+  const double plan_seconds = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  refit::sim::SimResult result;
+  if (po.strategy == Strategy::kBroadcast) {
+    result = refit::sim::estimate_broadcast(*plan, hw->model);
+  } else {
+    refit::sim::SimOptions so;
+    so.trace = !o.trace_out.empty();
+    auto r = refit::sim::simulate(*plan, hw->model, so);
+    if (!r) return fail(r.status().with_context(in.origin));
+    result = std::move(*r);
+  }
+  auto lb = refit::sim::lower_bound(refit_plan ? *refit_plan : *plan, hw->model);
+  if (!lb) return fail(lb.status());
+  const double sim_seconds = seconds_since(t0);
+  if (!o.trace_out.empty()) {
+    const std::string title = in.name + ", " + refit::strategy_name(po.strategy) + ", simulated";
+    Status s = write_streamed(o.trace_out, [&](const refit::TextSink& sink) {
+      return refit::sim::write_trace_json(result, title, sink);
+    });
+    if (!s) return fail(s);
+  }
+  const ordered_json j = simulation_json(in, po.strategy, result, *lb, *hw, plan_seconds, sim_seconds);
+  if (!o.json_out.empty()) {
+    Status s = write_file(o.json_out, j.dump(2) + "\n");
+    if (!s) return fail(s);
+  } else if (!o.quiet) {
+    std::cout << simulation_table(j);
+  }
+  return 0;
 }
 
 // ---------------------------------------------------------------- main
@@ -592,6 +855,13 @@ int run(const Options& o) {
   }
   if (po.strategy == Strategy::kBroadcast && !o.runs_out.empty())
     return usage_error("--runs needs a plan of units; the broadcast baseline has only a summary");
+  if (!o.simulate && (!o.trace_out.empty() || !o.hardware_file.empty()))
+    return usage_error("--trace and --hardware go with --simulate");
+  if (o.simulate && o.compare) return usage_error("--simulate takes one input; drop --compare");
+  if (o.simulate && (!o.runs_out.empty() || !o.layout_out.empty()))
+    return usage_error("--simulate writes no --runs or --layout-out; plan without it for those");
+  if (o.simulate && po.strategy == Strategy::kBroadcast && !o.trace_out.empty())
+    return usage_error("--trace needs --strategy refit or no-dedup: the broadcast estimate has no timeline");
 
   Loader loader(o);
   auto load = [&](const std::string& path) {
@@ -614,7 +884,10 @@ int run(const Options& o) {
         if (!planned) return fail(planned.status());
         (st == Strategy::kRefit ? row.refit : st == Strategy::kNoDedup ? row.no_dedup : row.broadcast) =
             planned->summary;
-        if (st == Strategy::kRefit) row.plan_seconds = planned->plan_seconds;
+        if (st == Strategy::kRefit) {
+          row.plan_seconds = planned->plan_seconds;
+          row.refit_gets = planned->gets;
+        }
       }
       rows.push_back(std::move(row));
     }
@@ -629,6 +902,7 @@ int run(const Options& o) {
 
   auto in = load(inputs.front());
   if (!in) return fail(in.status());
+  if (o.simulate) return simulate_one(o, *in, po);
   if (!o.layout_out.empty()) {
     Status s = write_streamed(o.layout_out, [&](const refit::TextSink& sink) {
       return refit::write_layout_json(*in->layout, sink);
@@ -679,11 +953,20 @@ int main(int argc, char** argv) {
   app.add_flag("--compare", o.compare,
                "plan refit, no-dedup and broadcast for every input; print one row each");
   app.add_flag("--quiet", o.quiet, "print nothing; write only the files asked for");
+  app.add_flag("--simulate", o.simulate,
+               "simulate the refresh on the scenario's hardware (docs/simulator.md): predicted seconds beside the "
+               "lower bound and the reported figures");
+  app.add_option("--trace", o.trace_out, "with --simulate: write the timeline as Chrome/Perfetto trace JSON")
+      ->type_name("FILE");
+  app.add_option("--hardware", o.hardware_file,
+                 "with --simulate: a JSON object of hardware figures that override the scenario's")
+      ->type_name("FILE");
   app.footer(
       "Examples:\n"
       "  refit-plan --scenario examples/scenarios/tp2-to-tp4.json --models examples/models\n"
       "  refit-plan --layout examples/layouts/cross-dim.json --runs runs.json\n"
       "  refit-plan --compare --models examples/models --scenario a.json --scenario b.json\n"
+      "  refit-plan --simulate --scenario examples/scenarios/moe-ep.json --models examples/models --trace t.json\n"
       "A scenario whose train.model and infer.model differ (a BF16 trainer, an FP8 server) converts on the way\n"
       "(docs/conversion.md): the summary then adds the bytes with conversion at the receiver and at the source.\n"
       "Exit status: 0 success, 2 bad input (one line on stderr), 1 internal error.");

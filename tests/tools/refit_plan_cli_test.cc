@@ -157,7 +157,8 @@ TEST_F(RefitPlanCli, HelpListsTheOptions) {
   const Outcome r = run({"--help"});
   EXPECT_EQ(r.code, 0);
   for (const char* opt : {"--layout", "--scenario", "--models", "--model", "--layout-out", "--runs", "--json",
-                          "--strategy", "--no-dedup", "--chunk-bytes", "--compare", "--quiet"})
+                          "--strategy", "--no-dedup", "--chunk-bytes", "--compare", "--quiet", "--simulate",
+                          "--trace", "--hardware"})
     EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
 }
 
@@ -410,6 +411,95 @@ TEST_F(RefitPlanCli, BadInputsNameFileKeyAndProblem) {
   layout["buffers"][0]["segments"][0]["tensor"] = "nope";
   const std::string l3 = write("l3.json", layout.dump());
   expect_bad({"--layout", l3}, R"(unknown tensor "nope")");
+}
+
+TEST_F(RefitPlanCli, GetStatisticsInTheSummary) {
+  // kLayout: each w unit (10 rows x 3 of 6 columns) comes as two pieces of
+  // 5 rows, each row its own 6-byte run (the source holds whole rows); q is
+  // one 32-byte run. The two w units go to receivers 2 and 1, q to 0.
+  const std::string l = write("l.json", kLayout);
+  const Outcome r = run({"--layout", l, "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json s = json::parse(r.out);
+  EXPECT_EQ(s["gets"], 21);
+  EXPECT_EQ(s["gets_per_receiver_max"], 10);
+  EXPECT_EQ(s["gets_busiest_receiver"], 1);
+  EXPECT_EQ(s["get_bytes_median"], 6);
+  EXPECT_EQ(s["get_bytes_min"], 6);
+  EXPECT_EQ(s["get_bytes_max"], 32);
+  // The broadcast baseline has no runs, so no GET figures.
+  const Outcome b = run({"--layout", l, "--strategy", "broadcast", "--json", "-"});
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_FALSE(json::parse(b.out).contains("gets"));
+}
+
+TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {
+  write("models/tiny.json", manifest().dump());
+  json sc = scenario();
+  sc["reported"] = json::array({{{"system", "other"}, {"seconds", 1.5}, {"source", "a paper"}}});
+  const std::string s = write("tp2.json", sc.dump());
+  Outcome r = run({"--scenario", s, "--models", path("models").string(), "--simulate", "--json", "-", "--trace",
+                   path("trace.json").string()});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(r.err.empty()) << r.err;  // the scenario gives hardware figures: no note
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["simulated"], true);
+  EXPECT_EQ(j["strategy"], "refit");
+  EXPECT_GT(j["lower_bound_seconds"].get<double>(), 0);
+  EXPECT_GE(j["predicted_seconds"].get<double>(), j["lower_bound_seconds"].get<double>());
+  for (const char* k : {"source_nic", "receiver_nic", "nvlink_out", "nvlink_in"})
+    EXPECT_TRUE(j["busiest"][k].contains("busy_seconds")) << k;
+  for (const char* k : {"publish", "network", "h2d", "fanout"}) EXPECT_TRUE(j["phases"].contains(k)) << k;
+  EXPECT_EQ(j["reported"][0]["seconds"], 1.5);
+  EXPECT_EQ(j["hardware"]["from"], "scenario");
+  EXPECT_EQ(j["network_bytes"], manifest_bytes(manifest()));
+  const json t = json::parse(slurp(path("trace.json")));
+  EXPECT_FALSE(t["traceEvents"].empty());
+  // The table names the figures and says they are simulated.
+  r = run({"--scenario", s, "--models", path("models").string(), "--simulate", "--strategy", "no-dedup"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("predicted (simulated)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1.500 s: other"), std::string::npos) << r.out;
+  r = run({"--scenario", s, "--models", path("models").string(), "--simulate", "--strategy", "broadcast",
+           "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out)["model"], "fluid");
+}
+
+TEST_F(RefitPlanCli, SimulateSaysWhenItUsesTheDefaults) {
+  write("models/tiny.json", manifest().dump());
+  json sc = scenario();
+  sc.erase("hardware");
+  const std::string s = write("s.json", sc.dump());
+  const Outcome r = run({"--scenario", s, "--models", path("models").string(), "--simulate", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("gives no hardware figures; simulating with the defaults"), std::string::npos) << r.err;
+  EXPECT_EQ(json::parse(r.out)["hardware"]["from"], "defaults");
+}
+
+TEST_F(RefitPlanCli, SimulateRefusesBadHardware) {
+  write("models/tiny.json", manifest().dump());
+  const std::string models = path("models").string();
+  json sc = scenario();
+  sc["hardware"]["get_op_us"] = -1;
+  const std::string s1 = write("s1.json", sc.dump());
+  expect_bad({"--scenario", s1, "--models", models, "--simulate"},
+             s1 + R"(: "hardware.get_op_us" must be a positive number, got -1)");
+  sc = scenario();
+  sc["hardware"]["nic_gbit_per_gpu"] = 400000;  // 50 TB/s against 450 GB/s NVLink
+  const std::string s2 = write("s2.json", sc.dump());
+  expect_bad({"--scenario", s2, "--models", models, "--simulate"}, R"("hardware.nic_gbit_per_gpu")");
+  const std::string s = write("s.json", scenario().dump());
+  const std::string hw = write("hw.json", R"({"nvlink_achievable": 0})");
+  expect_bad({"--scenario", s, "--models", models, "--simulate", "--hardware", hw},
+             hw + R"(: "nvlink_achievable" must be a positive number, got 0)");
+  const std::string hw2 = write("hw2.json", R"({"nvlink": 1})");
+  expect_bad({"--scenario", s, "--models", models, "--simulate", "--hardware", hw2}, R"(unknown key "nvlink")");
+  expect_bad({"--scenario", s, "--models", models, "--trace", path("t.json").string()},
+             "--trace and --hardware go with --simulate");
+  expect_bad({"--scenario", s, "--models", models, "--simulate", "--strategy", "broadcast", "--trace",
+              path("t.json").string()},
+             "--trace needs --strategy refit or no-dedup");
 }
 
 TEST_F(RefitPlanCli, ShippedExamplesPlan) {

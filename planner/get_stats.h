@@ -1,0 +1,38 @@
+#pragma once
+// How many GETs a plan makes each receiver post, and how large they are.
+// Bytes tell how long the wire is busy; the count tells what the GETs cost
+// on top of that (an RDMA READ costs about the same to post and complete
+// whatever its size), so the planner reports both.
+//
+// A GET is what a receiver agent issues: each network run of the plan
+// (for_each_run), split into pieces of at most `max_get_bytes` (the agent's
+// `chunk_bytes`, 1 MiB by default).
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "planner/plan.h"
+
+namespace refit {
+
+struct GetStats {
+  int64_t gets = 0;                   // over all receivers
+  std::vector<int64_t> per_receiver;  // GETs each receiver rank posts
+  int64_t gets_per_receiver_max = 0;
+  int32_t busiest_receiver = -1;      // the rank that posts the most (lowest on ties), -1 without GETs
+  int64_t get_bytes_median = 0;       // the lower median over all GETs, 0 without GETs
+  int64_t get_bytes_min = 0;
+  int64_t get_bytes_max = 0;
+  std::map<int64_t, int64_t> sizes;   // GET bytes -> how many GETs of that size
+};
+
+// REQUIRES max_get_bytes > 0 and a plan with units (not kBroadcast, which
+// has only its summary: its GetStats are empty).
+GetStats get_stats(const Plan& plan, int64_t max_get_bytes);
+
+// GETs of the same power-of-two size class, for a short table: the key is
+// the class's upper bound (512 holds 257..512 bytes), the value the count.
+std::map<int64_t, int64_t> size_classes(const GetStats& stats);
+
+}  // namespace refit

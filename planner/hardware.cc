@@ -1,0 +1,152 @@
+#include "planner/hardware.h"
+
+#include <cmath>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "planner/json_util.h"
+
+namespace refit {
+namespace {
+
+using nlohmann::json;
+
+// The defaults and their sources. docs/simulator.md reproduces this table;
+// keep the two in step. Published figures are quoted as what they are:
+// typical values from the named benchmark, not measurements of this project.
+const std::vector<HardwareKey> kKeys = {
+    {"nic_gbit_per_gpu", "Gbit/s", 400,
+     "line rate of one NIC per GPU: DGX H100 has eight ConnectX-7 400 Gbit/s NDR compute NICs, one per GPU; "
+     "GB200 NVL72 compute trays have one 400 Gbit/s ConnectX-7 per GPU"},
+    {"nic_achievable", "fraction", 0.9,
+     "perftest ib_read_bw on 400 Gbit/s NDR links typically reports 360-390 Gbit/s for large messages"},
+    {"latency_us", "us", 3,
+     "round trip of one RDMA READ: perftest ib_read_lat reports a few microseconds through one switch level"},
+    {"get_op_us", "us", 1,
+     "posting and completing one RDMA READ through UCX (ucp_get_nbx, a completion callback): on the order of a "
+     "microsecond whatever its size, a few million small READs per second per initiator"},
+    {"nvlink_gbyte_per_gpu", "GB/s", 450,
+     "NVLink 4 (H100 SXM): 900 GB/s per GPU both directions, 450 GB/s each way; NVLink 5 (GB200) is 900 GB/s "
+     "each way"},
+    {"nvlink_achievable", "fraction", 0.8,
+     "nccl-tests point-to-point and all_gather bus bandwidth on NVSwitch systems reaches about 80% of the "
+     "per-direction link rate"},
+    {"local_op_us", "us", 5, "launching one fan-out send (an NCCL group of send/recv): a few microseconds"},
+    {"h2d_gbyte_per_gpu", "GB/s", 50,
+     "PCIe Gen5 x16 is 64 GB/s each way; CUDA bandwidthTest reaches about 50 GB/s from pinned memory"},
+    {"d2h_gbyte_per_gpu", "GB/s", 50, "as h2d_gbyte_per_gpu, the other way"},
+    {"gets_land_in_host", "bool", 0,
+     "true where UCX cannot write GPU memory: GETs land in the receiver's pinned landing ring and are copied to "
+     "the GPU (docs/refresh.md, the nccl fabric)"},
+    {"source_host_mirror", "bool", 0,
+     "true where sources serve a pinned host mirror of their GPU shards, filled by a device-to-host copy at "
+     "publish (docs/refresh.md)"},
+    {"window_bytes", "bytes", 32.0 * (1 << 20), "the receiver agent's default window_bytes (plugin/config.h)"},
+    {"get_chunk_bytes", "bytes", 1.0 * (1 << 20), "the receiver agent's default chunk_bytes (plugin/config.h)"},
+};
+
+bool is_bool_key(const char* key) {
+  return std::strcmp(key, "gets_land_in_host") == 0 || std::strcmp(key, "source_host_mirror") == 0;
+}
+
+// The field of `m` that `key` names; bools are handled apart.
+double* field(HardwareModel& m, const std::string& key) {
+  if (key == "nic_gbit_per_gpu") return &m.nic_gbit_per_gpu;
+  if (key == "nic_achievable") return &m.nic_achievable;
+  if (key == "latency_us") return &m.latency_us;
+  if (key == "get_op_us") return &m.get_op_us;
+  if (key == "nvlink_gbyte_per_gpu") return &m.nvlink_gbyte_per_gpu;
+  if (key == "nvlink_achievable") return &m.nvlink_achievable;
+  if (key == "local_op_us") return &m.local_op_us;
+  if (key == "h2d_gbyte_per_gpu") return &m.h2d_gbyte_per_gpu;
+  if (key == "d2h_gbyte_per_gpu") return &m.d2h_gbyte_per_gpu;
+  if (key == "window_bytes") return &m.window_bytes;
+  if (key == "get_chunk_bytes") return &m.get_chunk_bytes;
+  return nullptr;
+}
+
+bool* flag(HardwareModel& m, const std::string& key) {
+  if (key == "gets_land_in_host") return &m.gets_land_in_host;
+  if (key == "source_host_mirror") return &m.source_host_mirror;
+  return nullptr;
+}
+
+}  // namespace
+
+const std::vector<HardwareKey>& hardware_keys() { return kKeys; }
+
+HardwareModel default_hardware() {
+  HardwareModel m;
+  for (const HardwareKey& k : kKeys) {
+    if (double* f = field(m, k.key)) *f = k.default_value;
+    if (bool* b = flag(m, k.key)) *b = k.default_value != 0;
+  }
+  return m;
+}
+
+Status apply_hardware(const json& obj, const std::string& origin, const std::string& path, bool require_link_rates,
+                      HardwareModel* model, std::vector<std::string>* given) {
+  auto name = [&](const std::string& k) { return path.empty() ? k : path + "." + k; };
+  if (!obj.is_object())
+    return Status::invalid(origin + ": \"" + path + "\" must be an object, got " + json_util::show(obj));
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    bool known = false;
+    for (const HardwareKey& k : kKeys) known |= it.key() == k.key;
+    if (known) continue;
+    std::string list;
+    for (const HardwareKey& k : kKeys) list += std::string(list.empty() ? "" : ", ") + k.key;
+    return Status::invalid(origin + ": unknown key \"" + name(it.key()) + "\" (known: " + list + ")");
+  }
+  if (require_link_rates) {
+    for (const char* k : {"nic_gbit_per_gpu", "nvlink_gbyte_per_gpu"})
+      if (!obj.contains(k)) return Status::invalid(origin + ": missing key \"" + name(k) + "\"");
+  }
+  for (const HardwareKey& k : kKeys) {
+    auto it = obj.find(k.key);
+    if (it == obj.end()) continue;
+    if (is_bool_key(k.key)) {
+      if (!it->is_boolean())
+        return Status::invalid(origin + ": \"" + name(k.key) + "\" must be true or false, got " +
+                               json_util::show(*it));
+      *flag(*model, k.key) = it->get<bool>();
+    } else {
+      if (!it->is_number() || !(it->get<double>() > 0) || !std::isfinite(it->get<double>()))
+        return Status::invalid(origin + ": \"" + name(k.key) + "\" must be a positive number, got " +
+                               json_util::show(*it));
+      *field(*model, k.key) = it->get<double>();
+    }
+    if (given) given->push_back(k.key);
+  }
+  return check_hardware(*model, origin, path);
+}
+
+Status check_hardware(const HardwareModel& model, const std::string& origin, const std::string& path) {
+  HardwareModel m = model;  // field() hands out pointers into a model
+  auto name = [&](const char* k) { return "\"" + (path.empty() ? std::string(k) : path + "." + k) + "\""; };
+  auto bad = [&](const char* k, const std::string& why) { return Status::invalid(origin + ": " + name(k) + " " + why); };
+  for (const HardwareKey& k : kKeys) {
+    if (is_bool_key(k.key)) continue;
+    const double v = *field(m, k.key);
+    if (!(v > 0) || !std::isfinite(v)) return bad(k.key, "must be a positive number, got " + std::to_string(v));
+  }
+  if (m.nic_achievable > 1) return bad("nic_achievable", "is a fraction of the line rate: at most 1");
+  if (m.nvlink_achievable > 1) return bad("nvlink_achievable", "is a fraction of the link rate: at most 1");
+  // 100 TB/s per GPU is far beyond any link of today: a unit mistake.
+  constexpr double kMaxGbyte = 100'000;
+  if (m.nic_gbit_per_gpu / 8 > kMaxGbyte) return bad("nic_gbit_per_gpu", "is above 100 TB/s: check the unit (Gbit/s)");
+  for (const char* k : {"nvlink_gbyte_per_gpu", "h2d_gbyte_per_gpu", "d2h_gbyte_per_gpu"})
+    if (*field(m, k) > kMaxGbyte) return bad(k, "is above 100 TB/s: check the unit (GB/s)");
+  if (m.nic_gbit_per_gpu / 8 > 100 * m.nvlink_gbyte_per_gpu)
+    return bad("nic_gbit_per_gpu", "(" + std::to_string(m.nic_gbit_per_gpu) +
+                                       " Gbit/s) is more than 100x the NVLink bandwidth (" +
+                                       std::to_string(m.nvlink_gbyte_per_gpu) +
+                                       " GB/s): check the units (Gbit/s and GB/s)");
+  for (const char* k : {"latency_us", "get_op_us", "local_op_us"})
+    if (*field(m, k) > 1e6) return bad(k, "is above one second: check the unit (us)");
+  if (m.get_chunk_bytes > m.window_bytes)
+    return bad("get_chunk_bytes", "must not exceed \"window_bytes\" (" + std::to_string(m.window_bytes) + ")");
+  return Status::ok();
+}
+
+}  // namespace refit

@@ -1,0 +1,73 @@
+#pragma once
+// The hardware model of the refresh simulator (docs/simulator.md): per-GPU
+// NIC and NVLink bandwidth, the fractions of them that benchmarks reach, the
+// cost of one GET, host copies. Every figure has a default with its source
+// (hardware.cc, the one place they are written down), and a scenario's
+// `hardware` object overrides any of them by key.
+//
+// Pure data and checks: no I/O. Thread safety: plain values.
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "planner/status.h"
+
+namespace refit {
+
+struct HardwareModel {
+  // Network: one NIC per GPU on both sides.
+  double nic_gbit_per_gpu = 0;     // line rate, Gbit/s
+  double nic_achievable = 0;       // fraction of the line rate an RDMA READ stream reaches
+  double latency_us = 0;           // round trip of one RDMA READ, not occupying the NIC
+  double get_op_us = 0;            // posting and completing one GET, whatever its size
+  // NVLink: the fan-out inside a receiving domain.
+  double nvlink_gbyte_per_gpu = 0;  // per GPU and direction, GB/s
+  double nvlink_achievable = 0;     // fraction that point-to-point sends reach
+  double local_op_us = 0;           // launching one fan-out send
+  // Host copies, where they happen.
+  double h2d_gbyte_per_gpu = 0;  // landed GET bytes to the GPU (gets_land_in_host)
+  double d2h_gbyte_per_gpu = 0;  // the source's publish copy (source_host_mirror)
+  bool gets_land_in_host = false;   // UCX without GPU memory support: GETs land in a host ring
+  bool source_host_mirror = false;  // sources serve a host mirror filled at publish
+  // The receiver agent's GET window (plugin/config.h defaults).
+  double window_bytes = 0;     // bytes in flight per receiver
+  double get_chunk_bytes = 0;  // largest single GET
+
+  double nic_bytes_per_s() const { return nic_gbit_per_gpu * 1e9 / 8 * nic_achievable; }
+  double nvlink_bytes_per_s() const { return nvlink_gbyte_per_gpu * 1e9 * nvlink_achievable; }
+  double h2d_bytes_per_s() const { return h2d_gbyte_per_gpu * 1e9; }
+  double d2h_bytes_per_s() const { return d2h_gbyte_per_gpu * 1e9; }
+};
+
+// One documented parameter: its key, unit, default and where the default
+// comes from.
+struct HardwareKey {
+  const char* key;
+  const char* unit;
+  double default_value;  // booleans: 0 or 1
+  const char* source;
+};
+
+// Every key a scenario's `hardware` may hold, in documentation order.
+const std::vector<HardwareKey>& hardware_keys();
+
+// The defaults: an H100 NDR node (400 Gbit/s per GPU, NVLink 4).
+HardwareModel default_hardware();
+
+// Applies the keys of `obj` (a scenario's "hardware" object) to `model`.
+// Every key must be known and of its type; numbers must be positive and
+// finite. `path` prefixes key names in messages ("hardware"), `origin`
+// starts them (the file). With `require_link_rates`, nic_gbit_per_gpu and
+// nvlink_gbyte_per_gpu must be present (a scenario's hardware object always
+// gives both). `*given` receives the keys that were present.
+Status apply_hardware(const nlohmann::json& obj, const std::string& origin, const std::string& path,
+                      bool require_link_rates, HardwareModel* model, std::vector<std::string>* given = nullptr);
+
+// Refuses figures no machine has, naming the key: a fraction above 1, a NIC
+// more than 100x faster than NVLink, bandwidths above 100 TB/s, latencies or
+// per-operation costs above a second, a GET chunk larger than the window.
+Status check_hardware(const HardwareModel& model, const std::string& origin, const std::string& path);
+
+}  // namespace refit

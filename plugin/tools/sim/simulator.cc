@@ -1,0 +1,497 @@
+#include "plugin/tools/sim/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <queue>
+
+#include "transport/ucx/chunking.h"
+
+namespace refit::sim {
+namespace {
+
+// Network runs of one receiver from one source, simulated as one unit of
+// the receiver's GET queue (simulator.h).
+struct Job {
+  int32_t source = 0;
+  bool closed = false;       // a fan-out send reads it: nothing more joins it
+  int64_t bytes = 0;
+  int64_t gets = 0;          // GETs of all its runs
+  uint32_t sends_begin = 0;  // into Sim::sends_
+  uint32_t sends_count = 0;
+};
+
+// Fan-out runs from one puller to one peer, read from one job.
+struct Send {
+  int32_t to = 0;
+  int64_t bytes = 0;
+  int64_t runs = 0;
+};
+
+// One resource: free from `free_at` on; what it carried.
+struct Resource {
+  double free_at = 0;
+  double busy = 0;
+  int64_t bytes = 0;
+};
+
+struct Event {
+  double t;
+  uint64_t seq;  // ties in issue order: the same input gives the same result
+  int32_t receiver;
+  bool landed;  // false: posted, about to cross
+  ucx::Chunk chunk;
+  bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+class Sim {
+ public:
+  Sim(const Plan& plan, const HardwareModel& hw, const SimOptions& options)
+      : plan_(plan), L_(plan.layout()), hw_(hw), opt_(options) {}
+
+  Result<SimResult> run() {
+    const int32_t R = L_.num_ranks(Side::kReceiver);
+    const int32_t S = L_.num_ranks(Side::kSource);
+    jobs_.assign(R, {});
+    build_jobs(R, S);
+    src_nic_.assign(S, {});
+    rcv_nic_.assign(R, {});
+    post_.assign(R, {});
+    h2d_.assign(R, {});
+    nvl_out_.assign(R, {});
+    nvl_in_.assign(R, {});
+    last_span_.assign(7, std::vector<int64_t>(std::max(R, S), -1));
+    publish(S);
+    REFIT_RETURN_IF_ERROR(simulate_network(R));
+    finish(R, S);
+    return std::move(r_);
+  }
+
+ private:
+  // Walks the plan's runs in execution order and groups them into jobs and
+  // sends (simulator.h). Sends read the last job of their puller: the runs
+  // of a chunk come right before its fan-out (for_each_run's order).
+  void build_jobs(int32_t R, int32_t S) {
+    const int64_t cap = plan_.options().chunk_bytes;
+    const int64_t get_chunk = static_cast<int64_t>(hw_.get_chunk_bytes);
+    std::vector<int32_t> open(static_cast<size_t>(R) * S, -1);
+    std::vector<int32_t> last(R, -1);
+    std::vector<int64_t> gets(R, 0);
+    int64_t last_send_puller = -1;
+    for_each_run(plan_, [&](const Run& run) {
+      const int32_t p = run.local ? run.from.rank : run.to.rank;
+      std::vector<Job>& jobs = jobs_[p];
+      if (!run.local) {
+        const int32_t s = run.from.rank;
+        int32_t& j = open[static_cast<size_t>(p) * S + s];
+        const int64_t n = ceil_div(run.bytes, get_chunk);
+        if (j < 0 || jobs[j].closed || jobs[j].bytes + run.bytes > cap) {
+          j = static_cast<int32_t>(jobs.size());
+          jobs.push_back(Job{s, false, 0, 0, 0, 0});
+        }
+        jobs[j].bytes += run.bytes;
+        jobs[j].gets += n;
+        gets[p] += n;
+        r_.gets += n;
+        r_.network_bytes += run.bytes;
+        last[p] = j;
+        last_send_puller = -1;
+        return;
+      }
+      // A send reads bytes this puller pulled: its last job brought them.
+      Job& job = jobs[last[p]];
+      job.closed = true;
+      r_.local_bytes += run.bytes;
+      if (last_send_puller == p && job.sends_count > 0 && sends_.back().to == run.to.rank) {
+        sends_.back().bytes += run.bytes;
+        sends_.back().runs += 1;
+        return;
+      }
+      if (job.sends_count == 0) job.sends_begin = static_cast<uint32_t>(sends_.size());
+      sends_.push_back(Send{run.to.rank, run.bytes, 1});
+      ++job.sends_count;
+      last_send_puller = p;
+    });
+    for (int32_t p = 0; p < R; ++p) {
+      r_.gets_per_receiver_max = std::max(r_.gets_per_receiver_max, gets[p]);
+      r_.jobs += static_cast<int64_t>(jobs_[p].size());
+    }
+    r_.local_sends = static_cast<int64_t>(sends_.size());
+  }
+
+  // Sources that serve a host mirror copy each shard there at publish; a
+  // source's NIC serves nothing before its copy is done.
+  void publish(int32_t S) {
+    if (!hw_.source_host_mirror) return;
+    std::vector<int64_t> shard(S, 0);
+    for (const Tensor& t : L_.tensors) {
+      const int eb = dtype_bytes(t.dtype);
+      for (const Region& reg : t.sources) {
+        const int64_t b = reg.box.numel() * eb;
+        for (int32_t s : L_.source_sets.get(reg.ranks)) shard[s] += b;
+      }
+    }
+    for (int32_t s = 0; s < S; ++s) {
+      if (shard[s] == 0) continue;
+      const double end = static_cast<double>(shard[s]) / hw_.d2h_bytes_per_s();
+      src_nic_[s].free_at = end;
+      r_.phases.publish.end = std::max(r_.phases.publish.end, end);
+      span(Lane::kPublish, s, 0, end, shard[s]);
+    }
+  }
+
+  Status simulate_network(int32_t R) {
+    ucx::WindowLimits limits;
+    limits.chunk_bytes = static_cast<uint64_t>(hw_.get_chunk_bytes);
+    limits.max_bytes_in_flight = static_cast<uint64_t>(hw_.window_bytes);
+    limits.max_bytes_per_endpoint = static_cast<uint64_t>(hw_.window_bytes);
+    // Jobs stand for many GETs each: only the byte window binds.
+    limits.max_ops_in_flight = std::numeric_limits<uint64_t>::max();
+    limits.max_ops_per_endpoint = std::numeric_limits<uint64_t>::max();
+    scheds_.clear();
+    scheds_.reserve(R);
+    ready_.assign(R, {});
+    for (int32_t p = 0; p < R; ++p) {
+      // Endpoints: this receiver's sources, densely numbered.
+      std::vector<int32_t> dense;
+      std::vector<ucx::ChunkRun> runs;
+      runs.reserve(jobs_[p].size());
+      std::vector<int32_t> index_of;
+      for (const Job& j : jobs_[p]) {
+        if (static_cast<size_t>(j.source) >= index_of.size()) index_of.resize(j.source + 1, -1);
+        if (index_of[j.source] < 0) {
+          index_of[j.source] = static_cast<int32_t>(dense.size());
+          dense.push_back(j.source);
+        }
+        runs.push_back(ucx::ChunkRun{static_cast<uint32_t>(index_of[j.source]), static_cast<uint64_t>(j.bytes)});
+      }
+      auto s = ucx::ChunkScheduler::create(limits, runs, static_cast<uint32_t>(dense.size()));
+      if (!s) return s.status().with_context("receiver " + std::to_string(p));
+      scheds_.push_back(std::move(*s));
+      ready_[p].assign(jobs_[p].size(), 0.0);
+    }
+    for (int32_t p = 0; p < R; ++p) pump(p, 0.0);
+    while (!events_.empty()) {
+      const Event e = events_.top();
+      events_.pop();
+      if (!e.landed) {
+        cross(e);
+        continue;
+      }
+      landed(e);
+      pump(e.receiver, e.t);
+    }
+    return Status::ok();
+  }
+
+  // Posts every GET chunk that the receiver's window lets go at `now`: the
+  // receiver spends its GETs' cost posting them, one chunk after another.
+  void pump(int32_t p, double now) {
+    const double op = hw_.get_op_us * 1e-6;
+    while (auto c = scheds_[p].next()) {
+      const Job& job = jobs_[p][c->run];
+      // The job's GETs, shared out over its chunks by their bytes.
+      const __int128 g = job.gets;
+      const int64_t gets = static_cast<int64_t>(g * (c->offset + c->bytes) / job.bytes - g * c->offset / job.bytes);
+      Resource& post = post_[p];
+      const double start = std::max(now, post.free_at);
+      const double d = static_cast<double>(gets) * op;
+      post.free_at = start + d;
+      post.busy += d;
+      post.bytes += gets;  // GETs, for this resource
+      if (d > 0) span(Lane::kPosting, p, start, start + d, static_cast<int64_t>(c->bytes));
+      if (first_get_ < 0 || start < first_get_) first_get_ = start;
+      events_.push(Event{post.free_at, seq_++, p, false, *c});
+      ++r_.events;
+    }
+  }
+
+  // A posted GET chunk crosses: its source's NIC serves posted GETs in the
+  // order they were posted, and the receiver's NIC takes in what arrives at
+  // its own rate, one chunk after another. A source is not held back by a
+  // busy receiver (the switch buffers), so a source idles only when no GET
+  // is posted to it.
+  void cross(const Event& e) {
+    const int32_t p = e.receiver;
+    const Job& job = jobs_[p][e.chunk.run];
+    const double nic = hw_.nic_bytes_per_s();
+    const double wire = static_cast<double>(e.chunk.bytes) / nic;
+    const int64_t bytes = static_cast<int64_t>(e.chunk.bytes);
+    Resource& src = src_nic_[job.source];
+    const double sent_from = std::max(e.t, src.free_at);
+    src.free_at = sent_from + wire;
+    src.busy += wire;
+    src.bytes += bytes;
+    span(Lane::kSourceNic, job.source, sent_from, src.free_at, bytes);
+    Resource& dst = rcv_nic_[p];
+    const double in_until = std::max(src.free_at, dst.free_at + wire);
+    dst.free_at = in_until;
+    dst.busy += wire;
+    dst.bytes += bytes;
+    span(Lane::kReceiverNic, p, in_until - wire, in_until, bytes);
+    events_.push(Event{in_until + hw_.latency_us * 1e-6, seq_++, p, true, e.chunk});
+  }
+
+  // A GET chunk landed: copy it to the GPU where GETs land in host memory;
+  // once its job has landed, the job's sends go.
+  void landed(const Event& e) {
+    const int32_t p = e.receiver;
+    r_.phases.network.end = std::max(r_.phases.network.end, e.t);
+    double ready = e.t;
+    if (hw_.gets_land_in_host) {
+      Resource& h = h2d_[p];
+      const double start = std::max(e.t, h.free_at);
+      const double d = static_cast<double>(e.chunk.bytes) / hw_.h2d_bytes_per_s();
+      h.free_at = start + d;
+      h.busy += d;
+      h.bytes += static_cast<int64_t>(e.chunk.bytes);
+      span(Lane::kH2d, p, start, start + d, static_cast<int64_t>(e.chunk.bytes));
+      ready = start + d;
+      if (h2d_first_ < 0 || start < h2d_first_) h2d_first_ = start;
+      r_.phases.h2d.end = std::max(r_.phases.h2d.end, ready);
+    }
+    double& job_ready = ready_[p][e.chunk.run];
+    job_ready = std::max(job_ready, ready);
+    if (!scheds_[p].complete(e.chunk)) return;
+    const Job& job = jobs_[p][e.chunk.run];
+    const double nvl = hw_.nvlink_bytes_per_s();
+    const double op = hw_.local_op_us * 1e-6;
+    for (uint32_t k = 0; k < job.sends_count; ++k) {
+      const Send& s = sends_[job.sends_begin + k];
+      Resource& out = nvl_out_[p];
+      Resource& in = nvl_in_[s.to];
+      const double start = std::max({job_ready, out.free_at, in.free_at});
+      const double d = op + static_cast<double>(s.bytes) / nvl;
+      out.free_at = in.free_at = start + d;
+      out.busy += d;
+      in.busy += d;
+      out.bytes += s.bytes;
+      in.bytes += s.bytes;
+      span(Lane::kNvlinkOut, p, start, start + d, s.bytes);
+      span(Lane::kNvlinkIn, s.to, start, start + d, s.bytes);
+      if (fan_first_ < 0 || start < fan_first_) fan_first_ = start;
+      r_.phases.fanout.end = std::max(r_.phases.fanout.end, start + d);
+    }
+  }
+
+  void span(Lane lane, int32_t rank, double start, double end, int64_t bytes) {
+    if (!opt_.trace) return;
+    int64_t& last = last_span_[static_cast<size_t>(lane)][rank];
+    if (last >= 0) {
+      TraceSpan& t = r_.trace[last];
+      if (start <= t.end + opt_.trace_merge_seconds) {
+        t.end = std::max(t.end, end);
+        t.bytes += bytes;
+        return;
+      }
+    }
+    last = static_cast<int64_t>(r_.trace.size());
+    r_.trace.push_back(TraceSpan{lane, rank, start, end, bytes});
+  }
+
+  void finish(int32_t R, int32_t S) {
+    r_.model = "event";
+    Phases& ph = r_.phases;
+    if (first_get_ >= 0) ph.network.start = first_get_;
+    if (h2d_first_ >= 0) ph.h2d.start = h2d_first_;
+    if (fan_first_ >= 0) ph.fanout.start = fan_first_;
+    r_.predicted_seconds = std::max({ph.publish.end, ph.network.end, ph.h2d.end, ph.fanout.end});
+    auto busiest = [](const std::vector<Resource>& v, int32_t n) {
+      LinkLoad best;
+      for (int32_t i = 0; i < n; ++i)
+        if (best.rank < 0 || v[i].busy > best.busy_seconds) best = LinkLoad{i, v[i].bytes, v[i].busy};
+      return best;
+    };
+    r_.busiest_source_nic = busiest(src_nic_, S);
+    r_.busiest_receiver_nic = busiest(rcv_nic_, R);
+    r_.busiest_posting = busiest(post_, R);
+    r_.busiest_nvlink_out = busiest(nvl_out_, R);
+    r_.busiest_nvlink_in = busiest(nvl_in_, R);
+  }
+
+  const Plan& plan_;
+  const Layout& L_;
+  const HardwareModel& hw_;
+  const SimOptions& opt_;
+  SimResult r_;
+  std::vector<std::vector<Job>> jobs_;  // per receiver, in its execution order
+  std::vector<Send> sends_;
+  std::vector<ucx::ChunkScheduler> scheds_;
+  std::vector<std::vector<double>> ready_;  // per receiver and job: when its bytes are usable
+  std::vector<Resource> src_nic_, rcv_nic_, post_, h2d_, nvl_out_, nvl_in_;
+  std::vector<std::vector<int64_t>> last_span_;  // per lane and rank: its last trace span
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
+  uint64_t seq_ = 0;
+  double first_get_ = -1, h2d_first_ = -1, fan_first_ = -1;
+};
+
+}  // namespace
+
+const char* lane_name(Lane lane) {
+  switch (lane) {
+    case Lane::kPublish: return "publish copy (source)";
+    case Lane::kSourceNic: return "NIC (source)";
+    case Lane::kReceiverNic: return "NIC (receiver)";
+    case Lane::kPosting: return "GET posting (receiver)";
+    case Lane::kH2d: return "host to GPU (receiver)";
+    case Lane::kNvlinkOut: return "NVLink out (receiver)";
+    case Lane::kNvlinkIn: return "NVLink in (receiver)";
+  }
+  return "?";
+}
+
+Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimOptions& options) {
+  if (plan.options().strategy == Strategy::kBroadcast)
+    return Status::invalid("the broadcast baseline has no runs to simulate; use estimate_broadcast");
+  REFIT_RETURN_IF_ERROR(check_hardware(hw, "hardware model", ""));
+  Sim sim(plan, hw, options);
+  return sim.run();
+}
+
+SimResult estimate_broadcast(const Plan& plan, const HardwareModel& hw) {
+  SimResult r;
+  r.model = "fluid";
+  const PlanSummary& s = plan.summary();
+  const double nic = hw.nic_bytes_per_s();
+  const int64_t sources = static_cast<int64_t>(plan.layout().sources.size());
+  const double gather = sources > 0 ? static_cast<double>(s.gather_bytes) / (static_cast<double>(sources) * nic) : 0;
+  auto busiest = [](const std::vector<int64_t>& v) {
+    LinkLoad best;
+    for (size_t i = 0; i < v.size(); ++i)
+      if (best.rank < 0 || v[i] > best.bytes) best = LinkLoad{static_cast<int32_t>(i), v[i], 0};
+    return best;
+  };
+  r.busiest_source_nic = busiest(plan.source_nic_bytes());
+  r.busiest_receiver_nic = busiest(plan.receiver_nic_bytes());
+  r.busiest_source_nic.busy_seconds = static_cast<double>(r.busiest_source_nic.bytes) / nic;
+  const int64_t rcv_gets = ceil_div(r.busiest_receiver_nic.bytes, static_cast<int64_t>(hw.get_chunk_bytes));
+  r.busiest_receiver_nic.busy_seconds =
+      static_cast<double>(r.busiest_receiver_nic.bytes) / nic + static_cast<double>(rcv_gets) * hw.get_op_us * 1e-6;
+  for (int64_t b : plan.receiver_nic_bytes()) r.gets += ceil_div(b, static_cast<int64_t>(hw.get_chunk_bytes));
+  r.gets_per_receiver_max = rcv_gets;
+  r.network_bytes = s.network_bytes + s.gather_bytes;
+  r.phases.network = Span{0, gather + std::max(r.busiest_source_nic.busy_seconds, r.busiest_receiver_nic.busy_seconds) +
+                                 hw.latency_us * 1e-6};
+  r.predicted_seconds = r.phases.network.end;
+  return r;
+}
+
+Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
+  if (plan.options().strategy != Strategy::kRefit)
+    return Status::invalid("the lower bound is computed from a refit plan (its units carry the domains)");
+  const Layout& L = plan.layout();
+  const double nic = hw.nic_bytes_per_s();
+  const double nvl = hw.nvlink_bytes_per_s();
+  LowerBound lb;
+  // Per receiving domain: a refit plan moves each byte a domain needs into
+  // it exactly once, so its units' bytes are the domain's distinct bytes.
+  std::vector<int64_t> domain_bytes;
+  std::vector<int64_t> domain_gpus;
+  for (const ReceiverRank& r : L.receivers) {
+    if (static_cast<size_t>(r.domain) >= domain_gpus.size()) domain_gpus.resize(r.domain + 1, 0);
+    ++domain_gpus[r.domain];
+  }
+  domain_bytes.assign(domain_gpus.size(), 0);
+  std::vector<int64_t> exclusive(L.sources.size(), 0);
+  for (const Unit& u : plan.units()) {
+    domain_bytes[u.domain] += plan.bytes(u);
+    const PullSet& ps = plan.pull_set(u);
+    const Tensor& t = L.tensors[u.tensor];
+    const int eb = dtype_bytes(t.dtype);
+    for (const Piece& p : ps.pieces) {
+      int32_t only = -1;
+      bool one = true;
+      for (uint32_t h : plan.holders(ps, p)) {
+        for (int32_t r : L.source_sets.get(t.sources[h].ranks)) {
+          if (only < 0) only = r;
+          else if (r != only) one = false;
+        }
+      }
+      if (one && only >= 0) exclusive[only] += p.box.numel() * eb;
+    }
+  }
+  for (size_t d = 0; d < domain_bytes.size(); ++d) {
+    if (domain_gpus[d] == 0) continue;
+    const double t = static_cast<double>(domain_bytes[d]) / (static_cast<double>(domain_gpus[d]) * nic);
+    if (t > lb.domain_nic_seconds) {
+      lb.domain_nic_seconds = t;
+      lb.domain = static_cast<int32_t>(d);
+    }
+  }
+  if (!L.sources.empty())
+    lb.source_nics_seconds = static_cast<double>(plan.summary().minimum_network_bytes) /
+                             (static_cast<double>(L.sources.size()) * nic);
+  // Per receiving GPU: everything it needs comes in through its NIC or its
+  // NVLink.
+  std::vector<int64_t> need(L.receivers.size(), 0);
+  for (const Tensor& t : L.tensors) {
+    const int eb = dtype_bytes(t.dtype);
+    for (const Region& reg : t.receivers) {
+      const int64_t b = reg.box.numel() * eb;
+      for (int32_t r : L.receiver_sets.get(reg.ranks)) need[r] += b;
+    }
+  }
+  for (size_t g = 0; g < need.size(); ++g) {
+    const double t = static_cast<double>(need[g]) / (nic + nvl);
+    if (t > lb.gpu_ingress_seconds) {
+      lb.gpu_ingress_seconds = t;
+      lb.gpu = static_cast<int32_t>(g);
+    }
+  }
+  for (size_t s = 0; s < exclusive.size(); ++s) {
+    const double t = static_cast<double>(exclusive[s]) / nic;
+    if (t > lb.source_exclusive_seconds) {
+      lb.source_exclusive_seconds = t;
+      lb.exclusive_source = static_cast<int32_t>(s);
+    }
+  }
+  lb.seconds = lb.domain_nic_seconds;
+  lb.binding = "receiving domain's NICs";
+  if (lb.source_nics_seconds > lb.seconds) {
+    lb.seconds = lb.source_nics_seconds;
+    lb.binding = "all source NICs";
+  }
+  if (lb.gpu_ingress_seconds > lb.seconds) {
+    lb.seconds = lb.gpu_ingress_seconds;
+    lb.binding = "one GPU's NIC and NVLink ingress";
+  }
+  return lb;
+}
+
+bool write_trace_json(const SimResult& r, const std::string& title, const TextSink& sink) {
+  // Names are plain ASCII of our own; no escaping needed beyond the title.
+  std::string esc;
+  for (char c : title) {
+    if (c == '"' || c == '\\') esc.push_back('\\');
+    if (static_cast<unsigned char>(c) >= 0x20) esc.push_back(c);
+  }
+  std::string out = "{\"displayTimeUnit\": \"ms\", \"otherData\": {\"title\": \"" + esc +
+                    "\", \"simulated\": true}, \"traceEvents\": [\n";
+  bool first = true;
+  char buf[256];
+  for (int lane = 0; lane <= static_cast<int>(Lane::kNvlinkIn); ++lane) {
+    std::snprintf(buf, sizeof buf, "%s{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": \"%s\"}}",
+                  first ? "" : ",\n", lane, lane_name(static_cast<Lane>(lane)));
+    out += buf;
+    first = false;
+  }
+  for (const TraceSpan& t : r.trace) {
+    std::snprintf(buf, sizeof buf,
+                  ",\n{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, "
+                  "\"args\": {\"bytes\": %lld}}",
+                  lane_name(t.lane), static_cast<int>(t.lane), t.rank, t.start * 1e6, (t.end - t.start) * 1e6,
+                  static_cast<long long>(t.bytes));
+    out += buf;
+    if (out.size() > (1 << 20)) {
+      if (!sink(out)) return false;
+      out.clear();
+    }
+  }
+  out += "\n]}\n";
+  return sink(out);
+}
+
+}  // namespace refit::sim

@@ -1,0 +1,136 @@
+#pragma once
+// A discrete-event simulation of the refresh that refit would run for a
+// plan, on a hardware model (planner/hardware.h). docs/simulator.md says
+// what is modelled and what is not; in short:
+//
+// - Each receiver executes its part as the receiver agent does: its network
+//   runs (for_each_run order) queued per source, split into GETs of
+//   `get_chunk_bytes`, issued by the agent's own ChunkScheduler (round robin
+//   over sources, a window of `window_bytes` in flight); each fan-out send
+//   becomes ready once the network runs it reads have landed (and, with
+//   `gets_land_in_host`, been copied to the GPU).
+// - Resources are exclusive and served first come, first served: a
+//   receiver posts its GETs one after another at the per-GET cost; a posted
+//   GET holds its source's NIC for bytes / bandwidth, in the order GETs were
+//   posted, and its receiver's NIC takes the bytes in at its own rate; a
+//   fan-out send holds the sender's NVLink out and the receiver's NVLink in;
+//   host copies hold the GPU's PCIe link.
+// - Consecutive network runs of one receiver from one source, with no
+//   fan-out send reading them in between, are simulated as one job of up to
+//   the plan's chunk bytes, with the GET count of all its runs. That keeps a
+//   plan of 150 million small runs within memory; the GETs are all counted.
+//
+// Pure computation, no I/O. Not thread-safe; one simulation per call.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "planner/hardware.h"
+#include "planner/layout_json.h"
+#include "planner/plan.h"
+#include "planner/status.h"
+
+namespace refit::sim {
+
+// A resource of one rank and how much it carried.
+struct LinkLoad {
+  int32_t rank = -1;
+  int64_t bytes = 0;
+  double busy_seconds = 0;
+};
+
+// [start, end] of a phase in seconds from the refresh's start; both 0 when
+// the phase does not happen.
+struct Span {
+  double start = 0;
+  double end = 0;
+  double seconds() const { return end - start; }
+};
+
+struct Phases {
+  Span publish;  // the sources' copy into their host mirror
+  Span network;  // first GET posted to last GET landed
+  Span h2d;      // landed GET bytes copied to the GPU
+  Span fanout;   // the local fabric's sends
+};
+
+// One busy interval of one resource, for the trace. Adjacent intervals of
+// one resource are merged.
+enum class Lane : uint8_t { kPublish, kSourceNic, kPosting, kReceiverNic, kH2d, kNvlinkOut, kNvlinkIn };
+const char* lane_name(Lane lane);
+struct TraceSpan {
+  Lane lane;
+  int32_t rank;
+  double start;
+  double end;
+  int64_t bytes;
+};
+
+struct SimOptions {
+  bool trace = false;
+  // Busy intervals of one resource closer than this merge into one trace
+  // span: a NIC that is busy back to back is one bar, not a million. 50 us
+  // keeps a DeepSeek-V3 trace (two million GET chunks) to a size a viewer
+  // opens, and is a 1/4000 of its simulated refresh.
+  double trace_merge_seconds = 50e-6;
+};
+
+struct SimResult {
+  std::string model;  // "event": simulated; "fluid": NIC bytes over bandwidth only
+  double predicted_seconds = 0;
+  Phases phases;
+  LinkLoad busiest_source_nic;
+  LinkLoad busiest_receiver_nic;
+  LinkLoad busiest_posting;  // `bytes` counts GETs here
+  LinkLoad busiest_nvlink_out;
+  LinkLoad busiest_nvlink_in;
+  int64_t network_bytes = 0;
+  int64_t local_bytes = 0;
+  int64_t gets = 0;                 // GETs posted, all receivers
+  int64_t gets_per_receiver_max = 0;
+  int64_t local_sends = 0;          // fan-out sends (runs to one peer after one network job)
+  int64_t jobs = 0;                 // network jobs simulated
+  int64_t events = 0;               // GET chunks simulated
+  std::vector<TraceSpan> trace;
+};
+
+// Simulates `plan` (kRefit or kNoDedup) on `hw`. Fails on a broadcast plan
+// (it has no runs: use estimate_broadcast) or hardware that check_hardware
+// refuses.
+Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimOptions& options = {});
+
+// The broadcast baseline from its plan's per-NIC totals: the gather over all
+// source NICs, then the busiest NIC's pulls with their GETs. Not an event
+// simulation: the result's model is "fluid".
+SimResult estimate_broadcast(const Plan& plan, const HardwareModel& hw);
+
+// The lower bound of DESIGN.md section 10 (docs/simulator.md), at the
+// model's achievable bandwidths: the largest of
+// - per receiving domain, the distinct bytes its ranks need over the sum of
+//   its GPUs' NIC bandwidth;
+// - the minimum network bytes over the sum of all source NICs' bandwidth;
+// - per receiving GPU, the bytes it needs over its NIC plus NVLink
+//   bandwidth (what it can take in at all).
+// `source_exclusive_seconds` (a source's bytes that no other source holds,
+// over its NIC) is reported beside it and is not part of the maximum.
+struct LowerBound {
+  double seconds = 0;
+  std::string binding;  // which term is the largest
+  double domain_nic_seconds = 0;
+  int32_t domain = -1;
+  double source_nics_seconds = 0;
+  double gpu_ingress_seconds = 0;
+  int32_t gpu = -1;
+  double source_exclusive_seconds = 0;
+  int32_t exclusive_source = -1;
+};
+
+// REQUIRES a kRefit plan (its units carry the real domains).
+Result<LowerBound> lower_bound(const Plan& refit_plan, const HardwareModel& hw);
+
+// Writes `r`'s trace as Chrome/Perfetto trace-event JSON ("X" events, one
+// process per lane, one thread per rank; times in microseconds).
+bool write_trace_json(const SimResult& r, const std::string& title, const TextSink& sink);
+
+}  // namespace refit::sim

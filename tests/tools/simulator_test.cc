@@ -1,0 +1,269 @@
+// The refresh simulator on plans small enough to check by hand
+// (docs/simulator.md gives the model these figures follow).
+
+#include "plugin/tools/sim/simulator.h"
+
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "planner/get_stats.h"
+#include "planner/layout_json.h"
+
+namespace refit::sim {
+namespace {
+
+using nlohmann::json;
+
+// 1 byte per nanosecond on every link, no achievable-fraction discount, and
+// round figures for the fixed costs: times come out in plain microseconds.
+HardwareModel unit_hardware() {
+  HardwareModel h = default_hardware();
+  h.nic_gbit_per_gpu = 8;  // 1e9 bytes/s
+  h.nic_achievable = 1;
+  h.nvlink_gbyte_per_gpu = 4.096;  // 4096 bytes in 1 us
+  h.nvlink_achievable = 1;
+  h.latency_us = 2;
+  h.get_op_us = 1;
+  h.local_op_us = 5;
+  h.h2d_gbyte_per_gpu = 2.048;  // 4096 bytes in 2 us
+  h.d2h_gbyte_per_gpu = 1.024;  // 4096 bytes in 4 us
+  return h;
+}
+
+// A layout of one F32 tensor "w" of `elems` elements, held whole by every
+// source rank and needed whole by every receiver rank; `receiver_domains`
+// gives each receiver rank's domain.
+Layout replicated(int sources, const std::vector<int>& receiver_domains, int64_t elems) {
+  json l;
+  l["format"] = "refit-layout/1";
+  json src = json::array(), rcv = json::array(), sranks = json::array(), rranks = json::array();
+  for (int s = 0; s < sources; ++s) {
+    src.push_back({{"rank", s}, {"domain", 0}});
+    sranks.push_back(s);
+  }
+  for (size_t r = 0; r < receiver_domains.size(); ++r) {
+    rcv.push_back({{"rank", r}, {"domain", receiver_domains[r]}, {"instance", r}});
+    rranks.push_back(r);
+  }
+  l["sources"] = src;
+  l["receivers"] = rcv;
+  l["tensors"] = json::array({{{"name", "w"},
+                               {"dtype", "F32"},
+                               {"shape", {elems}},
+                               {"source", {{"mesh", {sources}}, {"ranks", sranks}, {"placements", {"R"}}}},
+                               {"receiver",
+                                {{"mesh", {static_cast<int>(receiver_domains.size())}},
+                                 {"ranks", rranks},
+                                 {"placements", {"R"}}}}}});
+  auto layout = parse_layout_json(l.dump(), "test layout");
+  EXPECT_TRUE(layout.is_ok()) << layout.status().message();
+  return std::move(*layout);
+}
+
+SimResult simulated(const Plan& plan, const HardwareModel& hw, bool trace = false) {
+  SimOptions o;
+  o.trace = trace;
+  auto r = simulate(plan, hw, o);
+  EXPECT_TRUE(r.is_ok()) << r.status().message();
+  return r.is_ok() ? std::move(*r) : SimResult{};
+}
+
+constexpr double kUs = 1e-6;
+
+TEST(Simulator, OneGetTakesLatencyPlusOpCostPlusBytesOverBandwidth) {
+  const Layout L = replicated(1, {0}, 1024);  // 4096 bytes
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult r = simulated(*plan, unit_hardware());
+  EXPECT_EQ(r.model, "event");
+  EXPECT_EQ(r.gets, 1);
+  EXPECT_EQ(r.network_bytes, 4096);
+  // 2 us latency + 1 us per GET + 4096 bytes at 1 byte/ns.
+  EXPECT_NEAR(r.predicted_seconds, (2 + 1 + 4.096) * kUs, 1e-12);
+  EXPECT_NEAR(r.busiest_receiver_nic.busy_seconds, 4.096 * kUs, 1e-12);
+  EXPECT_NEAR(r.busiest_posting.busy_seconds, 1 * kUs, 1e-12);
+  EXPECT_EQ(r.busiest_posting.bytes, 1);  // GETs
+  EXPECT_NEAR(r.busiest_source_nic.busy_seconds, 4.096 * kUs, 1e-12);
+  EXPECT_EQ(r.busiest_source_nic.bytes, 4096);
+  EXPECT_EQ(r.phases.fanout.end, 0);
+}
+
+TEST(Simulator, TwoGetsFromOneSourceTakeTurnsOnItsNic) {
+  // Two receivers in two domains: each pulls the tensor itself, both from
+  // the only source, whose NIC serves one GET after the other.
+  const Layout L = replicated(1, {0, 1}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult r = simulated(*plan, unit_hardware());
+  EXPECT_EQ(r.gets, 2);
+  // The second starts once the first has left the source NIC (4.096 us).
+  EXPECT_NEAR(r.predicted_seconds, (4.096 + 1 + 4.096 + 2) * kUs, 1e-12);
+  EXPECT_NEAR(r.busiest_source_nic.busy_seconds, 2 * 4.096 * kUs, 1e-12);
+  EXPECT_EQ(r.busiest_source_nic.bytes, 2 * 4096);
+}
+
+TEST(Simulator, TwoSourcesServeTwoReceiversAtOnce) {
+  // Two replicas of the source: the planner puts one receiver on each.
+  const Layout L = replicated(2, {0, 1}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult r = simulated(*plan, unit_hardware());
+  EXPECT_NEAR(r.predicted_seconds, (2 + 1 + 4.096) * kUs, 1e-12);
+}
+
+TEST(Simulator, FanOutWaitsForTheGetItPassesOn) {
+  // One domain of two receivers: one pulls, then sends it over NVLink.
+  const Layout L = replicated(1, {0, 0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult r = simulated(*plan, unit_hardware(), /*trace=*/true);
+  EXPECT_EQ(r.gets, 1);
+  EXPECT_EQ(r.local_sends, 1);
+  EXPECT_EQ(r.local_bytes, 4096);
+  const double landed = (2 + 1 + 4.096) * kUs;
+  EXPECT_NEAR(r.phases.network.end, landed, 1e-12);
+  EXPECT_NEAR(r.phases.fanout.start, landed, 1e-12);
+  // 5 us to launch the send, 4096 bytes at 4096 bytes/us.
+  EXPECT_NEAR(r.predicted_seconds, landed + (5 + 1) * kUs, 1e-12);
+  EXPECT_EQ(r.busiest_nvlink_out.bytes, 4096);
+  // The trace has the GET on both NICs and the send on both NVLink ends.
+  int nic = 0, nvl = 0;
+  for (const TraceSpan& t : r.trace) {
+    nic += t.lane == Lane::kSourceNic || t.lane == Lane::kReceiverNic;
+    nvl += t.lane == Lane::kNvlinkOut || t.lane == Lane::kNvlinkIn;
+  }
+  EXPECT_EQ(nic, 2);
+  EXPECT_EQ(nvl, 2);
+}
+
+TEST(Simulator, TheWindowHoldsBackGetsBeyondIt) {
+  // 3 MiB in GETs of 1 MiB.
+  const Layout L = replicated(1, {0}, 3 << 18);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  HardwareModel hw = unit_hardware();
+  hw.get_chunk_bytes = 1 << 20;
+  const double wire = (1 << 20) * 1e-9;
+  // A window of all three: posted one after another, the next posted while
+  // the one before crosses, so the wire is busy back to back.
+  hw.window_bytes = 32 << 20;
+  SimResult r = simulated(*plan, hw);
+  EXPECT_EQ(r.gets, 3);
+  EXPECT_NEAR(r.predicted_seconds, 1 * kUs + 3 * wire + 2 * kUs, 1e-12);
+  // A window of one GET: each waits for the one before to land.
+  hw.window_bytes = 1 << 20;
+  r = simulated(*plan, hw);
+  EXPECT_NEAR(r.predicted_seconds, 3 * (1 * kUs + wire + 2 * kUs), 1e-12);
+}
+
+TEST(Simulator, HostLandingAndPublishCopiesAddTheirTime) {
+  const Layout L = replicated(1, {0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  HardwareModel hw = unit_hardware();
+  hw.gets_land_in_host = true;
+  hw.source_host_mirror = true;
+  const SimResult r = simulated(*plan, hw);
+  // 4 us publish copy (the GET is posted meanwhile), then the GET crosses
+  // (4.096 us) and lands (2 us), then 2 us to the GPU.
+  EXPECT_NEAR(r.phases.publish.end, 4 * kUs, 1e-12);
+  EXPECT_NEAR(r.phases.network.end, (4 + 4.096 + 2) * kUs, 1e-12);
+  EXPECT_NEAR(r.predicted_seconds, (4 + 4.096 + 2 + 2) * kUs, 1e-12);
+}
+
+TEST(Simulator, SmallRunsCostOneGetEach) {
+  // A column slice of a row-major source: every row is its own run.
+  json l = json::parse(R"J({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 1, "instance": 1}],
+    "tensors": [{"name": "w", "dtype": "F32", "shape": [64, 8],
+      "source": {"mesh": [1], "ranks": [0], "placements": ["R"]},
+      "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]}}]})J");
+  auto L = parse_layout_json(l.dump(), "t");
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult r = simulated(*plan, unit_hardware());
+  EXPECT_EQ(r.gets, 128);  // 64 rows of 16 bytes, each receiver
+  EXPECT_EQ(r.gets_per_receiver_max, 64);
+  const GetStats g = get_stats(*plan, 1 << 20);
+  EXPECT_EQ(g.gets, 128);
+  EXPECT_EQ(g.gets_per_receiver_max, 64);
+  EXPECT_EQ(g.get_bytes_median, 16);
+  // Each receiver's 64 GETs cost 64 us of posting: the source NIC (2 x 1024
+  // bytes) is not what takes the time.
+  EXPECT_GT(r.predicted_seconds, 64 * kUs);
+}
+
+TEST(LowerBound, IsTheLargestOfTheThreeTerms) {
+  // Two receivers in one domain, one source: the domain needs 4096 bytes,
+  // through two NICs; all sources (one NIC) must serve 4096.
+  const Layout L = replicated(1, {0, 0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  auto lb = lower_bound(*plan, unit_hardware());
+  ASSERT_TRUE(lb.is_ok());
+  EXPECT_NEAR(lb->domain_nic_seconds, 4096 / 2e9, 1e-15);
+  EXPECT_NEAR(lb->source_nics_seconds, 4096 / 1e9, 1e-15);
+  // Each GPU needs 4096 bytes through its NIC (1e9) and NVLink (4.096e9).
+  EXPECT_NEAR(lb->gpu_ingress_seconds, 4096 / 5.096e9, 1e-15);
+  EXPECT_NEAR(lb->source_exclusive_seconds, 4096 / 1e9, 1e-15);
+  EXPECT_NEAR(lb->seconds, 4096 / 1e9, 1e-15);
+  EXPECT_EQ(lb->binding, "all source NICs");
+}
+
+TEST(Simulator, RefusesBadHardwareNamingTheKey) {
+  const Layout L = replicated(1, {0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  HardwareModel hw = unit_hardware();
+  hw.get_op_us = 0;
+  auto r = simulate(*plan, hw);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("get_op_us"), std::string::npos) << r.status().message();
+  hw = unit_hardware();
+  hw.nic_gbit_per_gpu = 8 * 100 * 4.096 * 2;  // 200x NVLink
+  r = simulate(*plan, hw);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("nic_gbit_per_gpu"), std::string::npos) << r.status().message();
+}
+
+TEST(Simulator, BroadcastIsEstimatedNotSimulated) {
+  const Layout L = replicated(1, {0, 1}, 1024);
+  PlanOptions o;
+  o.strategy = Strategy::kBroadcast;
+  auto plan = make_plan(L, o);
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_FALSE(simulate(*plan, unit_hardware()).is_ok());
+  const SimResult r = estimate_broadcast(*plan, unit_hardware());
+  EXPECT_EQ(r.model, "fluid");
+  // No gather (the source holds it whole); the source NIC serves 2 x 4096.
+  EXPECT_NEAR(r.predicted_seconds, 2 * 4.096 * kUs + 2 * kUs, 1e-12);
+}
+
+TEST(Simulator, TraceIsChromeTraceEventJson) {
+  const Layout L = replicated(1, {0, 0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult r = simulated(*plan, unit_hardware(), /*trace=*/true);
+  std::string text;
+  ASSERT_TRUE(write_trace_json(r, "t \"1\"", [&](std::string_view s) {
+    text.append(s);
+    return true;
+  }));
+  const json j = json::parse(text);
+  ASSERT_TRUE(j["traceEvents"].is_array());
+  int spans = 0;
+  for (const json& e : j["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    ++spans;
+    EXPECT_GE(e["dur"].get<double>(), 0);
+  }
+  EXPECT_EQ(spans, 5);  // posting, both NICs, both NVLink ends
+  EXPECT_EQ(j["otherData"]["title"], "t \"1\"");
+}
+
+}  // namespace
+}  // namespace refit::sim
