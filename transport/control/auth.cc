@@ -134,7 +134,7 @@ bool mac_equal(const Mac& expected, const std::vector<uint8_t>& mac) {
   return CRYPTO_memcmp(expected.data(), mac.data(), expected.size()) == 0;
 }
 
-bool mac_equal(const Mac& expected, const uint8_t* mac) {
+bool mac_equal_bytes(const Mac& expected, const uint8_t* mac) {
   return CRYPTO_memcmp(expected.data(), mac, expected.size()) == 0;
 }
 

@@ -72,7 +72,8 @@ class Hmac {
 // True when `mac` has kMacBytes bytes equal to `expected`; the time taken
 // does not depend on where they differ.
 bool mac_equal(const Mac& expected, const std::vector<uint8_t>& mac);
-bool mac_equal(const Mac& expected, const uint8_t* mac);
+// The same for kMacBytes bytes at `mac`.
+bool mac_equal_bytes(const Mac& expected, const uint8_t* mac);
 
 // Reads the token from `path`: one line, surrounding whitespace (a trailing
 // newline) removed, between kMinTokenBytes and kMaxTokenBytes long. A file

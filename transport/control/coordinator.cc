@@ -431,7 +431,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const Nonce& client = response->nonce;
     const Mac& key = co_.key_of(role);
     Result<Mac> expected = client_proof(key, role, nonce_, client);
-    if (!expected.is_ok() || !mac_equal(*expected, response->mac.data())) {
+    if (!expected.is_ok() || !mac_equal_bytes(*expected, response->mac.data())) {
       close(std::string("auth: wrong credential for the role \"") + auth_role_name(role) +
                 "\" (its proof over the challenge does not match)",
             true);

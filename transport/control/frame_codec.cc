@@ -341,7 +341,7 @@ Result<std::optional<Frame>> FrameDecoder::next() {
     // next one reaches no parser.
     Mac mac{};
     Status st = seal_of(*seal_key_, seq_, buffer_.data(), kHeaderBytes + len, &mac);
-    if (st.is_ok() && !mac_equal(mac, buffer_.data() + kHeaderBytes + len)) {
+    if (st.is_ok() && !mac_equal_bytes(mac, buffer_.data() + kHeaderBytes + len)) {
       st = Status::invalid("frame: " + std::string(type_name(type)) + " (frame " + std::to_string(seq_) +
                            " after authentication) fails its seal: it was altered, injected or replayed, or a "
                            "frame before it was dropped");
