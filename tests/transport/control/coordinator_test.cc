@@ -20,6 +20,7 @@
 #include "planner/layout_json.h"
 #include "planner/plan.h"
 #include "transport/control/client.h"
+#include "tests/common/frame_relay.h"
 
 #include <boost/asio.hpp>
 
@@ -921,6 +922,33 @@ TEST_F(Coordinators, StrangersThatNeverAuthenticateDoNotShutAMemberOut) {
   EXPECT_NE(over.status().message().find("already serving the limit of 16 authenticated connections"),
             std::string::npos)
       << over.status().message();
+}
+
+// Issue: the client link had no request ids, so after one timeout every
+// later reply was read by the wrong request. A relay holds the coordinator's
+// replies back past the client's deadline; the late reply is dropped.
+TEST_F(Coordinators, AReplyThatComesAfterItsRequestTimedOutIsNotReadByTheNext) {
+  start();
+  std::atomic<bool> hold{false};
+  testing::FrameRelay relay(co_->port(), [&](testing::FrameRelay::Direction d, size_t, std::vector<uint8_t> frame) {
+    const auto until = std::chrono::steady_clock::now() + 5s;
+    while (d == testing::FrameRelay::Direction::kToClient && hold.load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(5ms);
+    }
+    return std::vector<std::vector<uint8_t>>{std::move(frame)};
+  });
+  ClientOptions o;
+  o.timeout = 400ms;
+  auto c = Client::connect("127.0.0.1", relay.port(), kToken, o);
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_TRUE((*c)->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  hold = true;
+  auto late = (*c)->request(MsgType::kSubscribe, Json::object());
+  ASSERT_FALSE(late.is_ok()) << "timed out";
+  hold = false;  // the subscribe reply ({ok, version}) now arrives, late
+  auto beat = (*c)->request(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}});
+  ASSERT_TRUE(beat.is_ok()) << beat.status().message();
+  EXPECT_FALSE(beat->contains("version")) << "the heartbeat read the late subscribe reply: " << beat->dump();
 }
 
 }  // namespace
