@@ -698,12 +698,9 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
   // Pipelined requests get their replies in order, though planning runs off
   // the I/O thread: a membership change, then fetch_plan and heartbeat in one write.
   ASSERT_TRUE(receivers[1]->request(MsgType::kRegisterReceiver, receiver_regs[1]).is_ok());
-  auto fetch = encode_frame(MsgType::kFetchPlan, Json{{"rank", 0}});
-  auto beat = encode_frame(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}});
-  ASSERT_TRUE(fetch.is_ok() && beat.is_ok());
-  std::vector<uint8_t> both = *fetch;
-  both.insert(both.end(), beat->begin(), beat->end());
-  ASSERT_TRUE(receivers[0]->send_raw(both.data(), both.size()).is_ok());
+  // Sealed frames, sent back to back without reading in between.
+  ASSERT_TRUE(receivers[0]->send_frame(MsgType::kFetchPlan, Json{{"rank", 0}}, 101).is_ok());
+  ASSERT_TRUE(receivers[0]->send_frame(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}}, 102).is_ok());
   auto first = receivers[0]->read_frame(5s);
   auto second = receivers[0]->read_frame(5s);
   ASSERT_TRUE(first.is_ok() && second.is_ok());
