@@ -1,21 +1,75 @@
 #include "plugin/coordinator_link.h"
 
-#include "transport/control/auth.h"
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 namespace refit::plugin {
 
+using control::Frame;
+using control::Json;
 using control::MsgType;
+using std::chrono::duration_cast;
+using std::chrono::milliseconds;
+
+namespace {
+
+// A request whose second sending changes nothing the first did not: sent
+// again when the connection broke before its reply came.
+bool retriable(MsgType t) {
+  return t == MsgType::kHeartbeat || t == MsgType::kSubscribe || t == MsgType::kFetchPlan ||
+         t == MsgType::kVersionHashes || t == MsgType::kVerifyBoxes || t == MsgType::kWaitDrained;
+}
+
+bool is_notice(MsgType t) {
+  return t == MsgType::kVersionNotify || t == MsgType::kCommit || t == MsgType::kAbort || t == MsgType::kDrained;
+}
+
+// Writes all of `data` to the non-blocking `fd` before `deadline`.
+Status write_all(int fd, const uint8_t* data, size_t size, std::chrono::steady_clock::time_point deadline) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::send(fd, data + done, size - done, MSG_NOSIGNAL);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const auto left = duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+      if (left <= 0) return Status::timeout("the coordinator did not take the request in time");
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+      continue;
+    }
+    return Status::io_error(std::string("cannot send to the coordinator: ") + std::strerror(errno));
+  }
+  return Status::ok();
+}
+
+}  // namespace
 
 Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentConfig& config, const Log& log) {
-  Result<std::string> token = control::read_token_file(config.coordinator.token_file);
-  if (!token.is_ok()) return token.status().with_context("config: \"coordinator.token_file\"");
+  Result<control::Credential> credential = control::read_credential_file(config.coordinator.token_file);
+  if (!credential.is_ok()) return credential.status().with_context("config: \"coordinator.token_file\"");
   std::unique_ptr<CoordinatorLink> link(new CoordinatorLink(config, log));
-  uint16_t port = config.coordinator.port;
+  link->credential_ = std::move(credential).value();
+  link->role_ = config.receiver ? control::AuthRole::kReceiver : control::AuthRole::kSource;
+  link->port_ = config.coordinator.port;
   if (config.coordinator.embedded) {
+    if (link->credential_.bound) {
+      return Status::invalid(
+          "config: \"coordinator.embedded\": the embedded coordinator needs the token itself in "
+          "\"coordinator.token_file\", not a role key (it derives every role's key from it)");
+    }
     control::CoordinatorConfig cc;
     cc.host = config.coordinator.host;
     cc.port = config.coordinator.port;
-    cc.token = *token;
+    cc.token = link->credential_.token;
     const Log* lp = &log;
     cc.log = [lp](const std::string& line) { lp->info("coordinator: " + line); };
     Result<std::unique_ptr<control::Coordinator>> started = control::Coordinator::start(std::move(cc));
@@ -24,74 +78,325 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentCon
                                            config.coordinator.host + ":" + std::to_string(config.coordinator.port));
     }
     link->embedded_ = std::move(started).value();
-    port = link->embedded_->port();
+    link->port_ = link->embedded_->port();
   }
-  control::ClientOptions options;
-  options.timeout = config.coordinator.timeout;
-  Result<std::unique_ptr<control::Client>> client =
-      control::Client::connect(config.coordinator.host, port, *token, options);
-  if (!client.is_ok()) {
-    return client.status().with_context("coordinator " + config.coordinator.host + ":" + std::to_string(port));
-  }
-  link->client_ = std::move(client).value();
+  std::unique_lock<std::mutex> lock(link->mu_);
+  Status st = link->reconnect(lock, Clock::now() + config.coordinator.timeout);
+  if (!st.is_ok()) return st.with_context("coordinator " + config.coordinator.host + ":" + std::to_string(link->port_));
   return link;
 }
 
 CoordinatorLink::~CoordinatorLink() {
   stop_heartbeat();
+  std::vector<std::unique_ptr<Connection>> all;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    client_.reset();
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+    close_connection();
+    all = std::move(retired_);
+    cv_.notify_all();
+  }
+  for (auto& c : all) {
+    if (c->reader.joinable()) c->reader.join();
+    for (int fd : {c->fd, c->wake[0], c->wake[1]}) {
+      if (fd >= 0) ::close(fd);
+    }
   }
   if (embedded_) embedded_->stop();
 }
 
 uint16_t CoordinatorLink::embedded_port() const { return embedded_ ? embedded_->port() : 0; }
 
-Result<control::Json> CoordinatorLink::request(MsgType type, const control::Json& body) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!client_) return Status::io_error("the coordinator connection is closed");
-  Result<control::Json> reply = client_->request(type, body);
-  if (!reply.is_ok()) return reply.status().with_context(control::type_name(type));
-  return reply;
+void CoordinatorLink::close_connection() {
+  up_ = false;
+  if (!conn_) return;
+  ::shutdown(conn_->fd, SHUT_RDWR);
+  const char c = 'x';
+  (void)!::write(conn_->wake[1], &c, 1);
+  retired_.push_back(std::move(conn_));
 }
 
-Result<std::optional<control::Json>> CoordinatorLink::wait_notice(MsgType type,
-                                                                   std::chrono::steady_clock::time_point deadline) {
+void CoordinatorLink::broken(uint64_t generation, const std::string& why) {
+  if (generation != generation_ || !up_) return;
+  up_ = false;
+  broken_why_ = why;
+  if (!closing_) log_.warn("coordinator connection: " + why + "; it is made again at the next call");
+  if (conn_) ::shutdown(conn_->fd, SHUT_RDWR);
+  cv_.notify_all();
+}
+
+Status CoordinatorLink::connect_once(Clock::time_point deadline, std::unique_lock<std::mutex>& lock) {
+  close_connection();
+  // Joined and closed outside the lock: a reader may be waiting for it. One
+  // that a request still writes to is kept for later.
+  std::vector<std::unique_ptr<Connection>> old, kept;
+  for (auto& c : retired_) (c->users > 0 ? kept : old).push_back(std::move(c));
+  retired_ = std::move(kept);
+  lock.unlock();
+  for (auto& c : old) {
+    if (c->reader.joinable()) c->reader.join();
+    for (int fd : {c->fd, c->wake[0], c->wake[1]}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  old.clear();
+  const auto left = duration_cast<milliseconds>(deadline - Clock::now());
+  Result<std::unique_ptr<control::Client>> client = Status::timeout("no time left to connect");
+  if (left.count() > 0) {
+    control::ClientOptions options;
+    options.timeout = left;
+    options.role = role_;
+    client = control::Client::connect(config_.coordinator.host, port_, credential_, options);
+  }
+  lock.lock();
+  if (!client.is_ok()) return client.status();
+  if (closing_) return Status::io_error("the coordinator link is closing");
+  control::AuthenticatedSocket sock = (*client)->release();
+  auto c = std::make_unique<Connection>();
+  c->fd = sock.fd;
+  c->sealer = sock.sealer;
+  if (::pipe2(c->wake, O_CLOEXEC) != 0) {
+    ::close(c->fd);
+    return Status::io_error(std::string("coordinator link: pipe: ") + std::strerror(errno));
+  }
+  ::fcntl(c->fd, F_SETFL, ::fcntl(c->fd, F_GETFL) | O_NONBLOCK);
+  ++generation_;
+  const uint64_t gen = generation_;
+  Connection* raw = c.get();
+  c->reader = std::thread([this, raw, gen, decoder = std::move(sock.decoder)]() mutable {
+    reader_loop(raw, std::move(decoder), gen);
+  });
+  conn_ = std::move(c);
+  up_ = true;
+  ++connections_;
+  return Status::ok();
+}
+
+Status CoordinatorLink::reconnect(std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
+  while (connecting_) {
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && connecting_) {
+      return Status::timeout("the coordinator connection is being made again and was not ready in time");
+    }
+  }
+  if (up_) return Status::ok();
+  if (closing_) return Status::io_error("the coordinator link is closing");
+  connecting_ = true;
+  const bool again = connections_.load() > 0;
+  Status st = connect_once(deadline, lock);
+  // A new connection is a new session to the coordinator: the member and
+  // its subscription are made again on it.
+  // The coordinator keeps the old connection's member until its heartbeat
+  // timeout, and refuses the rank meanwhile: tried again until the deadline.
+  while (st.is_ok() && again && registration_) {
+    bool lost = false;
+    const auto [type, body] = *registration_;
+    Result<Frame> f = exchange(lock, type, body, deadline, &lost);
+    Result<Json> r = f.is_ok() ? control::reply_result(control::type_name(type), std::move(f).value())
+                               : Result<Json>(f.status());
+    if (r.is_ok()) break;
+    const bool held = r.status().message().find("already registered") != std::string::npos;
+    if (!held || !up_ || Clock::now() + milliseconds(100) >= deadline) {
+      st = r.status().with_context("registering again on the new connection");
+      break;
+    }
+    lock.unlock();
+    std::this_thread::sleep_for(milliseconds(100));
+    lock.lock();
+  }
+  if (st.is_ok() && again && subscribed_) {
+    bool lost = false;
+    Result<Frame> f = exchange(lock, MsgType::kSubscribe, Json::object(), deadline, &lost);
+    Result<Json> r = f.is_ok() ? control::reply_result("subscribe", std::move(f).value()) : Result<Json>(f.status());
+    if (!r.is_ok()) st = r.status().with_context("subscribing again on the new connection");
+  }
+  if (st.is_ok() && again) log_.info("coordinator connection made again; the member is registered again");
+  if (!st.is_ok() && up_) broken(generation_, st.message());
+  connecting_ = false;
+  cv_.notify_all();
+  return st;
+}
+
+Result<Frame> CoordinatorLink::exchange(std::unique_lock<std::mutex>& lock, MsgType type, const Json& body,
+                                        Clock::time_point deadline, bool* lost) {
+  *lost = false;
+  if (!up_ || !conn_) return Status::io_error("not connected to the coordinator: " + broken_why_);
+  uint32_t id = next_id_++;
+  if (id == 0) id = next_id_++;
+  Result<std::vector<uint8_t>> bytes = control::encode_frame(type, body, control::kDefaultMaxFrameBytes, id);
+  if (!bytes.is_ok()) return bytes.status();
+  pending_[id];
+  Connection* c = conn_.get();
+  const uint64_t gen = generation_;
+  ++c->users;
+  lock.unlock();
+  Status sent;
+  {
+    std::lock_guard<std::mutex> w(c->write_mu);
+    sent = c->sealer.seal(*bytes);
+    if (sent.is_ok()) sent = write_all(c->fd, bytes->data(), bytes->size(), deadline);
+  }
+  lock.lock();
+  --c->users;
+  if (!sent.is_ok()) {
+    pending_.erase(id);
+    // A frame cut short is never applied; one not sent at all neither.
+    broken(gen, sent.message());
+    return sent;
+  }
+  cv_.wait_until(lock, deadline, [&] {
+    auto it = pending_.find(id);
+    return (it != pending_.end() && it->second.has_value()) || generation_ != gen || !up_ || closing_;
+  });
+  auto it = pending_.find(id);
+  std::optional<Frame> reply = std::move(it->second);
+  pending_.erase(it);
+  if (reply) return std::move(*reply);
+  if (generation_ != gen || !up_) {
+    *lost = true;
+    return Status::io_error("the coordinator connection broke before the reply came (" + broken_why_ + ")");
+  }
+  // Its reply, if it comes, is dropped by the reader: no later request reads it.
+  return Status::timeout("no reply from the coordinator within " +
+                         std::to_string(config_.coordinator.timeout.count()) + " ms");
+}
+
+Result<Json> CoordinatorLink::request(MsgType type, const Json& body) {
+  const auto deadline = Clock::now() + config_.coordinator.timeout;
+  const char* name = control::type_name(type);
+  std::unique_lock<std::mutex> lock(mu_);
+  for (int attempt = 0;; ++attempt) {
+    if (!up_) {
+      Status st = reconnect(lock, deadline);
+      if (!st.is_ok()) return st.with_context(name);
+    }
+    bool lost = false;
+    Result<Frame> f = exchange(lock, type, body, deadline, &lost);
+    if (f.is_ok()) {
+      Result<Json> r = control::reply_result(name, std::move(f).value());
+      if (r.is_ok()) {
+        if (type == MsgType::kRegisterSource || type == MsgType::kRegisterReceiver) registration_.emplace(type, body);
+        if (type == MsgType::kUnregister) registration_.reset();
+        if (type == MsgType::kSubscribe) subscribed_ = true;
+      }
+      if (!r.is_ok()) return r.status().with_context(name);
+      return r;
+    }
+    const bool again = !up_ && Clock::now() < deadline && attempt < 2 && (!lost || retriable(type));
+    if (!again) {
+      if (lost && !retriable(type)) {
+        return f.status().with_context(std::string(name) + " (it may or may not have been applied)");
+      }
+      return f.status().with_context(name);
+    }
+  }
+}
+
+void CoordinatorLink::reader_loop(Connection* c, control::FrameDecoder decoder, uint64_t gen) {
+  std::vector<uint8_t> buf(65536);
+  // Whatever happens on this thread ends the connection with a log line,
+  // never the process.
+  try {
+    for (;;) {
+      // Frames the decoder holds already (some may have come with the handshake).
+      for (;;) {
+        Result<std::optional<Frame>> f = decoder.next();
+        if (!f.is_ok()) {
+          std::lock_guard<std::mutex> lock(mu_);
+          log_.error("coordinator connection closed: " + f.status().message());
+          broken(gen, f.status().message());
+          return;
+        }
+        if (!f->has_value()) break;
+        Frame frame = std::move(**f);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (gen != generation_) return;
+        if (frame.type == MsgType::kReply || frame.type == MsgType::kError) {
+          auto it = pending_.find(frame.id);
+          const bool error = frame.type == MsgType::kError;
+          std::string reason;
+          if (error && frame.body.is_object() && frame.body.contains("reason") && frame.body["reason"].is_string()) {
+            reason = frame.body["reason"].get<std::string>();
+          }
+          if (it != pending_.end() && !it->second) {
+            it->second = std::move(frame);
+          } else if (!error) {
+            log_.debug("coordinator connection: dropped the reply to request " + std::to_string(frame.id) +
+                       ", which came after its request gave up");
+          }
+          if (error) {
+            broken(gen, "the coordinator closed the connection: " + reason);
+            return;
+          }
+          cv_.notify_all();
+        } else if (is_notice(frame.type)) {
+          if (notices_.size() >= kMaxNotices) {
+            log_.warn(std::string("coordinator connection: more than ") + std::to_string(kMaxNotices) +
+                      " notices unread; dropped the oldest");
+            notices_.pop_front();
+          }
+          notices_.push_back(std::move(frame));
+          cv_.notify_all();
+        } else {
+          broken(gen, std::string("the coordinator sent ") + control::type_name(frame.type) + ", out of order");
+          return;
+        }
+      }
+      pollfd p[2] = {{c->fd, POLLIN, 0}, {c->wake[0], POLLIN, 0}};
+      const int n = ::poll(p, 2, -1);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 || (p[1].revents & POLLIN) != 0) return;
+      const ssize_t got = ::recv(c->fd, buf.data(), buf.size(), 0);
+      if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (got <= 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        broken(gen, got == 0 ? std::string("the coordinator closed the connection")
+                             : std::string("cannot read from the coordinator: ") + std::strerror(errno));
+        return;
+      }
+      decoder.feed(buf.data(), static_cast<size_t>(got));
+    }
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.error(std::string("coordinator connection: internal error: ") + e.what());
+    broken(gen, std::string("internal error: ") + e.what());
+  }
+}
+
+Result<std::optional<control::Json>> CoordinatorLink::wait_notice(MsgType type, Clock::time_point deadline) {
   Result<std::optional<control::Frame>> f = wait_notice_of({type}, deadline);
   if (!f.is_ok()) return f.status();
   if (!f->has_value()) return std::optional<control::Json>();
   return std::optional<control::Json>(std::move((**f).body));
 }
 
-Result<std::optional<control::Frame>> CoordinatorLink::wait_notice_of(
-    std::initializer_list<MsgType> types, std::chrono::steady_clock::time_point deadline) {
-  using namespace std::chrono;
-  while (true) {
-    const auto now = steady_clock::now();
-    if (now >= deadline) return std::optional<control::Frame>();
-    // Short slices, so that heartbeats get the client in between.
-    const auto slice = std::min(duration_cast<milliseconds>(deadline - now) + milliseconds(1), milliseconds(50));
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!client_) return Status::io_error("the coordinator connection is closed");
-    Result<control::Frame> frame = client_->wait_notice(slice);
-    if (!frame.is_ok()) {
-      // A slice that ends without a frame is not an error.
-      const std::string& m = frame.status().message();
-      if (m.find("timed out") != std::string::npos || m.find("no frame") != std::string::npos) {
-        continue;
+Result<std::optional<control::Frame>> CoordinatorLink::wait_notice_of(std::initializer_list<MsgType> types,
+                                                                       Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    while (!notices_.empty()) {
+      Frame f = std::move(notices_.front());
+      notices_.pop_front();
+      for (MsgType t : types) {
+        if (f.type == t) return std::optional<control::Frame>(std::move(f));
       }
-      return frame.status().with_context("waiting for a notice");
     }
-    for (MsgType t : types) {
-      if (frame->type == t) return std::optional<control::Frame>(std::move(frame).value());
+    if (closing_) return Status::io_error("waiting for a notice: the coordinator link is closing");
+    if (!up_) {
+      if (Clock::now() >= deadline) return std::optional<control::Frame>();
+      Status st = reconnect(lock, deadline);
+      if (!st.is_ok()) return st.with_context("waiting for a notice");
+      continue;
+    }
+    const uint64_t gen = generation_;
+    if (!cv_.wait_until(lock, deadline, [&] { return !notices_.empty() || !up_ || gen != generation_ || closing_; })) {
+      return std::optional<control::Frame>();
     }
   }
 }
 
 void CoordinatorLink::start_heartbeat(control::MemberRef member) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(mu_);
     member_ = member;
     dropped_.store(false, std::memory_order_release);
   }
@@ -116,26 +421,31 @@ void CoordinatorLink::heartbeat_loop() {
   std::unique_lock<std::mutex> hb(hb_mutex_);
   while (!hb_cv_.wait_for(hb, config_.heartbeat, [this] { return hb_stop_; })) {
     hb.unlock();
-    Status st;
-    bool dropped = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (client_ && member_) {
-        Result<control::Json> reply = client_->request(MsgType::kHeartbeat, control::to_json(*member_));
-        st = reply.status();
-        if (st.code() == Code::kNotFound) {  // declared dead: no use going on
-          member_.reset();
+    // A failure here is logged; the thread goes on (and never ends the process).
+    try {
+      std::optional<control::MemberRef> member;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        member = member_;
+      }
+      if (member) {
+        Result<Json> reply = request(MsgType::kHeartbeat, control::to_json(*member));
+        if (reply.status().code() == Code::kNotFound) {  // declared dead: no use going on
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            member_.reset();
+            registration_.reset();
+          }
           dropped_.store(true, std::memory_order_release);
-          dropped = true;
+          log_.warn("heartbeat: " + reply.status().message() +
+                    ": the coordinator declared this member dead (its heartbeats came later than the coordinator's "
+                    "timeout); it registers again at its next refresh or publish");
+        } else if (!reply.is_ok()) {
+          log_.warn("heartbeat: " + reply.status().message());
         }
       }
-    }
-    if (dropped) {
-      log_.warn("heartbeat: " + st.message() +
-                ": the coordinator declared this member dead (its heartbeats came later than the coordinator's "
-                "timeout); it registers again at its next refresh or publish");
-    } else if (!st.is_ok()) {
-      log_.warn("heartbeat: " + st.message());
+    } catch (const std::exception& e) {
+      log_.error(std::string("heartbeat: internal error: ") + e.what());
     }
     hb.lock();
   }

@@ -1,29 +1,46 @@
 #pragma once
 // An agent's connection to the coordinator: starts an embedded coordinator
-// when the config says so, connects and authenticates, and keeps the
-// agent's members alive with a heartbeat thread.
+// when the config says so, connects and authenticates as the agent's role
+// (transport/control/auth.h), and keeps the agent's members alive with a
+// heartbeat thread.
 //
-// Threads: the Client belongs to one thread at a time, so every use of it
-// goes through mutex_; a call holds it for one request (or one short wait
-// for a notice), never across a whole refresh, so heartbeats go on while an
-// agent moves data. The heartbeat thread sends one heartbeat per member
-// every config.heartbeat and logs (does not stop on) a failed one. A reply
-// that the member is not registered means the coordinator declared it dead
-// (its heartbeats came too late, e.g. on a starved machine): the link then
-// says dropped(), stops heartbeating, and the agent registers again at its
-// next join.
+// Threads. A reader thread of the link reads every frame the coordinator
+// sends, as it arrives: a reply goes to the request that waits for its id
+// (one that timed out is dropped, never read by a later request), a notice
+// to the queue that wait_notice() waits on (no polling). Requests from any
+// thread, the heartbeat thread's included, go out concurrently, each waiting
+// for its own reply; none holds a lock across its wait.
+//
+// A broken connection (the coordinator closed it, a frame failed its seal,
+// the network dropped) is reconnected by the next call, within that call's
+// deadline: the link connects and authenticates again, registers the member
+// again with the registration it last sent, and subscribes again if it was
+// subscribed. A request that was waiting when the connection broke is sent
+// again on the new connection when it only reads or renews (heartbeat,
+// subscribe, fetch_plan, version_hashes, verify_boxes, wait_drained); any
+// other fails, saying it may or may not have been applied.
+//
+// The heartbeat thread sends one heartbeat per member every config.heartbeat
+// and logs (does not stop on) a failed one. A reply that the member is not
+// registered means the coordinator declared it dead (its heartbeats came too
+// late, e.g. on a starved machine): the link then says dropped(), stops
+// heartbeating, and the agent registers again at its next join.
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "planner/status.h"
 #include "plugin/config.h"
 #include "plugin/log.h"
+#include "transport/control/auth.h"
 #include "transport/control/client.h"
 #include "transport/control/coordinator.h"
 #include "transport/control/messages.h"
@@ -37,7 +54,8 @@ class CoordinatorLink {
   CoordinatorLink(const CoordinatorLink&) = delete;
   CoordinatorLink& operator=(const CoordinatorLink&) = delete;
 
-  // One request and its reply; the error names the request.
+  // One request and its reply within config.coordinator.timeout; the error
+  // names the request.
   Result<control::Json> request(control::MsgType type, const control::Json& body);
   // The next notice of `type` that arrives before `deadline`; notices of
   // other types that arrive meanwhile are dropped. nullopt on timeout.
@@ -56,17 +74,63 @@ class CoordinatorLink {
 
   // The embedded coordinator's port (0 when not embedded).
   uint16_t embedded_port() const;
+  // Connections made so far (1 after connect(); one more per reconnection).
+  uint64_t connections() const { return connections_.load(); }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  // One connection: its socket, read by reader_, written under write_mu_.
+  struct Connection {
+    int fd = -1;
+    int wake[2] = {-1, -1};  // written by close_connection to end reader_
+    std::mutex write_mu;
+    control::FrameSealer sealer;  // guarded by write_mu
+    std::thread reader;
+    int users = 0;  // requests writing to it without mu_; guarded by mu_. Not freed while > 0.
+  };
+
   CoordinatorLink(const AgentConfig& config, const Log& log) : config_(config), log_(log) {}
+  // Connects and authenticates a new connection before `deadline`, then
+  // replays the registration and the subscription. Caller holds mu_ (lock).
+  Status reconnect(std::unique_lock<std::mutex>& lock, Clock::time_point deadline);
+  Status connect_once(Clock::time_point deadline, std::unique_lock<std::mutex>& lock);
+  void reader_loop(Connection* c, control::FrameDecoder decoder, uint64_t generation);
+  void broken(uint64_t generation, const std::string& why);  // caller holds mu_
+  void close_connection();                                   // caller holds mu_
+  // Sends one request on the current connection and waits for its reply.
+  // Caller holds mu_ (lock); it is released while waiting.
+  Result<control::Frame> exchange(std::unique_lock<std::mutex>& lock, control::MsgType type,
+                                  const control::Json& body, Clock::time_point deadline, bool* lost);
   void heartbeat_loop();
 
   AgentConfig config_;
   const Log& log_;
+  control::Credential credential_;
+  control::AuthRole role_ = control::AuthRole::kAny;
+  uint16_t port_ = 0;
   std::unique_ptr<control::Coordinator> embedded_;
-  std::mutex mutex_;  // guards client_ and member_
-  std::unique_ptr<control::Client> client_;
+
+  // Guards everything below, up to hb_mutex_.
+  std::mutex mu_;
+  std::condition_variable cv_;  // a reply, a notice, or the connection broke
+  std::unique_ptr<Connection> conn_;
+  std::vector<std::unique_ptr<Connection>> retired_;  // broken connections whose reader is joined at close
+  uint64_t generation_ = 0;   // of conn_; bumped per connection
+  bool up_ = false;           // conn_ is connected and not known broken
+  bool connecting_ = false;   // a thread is in reconnect(); others wait for it
+  std::string broken_why_;    // why the last connection broke
+  bool closing_ = false;      // the destructor runs
+  uint32_t next_id_ = 1;
+  // Requests waiting for their replies, by id: the reply once it came.
+  std::map<uint32_t, std::optional<control::Frame>> pending_;
+  std::deque<control::Frame> notices_;  // at most kMaxNotices
+  static constexpr size_t kMaxNotices = 1024;
+  // What a new connection sends again (see above).
+  std::optional<std::pair<control::MsgType, control::Json>> registration_;
+  bool subscribed_ = false;
   std::optional<control::MemberRef> member_;
+  std::atomic<uint64_t> connections_{0};
+
   std::mutex hb_mutex_;
   std::condition_variable hb_cv_;
   bool hb_stop_ = false;  // guarded by hb_mutex_

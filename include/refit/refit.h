@@ -29,9 +29,20 @@
  *                    fabric (one NVLink domain; one host in the tests)
  *     "coordinator"  object, required:
  *        "address"     "HOST:PORT" of the coordinator, required
- *        "token_file"  file holding the shared secret (16 to 4096 bytes), required
+ *        "token_file"  file holding the secret, required; mode 600 (a file group or
+ *                      others may access is refused, as ssh refuses such keys).
+ *                      Either the coordinator's token (16 to 4096 bytes) or this
+ *                      role's key only ("refit-source-key:..." or
+ *                      "refit-receiver-key:...", from refit-coordinator
+ *                      --print-role-key): a receiver that holds the receiver key
+ *                      cannot register a source. The agent authenticates as its
+ *                      role and checks that the coordinator holds that role's
+ *                      key too; every frame after is sealed (docs/security.md).
+ *                      A broken connection is made again, and the member
+ *                      registered again, by the next call within its deadline.
  *        "embedded"    bool [false]: start the coordinator inside this process,
- *                      listening on "address", before connecting to it
+ *                      listening on "address", before connecting to it (needs
+ *                      the token in "token_file", not a role key)
  *        "timeout_ms"  integer [10000]: deadline of each coordinator call
  *     "network"      object: the UCX context the data crosses the network on
  *        "transports"  list of strings ["tcp"]: "tcp", "shm", or UCX names (rc, dc, ...)

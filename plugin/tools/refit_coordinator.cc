@@ -1,7 +1,10 @@
 // refit-coordinator: the control plane as a process of its own. Listens on
-// HOST:PORT, authenticates every connection with the token in --token-file,
-// serves registration, heartbeats, versions, plans, commit barriers and
+// HOST:PORT, authenticates every connection with a key derived from the
+// token in --token-file (transport/control/auth.h: a key per role), serves registration, heartbeats, versions, plans, commit barriers and
 // leases (transport/control/coordinator.h) until SIGINT or SIGTERM. Logs one line per event on stderr.
+//
+// With --print-role-key ROLE it prints that role's key file (to give a
+// member only its role's secret) and exits.
 //
 // Exit status: 0 after a signal, 2 on bad input (one line on stderr), 1 when
 // it cannot listen or fails inside.
@@ -58,12 +61,21 @@ int main(int argc, char** argv) {
   std::string token_file;
   int64_t lease_ms = 60000, heartbeat_ms = 10000, read_ms = 10000, idle_ms = 60000, write_ms = 10000, auth_ms = 5000;
   uint32_t max_frame = refit::control::kDefaultMaxFrameBytes;
-  size_t max_connections = 4096;
   std::string metrics, metrics_token_file;
   refit::control::CoordinatorConfig defaults;
+  size_t max_connections = defaults.max_connections, max_unauthenticated = defaults.max_unauthenticated;
+  auth_ms = defaults.auth_timeout.count();
+  std::string print_role;
   size_t max_queued = defaults.max_queued_bytes, max_buffered = defaults.max_buffered_bytes;
-  app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: any free port, printed)")->required();
-  app.add_option("--token-file", token_file, "file holding the shared token (16 to 4096 bytes)")->required();
+  auto* listen_opt = app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: any free port, printed)");
+  app.add_option("--token-file", token_file,
+                 "file holding the token (16 to 4096 bytes, mode 600: a file group or others may read is refused); "
+                 "each role's key is derived from it")
+      ->required();
+  app.add_option("--print-role-key", print_role,
+                 "print the key file of ROLE (source or receiver) and exit: a member given only its role's key "
+                 "(as its coordinator.token_file, mode 600) can authenticate as that role only")
+      ->check(CLI::IsMember({"source", "receiver"}));
   app.add_option("--heartbeat-timeout-ms", heartbeat_ms, "silence after which a member is declared dead")
       ->check(CLI::PositiveNumber);
   app.add_option("--lease-timeout-ms", lease_ms, "time after which a receiver's unreleased lease expires")
@@ -72,9 +84,17 @@ int main(int argc, char** argv) {
   app.add_option("--idle-timeout-ms", idle_ms, "time a connection may send nothing")->check(CLI::PositiveNumber);
   app.add_option("--write-timeout-ms", write_ms, "time a reply has to be taken")->check(CLI::PositiveNumber);
   app.add_option("--auth-timeout-ms", auth_ms, "time a new connection has to authenticate")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--max-frame-bytes", max_frame, "largest frame body accepted")->check(CLI::PositiveNumber);
-  app.add_option("--max-connections", max_connections, "connections served at once")->check(CLI::PositiveNumber);
+  app.add_option("--max-connections", max_connections, "authenticated connections served at once")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-unauthenticated", max_unauthenticated,
+                 "connections still authenticating, bounded on their own: past it a new one replaces the oldest, "
+                 "so that strangers never shut a member out")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--max-queued-bytes", max_queued, "replies waiting to be written to one connection")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -88,6 +108,9 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-token-file", metrics_token_file,
                  "with --metrics: scrapes must send \"Authorization: Bearer TOKEN\" with the token in this file");
   app.footer("Example:\n  refit-coordinator --listen 0.0.0.0:7070 --token-file /etc/refit/token\n"
+             "  refit-coordinator --token-file /etc/refit/token --print-role-key receiver > receiver.key\n"
+             "Every frame after the handshake is authenticated (HMAC-SHA256, per direction, with a sequence\n"
+             "number); see docs/security.md.\n"
              "Exit status: 0 after SIGINT/SIGTERM, 2 bad input (one line on stderr), 1 internal error.");
   try {
     app.parse(argc, argv);
@@ -98,6 +121,25 @@ int main(int argc, char** argv) {
   }
 
   refit::control::CoordinatorConfig config;
+  if (!print_role.empty()) {
+    auto token = refit::control::read_token_file(token_file);
+    if (!token.is_ok()) {
+      std::cerr << "refit-coordinator: " << token.status().message() << "\n";
+      return kExitBadInput;
+    }
+    const auto role = *refit::control::auth_role_from(print_role);
+    auto key = refit::control::role_key(*token, role);
+    if (!key.is_ok()) {
+      std::cerr << "refit-coordinator: " << key.status().message() << "\n";
+      return kExitInternal;
+    }
+    std::cout << refit::control::role_key_text(role, *key) << "\n";
+    return 0;
+  }
+  if (listen_opt->count() == 0) {
+    std::cerr << "refit-coordinator: --listen is required (see --help)\n";
+    return kExitBadInput;
+  }
   if (!split_listen(listen, &config.host, &config.port)) {
     std::cerr << "refit-coordinator: --listen must be HOST:PORT, got \"" << listen << "\"\n";
     return kExitBadInput;
@@ -116,6 +158,7 @@ int main(int argc, char** argv) {
   config.auth_timeout = std::chrono::milliseconds(auth_ms);
   config.decoder.max_frame_bytes = max_frame;
   config.max_connections = max_connections;
+  config.max_unauthenticated = max_unauthenticated;
   config.max_queued_bytes = max_queued;
   config.max_buffered_bytes = max_buffered;
   const size_t largest = size_t{max_frame} + refit::control::kHeaderBytes;

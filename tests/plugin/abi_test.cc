@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -22,6 +23,7 @@ class Abi : public ::testing::Test {
  protected:
   void SetUp() override {
     std::ofstream(token_) << "0123456789abcdef0123456789abcdef";
+    ::chmod(token_.c_str(), 0600);  // a token others may read is refused
   }
   void TearDown() override { std::remove(token_.c_str()); }
   std::string config(const std::string& extra, int port = 1) {

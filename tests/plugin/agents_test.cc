@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -217,6 +218,7 @@ void run_agents(bool staged, const std::vector<std::vector<Step>>& steps, bool r
   if (mkdtemp(dir) == nullptr) FAIL();
   const std::string token_file = std::string(dir) + "/token";
   std::ofstream(token_file) << "0123456789abcdef0123456789abcdef";
+  ::chmod(token_file.c_str(), 0600);  // a token others may read is refused
   struct Child {
     pid_t pid;
     Pipe up, down;

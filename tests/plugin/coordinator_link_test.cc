@@ -7,13 +7,17 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <fstream>
+#include <mutex>
 #include <thread>
 
 #include "plugin/config.h"
 #include "plugin/log.h"
+#include "tests/common/frame_relay.h"
 
 namespace refit::plugin {
 namespace {
@@ -26,6 +30,7 @@ TEST(CoordinatorLink, AMemberDeclaredDeadWhileAliveIsDroppedUntilItRegistersAgai
   const std::string token_file = std::string(dir) + "/token";
   const std::string token = "0123456789abcdef0123456789abcdef";
   std::ofstream(token_file) << token;
+  ::chmod(token_file.c_str(), 0600);  // a token others may read is refused
   control::CoordinatorConfig cc;
   cc.token = token;
   cc.log = [](const std::string&) {};
@@ -64,6 +69,177 @@ TEST(CoordinatorLink, AMemberDeclaredDeadWhileAliveIsDroppedUntilItRegistersAgai
   link->reset();
   std::remove(token_file.c_str());
   rmdir(dir);
+}
+
+// A coordinator in this process and the link to it through a FrameRelay
+// (tests/common/frame_relay.h), over loopback TCP.
+class LinkThroughRelay : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/refit-link-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    token_file_ = dir_ + "/token";
+    std::ofstream(token_file_) << kToken;
+    ::chmod(token_file_.c_str(), 0600);
+  }
+  void TearDown() override {
+    link_.reset();
+    relay_.reset();
+    if (coordinator_) coordinator_->stop();
+    if (HasFailure()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& l : logs_) std::fprintf(stderr, "coordinator: %s\n", l.c_str());
+    }
+    std::remove(token_file_.c_str());
+    rmdir(dir_.c_str());
+  }
+  void start(control::CoordinatorConfig cc, testing::FrameRelay::Hook hook, int timeout_ms) {
+    cc.token = kToken;
+    cc.log = [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mu_);
+      logs_.push_back(line);
+    };
+    auto co = control::Coordinator::start(cc);
+    ASSERT_TRUE(co.is_ok()) << co.status().message();
+    coordinator_ = std::move(co).value();
+    relay_ = std::make_unique<testing::FrameRelay>(coordinator_->port(), std::move(hook));
+    ASSERT_NE(relay_->port(), 0);
+    const std::string config_json = R"({"rank": 0, "heartbeat_ms": 100, "log_level": "error",
+        "coordinator": {"address": "127.0.0.1:)" + std::to_string(relay_->port()) +
+                                    R"(", "token_file": ")" + token_file_ + R"(", "timeout_ms": )" +
+                                    std::to_string(timeout_ms) + "}}";
+    Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/true);
+    ASSERT_TRUE(config.is_ok()) << config.status().message();
+    log_ = std::make_unique<Log>("receiver 0", config->log_level);
+    auto link = CoordinatorLink::connect(*config, *log_);
+    ASSERT_TRUE(link.is_ok()) << link.status().message();
+    link_ = std::move(link).value();
+  }
+  Result<control::Json> register_receiver() {
+    control::RegisterReceiver m;
+    m.rank = 0;
+    m.worker_address = {1, 2, 3};
+    return link_->request(control::MsgType::kRegisterReceiver, control::to_json(m));
+  }
+  std::string wait_log(const std::string& part, std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+    const auto until = Clock::now() + timeout;
+    do {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& l : logs_) {
+          if (l.find(part) != std::string::npos) return l;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    } while (Clock::now() < until);
+    return "";
+  }
+  size_t receivers() {
+    auto st = coordinator_->stats();
+    return st.is_ok() ? st->receivers : 999;
+  }
+
+  static constexpr const char* kToken = "0123456789abcdef0123456789abcdef";
+  std::string dir_, token_file_;
+  std::unique_ptr<control::Coordinator> coordinator_;
+  std::unique_ptr<testing::FrameRelay> relay_;
+  std::unique_ptr<Log> log_;
+  std::unique_ptr<CoordinatorLink> link_;
+  std::mutex mu_;
+  std::vector<std::string> logs_;
+};
+
+using Direction = testing::FrameRelay::Direction;
+using Frames = std::vector<std::vector<uint8_t>>;
+
+// Issue: after one timeout, every later reply was read by the wrong request.
+// The relay holds the coordinator's replies back past the link's deadline;
+// the reply that comes late is dropped, and the next request reads its own.
+TEST_F(LinkThroughRelay, AReplyThatComesAfterItsRequestTimedOutIsNotReadByTheNext) {
+  std::atomic<bool> hold{false};
+  start({}, [&](Direction d, size_t, std::vector<uint8_t> frame) {
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    while (d == Direction::kToClient && hold.load() && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return Frames{std::move(frame)};
+  }, /*timeout_ms=*/400);
+  ASSERT_TRUE(register_receiver().is_ok());
+  hold = true;
+  auto late = link_->request(control::MsgType::kSubscribe, control::Json::object());
+  ASSERT_FALSE(late.is_ok());
+  EXPECT_EQ(late.status().code(), Code::kTimeout) << late.status().message();
+  hold = false;  // the subscribe reply ({ok, version}) now arrives, late
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto beat = link_->request(control::MsgType::kHeartbeat, control::Json{{"role", "receiver"}, {"rank", 0}});
+  ASSERT_TRUE(beat.is_ok()) << beat.status().message();
+  EXPECT_FALSE(beat->contains("version")) << "the heartbeat read the late subscribe reply: " << beat->dump();
+  EXPECT_EQ(link_->connections(), 1u) << "a timeout does not cost the connection";
+}
+
+// The network drops the connection: the next call makes it again within its
+// deadline, registers the member again, and is served.
+TEST_F(LinkThroughRelay, ABrokenConnectionIsMadeAgainAndTheMemberRegisteredWithinTheDeadline) {
+  control::CoordinatorConfig cc;
+  cc.heartbeat_timeout = std::chrono::milliseconds(600);  // the old connection's member expires meanwhile
+  start(cc, [](Direction, size_t, std::vector<uint8_t> frame) { return Frames{std::move(frame)}; },
+        /*timeout_ms=*/5000);
+  ASSERT_TRUE(register_receiver().is_ok());
+  link_->start_heartbeat(control::MemberRef{control::Role::kReceiver, 0});
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  relay_->cut_all();
+  const auto t0 = Clock::now();
+  auto r = link_->request(control::MsgType::kSubscribe, control::Json::object());
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_LT(took.count(), 5000);
+  EXPECT_EQ(link_->connections(), 2u);
+  EXPECT_EQ(relay_->connections(), 2u);
+  EXPECT_EQ(receivers(), 1u) << "registered again on the new connection";
+  // Heartbeats go on over the new connection: the member stays past the
+  // coordinator's heartbeat timeout.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_EQ(receivers(), 1u);
+  EXPECT_FALSE(link_->dropped());
+  std::printf("reconnected and registered again in %lld ms\n", static_cast<long long>(took.count()));
+  link_->stop_heartbeat();
+}
+
+// One bit of the registration flipped on the path after authentication: the
+// coordinator closes the connection with a log line and registers nothing.
+TEST_F(LinkThroughRelay, AFlippedBitClosesTheConnectionAndNothingIsApplied) {
+  std::atomic<bool> flip{true};
+  start({}, [&](Direction d, size_t index, std::vector<uint8_t> frame) {
+    // Frame 1 to the coordinator: the first after the handshake (register_receiver).
+    if (d == Direction::kToCoordinator && index == 1 && flip.exchange(false)) frame[frame.size() - 33] ^= 0x01;
+    return Frames{std::move(frame)};
+  }, /*timeout_ms=*/3000);
+  auto r = register_receiver();
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("fails its seal"), std::string::npos) << r.status().message();
+  EXPECT_NE(wait_log("frame: register_receiver (frame 0 after authentication) fails its seal"), "");
+  EXPECT_EQ(receivers(), 0u) << "nothing of the altered frame is applied";
+  // The path is clean again: the link connects anew and is served.
+  ASSERT_TRUE(register_receiver().is_ok());
+  EXPECT_EQ(receivers(), 1u);
+  EXPECT_EQ(link_->connections(), 2u);
+}
+
+// A frame sent twice on the path (a replay of a heartbeat): the copy fails
+// its seal; the connection is closed and logged.
+TEST_F(LinkThroughRelay, AReplayedFrameIsRefused) {
+  start({}, [&](Direction d, size_t index, std::vector<uint8_t> frame) {
+    if (d == Direction::kToCoordinator && index == 2) return Frames{frame, frame};
+    return Frames{std::move(frame)};
+  }, /*timeout_ms=*/3000);
+  ASSERT_TRUE(register_receiver().is_ok());
+  (void)link_->request(control::MsgType::kHeartbeat, control::Json{{"role", "receiver"}, {"rank", 0}});
+  EXPECT_NE(wait_log("heartbeat (frame 2 after authentication) fails its seal"), "");
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto st = coordinator_->stats();
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_GE(st->refused, 1u);
 }
 
 }  // namespace

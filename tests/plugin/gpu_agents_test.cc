@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -176,6 +177,7 @@ void run(bool staged) {
   if (mkdtemp(dir) == nullptr) FAIL();
   const std::string token_file = std::string(dir) + "/token";
   std::ofstream(token_file) << kToken;
+  ::chmod(token_file.c_str(), 0600);  // a token others may read is refused
   struct Child {
     pid_t pid = 0;
     int up[2], down[2];

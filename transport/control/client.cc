@@ -79,34 +79,65 @@ class Client::Impl {
     }
   }
 
-  Status authenticate(const std::string& token) {
+  Status authenticate(const Credential& credential) {
+    const AuthRole role = options_.role;
+    Result<Mac> key = credential.key_for(role);
+    if (!key.is_ok()) return key.status();
     Result<Frame> ch = read_frame(options_.timeout);
     if (!ch.is_ok()) return ch.status().with_context("auth: waiting for the challenge");
     const Json& b = ch->body;
-    if (ch->type != MsgType::kChallenge || !b.is_object() || !b.contains("nonce") || !b["nonce"].is_binary()) {
+    if (ch->type != MsgType::kChallenge || !b.is_object() || !b.contains("nonce") || !b["nonce"].is_binary() ||
+        b["nonce"].get_binary().size() != kNonceBytes) {
       return Status::invalid(std::string("auth: expected a challenge, got ") + type_name(ch->type));
     }
-    const auto& nonce = b["nonce"].get_binary();
-    Result<Mac> mac = hmac_sha256(token, nonce.data(), nonce.size());
+    Nonce server{};
+    std::copy(b["nonce"].get_binary().begin(), b["nonce"].get_binary().end(), server.begin());
+    Result<Nonce> client = make_nonce();
+    if (!client.is_ok()) return client.status();
+    Result<Mac> mac = client_proof(*key, role, server, *client);
     if (!mac.is_ok()) return mac.status();
     REFIT_RETURN_IF_ERROR(send_frame(MsgType::kAuthResponse,
-                                     Json{{"mac", Json::binary(std::vector<uint8_t>(mac->begin(), mac->end()))}}));
+                                     Json{{"role", auth_role_name(role)},
+                                          {"nonce", Json::binary(std::vector<uint8_t>(client->begin(), client->end()))},
+                                          {"mac", Json::binary(std::vector<uint8_t>(mac->begin(), mac->end()))}}));
     Result<Frame> ok = read_frame(options_.timeout);
     if (!ok.is_ok()) {
-      return Status::invalid("auth: the coordinator refused the token (" + ok.status().message() + ")");
+      return Status::invalid(std::string("auth: the coordinator refused the credential for the role \"") +
+                             auth_role_name(role) + "\" (" + ok.status().message() + ")");
+    }
+    if (ok->type == MsgType::kError) {
+      const Json& e = ok->body;
+      return Status::invalid(std::string("auth: the coordinator refused the connection: ") +
+                             (e.is_object() && e.contains("reason") && e["reason"].is_string()
+                                  ? e["reason"].get<std::string>() : std::string("no reason given")));
     }
     if (ok->type != MsgType::kAuthOk) return Status::invalid(std::string("auth: expected auth_ok, got ") + type_name(ok->type));
+    // The coordinator proves it holds the role's key too: a peer that does
+    // not (a stranger in the middle) is refused here.
+    Result<Mac> expected = server_proof(*key, role, server, *client);
+    const Json* proof = ok->body.is_object() && ok->body.contains("mac") ? &ok->body["mac"] : nullptr;
+    if (!expected.is_ok() || !proof || !proof->is_binary() || !mac_equal(*expected, proof->get_binary())) {
+      return Status::invalid("auth: the coordinator's proof does not match: it does not hold the key of the role \"" +
+                             std::string(auth_role_name(role)) + "\" (a wrong address, or someone in the middle)");
+    }
+    Result<SessionKeys> keys = session_keys(*key, role, server, *client);
+    if (!keys.is_ok()) return keys.status();
+    sealer_ = FrameSealer(keys->client_to_server);
+    decoder_.expect_seals(keys->server_to_client);
     return Status::ok();
   }
 
-  Status send_frame(MsgType type, const Json& body) {
-    Result<std::vector<uint8_t>> bytes = encode_frame(type, body, options_.decoder.max_frame_bytes);
+  Status send_frame(MsgType type, const Json& body, uint32_t id = 0) {
+    Result<std::vector<uint8_t>> bytes = encode_frame(type, body, options_.decoder.max_frame_bytes, id);
     if (!bytes.is_ok()) return bytes.status();
+    REFIT_RETURN_IF_ERROR(sealer_.seal(*bytes));
     return write(bytes->data(), bytes->size());
   }
 
   Result<Json> request(MsgType type, const Json& body) {
-    REFIT_RETURN_IF_ERROR(send_frame(type, body));
+    const uint32_t id = next_id_++;
+    if (next_id_ == 0) next_id_ = 1;
+    REFIT_RETURN_IF_ERROR(send_frame(type, body, id));
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     for (;;) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -117,23 +148,19 @@ class Client::Impl {
         if (notices_.size() < 1024) notices_.push_back(std::move(*f));
         continue;
       }
-      if (f->type == MsgType::kError) {
-        std::string reason = f->body.is_object() && f->body.contains("reason") && f->body["reason"].is_string()
-                                 ? f->body["reason"].get<std::string>() : "no reason given";
-        return Status::invalid(std::string(type_name(type)) + ": the coordinator closed the connection: " + reason);
-      }
-      if (f->type != MsgType::kReply || !f->body.is_object()) {
-        return Status::invalid(std::string(type_name(type)) + ": expected a reply, got " + type_name(f->type));
-      }
-      if (f->body.value("ok", false) != true) {
-        std::string error = f->body.contains("error") && f->body["error"].is_string()
-                                ? f->body["error"].get<std::string>() : "refused without a reason";
-        const auto nf = f->body.find("not_found");
-        if (nf != f->body.end() && nf->is_boolean() && nf->get<bool>()) return Status::not_found(std::move(error));
-        return Status::invalid(std::move(error));
-      }
-      return std::move(f->body);
+      // The late reply of an earlier request that timed out: not ours.
+      if (f->type == MsgType::kReply && f->id != id) continue;
+      return reply_result(type_name(type), std::move(f).value());
     }
+  }
+
+  AuthenticatedSocket release() {
+    AuthenticatedSocket out;
+    out.fd = socket_.release();
+    out.sealer = sealer_;
+    out.decoder = std::move(decoder_);
+    out.next_id = next_id_;
+    return out;
   }
 
   static bool is_notice(MsgType t) {
@@ -172,9 +199,31 @@ class Client::Impl {
   asio::io_context io_;
   tcp::socket socket_;
   FrameDecoder decoder_;
+  FrameSealer sealer_;
+  uint32_t next_id_ = 1;
   std::vector<uint8_t> buf_;
   std::deque<Frame> notices_;
 };
+
+Result<Json> reply_result(const char* request, Frame f) {
+  if (f.type == MsgType::kError) {
+    std::string reason = f.body.is_object() && f.body.contains("reason") && f.body["reason"].is_string()
+                             ? f.body["reason"].get<std::string>() : "no reason given";
+    return Status::invalid(std::string(request) + ": the coordinator closed the connection: " + reason);
+  }
+  if (f.type != MsgType::kReply || !f.body.is_object()) {
+    return Status::invalid(std::string(request) + ": expected a reply, got " + type_name(f.type));
+  }
+  const auto ok = f.body.find("ok");
+  if (ok == f.body.end() || !ok->is_boolean() || !ok->get<bool>()) {
+    std::string error = f.body.contains("error") && f.body["error"].is_string()
+                            ? f.body["error"].get<std::string>() : "refused without a reason";
+    const auto nf = f.body.find("not_found");
+    if (nf != f.body.end() && nf->is_boolean() && nf->get<bool>()) return Status::not_found(std::move(error));
+    return Status::invalid(std::move(error));
+  }
+  return std::move(f.body);
+}
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
@@ -185,18 +234,24 @@ Result<std::unique_ptr<Client>> Client::connect_raw(const std::string& host, uin
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
-Result<std::unique_ptr<Client>> Client::connect(const std::string& host, uint16_t port, const std::string& token,
+Result<std::unique_ptr<Client>> Client::connect(const std::string& host, uint16_t port, const Credential& credential,
                                                 ClientOptions options) {
   auto impl = std::make_unique<Impl>(options);
   REFIT_RETURN_IF_ERROR(impl->connect(host, port));
-  REFIT_RETURN_IF_ERROR(impl->authenticate(token));
+  REFIT_RETURN_IF_ERROR(impl->authenticate(credential));
   return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Result<std::unique_ptr<Client>> Client::connect(const std::string& host, uint16_t port, const std::string& token,
+                                                ClientOptions options) {
+  return connect(host, port, credential_from_token(token), options);
 }
 
 Result<Json> Client::request(MsgType type, const Json& body) { return impl_->request(type, body); }
 Result<Frame> Client::wait_notice(std::chrono::milliseconds t) { return impl_->wait_notice(t); }
 Status Client::send_raw(const uint8_t* d, size_t n) { return impl_->write(d, n); }
-Status Client::send_frame(MsgType type, const Json& body) { return impl_->send_frame(type, body); }
+Status Client::send_frame(MsgType type, const Json& body, uint32_t id) { return impl_->send_frame(type, body, id); }
+AuthenticatedSocket Client::release() { return impl_->release(); }
 Result<Frame> Client::read_frame(std::chrono::milliseconds t) { return impl_->read_frame(t); }
 bool Client::wait_closed(std::chrono::milliseconds t) { return impl_->wait_closed(t); }
 

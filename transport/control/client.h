@@ -1,11 +1,18 @@
 #pragma once
-// A coordinator client: connects, answers the challenge, then sends requests
-// and waits for their replies, each call with a deadline. Notices (version,
-// commit, abort, drained) that arrive while waiting for a reply are kept, in order,
-// for wait_notice(); at most 1024 of them.
+// A coordinator client: connects, authenticates both ways (auth.h: it proves
+// its role's key and checks the coordinator's proof), then sends requests
+// and waits for their replies, each call with a deadline. Every frame after
+// the handshake is sealed both ways (frame_codec.h). Each request carries a
+// fresh id and only the reply with that id answers it: a reply that arrives
+// after its request timed out is dropped, never read as the answer to a
+// later request. Notices (version, commit, abort, drained) that arrive while
+// waiting for a reply are kept, in order, for wait_notice(); at most 1024 of
+// them.
 //
 // Thread safety: a Client belongs to one thread at a time; it runs its own
 // io_context only inside its calls. Move-only (owned through unique_ptr).
+// plugin/coordinator_link.h takes its socket over once it has authenticated
+// (release()), for a connection that a reader thread of its own serves.
 
 #include <chrono>
 #include <cstdint>
@@ -14,6 +21,7 @@
 #include <string>
 
 #include "planner/status.h"
+#include "transport/control/auth.h"
 #include "transport/control/frame_codec.h"
 
 namespace refit::control {
@@ -21,12 +29,25 @@ namespace refit::control {
 struct ClientOptions {
   std::chrono::milliseconds timeout{10000};  // per call
   DecoderLimits decoder;
+  AuthRole role = AuthRole::kAny;  // the role claimed; a role key must be this role's
+};
+
+// An authenticated connection's state, handed over by Client::release().
+struct AuthenticatedSocket {
+  int fd = -1;          // blocking; the new owner closes it
+  FrameSealer sealer;   // seals what the client sends
+  FrameDecoder decoder; // checks what the coordinator sends (and holds any bytes already read)
+  uint32_t next_id = 1;
 };
 
 class Client {
  public:
-  // Connects and authenticates with `token`. Fails naming the step: connect,
-  // challenge, or auth (the coordinator closes without a word on a wrong token).
+  // Connects and authenticates with `credential` as options.role. Fails
+  // naming the step: connect, challenge, auth (the coordinator closes
+  // without a word on a wrong credential), or the coordinator's proof.
+  static Result<std::unique_ptr<Client>> connect(const std::string& host, uint16_t port,
+                                                 const Credential& credential, ClientOptions options = {});
+  // The same with the token itself.
   static Result<std::unique_ptr<Client>> connect(const std::string& host, uint16_t port,
                                                  const std::string& token, ClientOptions options = {});
   // Connects without authenticating: for tests that speak the protocol wrongly.
@@ -42,12 +63,15 @@ class Client {
   // The next notice: version_notify (after a subscribe), commit, abort or drained.
   Result<Frame> wait_notice(std::chrono::milliseconds timeout);
 
-  // Raw access for tests.
+  // Raw access for tests. send_frame seals once authenticated.
   Status send_raw(const uint8_t* data, size_t size);
-  Status send_frame(MsgType type, const Json& body);
+  Status send_frame(MsgType type, const Json& body, uint32_t id = 0);
   Result<Frame> read_frame(std::chrono::milliseconds timeout);
   // True when the peer closed the connection within `timeout`.
   bool wait_closed(std::chrono::milliseconds timeout);
+
+  // Hands over the connection (see above); the Client is unusable after.
+  AuthenticatedSocket release();
 
   class Impl;
 
@@ -55,5 +79,10 @@ class Client {
   explicit Client(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// The reply body of a kReply frame, or the Status it carries: a refusal
+// ({ok: false, error, not_found?}) or an error frame's reason. `request`
+// names the request in messages.
+Result<Json> reply_result(const char* request, Frame frame);
 
 }  // namespace refit::control

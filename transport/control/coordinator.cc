@@ -2,8 +2,12 @@
 
 #include <boost/asio.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <deque>
+#include <map>
 #include <future>
 #include <thread>
 #include <unordered_map>
@@ -19,7 +23,48 @@ using boost::system::error_code;
 
 namespace {
 class Session;
+
+// What a connection authenticated as a role may send (auth.h); "any" (the
+// token itself) may send everything.
+bool role_may_send(AuthRole role, MsgType type) {
+  if (role == AuthRole::kAny) return true;
+  switch (type) {
+    case MsgType::kUnregister:
+    case MsgType::kHeartbeat:
+    case MsgType::kSubscribe:
+      return true;  // unregister and heartbeat: of a member of its own role (checked with the body)
+    case MsgType::kRegisterSource:
+    case MsgType::kPublishVersion:
+    case MsgType::kWaitDrained:
+    case MsgType::kVerifyBoxes:
+      return role == AuthRole::kSource;
+    case MsgType::kRegisterReceiver:
+    case MsgType::kFetchPlan:
+    case MsgType::kReportStaged:
+    case MsgType::kReportFailed:
+    case MsgType::kLease:
+    case MsgType::kRelease:
+    case MsgType::kVersionHashes:
+      return role == AuthRole::kReceiver;
+    default:
+      return false;
+  }
 }
+
+// compute_plan on the planning thread; an exception (memory, a bug) becomes
+// a plan that failed with the reason, never the end of the process.
+std::shared_ptr<const PlannedParts> compute_plan_guarded(const PlanInput& input) {
+  try {
+    return compute_plan(input);
+  } catch (const std::exception& e) {
+    auto out = std::make_shared<PlannedParts>();
+    out->epoch = input.epoch;
+    out->solo = input.solo;
+    out->status = Status::internal(std::string("planning failed inside the coordinator: ") + e.what());
+    return out;
+  }
+}
+}  // namespace
 
 // Owned by the Coordinator. Every member is touched only on the I/O thread
 // once start() returns, except: port_ (written before, then read-only),
@@ -43,7 +88,18 @@ class Coordinator::Impl {
     thread_ = std::thread([this] {
       accept();
       sweep();
-      io_.run();
+      // A handler that throws (memory, a bug) is logged and the loop goes
+      // on: the coordinator may be embedded in a trainer or a server.
+      for (;;) {
+        try {
+          io_.run();
+          return;
+        } catch (const std::exception& e) {
+          log(std::string("internal error on the I/O thread, going on: ") + e.what());
+        } catch (...) {
+          log("internal error on the I/O thread (not a std::exception), going on");
+        }
+      }
     });
   }
   void stop() {
@@ -67,9 +123,21 @@ class Coordinator::Impl {
   }
   void closed(uint64_t id, bool refused) {
     sessions_.erase(id);
+    unauthenticated_.erase(id);
     state_.session_closed(id);
     if (refused) ++refused_;
+    restore_reserve_fd();
   }
+  // Connection limits (coordinator.h): a new connection beyond
+  // max_unauthenticated, or a descriptor needed when the process has none
+  // left, is taken from the oldest connection that has not authenticated.
+  bool drop_oldest_unauthenticated(const std::string& why);
+  void restore_reserve_fd() {
+    if (reserve_fd_ < 0 && !shutting_down_) reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  }
+  size_t authenticated_count() const { return sessions_.size() - unauthenticated_.size(); }
+  void authenticated(uint64_t id) { unauthenticated_.erase(id); }
+  const Mac& key_of(AuthRole role) const { return role_keys_[static_cast<int>(role)]; }
   void handle_request(const std::shared_ptr<Session>& s, Frame frame);
   void deliver_notices();
   void answer_fetch(Session& s, const FetchPlan& request);
@@ -82,6 +150,14 @@ class Coordinator::Impl {
   asio::steady_timer sweeper_;
   ControlState state_;
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions_;
+  // The sessions still authenticating, oldest (lowest id) first; a subset of sessions_.
+  std::map<uint64_t, std::weak_ptr<Session>> unauthenticated_;
+  // A descriptor held back so that one connection can still be accepted when
+  // the process has no descriptor left (EMFILE); -1 while it is in use.
+  int reserve_fd_ = -1;
+  std::chrono::steady_clock::time_point last_accept_log_{};
+  uint64_t accept_failures_ = 0;  // since the last accept log line
+  Mac role_keys_[3] = {};  // by AuthRole
   asio::thread_pool planner_{1};  // runs compute_plan; touches no member
   bool planning_ = false;
   std::vector<std::pair<std::weak_ptr<Session>, FetchPlan>> pending_fetches_;  // paused sessions, their requests
@@ -122,12 +198,6 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     nonce_ = *nonce;
-    Result<Mac> expected = hmac_sha256(co_.config_.token, nonce_.data(), nonce_.size());
-    if (!expected.is_ok()) {
-      close(expected.status().message(), true);
-      return;
-    }
-    expected_ = *expected;
     send(MsgType::kChallenge, Json{{"nonce", Json::binary(std::vector<uint8_t>(nonce_.begin(), nonce_.end()))}});
     set_read_deadline(co_.config_.auth_timeout, "did not authenticate");
     watch_read_deadline();
@@ -135,12 +205,15 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // `request` names the request a reply answers, for a refusal.
+  // A reply or an error carries the id of the request being answered.
   void send(MsgType type, const Json& body, const char* request = nullptr) {
     if (closed_) return;
-    Result<std::vector<uint8_t>> bytes = encode_frame(type, body, co_.config_.decoder.max_frame_bytes);
+    const uint32_t id = type == MsgType::kReply || type == MsgType::kError ? request_id_ : 0;
+    Result<std::vector<uint8_t>> bytes = encode_frame(type, body, co_.config_.decoder.max_frame_bytes, id);
     if (!bytes.is_ok()) {
       // Our own reply is too large: tell the client why instead.
-      bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", bytes.status().message()}});
+      bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", bytes.status().message()}},
+                           kDefaultMaxFrameBytes, id);
       if (!bytes.is_ok()) return;
     }
     // The error frame before a close is exempt: small, one per connection,
@@ -155,13 +228,18 @@ class Session : public std::enable_shared_from_this<Session> {
         const std::string reason =
             std::string(request ? request : "request") + ": the reply of " + size + past + "; try again";
         co_.log("refused a request from " + peer_ + ": " + reason);
-        bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", reason}});
+        bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", reason}}, kDefaultMaxFrameBytes, id);
         if (!bytes.is_ok()) return;
       }
       if (!fits(bytes->size())) {
         close(std::string(type_name(type)) + " of " + size + past + "; dropped", true);
         return;
       }
+    }
+    // Sealed in the order written: the seal's sequence number is implicit.
+    if (Status st = sealer_.seal(*bytes); !st.is_ok()) {
+      close(st.message(), true);
+      return;
     }
     queued_bytes_ += bytes->size();
     co_.buffered_ += bytes->size();
@@ -316,23 +394,92 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void on_frame(Frame frame) {
     if (!authenticated_) {
-      if (frame.type != MsgType::kAuthResponse) {
-        close(std::string("sent ") + type_name(frame.type) + " before authenticating", true);
-        return;
-      }
-      const Json* mac = frame.body.is_object() && frame.body.contains("mac") ? &frame.body["mac"] : nullptr;
-      if (!mac || !mac->is_binary() || !mac_equal(expected_, mac->get_binary())) {
-        close("auth: wrong token (HMAC over the challenge does not match)", true);
-        return;
-      }
-      authenticated_ = true;
-      decoder_.set_limits(co_.config_.decoder);
-      co_.log("authenticated " + peer_);
-      send(MsgType::kAuthOk, Json::object());
-      set_read_deadline(co_.config_.idle_timeout, "sent nothing");
+      authenticate(frame);
       return;
     }
-    co_.handle_request(shared_from_this(), std::move(frame));
+    request_id_ = frame.id;
+    if (const std::string why = forbidden(frame); !why.empty()) {
+      co_.log("refused a request from " + peer_ + ": " + why);
+      reply(type_name(frame.type), Json{{"ok", false}, {"error", why}});
+      return;
+    }
+    // Whatever a request does, an exception it throws fails that request
+    // only, with a log line; the coordinator and the connection go on.
+    const MsgType type = frame.type;
+    try {
+      co_.handle_request(shared_from_this(), std::move(frame));
+    } catch (const std::exception& e) {
+      const std::string why = std::string(type_name(type)) + ": internal error in the coordinator: " + e.what();
+      co_.log("request from " + peer_ + " failed: " + why);
+      reply(type_name(type), Json{{"ok", false}, {"error", why}});
+    }
+  }
+
+  // The auth response: {role, nonce, mac} (auth.h). Anything else, or a
+  // proof that does not check out, closes the connection.
+  void authenticate(const Frame& frame) {
+    if (frame.type != MsgType::kAuthResponse) {
+      close(std::string("sent ") + type_name(frame.type) + " before authenticating", true);
+      return;
+    }
+    Result<AuthResponse> response = parse_auth_response(frame.body);
+    if (!response.is_ok()) {
+      close("auth: " + response.status().message(), true);
+      return;
+    }
+    const AuthRole role = response->role;
+    const Nonce& client = response->nonce;
+    const Mac& key = co_.key_of(role);
+    Result<Mac> expected = client_proof(key, role, nonce_, client);
+    if (!expected.is_ok() || !mac_equal_bytes(*expected, response->mac.data())) {
+      close(std::string("auth: wrong credential for the role \"") + auth_role_name(role) +
+                "\" (its proof over the challenge does not match)",
+            true);
+      return;
+    }
+    if (co_.authenticated_count() >= co_.config_.max_connections) {
+      refuse_and_close("already serving the limit of " + std::to_string(co_.config_.max_connections) +
+                       " authenticated connections");
+      return;
+    }
+    Result<Mac> proof = server_proof(key, role, nonce_, client);
+    Result<SessionKeys> keys = session_keys(key, role, nonce_, client);
+    if (!proof.is_ok() || !keys.is_ok()) {
+      close(!proof.is_ok() ? proof.status().message() : keys.status().message(), true);
+      return;
+    }
+    authenticated_ = true;
+    role_ = role;
+    co_.authenticated(id_);
+    decoder_.set_limits(co_.config_.decoder);
+    co_.log("authenticated " + peer_ + " as " + auth_role_name(role_));
+    send(MsgType::kAuthOk, Json{{"mac", Json::binary(std::vector<uint8_t>(proof->begin(), proof->end()))}});
+    // Every frame from here on, both ways, is sealed.
+    sealer_ = FrameSealer(keys->server_to_client);
+    decoder_.expect_seals(keys->client_to_server);
+    set_read_deadline(co_.config_.idle_timeout, "sent nothing");
+  }
+
+  // Why this connection's role may not send `frame` ("" when it may).
+  std::string forbidden(const Frame& frame) const {
+    const std::string who = std::string("a connection authenticated as ") + auth_role_name(role_);
+    if (!role_may_send(role_, frame.type)) {
+      if (!is_request(frame.type)) return "";  // handle_request refuses it and closes
+      return std::string(type_name(frame.type)) + ": " + who + " may not send it";
+    }
+    if (role_ != AuthRole::kAny && (frame.type == MsgType::kHeartbeat || frame.type == MsgType::kUnregister)) {
+      const Json& b = frame.body;
+      const Json* r = b.is_object() && b.contains("role") ? &b["role"] : nullptr;
+      if (r && r->is_string() && r->get<std::string>() != auth_role_name(role_)) {
+        return std::string(type_name(frame.type)) + ": " + who + " may not name a " +
+               (r->get<std::string>() == "source" ? "source" : "member of another role");
+      }
+    }
+    return "";
+  }
+  static bool is_request(MsgType t) {
+    return static_cast<uint16_t>(t) >= static_cast<uint16_t>(MsgType::kRegisterSource) &&
+           static_cast<uint16_t>(t) < static_cast<uint16_t>(MsgType::kReply);
   }
 
   void write() {
@@ -387,7 +534,9 @@ class Session : public std::enable_shared_from_this<Session> {
   const char* read_deadline_what_ = "";
   std::chrono::milliseconds read_timeout_{0};
   Nonce nonce_{};
-  Mac expected_{};
+  AuthRole role_ = AuthRole::kAny;  // once authenticated_
+  FrameSealer sealer_;              // active once authenticated_
+  uint32_t request_id_ = 0;         // the id of the request being answered
 };
 
 std::string endpoint_name(const tcp::socket& s) {
@@ -422,15 +571,55 @@ Status Coordinator::Impl::listen() {
                             std::to_string(config_.port) + ": " + ec.message());
   }
   port_ = acceptor_.local_endpoint().port();
+  for (AuthRole role : {AuthRole::kAny, AuthRole::kSource, AuthRole::kReceiver}) {
+    Result<Mac> key = role_key(config_.token, role);
+    if (!key.is_ok()) return key.status();
+    role_keys_[static_cast<int>(role)] = *key;
+  }
+  restore_reserve_fd();
   return Status::ok();
+}
+
+bool Coordinator::Impl::drop_oldest_unauthenticated(const std::string& why) {
+  while (!unauthenticated_.empty()) {
+    auto oldest = unauthenticated_.begin();
+    std::shared_ptr<Session> s = oldest->second.lock();
+    unauthenticated_.erase(oldest);
+    if (s && !s->closed()) {
+      s->close("not authenticated yet, dropped " + why, true);
+      return true;
+    }
+  }
+  return false;
 }
 
 void Coordinator::Impl::accept() {
   acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
     if (shutting_down_) return;
     if (ec) {
-      // EMFILE and the like: log, back off a little, go on accepting.
-      log("accept failed: " + ec.message());
+      // Out of descriptors (EMFILE, ENFILE): free one, from the oldest
+      // connection that has not authenticated or else from the reserve, and
+      // accept at once, so that a member can still get in; with neither,
+      // back off a little. Anything else: log, back off, go on accepting.
+      const bool no_fds = ec == asio::error::no_descriptors || ec.value() == ENFILE;
+      if (no_fds && drop_oldest_unauthenticated("to free a file descriptor (the process has none left)")) {
+        accept();
+        return;
+      }
+      if (no_fds && reserve_fd_ >= 0) {
+        ::close(reserve_fd_);
+        reserve_fd_ = -1;
+        accept();
+        return;
+      }
+      ++accept_failures_;
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_accept_log_ >= std::chrono::seconds(1)) {
+        log("accept failed: " + ec.message() + " (" + std::to_string(accept_failures_) +
+            " times since the last such line); retrying");
+        last_accept_log_ = now;
+        accept_failures_ = 0;
+      }
       auto t = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(50));
       t->async_wait([this, t](error_code) {
         if (!shutting_down_) accept();
@@ -438,20 +627,23 @@ void Coordinator::Impl::accept() {
       return;
     }
     std::string peer = endpoint_name(socket);
-    if (sessions_.size() >= config_.max_connections) {
-      log("refused " + peer + ": already serving the limit of " + std::to_string(config_.max_connections) +
-          " connections");
-      ++refused_;
-      error_code ignored;
-      socket.close(ignored);
-    } else {
-      error_code ignored;
-      socket.set_option(tcp::no_delay(true), ignored);
-      const uint64_t id = next_id_++;
-      auto s = std::make_shared<Session>(*this, std::move(socket), id, std::move(peer));
-      sessions_[id] = s;
-      s->start();
+    // Strangers are bounded on their own: a connection past the limit of
+    // unauthenticated ones takes the place of the oldest, which has had the
+    // longest to authenticate. Authenticated connections are bounded by
+    // max_connections when they authenticate, so strangers never shut a
+    // member out.
+    if (unauthenticated_.size() >= config_.max_unauthenticated) {
+      drop_oldest_unauthenticated("for a newer connection (limit of " +
+                                  std::to_string(config_.max_unauthenticated) + " unauthenticated connections)");
     }
+    error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    const uint64_t id = next_id_++;
+    auto s = std::make_shared<Session>(*this, std::move(socket), id, std::move(peer));
+    sessions_[id] = s;
+    unauthenticated_[id] = s;
+    s->start();
+    restore_reserve_fd();
     accept();
   });
 }
@@ -476,6 +668,8 @@ void Coordinator::Impl::sweep() {
 
 void Coordinator::Impl::shutdown() {
   shutting_down_ = true;
+  if (reserve_fd_ >= 0) ::close(reserve_fd_);
+  reserve_fd_ = -1;
   error_code ec;
   acceptor_.close(ec);
   sweeper_.cancel();
@@ -657,7 +851,7 @@ void Coordinator::Impl::start_planning() {
   planning_ = true;
   asio::post(planner_, [this, input = state_.plan_input(solo), delay = config_.test_plan_delay] {
     const auto t0 = Clock::now();
-    std::shared_ptr<const PlannedParts> plan = compute_plan(input);
+    std::shared_ptr<const PlannedParts> plan = compute_plan_guarded(input);
     if (delay.count() > 0) std::this_thread::sleep_for(delay);  // tests only: a plan of cluster scale
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
     asio::post(io_, [this, plan, ms] { on_planned(plan, ms); });
@@ -742,6 +936,7 @@ Result<CoordinatorStats> Coordinator::stats() const {
   asio::post(impl->io_, [impl, p] {
     CoordinatorStats st;
     st.connections = impl->sessions_.size();
+    st.unauthenticated = impl->unauthenticated_.size();
     st.sources = impl->state_.num_sources();
     st.receivers = impl->state_.num_receivers();
     st.version = impl->state_.version();

@@ -6,9 +6,14 @@
 // (refit-coordinator).
 //
 // Per connection: the server sends a challenge and nothing else until the
-// answer checks out; a wrong answer, a frame before it or a late one closes
-// the connection and logs the peer. After that every request gets one reply
-// in order; a connection's pipelined requests are handled one per turn of
+// answer checks out (auth.h: the client proves it holds its role's key, the
+// server proves it holds it too); a wrong answer, a frame before it or a
+// late one closes the connection and logs the peer. After that every frame
+// both ways is sealed (frame_codec.h): one whose seal fails (altered,
+// injected, replayed, or one before it dropped) closes the connection with a
+// log line, before anything in it is applied. A connection may send only
+// what its role may (a receiver's key cannot register a source); a refusal
+// says so. Every request gets one reply, with the request's id, in order; a connection's pipelined requests are handled one per turn of
 // the I/O thread, so that one peer's burst of costly requests (plan parts of
 // megabytes) does not hold up the others. A frame must complete within
 // read_timeout of its first byte, a connection may be silent between frames
@@ -25,7 +30,8 @@
 // may try again once others have taken theirs); any other frame that would,
 // and a refusal that would not fit either, drop the connection. A new
 // connection is refused while its challenge does not fit. The 16 KiB read
-// buffer of each connection is not counted (max_connections bounds it). Bad
+// buffer of each connection is not counted (max_connections and
+// max_unauthenticated bound it). Bad
 // bytes (wrong magic, wrong version, oversize, malformed CBOR) close the
 // connection; a bad request (a field out of range, a duplicate registration)
 // gets a refusal with the reason and the connection stays open.
@@ -58,7 +64,7 @@ namespace refit::control {
 struct CoordinatorConfig {
   std::string host = "127.0.0.1";
   uint16_t port = 0;  // 0: any free port; port() says which
-  std::string token;  // shared secret (read_token_file)
+  std::string token;  // the secret; each role's key derives from it (auth.h)
   DecoderLimits decoder;
   // Before a peer has authenticated, only its small auth response is
   // expected: a bigger frame is refused at its header, so a stranger cannot
@@ -66,13 +72,21 @@ struct CoordinatorConfig {
   uint32_t max_frame_bytes_before_auth = 1024;
   MessageLimits messages;
   StateLimits state;
-  std::chrono::milliseconds auth_timeout{5000};
+  std::chrono::milliseconds auth_timeout{3000};
   std::chrono::milliseconds read_timeout{10000};
   std::chrono::milliseconds idle_timeout{60000};
   std::chrono::milliseconds write_timeout{10000};
   std::chrono::milliseconds heartbeat_timeout{10000};
   std::chrono::milliseconds lease_timeout{60000};
+  // Authenticated connections, checked when one authenticates.
   size_t max_connections = 4096;
+  // Connections that have not authenticated yet, bounded on their own: a new
+  // one past the limit replaces the oldest. With auth_timeout, this bounds
+  // what strangers hold, so that they never shut a member out. When the
+  // process runs out of file descriptors (EMFILE), the oldest such
+  // connection is closed to accept a new one; a reserve descriptor covers
+  // the case where there is none.
+  size_t max_unauthenticated = 64;
   size_t max_queued_bytes = size_t{256} << 20;  // per connection
   // All connections together; at least the largest frame, so that one
   // maximal registration or reply always fits (start() checks).
@@ -87,6 +101,7 @@ struct CoordinatorConfig {
 
 struct CoordinatorStats {
   size_t connections = 0;
+  size_t unauthenticated = 0;  // of connections
   size_t sources = 0;
   size_t receivers = 0;
   int64_t version = 0;  // the group version (control_state.h)

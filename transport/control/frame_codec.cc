@@ -100,7 +100,7 @@ class BoundedDomBuilder {
   bool number_unsigned(number_unsigned_t v) { return value(v); }
   bool number_float(number_float_t v, const string_t&) { return value(v); }
   bool string(string_t& v) {
-    if (!check_string(v.size())) return false;
+    if (!check_string(v.size()) || !check_utf8(v, "a text string")) return false;
     return value(std::move(v));
   }
   bool binary(binary_t& v) {
@@ -109,7 +109,7 @@ class BoundedDomBuilder {
   }
   bool start_object(std::size_t) { return open(Json::value_t::object); }
   bool key(string_t& k) {
-    if (!check_string(k.size())) return false;
+    if (!check_string(k.size()) || !check_utf8(k, "a map key")) return false;
     key_target_ = &(*stack_.back())[k];
     return true;
   }
@@ -136,6 +136,13 @@ class BoundedDomBuilder {
                   std::to_string(limits_.max_string_bytes));
     }
     return true;
+  }
+  // A text string that is not UTF-8 would make nlohmann throw wherever the
+  // document is later printed (type_error 316): refused here, once for all.
+  bool check_utf8(const std::string& s, const char* what) {
+    if (valid_utf8(s)) return true;
+    return fail(std::string(what) + " of " + std::to_string(s.size()) + " bytes is not valid UTF-8 (value " +
+                std::to_string(values_ + 1) + ")");
   }
   template <typename V>
   Json* place(V&& v) {
@@ -183,7 +190,65 @@ class BoundedDomBuilder {
 
 }  // namespace
 
-Result<std::vector<uint8_t>> encode_frame(MsgType type, const Json& body, uint32_t max_frame_bytes) {
+bool valid_utf8(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len = 0;
+    uint32_t cp = 0, min = 0;
+    if ((c & 0xe0) == 0xc0) len = 2, cp = c & 0x1f, min = 0x80;
+    else if ((c & 0xf0) == 0xe0) len = 3, cp = c & 0x0f, min = 0x800;
+    else if ((c & 0xf8) == 0xf0) len = 4, cp = c & 0x07, min = 0x10000;
+    else return false;
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3f);
+    }
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += len;
+  }
+  return true;
+}
+
+namespace {
+
+Status seal_of(const Mac& key, uint64_t seq, const uint8_t* frame, size_t size, Mac* out) {
+  uint8_t s[8];
+  for (int i = 0; i < 8; ++i) s[i] = static_cast<uint8_t>(seq >> (56 - 8 * i));
+  Hmac h(key);
+  REFIT_RETURN_IF_ERROR(h.begin());
+  REFIT_RETURN_IF_ERROR(h.update(s, sizeof s));
+  REFIT_RETURN_IF_ERROR(h.update(frame, size));
+  Result<Mac> m = h.finish();
+  if (!m.is_ok()) return m.status();
+  *out = *m;
+  return Status::ok();
+}
+
+}  // namespace
+
+Status FrameSealer::seal(std::vector<uint8_t>& frame) {
+  if (!active_) return Status::ok();
+  Mac mac{};
+  REFIT_RETURN_IF_ERROR(seal_of(key_, seq_, frame.data(), frame.size(), &mac));
+  ++seq_;
+  frame.insert(frame.end(), mac.begin(), mac.end());
+  return Status::ok();
+}
+
+void FrameDecoder::expect_seals(const Mac& key) {
+  seal_key_ = key;
+  seq_ = 0;
+}
+
+Result<std::vector<uint8_t>> encode_frame(MsgType type, const Json& body, uint32_t max_frame_bytes, uint32_t id) {
   std::vector<uint8_t> out(kHeaderBytes);
   Json::to_cbor(body, out);
   const size_t len = out.size() - kHeaderBytes;
@@ -195,7 +260,8 @@ Result<std::vector<uint8_t>> encode_frame(MsgType type, const Json& body, uint32
   std::memcpy(out.data(), kMagic, 4);
   put_u16(out.data() + 4, kProtocolVersion);
   put_u16(out.data() + 6, static_cast<uint16_t>(type));
-  put_u32(out.data() + 8, static_cast<uint32_t>(len));
+  put_u32(out.data() + 8, id);
+  put_u32(out.data() + 12, static_cast<uint32_t>(len));
   return out;
 }
 
@@ -245,7 +311,7 @@ Status FrameDecoder::check_header() const {
     if (!is_known_type(t)) return Status::invalid("frame: unknown message type " + std::to_string(t));
   }
   if (have >= kHeaderBytes) {
-    const uint32_t len = get_u32(buffer_.data() + 8);
+    const uint32_t len = get_u32(buffer_.data() + 12);
     if (len > limits_.max_frame_bytes) {
       return Status::invalid("frame: length " + std::to_string(len) + " exceeds the limit of " +
                              std::to_string(limits_.max_frame_bytes) + " bytes");
@@ -265,9 +331,29 @@ Result<std::optional<Frame>> FrameDecoder::next() {
     return error_;
   }
   if (buffer_.size() < kHeaderBytes) return std::optional<Frame>();
-  const uint32_t len = get_u32(buffer_.data() + 8);
-  if (buffer_.size() - kHeaderBytes < len) return std::optional<Frame>();
+  const uint32_t len = get_u32(buffer_.data() + 12);
+  const size_t seal = seal_key_ ? kMacBytes : 0;
+  if (buffer_.size() - kHeaderBytes < size_t{len} + seal) return std::optional<Frame>();
   const auto type = static_cast<MsgType>(get_u16(buffer_.data() + 6));
+  const uint32_t id = get_u32(buffer_.data() + 8);
+  if (seal_key_) {
+    // Checked before the body is decoded: a frame that is not the peer's
+    // next one reaches no parser.
+    Mac mac{};
+    Status st = seal_of(*seal_key_, seq_, buffer_.data(), kHeaderBytes + len, &mac);
+    if (st.is_ok() && !mac_equal_bytes(mac, buffer_.data() + kHeaderBytes + len)) {
+      st = Status::invalid("frame: " + std::string(type_name(type)) + " (frame " + std::to_string(seq_) +
+                           " after authentication) fails its seal: it was altered, injected or replayed, or a "
+                           "frame before it was dropped");
+    }
+    if (!st.is_ok()) {
+      error_ = st;
+      buffer_.clear();
+      buffer_.shrink_to_fit();
+      return error_;
+    }
+    ++seq_;
+  }
   Result<Json> body = decode_body(buffer_.data() + kHeaderBytes, len, limits_.body);
   if (!body.is_ok()) {
     error_ = body.status().with_context(std::string("frame: ") + type_name(type));
@@ -275,10 +361,10 @@ Result<std::optional<Frame>> FrameDecoder::next() {
     buffer_.shrink_to_fit();
     return error_;
   }
-  buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(kHeaderBytes + len));
+  buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(kHeaderBytes + len + seal));
   // A big frame must not pin its memory for the connection's lifetime.
   if (buffer_.empty() && buffer_.capacity() > kKeptCapacity) std::vector<uint8_t>().swap(buffer_);
-  return std::optional<Frame>(Frame{type, std::move(body).value()});
+  return std::optional<Frame>(Frame{type, std::move(body).value(), id});
 }
 
 }  // namespace refit::control

@@ -4,15 +4,23 @@
 //   magic    u32  "RFCP"
 //   version  u16  kProtocolVersion
 //   type     u16  a MsgType
+//   id       u32  a request's id, chosen by the client; its reply carries
+//                 the same id; 0 in every other frame
 //   length   u32  bytes of the body that follows
 //   body     CBOR (nlohmann::json::to_cbor)
+//   seal     32 bytes, after the handshake only: HMAC-SHA256 under the
+//                 direction's session key (auth.h) over the frame's
+//                 sequence number in its direction (u64, from 0, never
+//                 sent) and every byte of the frame before the seal
 //
 // Everything a peer sends is untrusted. The decoder checks each header field
 // as soon as its bytes arrive (random bytes are refused at the first wrong
 // magic byte; an oversize frame at its header, before its body is buffered),
-// and decodes the body with bounded nesting depth, value count and string
-// length, so no input can make it recurse deeply, allocate without bound or
-// crash. A decoder that refused something stays failed: the stream cannot be
+// checks a sealed frame's seal before it decodes the body, and decodes the
+// body with bounded nesting depth, value count and string length, every
+// string (keys too) checked to be UTF-8, so no input can make it recurse
+// deeply, allocate without bound or crash, and no string that could not be
+// printed as JSON gets in. A decoder that refused something stays failed: the stream cannot be
 // resynchronised, and the connection must be closed.
 //
 // Thread safety: a FrameDecoder belongs to one thread (the connection's).
@@ -26,20 +34,22 @@
 #include <nlohmann/json.hpp>
 
 #include "planner/status.h"
+#include "transport/control/auth.h"
 
 namespace refit::control {
 
 using Json = nlohmann::json;
 
 inline constexpr uint8_t kMagic[4] = {'R', 'F', 'C', 'P'};
-inline constexpr uint16_t kProtocolVersion = 1;
-inline constexpr size_t kHeaderBytes = 12;
+// Version 2: the request id in the header, and sealed frames.
+inline constexpr uint16_t kProtocolVersion = 2;
+inline constexpr size_t kHeaderBytes = 16;
 inline constexpr uint32_t kDefaultMaxFrameBytes = uint32_t{64} << 20;
 
 enum class MsgType : uint16_t {
   kChallenge = 1,         // server -> client: {nonce: bytes}
-  kAuthResponse = 2,      // client -> server: {mac: bytes}
-  kAuthOk = 3,            // server -> client: {}
+  kAuthResponse = 2,      // client -> server: {role, nonce: bytes, mac: bytes} (auth.h)
+  kAuthOk = 3,            // server -> client: {mac: bytes}: the server's proof (auth.h)
   kError = 4,             // server -> client: {reason}; the server closes after it
   kRegisterSource = 16,
   kRegisterReceiver = 17,
@@ -56,7 +66,7 @@ enum class MsgType : uint16_t {
   kWaitDrained = 27,      // {version}: reply {drained}; if false, a drained notice follows
   kVerifyBoxes = 28,      // {}: reply {boxes}: the boxes this connection's sources hash at publish
   kVersionHashes = 29,    // {rank, version}: reply {hashes, unverified_bytes}: what receiver `rank` checks
-  kReply = 32,            // server -> client: one per request, in order: {ok, error?, ...}
+  kReply = 32,            // server -> client: one per request, in order, with its id: {ok, error?, ...}
   kVersionNotify = 33,    // server -> subscribed client: {version}
   kCommit = 34,           // server -> every rank of an instance: {instance, version}
   kAbort = 35,            // server -> every rank of an instance: {instance, version, reason}
@@ -80,11 +90,34 @@ struct DecoderLimits {
 struct Frame {
   MsgType type = MsgType::kError;
   Json body;
+  uint32_t id = 0;  // the request's id (header); 0: not a request or reply
 };
 
-// The bytes of one frame. Fails when the body's CBOR exceeds `max_frame_bytes`.
+// The bytes of one frame, unsealed. Fails when the body's CBOR exceeds
+// `max_frame_bytes`.
 Result<std::vector<uint8_t>> encode_frame(MsgType type, const Json& body,
-                                          uint32_t max_frame_bytes = kDefaultMaxFrameBytes);
+                                          uint32_t max_frame_bytes = kDefaultMaxFrameBytes, uint32_t id = 0);
+
+// True when `s` is well-formed UTF-8 (no overlong forms, no surrogates,
+// nothing past U+10FFFF), as JSON text requires.
+bool valid_utf8(const std::string& s);
+
+// The sending side of a sealed stream: appends each frame's seal under the
+// direction's key and the next sequence number. Frames must be sealed in the
+// order they are written. Belongs to the thread that writes.
+class FrameSealer {
+ public:
+  FrameSealer() = default;
+  explicit FrameSealer(const Mac& key) : key_(key), active_(true) {}
+  bool active() const { return active_; }
+  // Appends the seal to `frame`, one whole frame from encode_frame.
+  Status seal(std::vector<uint8_t>& frame);
+
+ private:
+  Mac key_{};
+  bool active_ = false;
+  uint64_t seq_ = 0;
+};
 
 // Decodes a CBOR document within `limits`; the message names what was exceeded.
 Result<Json> decode_body(const uint8_t* data, size_t size, const BodyLimits& limits);
@@ -103,6 +136,12 @@ class FrameDecoder {
   // Changes the limits for frames not yet started (a connection raises them
   // once its peer has authenticated).
   void set_limits(const DecoderLimits& limits) { limits_ = limits; }
+  // From the next frame on, every frame must carry a seal under `key` (the
+  // peer's direction) and the next sequence number, from 0; one that does
+  // not fails the stream, before its body is decoded.
+  void expect_seals(const Mac& key);
+  // Frames returned since expect_seals().
+  uint64_t sealed_frames() const { return seq_; }
 
   // True when some bytes of an unfinished frame are buffered.
   bool mid_frame() const { return !buffer_.empty(); }
@@ -118,6 +157,8 @@ class FrameDecoder {
   DecoderLimits limits_;
   std::vector<uint8_t> buffer_;  // bytes of the current frame (and maybe more)
   Status error_;
+  std::optional<Mac> seal_key_;
+  uint64_t seq_ = 0;
 };
 
 }  // namespace refit::control

@@ -313,6 +313,27 @@ Result<FetchPlan> parse_fetch_plan(const Json& body, const MessageLimits& lim) {
   return FetchPlan{static_cast<int32_t>(rank), static_cast<uint64_t>(epoch)};
 }
 
+Result<AuthResponse> parse_auth_response(const Json& body) {
+  Reader r("auth_response");
+  AuthResponse m;
+  std::string role;
+  r.str(body, "", "role", 16, &role);
+  if (r.ok()) {
+    std::optional<AuthRole> parsed = auth_role_from(role);
+    if (parsed) m.role = *parsed;
+    else r.fail("role", "must be \"source\", \"receiver\" or \"any\", got \"" + role + "\"");
+  }
+  std::vector<uint8_t> nonce, mac;
+  r.bytes(body, "", "nonce", kNonceBytes, &nonce);
+  r.bytes(body, "", "mac", kMacBytes, &mac);
+  if (r.ok() && nonce.size() != kNonceBytes) r.fail("nonce", "must be " + std::to_string(kNonceBytes) + " bytes");
+  if (r.ok() && mac.size() != kMacBytes) r.fail("mac", "must be " + std::to_string(kMacBytes) + " bytes");
+  if (!r.ok()) return r.status();
+  std::copy(nonce.begin(), nonce.end(), m.nonce.begin());
+  std::copy(mac.begin(), mac.end(), m.mac.begin());
+  return m;
+}
+
 namespace {
 
 Json buffers_json(const std::vector<MemberBuffer>& buffers) {

@@ -133,6 +133,15 @@ struct FetchPlan {
 };
 Result<FetchPlan> parse_fetch_plan(const Json& body, const MessageLimits& limits);
 
+// auth_response: {role: "source"|"receiver"|"any", nonce: 32 bytes, mac: 32
+// bytes} (auth.h).
+struct AuthResponse {
+  AuthRole role = AuthRole::kAny;
+  Nonce nonce{};
+  Mac mac{};
+};
+Result<AuthResponse> parse_auth_response(const Json& body);
+
 // The bodies, for clients and tests.
 Json to_json(const RegisterSource& m);
 Json to_json(const RegisterReceiver& m);

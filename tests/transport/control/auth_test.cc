@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace refit::control {
@@ -64,6 +65,72 @@ TEST(Auth, RefusesShortMissingAndHugeTokens) {
   p = temp_file(std::string(10000, 'x'));
   EXPECT_FALSE(read_token_file(p).is_ok());
   unlink(p.c_str());
+}
+
+TEST(Auth, RefusesATokenFileOthersMayRead) {
+  std::string p = temp_file("0123456789abcdef-secret\n");
+  ASSERT_EQ(chmod(p.c_str(), 0644), 0);
+  auto t = read_token_file(p);
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_NE(t.status().message().find("has mode 0644: group or others may access it"), std::string::npos)
+      << t.status().message();
+  ASSERT_EQ(chmod(p.c_str(), 0640), 0);
+  EXPECT_FALSE(read_token_file(p).is_ok());
+  ASSERT_EQ(chmod(p.c_str(), 0600), 0);
+  EXPECT_TRUE(read_token_file(p).is_ok());
+  ASSERT_EQ(chmod(p.c_str(), 0400), 0);
+  EXPECT_TRUE(read_token_file(p).is_ok());
+  unlink(p.c_str());
+}
+
+TEST(Auth, RoleKeysDifferAndBindTheirRole) {
+  const std::string token = "0123456789abcdef-secret";
+  auto source = role_key(token, AuthRole::kSource);
+  auto receiver = role_key(token, AuthRole::kReceiver);
+  ASSERT_TRUE(source.is_ok() && receiver.is_ok());
+  EXPECT_NE(*source, *receiver);
+  // A receiver key file: only the receiver role.
+  std::string p = temp_file(role_key_text(AuthRole::kReceiver, *receiver) + "\n");
+  auto c = read_credential_file(p);
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_TRUE(c->bound.has_value());
+  EXPECT_EQ(*c->bound, AuthRole::kReceiver);
+  auto k = c->key_for(AuthRole::kReceiver);
+  ASSERT_TRUE(k.is_ok());
+  EXPECT_EQ(*k, *receiver);
+  auto as_source = c->key_for(AuthRole::kSource);
+  ASSERT_FALSE(as_source.is_ok());
+  EXPECT_NE(as_source.status().message().find("the credential is the receiver key; it cannot authenticate as a source"),
+            std::string::npos);
+  unlink(p.c_str());
+  // The token: every role, each with its own key.
+  Credential t = credential_from_token(token);
+  EXPECT_EQ(*t.key_for(AuthRole::kSource), *source);
+  EXPECT_EQ(*t.key_for(AuthRole::kReceiver), *receiver);
+  // A malformed key file names the problem.
+  p = temp_file("refit-source-key:12zz\n");
+  auto bad = read_credential_file(p);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("must hold \"refit-source-key:\" and 64 hex digits"), std::string::npos);
+  unlink(p.c_str());
+}
+
+TEST(Auth, ProofsAndSessionKeysDependOnRoleNoncesAndDirection) {
+  const Mac key = *role_key("0123456789abcdef-secret", AuthRole::kSource);
+  Nonce s{}, c{};
+  s[0] = 1;
+  c[0] = 2;
+  auto client = client_proof(key, AuthRole::kSource, s, c);
+  auto server = server_proof(key, AuthRole::kSource, s, c);
+  ASSERT_TRUE(client.is_ok() && server.is_ok());
+  EXPECT_NE(*client, *server) << "the server's proof cannot be the client's echoed";
+  EXPECT_NE(*client, *client_proof(key, AuthRole::kReceiver, s, c));
+  Nonce c2 = c;
+  c2[31] = 9;
+  EXPECT_NE(*client, *client_proof(key, AuthRole::kSource, s, c2));
+  auto keys = session_keys(key, AuthRole::kSource, s, c);
+  ASSERT_TRUE(keys.is_ok());
+  EXPECT_NE(keys->client_to_server, keys->server_to_client);
 }
 
 }  // namespace

@@ -1,12 +1,19 @@
 // libFuzzer target over everything that parses peer bytes: the frame decoder
-// (fed in pieces, as a socket delivers them) and, for every frame it accepts,
-// the request parser of that type. Built under clang only, with
-// -fsanitize=fuzzer,address,undefined. Run:
+// (fed in pieces, as a socket delivers them), unsealed and sealed, and, for
+// every frame it accepts, the request parser of that type (auth_response
+// included). Built under clang only, with -fsanitize=fuzzer,address,undefined.
+// Run:
 //   control_fuzz -max_total_time=60 corpus/
-// The first byte of the input picks where the stream is cut into pieces.
+// The first byte of the input picks where the stream is cut into pieces
+// (low 6 bits) and the mode (high 2 bits): 0 and 1 decode the bytes as they
+// come; 2 seals each frame of a first decoding pass with a session key and
+// decodes the sealed stream (every body reaches its parser through the seal
+// check); 3 does the same with one bit of the sealed stream flipped, which
+// must fail the stream.
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "transport/control/frame_codec.h"
 #include "transport/control/messages.h"
@@ -17,6 +24,7 @@ namespace {
 
 void parse_request(const Frame& f, const MessageLimits& lim) {
   switch (f.type) {
+    case MsgType::kAuthResponse: (void)parse_auth_response(f.body); break;
     case MsgType::kRegisterSource: (void)parse_register_source(f.body, lim); break;
     case MsgType::kRegisterReceiver: (void)parse_register_receiver(f.body, lim); break;
     case MsgType::kUnregister:
@@ -31,13 +39,39 @@ void parse_request(const Frame& f, const MessageLimits& lim) {
     case MsgType::kVersionHashes: (void)parse_version_hashes(f.body, lim); break;
     default: break;
   }
+  // Whatever was accepted prints as JSON: every string is UTF-8 (a string
+  // that is not would throw type_error 316 here).
+  (void)f.body.dump();
+}
+
+// Feeds `bytes` to `d` in pieces of `step`; every frame to its parser.
+// Returns the frames, re-encoded, or stops at the first error.
+std::vector<Frame> run(FrameDecoder& d, const uint8_t* data, size_t size, size_t step, const MessageLimits& mlim,
+                       bool* failed) {
+  std::vector<Frame> frames;
+  *failed = false;
+  for (size_t at = 0; at < size; at += step) {
+    d.feed(data + at, std::min(step, size - at));
+    for (;;) {
+      auto f = d.next();
+      if (!f.is_ok()) {
+        *failed = true;
+        return frames;
+      }
+      if (!f->has_value()) break;
+      parse_request(**f, mlim);
+      frames.push_back(std::move(**f));
+    }
+  }
+  return frames;
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  const size_t step = 1 + data[0] % 64;
+  const size_t step = 1 + (data[0] & 63);
+  const int mode = data[0] >> 6;
   ++data;
   --size;
   DecoderLimits lim;
@@ -47,14 +81,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mlim.max_buffers = 64;
   mlim.max_segments = 256;
   FrameDecoder d(lim);
-  for (size_t at = 0; at < size; at += step) {
-    d.feed(data + at, std::min(step, size - at));
-    for (;;) {
-      auto f = d.next();
-      if (!f.is_ok()) return 0;
-      if (!f->has_value()) break;
-      parse_request(**f, mlim);
+  bool failed = false;
+  std::vector<Frame> frames = run(d, data, size, step, mlim, &failed);
+  if (mode >= 2 && !frames.empty()) {
+    Mac key{};
+    for (size_t i = 0; i < key.size(); ++i) key[i] = static_cast<uint8_t>(i * 7 + 1);
+    FrameSealer sealer(key);
+    std::vector<uint8_t> stream;
+    for (const Frame& f : frames) {
+      auto bytes = encode_frame(f.type, f.body, lim.max_frame_bytes, f.id);
+      if (!bytes.is_ok()) return 0;
+      if (!sealer.seal(*bytes).is_ok()) std::abort();
+      stream.insert(stream.end(), bytes->begin(), bytes->end());
     }
+    const bool flip = mode == 3;
+    if (flip) stream[(size * 131) % stream.size()] ^= static_cast<uint8_t>(1u << (size % 8));
+    FrameDecoder sealed(lim);
+    sealed.expect_seals(key);
+    bool sealed_failed = false;
+    std::vector<Frame> again = run(sealed, stream.data(), stream.size(), step, mlim, &sealed_failed);
+    // Unaltered: every frame comes back. Altered: the stream never yields
+    // all of them (a flipped length may leave it waiting for more bytes).
+    if (!flip && (sealed_failed || again.size() != frames.size())) std::abort();
+    if (flip && again.size() == frames.size() && !sealed_failed) std::abort();
   }
   // The body parser on its own, over the whole input.
   (void)decode_body(data, size, BodyLimits{});

@@ -20,6 +20,9 @@
 #include "planner/layout_json.h"
 #include "planner/plan.h"
 #include "transport/control/client.h"
+#include "tests/common/frame_relay.h"
+
+#include <boost/asio.hpp>
 
 namespace refit::control {
 namespace {
@@ -130,7 +133,7 @@ Json strided_receiver_body(int rows) {
 // The header of a frame that announces `length` body bytes.
 std::vector<uint8_t> header_of(MsgType type, uint32_t length) {
   const auto t = static_cast<uint16_t>(type);
-  return {'R', 'F', 'C', 'P', 0, 1, static_cast<uint8_t>(t >> 8), static_cast<uint8_t>(t),
+  return {'R', 'F', 'C', 'P', 0, 2, static_cast<uint8_t>(t >> 8), static_cast<uint8_t>(t), 0, 0, 0, 0,
           static_cast<uint8_t>(length >> 24), static_cast<uint8_t>(length >> 16),
           static_cast<uint8_t>(length >> 8), static_cast<uint8_t>(length)};
 }
@@ -247,7 +250,7 @@ TEST_F(Coordinators, KeepsBufferedBytesWithinAGlobalBudget) {
     auto r = Coordinator::start(bad);
     ASSERT_FALSE(r.is_ok());
     EXPECT_EQ(r.status().message(),
-              "coordinator: max_buffered_bytes must hold the largest frame, 67108876 bytes (max_frame_bytes plus "
+              "coordinator: max_buffered_bytes must hold the largest frame, 67108880 bytes (max_frame_bytes plus "
               "the header), got 1048576");
   }
   CoordinatorConfig c;
@@ -328,13 +331,11 @@ class SlowReaders : public Coordinators {
     if (!src_ || !slow_) return limit;
     EXPECT_TRUE(src_->request(MsgType::kRegisterSource, strided_source_body(4096)).is_ok());
     EXPECT_TRUE(slow_->request(MsgType::kRegisterReceiver, strided_receiver_body(4096)).is_ok());
-    std::vector<uint8_t> burst;
-    for (int i = 0; i < fetches; ++i) {
-      auto f = encode_frame(MsgType::kFetchPlan, Json{{"rank", 0}});
-      burst.insert(burst.end(), f->begin(), f->end());
-    }
     const auto t0 = std::chrono::steady_clock::now();
-    EXPECT_TRUE(slow_->send_raw(burst.data(), burst.size()).is_ok());
+    // Sealed, as every frame after the handshake must be; none of the replies is read.
+    for (int i = 0; i < fetches; ++i) {
+      EXPECT_TRUE(slow_->send_frame(MsgType::kFetchPlan, Json{{"rank", 0}}, static_cast<uint32_t>(i + 1)).is_ok());
+    }
     for (;;) {
       auto r = src_->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}});
       EXPECT_TRUE(r.is_ok()) << r.status().message();
@@ -405,7 +406,7 @@ TEST_F(Coordinators, RefusesOversizeFrame) {
   start(c);
   auto cl = good_client();
   ASSERT_TRUE(cl);
-  uint8_t h[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 1, 0, 16, 0x04, 0x2c, 0x1d, 0x80};  // 70000000 bytes
+  uint8_t h[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 2, 0, 16, 0, 0, 0, 0, 0x04, 0x2c, 0x1d, 0x80};  // 70000000 bytes
   ASSERT_TRUE(cl->send_raw(h, sizeof h).is_ok());
   auto f = cl->read_frame(2s);  // authenticated: the reason is sent back
   ASSERT_TRUE(f.is_ok()) << f.status().message();
@@ -416,7 +417,7 @@ TEST_F(Coordinators, RefusesOversizeFrame) {
   // Before authenticating, anything bigger than an auth response is refused.
   auto raw = raw_client();
   ASSERT_TRUE(raw);
-  uint8_t pre[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 1, 0, 2, 0, 0, 0x13, 0x88};  // 5000 bytes
+  uint8_t pre[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 2, 0, 2, 0, 0, 0, 0, 0, 0, 0x13, 0x88};  // 5000 bytes
   ASSERT_TRUE(raw->send_raw(pre, sizeof pre).is_ok());
   EXPECT_TRUE(raw->wait_closed(2s));
   EXPECT_NE(wait_log({"refused 127.0.0.1:", "frame: length 5000 exceeds the limit of 1024 bytes (before authenticating)"}), "");
@@ -429,13 +430,13 @@ TEST_F(Coordinators, RefusesWrongProtocolVersion) {
   ASSERT_TRUE(raw);
   auto frame = encode_frame(MsgType::kAuthResponse, Json{{"mac", Json::binary({1})}});
   ASSERT_TRUE(frame.is_ok());
-  (*frame)[5] = 2;
+  (*frame)[5] = 3;
   ASSERT_TRUE(raw->send_raw(frame->data(), frame->size()).is_ok());
   auto ch = raw->read_frame(2s);
   ASSERT_TRUE(ch.is_ok());
   EXPECT_EQ(ch->type, MsgType::kChallenge);
   EXPECT_TRUE(raw->wait_closed(2s)) << "nothing but the challenge before authenticating";
-  EXPECT_NE(wait_log({"refused 127.0.0.1:", "frame: protocol version 2 is not supported"}), "");
+  EXPECT_NE(wait_log({"refused 127.0.0.1:", "frame: protocol version 3 is not supported"}), "");
   expect_serving();
 }
 
@@ -443,9 +444,9 @@ TEST_F(Coordinators, RefusesWrongToken) {
   start();
   auto c = Client::connect("127.0.0.1", co_->port(), "not-the-token-0123456789");
   ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.status().message().find("auth: the coordinator refused the token"), std::string::npos)
+  EXPECT_NE(c.status().message().find("auth: the coordinator refused the credential"), std::string::npos)
       << c.status().message();
-  EXPECT_NE(wait_log({"refused 127.0.0.1:", "auth: wrong token"}), "");
+  EXPECT_NE(wait_log({"refused 127.0.0.1:", "auth: wrong credential for the role \"any\""}), "");
   expect_serving();
   auto st = co_->stats();
   ASSERT_TRUE(st.is_ok());
@@ -697,12 +698,9 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
   // Pipelined requests get their replies in order, though planning runs off
   // the I/O thread: a membership change, then fetch_plan and heartbeat in one write.
   ASSERT_TRUE(receivers[1]->request(MsgType::kRegisterReceiver, receiver_regs[1]).is_ok());
-  auto fetch = encode_frame(MsgType::kFetchPlan, Json{{"rank", 0}});
-  auto beat = encode_frame(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}});
-  ASSERT_TRUE(fetch.is_ok() && beat.is_ok());
-  std::vector<uint8_t> both = *fetch;
-  both.insert(both.end(), beat->begin(), beat->end());
-  ASSERT_TRUE(receivers[0]->send_raw(both.data(), both.size()).is_ok());
+  // Sealed frames, sent back to back without reading in between.
+  ASSERT_TRUE(receivers[0]->send_frame(MsgType::kFetchPlan, Json{{"rank", 0}}, 101).is_ok());
+  ASSERT_TRUE(receivers[0]->send_frame(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}}, 102).is_ok());
   auto first = receivers[0]->read_frame(5s);
   auto second = receivers[0]->read_frame(5s);
   ASSERT_TRUE(first.is_ok() && second.is_ok());
@@ -789,6 +787,163 @@ TEST_F(Coordinators, TellsASourceWhenItsVersionIsDrained) {
   ASSERT_TRUE(n.is_ok()) << n.status().message();
   EXPECT_EQ(n->type, MsgType::kDrained);
   EXPECT_EQ(n->body["version"], 1);
+}
+
+// Issue: a registration whose tensor name was the bytes "w\xff\xfe", then a
+// fetch_plan, aborted the coordinator (nlohmann type_error 316 when the
+// layout was printed). Now the frame is refused where it is decoded.
+TEST_F(Coordinators, RefusesAFrameWhoseStringsAreNotUtf8AndGoesOn) {
+  start();
+  auto src = good_client();
+  auto rcv = good_client();
+  ASSERT_TRUE(src && rcv);
+  Json body = source_body(0);
+  body["tensors"][0]["name"] = std::string("w\xff\xfe");
+  body["buffers"][0]["segments"][0]["tensor"] = std::string("w\xff\xfe");
+  auto r = src->request(MsgType::kRegisterSource, body);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("is not valid UTF-8"), std::string::npos) << r.status().message();
+  EXPECT_TRUE(src->wait_closed(2s));
+  EXPECT_NE(wait_log({"refused 127.0.0.1:", "frame: register_source: body: a text string of 3 bytes is not valid UTF-8"}),
+            "");
+  // Nothing of it was applied, and the coordinator plans for the others.
+  Json rb = receiver_body(0);
+  rb["buffers"][0]["segments"][0]["tensor"] = std::string("w\xff\xfe");
+  EXPECT_FALSE(rcv->request(MsgType::kRegisterReceiver, rb).is_ok());
+  auto src2 = good_client();
+  auto rcv2 = good_client();
+  ASSERT_TRUE(src2 && rcv2);
+  ASSERT_TRUE(src2->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  ASSERT_TRUE(rcv2->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  auto plan = rcv2->request(MsgType::kFetchPlan, Json{{"rank", 0}});
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  auto st = co_->stats();
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->sources, 1u);
+}
+
+// The receiver's key (a key file the operator gave the receiver) registers a
+// receiver, never a source; claiming the source role with it fails the
+// handshake.
+TEST_F(Coordinators, AReceiversKeyCannotRegisterASource) {
+  start();
+  Credential receiver;
+  receiver.bound = AuthRole::kReceiver;
+  receiver.key = *role_key(kToken, AuthRole::kReceiver);
+  ClientOptions as_receiver;
+  as_receiver.role = AuthRole::kReceiver;
+  auto c = Client::connect("127.0.0.1", co_->port(), receiver, as_receiver);
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  auto r = (*c)->request(MsgType::kRegisterSource, source_body(0));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().message(), "register_source: a connection authenticated as receiver may not send it");
+  auto hb = (*c)->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}});
+  ASSERT_FALSE(hb.is_ok());
+  EXPECT_NE(hb.status().message().find("may not name a source"), std::string::npos) << hb.status().message();
+  EXPECT_TRUE((*c)->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  // The same key, claimed for the source role (the client would refuse to,
+  // so the credential is relabelled here): the coordinator refuses it.
+  Credential forged = receiver;
+  forged.bound = AuthRole::kSource;
+  ClientOptions as_source;
+  as_source.role = AuthRole::kSource;
+  auto f = Client::connect("127.0.0.1", co_->port(), forged, as_source);
+  ASSERT_FALSE(f.is_ok());
+  EXPECT_NE(wait_log({"refused 127.0.0.1:", "auth: wrong credential for the role \"source\""}), "");
+  auto st = co_->stats();
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->sources, 0u);
+  EXPECT_EQ(st->receivers, 1u);
+}
+
+// A listener that answers like a coordinator without the key: it sends a
+// challenge and then auth_ok with a made-up proof. The client refuses it.
+TEST(CoordinatorClient, RefusesACoordinatorThatCannotProveTheKey) {
+  namespace asio = boost::asio;
+  asio::io_context io;
+  asio::ip::tcp::acceptor acceptor(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  const uint16_t port = acceptor.local_endpoint().port();
+  std::thread fake([&] {
+    boost::system::error_code ec;
+    asio::ip::tcp::socket s(io);
+    acceptor.accept(s, ec);
+    if (ec) return;
+    auto ch = encode_frame(MsgType::kChallenge, Json{{"nonce", Json::binary(std::vector<uint8_t>(32, 7))}});
+    asio::write(s, asio::buffer(*ch), ec);
+    std::vector<uint8_t> in(4096);
+    s.read_some(asio::buffer(in), ec);  // the auth response
+    auto ok = encode_frame(MsgType::kAuthOk, Json{{"mac", Json::binary(std::vector<uint8_t>(32, 1))}});
+    asio::write(s, asio::buffer(*ok), ec);
+    s.read_some(asio::buffer(in), ec);  // until the client closes
+  });
+  ClientOptions o;
+  o.timeout = 3s;
+  auto c = Client::connect("127.0.0.1", port, kToken, o);
+  fake.join();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("auth: the coordinator's proof does not match"), std::string::npos)
+      << c.status().message();
+}
+
+// Issue: with the limit at 64, an idle flood of 80 unauthenticated
+// connections shut a legitimate member out. Here max_connections + 100
+// connections that never authenticate stay open while a member connects,
+// registers and is served.
+TEST_F(Coordinators, StrangersThatNeverAuthenticateDoNotShutAMemberOut) {
+  CoordinatorConfig c;
+  c.max_connections = 16;
+  c.max_unauthenticated = 8;
+  c.auth_timeout = 20s;  // they would all still be waiting
+  start(c);
+  std::vector<std::unique_ptr<Client>> strangers;
+  for (size_t i = 0; i < c.max_connections + 100; ++i) {
+    auto raw = Client::connect_raw("127.0.0.1", co_->port());
+    ASSERT_TRUE(raw.is_ok()) << raw.status().message();
+    strangers.push_back(std::move(raw).value());
+  }
+  auto member = good_client();
+  ASSERT_TRUE(member) << "a member gets in";
+  ASSERT_TRUE(member->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  EXPECT_TRUE(member->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}}).is_ok());
+  auto st = co_->stats();
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_LE(st->unauthenticated, c.max_unauthenticated);
+  EXPECT_NE(wait_log({"not authenticated yet, dropped for a newer connection (limit of 8 unauthenticated"}), "");
+  // Authenticated connections are still bounded by max_connections.
+  std::vector<std::unique_ptr<Client>> members;
+  for (size_t i = 1; i < c.max_connections; ++i) members.push_back(good_client());
+  auto over = Client::connect("127.0.0.1", co_->port(), kToken);
+  ASSERT_FALSE(over.is_ok());
+  EXPECT_NE(over.status().message().find("already serving the limit of 16 authenticated connections"),
+            std::string::npos)
+      << over.status().message();
+}
+
+// Issue: the client link had no request ids, so after one timeout every
+// later reply was read by the wrong request. A relay holds the coordinator's
+// replies back past the client's deadline; the late reply is dropped.
+TEST_F(Coordinators, AReplyThatComesAfterItsRequestTimedOutIsNotReadByTheNext) {
+  start();
+  std::atomic<bool> hold{false};
+  testing::FrameRelay relay(co_->port(), [&](testing::FrameRelay::Direction d, size_t, std::vector<uint8_t> frame) {
+    const auto until = std::chrono::steady_clock::now() + 5s;
+    while (d == testing::FrameRelay::Direction::kToClient && hold.load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(5ms);
+    }
+    return std::vector<std::vector<uint8_t>>{std::move(frame)};
+  });
+  ClientOptions o;
+  o.timeout = 400ms;
+  auto c = Client::connect("127.0.0.1", relay.port(), kToken, o);
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_TRUE((*c)->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  hold = true;
+  auto late = (*c)->request(MsgType::kSubscribe, Json::object());
+  ASSERT_FALSE(late.is_ok()) << "timed out";
+  hold = false;  // the subscribe reply ({ok, version}) now arrives, late
+  auto beat = (*c)->request(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}});
+  ASSERT_TRUE(beat.is_ok()) << beat.status().message();
+  EXPECT_FALSE(beat->contains("version")) << "the heartbeat read the late subscribe reply: " << beat->dump();
 }
 
 }  // namespace

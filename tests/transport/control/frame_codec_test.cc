@@ -85,7 +85,7 @@ TEST(FrameCodec, RefusesOversizeAtTheHeader) {
   DecoderLimits lim;
   lim.max_frame_bytes = 1024;
   FrameDecoder d(lim);
-  uint8_t h[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 1, 0, 19, 0x04, 0x2c, 0x1d, 0x80};  // 70000000
+  uint8_t h[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 2, 0, 19, 0, 0, 0, 0, 0x04, 0x2c, 0x1d, 0x80};  // 70000000
   d.feed(h, sizeof h);
   auto f = d.next();
   ASSERT_FALSE(f.is_ok());
@@ -115,7 +115,7 @@ TEST(FrameCodec, RefusesWrongProtocolVersion) {
   d.feed(bytes.data(), 6);
   auto f = d.next();
   ASSERT_FALSE(f.is_ok());
-  EXPECT_EQ(f.status().message(), "frame: protocol version 9 is not supported (this build speaks version 1)");
+  EXPECT_EQ(f.status().message(), "frame: protocol version 9 is not supported (this build speaks version 2)");
 }
 
 TEST(FrameCodec, RefusesUnknownType) {
@@ -179,7 +179,7 @@ TEST(FrameCodec, NeverCrashesOnRandomBytes) {
     std::vector<uint8_t> bytes(rng() % 200);
     for (auto& b : bytes) b = static_cast<uint8_t>(rng());
     if (round % 2 == 0) {
-      uint8_t h[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 1, 0, 16, 0, 0, 0, static_cast<uint8_t>(bytes.size())};
+      uint8_t h[kHeaderBytes] = {'R', 'F', 'C', 'P', 0, 2, 0, 16, 0, 0, 0, 0, 0, 0, 0, static_cast<uint8_t>(bytes.size())};
       bytes.insert(bytes.begin(), h, h + kHeaderBytes);
     }
     size_t at = 0;
@@ -195,6 +195,121 @@ TEST(FrameCodec, NeverCrashesOnRandomBytes) {
     }
   }
   EXPECT_GT(refused, 0);
+}
+
+// A text string is CBOR major type 3; nlohmann writes a std::string's bytes
+// as they are, so invalid UTF-8 reaches the wire as a peer would send it.
+TEST(FrameCodec, RefusesStringsAndKeysThatAreNotUtf8) {
+  const std::string bad = "w\xff\xfe";
+  for (const Json& body : {Json{{"tensors", Json::array({Json{{"name", bad}}})}}, Json{{bad, 1}},
+                           Json{{"name", std::string("\xc0\xaf")}},           // overlong "/"
+                           Json{{"name", std::string("\xed\xa0\x80")}},       // a surrogate
+                           Json{{"name", std::string("\xf4\x90\x80\x80")}}}) {  // past U+10FFFF
+    std::vector<uint8_t> cbor = Json::to_cbor(body);
+    auto decoded = decode_body(cbor.data(), cbor.size(), BodyLimits{});
+    ASSERT_FALSE(decoded.is_ok());
+    EXPECT_NE(decoded.status().message().find("is not valid UTF-8"), std::string::npos) << decoded.status().message();
+    auto bytes = frame_bytes(MsgType::kRegisterSource, body);
+    FrameDecoder d;
+    d.feed(bytes.data(), bytes.size());
+    auto f = d.next();
+    ASSERT_FALSE(f.is_ok());
+    EXPECT_NE(f.status().message().find("frame: register_source: body: "), std::string::npos) << f.status().message();
+  }
+  for (const std::string good : {"w", "embed_tokens.weight", "\xc3\xa9t\xc3\xa9", "\xf0\x9f\x98\x80", ""}) {
+    EXPECT_TRUE(valid_utf8(good)) << good;
+    std::vector<uint8_t> cbor = Json::to_cbor(Json{{"name", good}});
+    EXPECT_TRUE(decode_body(cbor.data(), cbor.size(), BodyLimits{}).is_ok()) << good;
+  }
+}
+
+TEST(FrameCodec, CarriesTheRequestId) {
+  auto bytes = encode_frame(MsgType::kHeartbeat, Json::object(), kDefaultMaxFrameBytes, 0xa1b2c3d4);
+  ASSERT_TRUE(bytes.is_ok());
+  FrameDecoder d;
+  d.feed(bytes->data(), bytes->size());
+  auto f = d.next();
+  ASSERT_TRUE(f.is_ok() && f->has_value());
+  EXPECT_EQ((*f)->id, 0xa1b2c3d4u);
+}
+
+Mac test_key(uint8_t seed) {
+  Mac k{};
+  for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<uint8_t>(seed + i);
+  return k;
+}
+
+std::vector<uint8_t> sealed_stream(FrameSealer& sealer, const std::vector<Json>& bodies) {
+  std::vector<uint8_t> out;
+  uint32_t id = 1;
+  for (const Json& b : bodies) {
+    auto bytes = encode_frame(MsgType::kHeartbeat, b, kDefaultMaxFrameBytes, id++);
+    EXPECT_TRUE(bytes.is_ok());
+    EXPECT_TRUE(sealer.seal(*bytes).is_ok());
+    out.insert(out.end(), bytes->begin(), bytes->end());
+  }
+  return out;
+}
+
+TEST(FrameCodec, SealedFramesPassAndEveryFlippedBitFails) {
+  const Json body = {{"role", "source"}, {"rank", 3}};
+  FrameSealer sealer(test_key(1));
+  const std::vector<uint8_t> one = sealed_stream(sealer, {body});
+  ASSERT_EQ(one.size(), frame_bytes(MsgType::kHeartbeat, body).size() + kMacBytes);
+  {
+    FrameDecoder d;
+    d.expect_seals(test_key(1));
+    d.feed(one.data(), one.size());
+    auto f = d.next();
+    ASSERT_TRUE(f.is_ok() && f->has_value()) << f.status().message();
+    EXPECT_EQ((*f)->body, body);
+  }
+  size_t failed = 0;
+  for (size_t bit = 0; bit < one.size() * 8; ++bit) {
+    std::vector<uint8_t> flipped = one;
+    flipped[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
+    FrameDecoder d;
+    d.expect_seals(test_key(1));
+    d.feed(flipped.data(), flipped.size());
+    auto f = d.next();
+    // A flipped length bit leaves the decoder waiting for bytes that never
+    // come (the connection's read deadline ends it); every other bit fails.
+    if (!f.is_ok()) ++failed;
+    else EXPECT_FALSE(f->has_value()) << "bit " << bit << " passed";
+  }
+  EXPECT_GE(failed, one.size() * 8 - 32);
+  // Another key: fails.
+  FrameDecoder other;
+  other.expect_seals(test_key(2));
+  other.feed(one.data(), one.size());
+  auto f = other.next();
+  ASSERT_FALSE(f.is_ok());
+  EXPECT_NE(f.status().message().find("fails its seal: it was altered, injected or replayed"), std::string::npos)
+      << f.status().message();
+}
+
+TEST(FrameCodec, ReplayedOrDroppedSealedFramesFail) {
+  FrameSealer sealer(test_key(5));
+  std::vector<uint8_t> a = sealed_stream(sealer, {Json{{"n", 0}}});
+  std::vector<uint8_t> b = sealed_stream(sealer, {Json{{"n", 1}}});
+  std::vector<uint8_t> c = sealed_stream(sealer, {Json{{"n", 2}}});
+  auto decode = [](const std::vector<std::vector<uint8_t>>& frames) {
+    FrameDecoder d;
+    d.expect_seals(test_key(5));
+    int ok = 0;
+    for (const auto& f : frames) {
+      d.feed(f.data(), f.size());
+      auto r = d.next();
+      if (!r.is_ok()) return -ok - 1;
+      if (r->has_value()) ++ok;
+    }
+    return ok;
+  };
+  EXPECT_EQ(decode({a, b, c}), 3);
+  EXPECT_EQ(decode({a, b, b}), -3) << "a replayed frame fails";
+  EXPECT_EQ(decode({a, a}), -2) << "a replayed frame fails";
+  EXPECT_EQ(decode({a, c}), -2) << "after a dropped frame, the next fails";
+  EXPECT_EQ(decode({b}), -1) << "a frame out of its place fails";
 }
 
 }  // namespace
