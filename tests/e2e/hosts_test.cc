@@ -129,7 +129,7 @@ TEST(Hosts, AKilledRunLeavesNothingAfterTheNextStart) {
     link.loss_percent = 1;
     auto hosts = Hosts::create(3, link);
     const char ok = hosts.is_ok() ? 'y' : 'n';
-    if (::write(ready[1], &ok, 1) != 1) ::_exit(1);
+    if (::write(ready[1], &ok, 1) != 1 || ok != 'y') ::_exit(1);
     ::pause();
     ::_exit(0);
   }
@@ -162,8 +162,10 @@ TEST(Hosts, AnInterfaceNotInDevicesIsNotUsed) {
   ASSERT_TRUE(hosts.is_ok()) << hosts.status().message();
   const Host& h = (*hosts)->hosts()[0];
   const std::string other = "rx" + std::to_string(::getpid());
-  ASSERT_TRUE(run_command({"ip", "-n", h.netns, "link", "add", other, "type", "dummy"}).is_ok());
+  ASSERT_TRUE(
+      run_command({"ip", "-n", h.netns, "link", "add", other, "type", "veth", "peer", "name", other + "b"}).is_ok());
   ASSERT_TRUE(run_command({"ip", "-n", h.netns, "addr", "add", "10.78.0.1/24", "dev", other}).is_ok());
+  ASSERT_TRUE(run_command({"ip", "-n", h.netns, "link", "set", other + "b", "up"}).is_ok());
   ASSERT_TRUE(run_command({"ip", "-n", h.netns, "link", "set", other, "up"}).is_ok());
   // In a child inside the host: the tcp listeners of a worker for each
   // devices setting, as "a.b.c.d" addresses, one line per setting.
@@ -174,7 +176,7 @@ TEST(Hosts, AnInterfaceNotInDevicesIsNotUsed) {
     if (pid == 0) {
       ::close(p[0]);
       std::string out;
-      if (!enter_netns(h.netns).is_ok()) ::_exit(2);
+      if (!enter_host(h.netns).is_ok()) ::_exit(2);
       ucx::ContextConfig cfg;
       cfg.name = "host";
       cfg.transports = {"tcp"};
@@ -260,7 +262,9 @@ TEST(Hosts, BadLinkOptionsAreRefusedBeforeAnyProcessStarts) {
   }
   // Nothing of those runs is left (their pids are gone: a sweep would name
   // them).
-  if (Hosts::check().is_ok()) EXPECT_TRUE(Hosts::sweep_stale().empty());
+  if (Hosts::check().is_ok()) {
+    EXPECT_TRUE(Hosts::sweep_stale().empty());
+  }
 }
 
 nlohmann::json run_bench(const std::string& args, std::string* out) {

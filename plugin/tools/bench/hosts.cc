@@ -154,7 +154,8 @@ Status Hosts::check_link(const LinkSettings& link) {
   // What this kernel and these tools can do, tried on a namespace of our own.
   const std::string probe = "refit-" + std::to_string(::getpid()) + "-probe";
   REFIT_RETURN_IF_ERROR(run_command({"ip", "netns", "add", probe}, 10).status());
-  Status st = run_command({"ip", "-n", probe, "link", "add", "rprobe", "type", "dummy"}, 10).status();
+  Status st =
+      run_command({"ip", "-n", probe, "link", "add", "rprobe", "type", "veth", "peer", "name", "rprobe1"}, 10).status();
   if (st.is_ok() && link.delay_ms > 0) {
     auto r = run_command({"tc", "-n", probe, "qdisc", "add", "dev", "rprobe", "root", "netem", "delay", "1ms"}, 10);
     if (!r.is_ok())
@@ -360,6 +361,18 @@ Status enter_netns(const std::string& netns) {
   const int err = errno;
   ::close(fd);
   if (rc != 0) return Status::io_error("entering network namespace " + netns + ": " + std::strerror(err));
+  return Status::ok();
+}
+
+Status enter_host(const std::string& netns) {
+  REFIT_RETURN_IF_ERROR(enter_netns(netns));
+  if (::unshare(CLONE_NEWNS) != 0) return Status::io_error("unshare(CLONE_NEWNS): " + std::string(std::strerror(errno)));
+  // Nothing mounted here may reach the machine's mount namespace.
+  if (::mount("", "/", nullptr, MS_SLAVE | MS_REC, nullptr) != 0)
+    return Status::io_error("making / a slave mount: " + std::string(std::strerror(errno)));
+  (void)::umount2("/sys", MNT_DETACH);
+  if (::mount(netns.c_str(), "/sys", "sysfs", 0, nullptr) != 0)
+    return Status::io_error("mounting /sys for " + netns + ": " + std::strerror(errno));
   return Status::ok();
 }
 

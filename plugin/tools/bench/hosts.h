@@ -114,6 +114,13 @@ class Hosts {
 // of something whose threads must live there (NetnsScope).
 Status enter_netns(const std::string& netns);
 
+// enter_netns, and a mount namespace of the process's own whose /sys is
+// that network namespace's (what `ip netns exec` does): UCX finds its
+// network devices under /sys/class/net, which otherwise still lists the
+// devices of the namespace /sys was mounted in. For a forked child (it
+// unshares the whole process's mounts).
+Status enter_host(const std::string& netns);
+
 // Enters `netns` for the scope's life and returns the calling thread to
 // the namespace it was in. ok() says whether it entered.
 class NetnsScope {

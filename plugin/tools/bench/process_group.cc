@@ -130,7 +130,7 @@ Result<size_t> ProcessGroup::spawn(std::string name, std::function<int(Channel&)
     ::close(sv[0]);
     for (int fd : parent_ends()) ::close(fd);  // siblings' ends: EOF must mean the parent is gone
     if (!netns.empty()) {
-      Status entered = enter_netns(netns);
+      Status entered = enter_host(netns);
       if (!entered.is_ok()) {
         std::fprintf(stderr, "%s: %s\n", name.c_str(), entered.message().c_str());
         ::_exit(126);

@@ -1079,7 +1079,8 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
   c["coordinator"] = {{"address", coordinator_address}, {"token_file", token_file},
                       {"timeout_ms", options.step_timeout.count()}};
   ordered_json net = {{"transports", options.network_transports}};
-  if (!options.network_devices.empty()) net["devices"] = options.network_devices;
+  if (!place.device.empty()) net["devices"] = {place.device};
+  else if (!options.network_devices.empty()) net["devices"] = options.network_devices;
   c["network"] = std::move(net);
   if (place.receiver) {
     c["local"] = {{"transports", options.local_transports}};
