@@ -223,6 +223,7 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
   net.name = "network";
   net.transports = a->config_.network.transports;
   net.devices = a->config_.network.devices;
+  net.route_to = a->config_.coordinator.host;  // the default device (transport/ucx/route.h)
   Result<ucx::Context> nc = ucx::Context::create(net);
   if (!nc.is_ok()) return nc.status().with_context("config: \"network\"");
   a->net_context_.emplace(std::move(nc).value());

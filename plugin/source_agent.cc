@@ -27,6 +27,8 @@ Result<std::unique_ptr<SourceAgent>> SourceAgent::create(std::string_view config
   cc.name = "network";
   cc.transports = a->config_.network.transports;
   cc.devices = a->config_.network.devices;
+  cc.route_to = a->config_.coordinator.host;  // the default device (transport/ucx/route.h)
+  cc.serves_only = true;  // a source accepts no writes (docs/security.md)
   Result<ucx::Context> context = ucx::Context::create(cc);
   if (!context.is_ok()) return context.status().with_context("config: \"network\"");
   a->context_.emplace(std::move(context).value());
@@ -36,7 +38,7 @@ Result<std::unique_ptr<SourceAgent>> SourceAgent::create(std::string_view config
   Result<std::vector<uint8_t>> address = a->worker_->address();
   if (!address.is_ok()) return address.status();
   a->worker_address_ = std::move(address).value();
-  Result<std::unique_ptr<ucx::AmRmaServer>> server = ucx::AmRmaServer::create(*a->worker_);
+  Result<std::unique_ptr<ucx::AmRmaServer>> server = ucx::AmRmaServer::create(*a->worker_, ucx::AmRmaServer::Puts::kRefused);
   if (!server.is_ok()) return server.status();
   a->rma_server_ = std::move(server).value();
   Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_);
@@ -126,10 +128,13 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
     const bool running = progress_.joinable();
     stop_progress();  // registration must not race the worker's progress
     Status st = b.device ? gpu_mirror(&b).with_context("tensor \"" + t->decl.name + "\"") : Status::ok();
-    Result<ucx::MemoryRegion> region = st.is_ok() ? ucx::MemoryRegion::map(*context_, b.served(), bytes, b.name)
+    Result<ucx::MemoryRegion> region = st.is_ok() ? ucx::MemoryRegion::map(*context_, b.served(), bytes, b.name,
+                                                                           ucx::Access::kRemoteRead)
                                                   : Result<ucx::MemoryRegion>(st);
     if (running) start_progress();
     if (!region.is_ok()) return region.status();
+    log_.info("buffer \"" + b.name + "\" (" + std::to_string(bytes) + " bytes) mapped for peers with " +
+              ucx::protection_names(region->protection()));
     if (published_ > 0) {  // receivers may read it before the next publish fills it
       if (b.snapshot) std::memcpy(b.snapshot.get(), b.data, bytes);
 #ifdef HAVE_CUDA
@@ -260,7 +265,8 @@ Status SourceAgent::gpu_mirror(Buf* b) {
 #ifdef HAVE_CUDA
   if (!config_.snapshot && !config_.verify) {
     // Served in place where this UCX can read device memory.
-    Result<ucx::MemoryRegion> probe = ucx::MemoryRegion::map(*context_, b->data, b->bytes, b->name);
+    Result<ucx::MemoryRegion> probe = ucx::MemoryRegion::map(*context_, b->data, b->bytes, b->name,
+                                                                      ucx::Access::kRemoteRead);
     if (probe.is_ok() && probe->type() == ucx::MemoryType::kCuda) return Status::ok();
   }
   Result<cuda::PinnedBuffer> mirror = cuda::PinnedBuffer::allocate(b->bytes);

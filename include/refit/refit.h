@@ -46,7 +46,10 @@
  *        "timeout_ms"  integer [10000]: deadline of each coordinator call
  *     "network"      object: the UCX context the data crosses the network on
  *        "transports"  list of strings ["tcp"]: "tcp", "shm", or UCX names (rc, dc, ...)
- *        "devices"     list of strings [all]: e.g. ["lo"] or ["mlx5_0:1"]
+ *        "devices"     list of strings: e.g. ["lo"] or ["mlx5_0:1"]; workers listen
+ *                      only there. Default: with tcp, the interface that reaches
+ *                      the coordinator's address (a wildcard address is refused:
+ *                      name the devices); with rc, dc or ud, all of UCX's
  *     "heartbeat_ms" integer [1000]: how often the agent tells the coordinator it lives
  *     "log_level"    "error" | "warn" | "info" | "debug" ["warn"]; REFIT_LOG_LEVEL overrides
  *     "verify"       bool [false]: end-to-end verification. A source hashes (XXH3-64)

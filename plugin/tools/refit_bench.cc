@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -32,6 +33,7 @@
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
 #include "planner/status.h"
+#include "plugin/tools/bench/hosts.h"
 #include "plugin/tools/bench/rank_buffers.h"
 #include "plugin/tools/bench/refresh_run.h"
 
@@ -209,6 +211,17 @@ struct Row {
   double churn_seconds_median = 0;
   double churn_seconds_max = 0;
   std::string late_joined;  // --late-join
+  // --hosts: the last completed version's interface bytes per host, and
+  // the receivers' reported network bytes per receiving host.
+  nlohmann::json link_bytes;
+  std::map<std::string, int64_t> plan_bytes_by_host;
+  // --partition
+  std::string partitioned;
+  int64_t partitioned_version = 0;
+  double partition_refresh_seconds = 0;
+  std::vector<int32_t> partition_failed;
+  std::string partition_error;
+  std::optional<bool> partition_live_intact;
   std::vector<refit::bench::ResidentSample> resident;
   int64_t rss_first_kib = 0;
   int64_t rss_last_kib = 0;
@@ -299,6 +312,12 @@ void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bo
   }
 }
 
+// --hosts: where everything ran, the links, and per strategy each host's
+// interface bytes in the last completed refresh beside the bytes the
+// receivers' reports say the plan moved over the network into that host.
+struct HostMap;
+void print_hosts(const refit::bench::Hosts& hosts, const HostMap& map, const std::vector<Row>& rows);
+
 Result<std::vector<Strategy>> parse_strategies(const std::string& text) {
   std::vector<Strategy> out;
   std::stringstream ss(text);
@@ -341,6 +360,118 @@ Result<refit::bench::RunOptions::Kill> parse_kill(const std::string& text) {
   return k;
 }
 
+// "2@0.5" or "2@0.5:3" -> host 2, half way, for 3 s (0: the rest of the
+// refresh). The host is a number or "coordinator".
+struct PartitionArg {
+  std::string host;
+  double fraction = 0;
+  double seconds = 0;
+};
+Result<PartitionArg> parse_partition(const std::string& text) {
+  const std::string form = "--partition: expected HOST@FRACTION[:SECONDS], e.g. 2@0.5 or 2@0.5:3, got \"" + text + "\"";
+  const size_t at = text.find('@');
+  if (at == std::string::npos || at == 0) return Status::invalid(form);
+  PartitionArg p;
+  p.host = text.substr(0, at);
+  const size_t colon = text.find(':', at);
+  try {
+    size_t used = 0;
+    const std::string f = text.substr(at + 1, colon == std::string::npos ? std::string::npos : colon - at - 1);
+    p.fraction = std::stod(f, &used);
+    if (used != f.size() || !(p.fraction >= 0) || p.fraction > 100)
+      return Status::invalid("--partition " + text + ": the fraction must be from 0 to 100");
+    if (colon != std::string::npos) {
+      const std::string sec = text.substr(colon + 1);
+      p.seconds = std::stod(sec, &used);
+      if (used != sec.size() || !(p.seconds > 0) || p.seconds > 3600)
+        return Status::invalid("--partition " + text + ": the seconds must be more than 0 and at most 3600");
+    }
+  } catch (const std::exception&) {
+    return Status::invalid(form);
+  }
+  return p;
+}
+
+// Where every rank of a scenario runs with --hosts: the training domains
+// on hosts 0, 1, ..., then the receiving domains, each domain a host; the
+// broadcast baseline's gatherer on a host of its own after them.
+struct HostMap {
+  std::vector<std::string> names;            // hosts in order
+  std::vector<std::vector<std::string>> ranks;  // per host: "source 0", ...
+  std::vector<size_t> source_host, receiver_host;  // by rank
+  size_t gatherer_host = SIZE_MAX;
+};
+HostMap map_hosts(const refit::Layout& layout, bool gatherer) {
+  HostMap m;
+  std::vector<int32_t> sdom, rdom;
+  for (const auto& s : layout.sources) sdom.push_back(s.domain);
+  for (const auto& r : layout.receivers) rdom.push_back(r.domain);
+  auto distinct = [](std::vector<int32_t> v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    return v;
+  };
+  const std::vector<int32_t> sd = distinct(sdom), rd = distinct(rdom);
+  auto index = [](const std::vector<int32_t>& v, int32_t x) {
+    return static_cast<size_t>(std::lower_bound(v.begin(), v.end(), x) - v.begin());
+  };
+  const size_t n = sd.size() + rd.size() + (gatherer ? 1 : 0);
+  for (size_t k = 0; k < n; ++k) m.names.push_back(std::to_string(k));
+  m.ranks.resize(n);
+  for (size_t s = 0; s < sdom.size(); ++s) {
+    m.source_host.push_back(index(sd, sdom[s]));
+    m.ranks[m.source_host.back()].push_back("source " + std::to_string(s));
+  }
+  for (size_t r = 0; r < rdom.size(); ++r) {
+    m.receiver_host.push_back(sd.size() + index(rd, rdom[r]));
+    m.ranks[m.receiver_host.back()].push_back("receiver " + std::to_string(r));
+  }
+  if (gatherer) {
+    m.gatherer_host = n - 1;
+    m.ranks[n - 1].push_back("gatherer (broadcast)");
+  }
+  return m;
+}
+
+void print_hosts(const refit::bench::Hosts& hosts, const HostMap& map, const std::vector<Row>& rows) {
+  const refit::bench::LinkSettings& l = hosts.link();
+  std::printf("hosts: %zu and the coordinator's, one veth each on a bridge; links: %s, delay %s ms, loss %s %%\n",
+              hosts.hosts().size(), l.mbit > 0 ? (fixed(l.mbit, 0) + " Mbit/s").c_str() : "no rate limit",
+              fixed(l.delay_ms, 2).c_str(), fixed(l.loss_percent, 2).c_str());
+  for (size_t k = 0; k < hosts.hosts().size(); ++k) {
+    const refit::bench::Host& h = hosts.hosts()[k];
+    std::string ranks;
+    for (const auto& r : map.ranks[k]) ranks += (ranks.empty() ? "" : ", ") + r;
+    std::printf("  host %s: %s %s (%s)\n", h.name.c_str(), h.device.c_str(), h.address.c_str(), ranks.c_str());
+  }
+  std::printf("  host coordinator: %s %s\n", hosts.coordinator().device.c_str(), hosts.coordinator().address.c_str());
+  for (const Row& r : rows) {
+    if (!r.link_bytes.is_object()) continue;
+    std::printf("%s: the last refresh's bytes on each host's interface (/sys/class/net/*/statistics), beside the "
+                "network bytes the receivers' reports give:\n", r.strategy.c_str());
+    std::printf("  %-12s %14s %14s %14s\n", "host", "rx", "tx", "plan (rx)");
+    for (auto it = r.link_bytes.begin(); it != r.link_bytes.end(); ++it) {
+      auto plan = r.plan_bytes_by_host.find(it.key());
+      std::printf("  %-12s %14s %14s %14s\n", it.key().c_str(),
+                  human_bytes(it.value().value("rx_bytes", int64_t{0})).c_str(),
+                  human_bytes(it.value().value("tx_bytes", int64_t{0})).c_str(),
+                  plan == r.plan_bytes_by_host.end() ? "-" : human_bytes(plan->second).c_str());
+    }
+  }
+  for (const Row& r : rows) {
+    if (r.partitioned.empty()) continue;
+    const char* s = r.strategy.c_str();
+    std::printf("%s: partition: %s, in the refresh of version %lld\n", s, r.partitioned.c_str(),
+                static_cast<long long>(r.partitioned_version));
+    std::string failed;
+    for (int32_t x : r.partition_failed) failed += (failed.empty() ? "" : ", ") + std::to_string(x);
+    std::printf("%s: version %lld's refresh, %.3f s until every receiver answered: %s\n", s,
+                static_cast<long long>(r.partitioned_version), r.partition_refresh_seconds,
+                failed.empty() ? "completed and verified on every receiver" : ("receivers " + failed + " failed: " + r.partition_error).c_str());
+    if (r.partition_live_intact) std::printf("%s: live weights intact: %s\n", s, *r.partition_live_intact ? "yes" : "NO");
+  }
+}
+
 int usage_error(const std::string& message) {
   std::fprintf(stderr, "refit-bench: %s\n(run refit-bench --help for the options)\n", message.c_str());
   return kExitBadInput;
@@ -355,6 +486,9 @@ int main(int argc, char** argv) {
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
   double timeout_s = 60, heartbeat_timeout_s = 0;
+  bool hosts_mode = false;
+  std::string partition_text;
+  refit::bench::LinkSettings link;
   CLI::App app(
       "refit-bench: live weight refreshes of a scenario on this machine, refit against its baselines.\n"
       "\n"
@@ -468,6 +602,24 @@ int main(int argc, char** argv) {
       "writes into a peer's small pages cost about 2.3 times those into huge pages\n"
       "(refit-cma-bench).\n"
       "\n"
+      "Hosts (--hosts; root and iproute2): every domain runs on a host of its own, a network\n"
+      "namespace whose one interface is a veth on a private bridge (itself in a namespace),\n"
+      "and the coordinator on one more host. Hosts are numbered as the scenario's domains:\n"
+      "the training domains first (0, 1, ...), then the receiving domains; with broadcast,\n"
+      "its gatherer gets the next host. Each agent's \"network.devices\" names its host's\n"
+      "interface, so UCX listens and connects only there. Namespaces are named\n"
+      "refit-<pid>-<host> and removed at exit; those of a run that was killed are removed by\n"
+      "the next start. --link-mbit caps every link in both directions (tc tbf on both ends);\n"
+      "--link-delay-ms (tc netem: the kernel needs it) and --link-loss (nftables) apply to what\n"
+      "each host sends, so a packet between two hosts is delayed and may be lost once. Below the\n"
+      "table: each host's interface bytes (/sys/class/net/*/statistics) in each strategy's\n"
+      "last refresh, beside the network bytes the receivers' reports give for that host.\n"
+      "--partition HOST@F[:S] takes that host's link down in the refresh of version N-1 (use\n"
+      "N >= 3), F times version N-2's refresh wall time after the refresh command, for S\n"
+      "seconds (default: until every receiver answered), then up again; the receivers whose\n"
+      "refresh returned OK complete the version (staged: the others must still hold version\n"
+      "N-2, every byte checked), and version N must verify on every receiver.\n"
+      "\n"
       "A progress bar is drawn on stderr when it is a terminal; otherwise one line per\n"
       "strategy. Exit status: 0 all verified (and no mixed read), 1 a strategy failed, a\n"
       "byte was wrong or a read was mixed, 2 bad arguments or input files.",
@@ -527,6 +679,16 @@ int main(int argc, char** argv) {
                  "seconds of silence after which the coordinator declares a rank dead (default 10); the ranks "
                  "send a heartbeat every quarter of it")
       ->check(CLI::Range(0.4, 3600.0));
+  app.add_flag("--hosts", hosts_mode,
+               "run every domain on a host of its own: a network namespace with one veth on a private bridge, "
+               "the coordinator on a host of its own (see Hosts above; needs root and iproute2)");
+  app.add_option("--link-mbit", link.mbit, "with --hosts: every host link's rate, Mbit/s, both directions");
+  app.add_option("--link-delay-ms", link.delay_ms, "with --hosts: the one-way delay a host adds to what it sends, ms");
+  app.add_option("--link-loss", link.loss_percent,
+                 "with --hosts: the percentage of the packets a host sends that are lost");
+  app.add_option("--partition", partition_text,
+                 "with --hosts: HOST@FRACTION[:SECONDS]: take that host's link down in the refresh of version N-1 "
+                 "(see Hosts above; needs --versions 3 or more)");
   app.add_option("--timeout", timeout_s, "seconds each step may take before the run fails (default 60)")
       ->check(CLI::Range(1.0, 3600.0));
   try {
@@ -589,12 +751,77 @@ int main(int argc, char** argv) {
   options.churn = churn;
   if (heartbeat_timeout_s > 0)
     options.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s * 1000));
+  // --hosts: every check before any namespace or process is made.
+  std::optional<HostMap> host_map;
+  std::optional<PartitionArg> partition;
+  if (!hosts_mode && (link.any() || !partition_text.empty()))
+    return usage_error("--link-mbit, --link-delay-ms, --link-loss and --partition need --hosts");
+  if (hosts_mode) {
+    Status ok = refit::bench::check_link_settings(link);
+    if (!ok.is_ok()) return usage_error(ok.message());
+    const bool broadcast = std::find(strategies->begin(), strategies->end(), refit::Strategy::kBroadcast) !=
+                           strategies->end();
+    host_map = map_hosts(*layout, broadcast);
+    if (!partition_text.empty()) {
+      auto p = parse_partition(partition_text);
+      if (!p) return usage_error(p.status().message());
+      if (std::find(host_map->names.begin(), host_map->names.end(), p->host) == host_map->names.end())
+        return usage_error("--partition: there is no host \"" + p->host + "\": " + scenario_path + " runs on hosts 0.." +
+                           std::to_string(host_map->names.size() - 1));
+      if (versions < 3)
+        return usage_error("--partition needs --versions 3 or more: it hits version N-1, and version N must "
+                           "verify after it heals");
+      if (!kill_text.empty()) return usage_error("--partition and --kill: give one of them");
+      partition = *p;
+    }
+    Status can = refit::bench::Hosts::check();
+    if (can.is_ok()) can = refit::bench::Hosts::check_link(link);
+    if (!can.is_ok()) return usage_error("--hosts: " + can.message());
+  }
   if (options.kill) {
     const size_t ranks = options.kill->receiver ? layout->receivers.size() : layout->sources.size();
     if (static_cast<size_t>(options.kill->rank) >= ranks)
       return usage_error("--kill: " + std::string(options.kill->receiver ? "receiver" : "source") + " rank " +
                          std::to_string(options.kill->rank) + " does not exist: " + scenario_path + " has " +
                          std::to_string(ranks) + " (ranks 0.." + std::to_string(static_cast<int64_t>(ranks) - 1) + ")");
+  }
+  std::unique_ptr<refit::bench::Hosts> hosts;
+  if (host_map) {
+    auto made = refit::bench::Hosts::create(static_cast<int>(host_map->names.size()), link);
+    if (!made) {
+      std::fprintf(stderr, "refit-bench: --hosts: %s\n", made.status().message().c_str());
+      return kExitFailed;
+    }
+    hosts = std::move(*made);
+    refit::bench::RunOptions::HostPlaces places;
+    const auto& hs = hosts->hosts();
+    for (size_t h : host_map->source_host) {
+      places.source_netns.push_back(hs[h].netns);
+      places.source_device.push_back(hs[h].device);
+    }
+    for (size_t h : host_map->receiver_host) {
+      places.receiver_netns.push_back(hs[h].netns);
+      places.receiver_device.push_back(hs[h].device);
+    }
+    if (host_map->gatherer_host != SIZE_MAX) {
+      places.gatherer_netns = hs[host_map->gatherer_host].netns;
+      places.gatherer_device = hs[host_map->gatherer_host].device;
+    }
+    places.coordinator_netns = hosts->coordinator().netns;
+    places.coordinator_host = hosts->coordinator().address;
+    const refit::bench::Hosts* hp = hosts.get();
+    places.counters = [hp]() { return hp->counters(); };
+    options.hosts = places;
+    options.network_devices.clear();
+    if (partition) {
+      refit::bench::RunOptions::Partition p;
+      p.host = partition->host;
+      p.fraction = partition->fraction;
+      p.seconds = partition->seconds;
+      const size_t k = static_cast<size_t>(std::stoul(partition->host));
+      p.set_link = [hp, k](bool up) { return hp->set_up(k, up); };
+      options.partition = p;
+    }
   }
   Progress progress;
   std::vector<Row> rows;
@@ -605,7 +832,7 @@ int main(int argc, char** argv) {
   // broadcast runs on its own.
   std::vector<refit::bench::RunResult> results(strategies->size());
   std::vector<size_t> together;
-  if (!sequential && kill_text.empty() && churn == 0 && late_join == 0) {
+  if (!sequential && kill_text.empty() && churn == 0 && late_join == 0 && partition_text.empty()) {
     for (size_t i = 0; i < strategies->size(); ++i)
       if ((*strategies)[i] != refit::Strategy::kBroadcast) together.push_back(i);
     if (together.size() < 2) together.clear();
@@ -668,6 +895,22 @@ int main(int argc, char** argv) {
     row.churn_seconds_median = r.median_rejoin_seconds();
     row.churn_seconds_max = r.max_rejoin_seconds();
     row.late_joined = r.late_joined;
+    if (host_map && !r.versions.empty()) {
+      const auto& last = r.versions.back();
+      row.link_bytes = last.link_bytes;
+      // The receivers' reports come in receiver rank order when all of them
+      // refreshed (broadcast: stage 2's, one per receiver rank too).
+      if (last.reports.size() == host_map->receiver_host.size())
+        for (size_t k = 0; k < last.reports.size(); ++k)
+          row.plan_bytes_by_host[host_map->names[host_map->receiver_host[k]]] +=
+              last.reports[k].value("network_bytes", int64_t{0});
+    }
+    row.partitioned = r.partitioned;
+    row.partitioned_version = r.partitioned_version;
+    row.partition_refresh_seconds = r.partition_refresh_seconds;
+    row.partition_failed = r.partition_failed;
+    row.partition_error = r.partition_error;
+    row.partition_live_intact = r.partition_live_intact;
     row.resident = r.resident;
     row.rss_first_kib = r.resident_first_kib();
     row.rss_last_kib = r.resident_last_kib();
@@ -681,6 +924,8 @@ int main(int argc, char** argv) {
                              {"cpu_seconds", v.cpu_seconds},
                              {"machine_cpu_seconds", v.machine_cpu_seconds},
                              {"reports", v.reports}});
+    if (host_map)
+      for (size_t k = 0; k < r.versions.size(); ++k) per_version[k]["link_bytes"] = r.versions[k].link_bytes;
     all_reports[name] = std::move(per_version);
     all_ok = all_ok && row.verified && row.mixed_version_reads == 0;
     rows.push_back(row);
@@ -690,10 +935,27 @@ int main(int argc, char** argv) {
               scenario->model.c_str(), layout->sources.size(), layout->receivers.size(), versions);
   print_table(rows, payload, versions, serve_check,
               memory_table || churn > 0 || late_join > 0 || !kill_text.empty());
+  if (hosts) print_hosts(*hosts, *host_map, rows);
 
   if (!json_out.empty()) {
     ordered_json doc = ordered_json::object();
     doc["scenario"] = fs::path(scenario_path).stem().string();
+    if (hosts) {
+      ordered_json hs = ordered_json::array();
+      auto add = [&](const refit::bench::Host& h, const std::vector<std::string>& ranks) {
+        hs.push_back({{"name", h.name}, {"netns", h.netns}, {"device", h.device}, {"address", h.address},
+                      {"ranks", ranks}});
+      };
+      for (size_t k = 0; k < hosts->hosts().size(); ++k) add(hosts->hosts()[k], host_map->ranks[k]);
+      add(hosts->coordinator(), {"coordinator"});
+      doc["hosts"] = std::move(hs);
+      doc["link"] = {{"mbit", link.mbit},
+                     {"delay_ms", link.delay_ms},
+                     {"loss_percent", link.loss_percent},
+                     {"rate", "both directions: tc tbf on both ends of each host's veth"},
+                     {"delay", "on what each host sends: tc netem on the host's end"},
+                     {"loss", "on what each host sends: an nftables rule in the host's output hook"}};
+    }
     ordered_json results = ordered_json::array();
     for (const Row& r : rows) {
       results.push_back({{"strategy", r.strategy},
@@ -735,6 +997,18 @@ int main(int argc, char** argv) {
         j["rejoin_seconds_max"] = r.churn_seconds_max;
       }
       if (late_join > 0) j["late_joined"] = text_or_null(r.late_joined);
+      if (hosts) {
+        j["link_bytes"] = r.link_bytes;
+        j["plan_network_bytes_by_host"] = r.plan_bytes_by_host;
+      }
+      if (!partition_text.empty()) {
+        j["partitioned"] = text_or_null(r.partitioned);
+        j["partitioned_version"] = r.partitioned_version;
+        j["partition_refresh_seconds"] = r.partition_refresh_seconds;
+        j["partition_failed_receivers"] = r.partition_failed;
+        j["partition_error"] = text_or_null(r.partition_error);
+        if (r.partition_live_intact) j["live_weights_intact"] = *r.partition_live_intact;
+      }
       j["rss_first_kib"] = r.rss_first_kib;
       j["rss_last_kib"] = r.rss_last_kib;
       j["rss_max_growth_kib"] = r.rss_max_growth_kib;

@@ -4,11 +4,14 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "transport/fabric/mailbox.h"
@@ -25,6 +28,21 @@ int read_ptrace_scope() {
   return 0;  // no Yama: classic ptrace rules (same user)
 }
 
+// The parent of `pid`, from /proc/PID/stat ("pid (comm) state ppid ..."; the
+// command may hold spaces and parentheses, so read after the last ')'), or
+// 0 when it cannot be read.
+int parent_of(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(stat.substr(close + 1));
+  std::string state;
+  int ppid = 0;
+  if (!(rest >> state >> ppid)) return 0;
+  return ppid;
+}
+
 void put(std::vector<uint8_t>& out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
 }
@@ -36,17 +54,50 @@ uint64_t get(const uint8_t* p, int bytes) {
 
 }  // namespace
 
+// The process that Yama must let attach to this one so that all of `peers`
+// may: Yama keeps one exception per process (PR_SET_PTRACER), which admits
+// the process it names and that process's descendants. One peer: the peer
+// itself. Several: their nearest common ancestor, the launcher that started
+// the domain's ranks (which admits its other children too). 0 when no peer
+// is another process.
+Result<int> cma_tracer_for(const std::vector<int>& peers) {
+  if (peers.empty()) return 0;
+  if (peers.size() == 1) return peers.front();
+  std::vector<int> chain;  // peers[0] and its ancestors, nearest first
+  for (int p = peers.front(); p > 0 && chain.size() < 4096; p = parent_of(p)) chain.push_back(p);
+  size_t common = 0;  // index in chain of the nearest ancestor shared so far
+  for (size_t i = 1; i < peers.size(); ++i) {
+    size_t found = chain.size();
+    for (int p = peers[i]; p > 0 && found == chain.size(); p = parent_of(p)) {
+      for (size_t k = 0; k < chain.size(); ++k) {
+        if (chain[k] == p) {
+          found = k;
+          break;
+        }
+      }
+    }
+    if (found == chain.size()) {
+      return Status::unsupported("local fabric \"cma\": ranks of this domain (pids " + std::to_string(peers.front()) +
+                                 " and " + std::to_string(peers[i]) + ") share no parent process that can be read here");
+    }
+    common = std::max(common, found);
+  }
+  if (chain[common] <= 1) {
+    return Status::unsupported("local fabric \"cma\": the ranks of this domain share no launcher below init, so "
+                               "kernel.yama.ptrace_scope 1 cannot admit them all; start them from one launcher, "
+                               "or use \"local\": {\"fabric\": \"ucx\"}");
+  }
+  return chain[common];
+}
+
 Result<std::unique_ptr<CmaFabric>> CmaFabric::create(const CmaFabricConfig& config) {
   const int scope = read_ptrace_scope();
   if (scope >= 2) {
     return Status::unsupported("local fabric \"cma\": kernel.yama.ptrace_scope is " + std::to_string(scope) +
                                ", which forbids process_vm_writev between ranks; use \"local\": {\"fabric\": \"ucx\"}");
   }
-  if (scope == 1 && prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0) {
-    return Status::unsupported(std::string("local fabric \"cma\": prctl(PR_SET_PTRACER) failed: ") +
-                               std::strerror(errno) + "; use \"local\": {\"fabric\": \"ucx\"}");
-  }
   std::unique_ptr<CmaFabric> f(new CmaFabric(config));
+  f->ptrace_scope_ = scope;
   f->pid_ = static_cast<int>(getpid());
   Result<uint64_t> start = mailbox::start_time_of(f->pid_);
   if (!start.is_ok()) return start.status();
@@ -108,6 +159,7 @@ Status CmaFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
     }
     procs_.push_back(*p);
   }
+  REFIT_RETURN_IF_ERROR(admit_peers());
   std::set<uint32_t> out;
   for (size_t i = 0; i < schedule.sends.size(); ++i) {
     const Send& s = schedule.sends[i];
@@ -141,6 +193,26 @@ Status CmaFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   return Status::ok();
 }
 
+Status CmaFabric::admit_peers() {
+  // Under scope 0 the kernel's own rule (same user, same or a parent user
+  // namespace) already admits the domain's ranks, and nothing is declared.
+  if (ptrace_scope_ != 1) return Status::ok();
+  std::vector<int> pids;
+  for (const PeerProcess& p : procs_) {
+    if (p.pid != pid_ && std::find(pids.begin(), pids.end(), p.pid) == pids.end()) pids.push_back(p.pid);
+  }
+  std::sort(pids.begin(), pids.end());
+  Result<int> tracer = cma_tracer_for(pids);
+  if (!tracer.is_ok()) return tracer.status();
+  if (*tracer == 0 || *tracer == tracer_) return Status::ok();
+  if (prctl(PR_SET_PTRACER, static_cast<unsigned long>(*tracer), 0, 0, 0) != 0) {
+    return Status::unsupported("local fabric \"cma\": prctl(PR_SET_PTRACER, " + std::to_string(*tracer) +
+                               ") failed: " + std::strerror(errno) + "; use \"local\": {\"fabric\": \"ucx\"}");
+  }
+  tracer_ = *tracer;
+  return Status::ok();
+}
+
 namespace {
 // Reads the accepting word of the process (pid, mailbox) into *word.
 Status read_accepting(int pid, uint64_t mailbox_address, uint64_t* word) {
@@ -157,9 +229,28 @@ Status read_accepting(int pid, uint64_t mailbox_address, uint64_t* word) {
 
 Status CmaFabric::await_accepting(uint32_t peer) {
   const PeerProcess proc = procs_[peer];
-  return mailbox::await_accepting([&](uint64_t* word) { return read_accepting(proc.pid, proc.mailbox, word); },
-                                  schedule_->peers[peer].rank, schedule_->version, schedule_->epoch, deadline_,
-                                  &cancelled_);
+  // A peer admits this process (admit_peers) in its own begin(); until then
+  // the kernel refuses the read (EPERM), which is the same as a peer that
+  // has not opened this attempt yet: wait, up to the deadline.
+  bool refused = false;
+  Status st = mailbox::await_accepting(
+      [&](uint64_t* word) {
+        Status r = read_accepting(proc.pid, proc.mailbox, word);
+        if (!r.is_ok() && r.message() == std::strerror(EPERM)) {
+          refused = true;
+          *word = 0;
+          return Status::ok();
+        }
+        refused = false;
+        return r;
+      },
+      schedule_->peers[peer].rank, schedule_->version, schedule_->epoch, deadline_, &cancelled_);
+  if (!st.is_ok() && refused) {
+    return st.with_context("the kernel refused to let this process read it (pid " + std::to_string(proc.pid) +
+                           "; kernel.yama.ptrace_scope " + std::to_string(ptrace_scope_) +
+                           ", see docs/security.md)");
+  }
+  return st;
 }
 
 void CmaFabric::close_attempt(bool ok) {

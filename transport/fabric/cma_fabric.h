@@ -18,10 +18,16 @@
 //    registered;
 //  - a peer that dies mid-refresh gives ESRCH: an error naming it.
 // Permission: the kernel allows process_vm_writev where it would allow
-// ptrace. Under Yama's ptrace_scope 1 (Ubuntu's default), siblings may not,
-// so create() declares any process of the same user a permitted tracer
-// (PR_SET_PTRACER); with scope 2 or 3 create() fails with a message that
-// says to use the UCX fabric ("local": {"fabric": "ucx"}).
+// ptrace: same user, and under Yama's ptrace_scope 1 (Ubuntu's default)
+// only an ancestor or a process the target declared (PR_SET_PTRACER).
+// begin() declares only this domain's ranks, from the schedule's contacts:
+// the one peer itself, or with several the nearest process they all
+// descend from (their launcher), since Yama keeps one exception per
+// process. Until a peer has declared this rank, its reads of that peer are
+// refused and taken as "not open yet". Under scope 0 nothing is declared;
+// with scope 2 or 3 create() fails with a message that says to use the UCX
+// fabric ("local": {"fabric": "ucx"}). docs/security.md says what a
+// deployment needs.
 //
 // Threads: as LocalFabric says.
 
@@ -40,6 +46,12 @@ struct CmaFabricConfig {
   int32_t rank = 0;
   size_t max_iov = 64;  // iovecs per system call
 };
+
+// The process that Yama's ptrace_scope 1 must let attach to a rank so that
+// all of `peers` (pids) may: the peer itself, or several peers' nearest
+// common ancestor (see the top); 0 for no peer; an error naming two peers
+// with no common ancestor below init. Exposed for tests.
+Result<int> cma_tracer_for(const std::vector<int>& peers);
 
 class CmaFabric final : public LocalFabric {
  public:
@@ -62,6 +74,8 @@ class CmaFabric final : public LocalFabric {
   };
   explicit CmaFabric(CmaFabricConfig config) : config_(config) {}
   static Result<PeerProcess> parse_contact(const std::vector<uint8_t>& bytes, int32_t rank);
+  // Lets the schedule's peers attach to this process (see the top).
+  Status admit_peers();
   // Writes `n` local pieces to `n` remote places of peer `peer`.
   Status write(uint32_t peer, const ::iovec* local, const ::iovec* remote, size_t n);
   // Returns once peer `peer` accepts this attempt's writes; an error when it
@@ -74,6 +88,8 @@ class CmaFabric final : public LocalFabric {
   void close_attempt(bool ok);
 
   CmaFabricConfig config_;
+  int ptrace_scope_ = 0;
+  int tracer_ = 0;  // the process declared with PR_SET_PTRACER, 0: none
   int pid_ = 0;
   uint64_t start_time_ = 0;
   std::unique_ptr<uint64_t[]> mailbox_;  // mailbox::kWords

@@ -101,9 +101,9 @@ Status install_fallback_handlers(ucp_worker_h worker) {
 
 }  // namespace am_rma
 
-Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker) {
+Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker, Puts puts) {
   if (worker.get() == nullptr) return Status::invalid("ucx am rma server: worker is empty");
-  std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker));
+  std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker, puts));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGetRequest, &AmRmaServer::on_get, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kPutRequest, &AmRmaServer::on_put, s.get()));
   return s;
@@ -134,10 +134,11 @@ void AmRmaServer::unexport_region(const MemoryRegion& region) {
   regions_.erase(std::remove(regions_.begin(), regions_.end(), &region), regions_.end());
 }
 
-bool AmRmaServer::exported(uint64_t address, uint64_t length) const {
+bool AmRmaServer::exported(uint64_t address, uint64_t length, bool for_write) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return std::any_of(regions_.begin(), regions_.end(), [&](const MemoryRegion* r) {
-    return r->contains(reinterpret_cast<const void*>(address), length);
+    return r->contains(reinterpret_cast<const void*>(address), length) &&
+           (!for_write || r->access() == Access::kRemoteReadWrite);
   });
 }
 
@@ -190,10 +191,14 @@ ucs_status_t AmRmaServer::on_put(void* arg, const void* header, size_t header_le
   ucs_status_t st = UCS_OK;
   if (h.magic != am_rma::kMagic) {
     st = UCS_ERR_UNSUPPORTED;
+  } else if (self->puts_ == Puts::kRefused) {
+    st = UCS_ERR_REJECTED;  // nothing here may be written by a peer
   } else if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
     st = UCS_ERR_UNSUPPORTED;  // the engine always sends eager
   } else if (h.length != length || length == 0 || !self->exported(h.address, h.length)) {
     st = UCS_ERR_INVALID_ADDR;
+  } else if (!self->exported(h.address, h.length, /*for_write=*/true)) {
+    st = UCS_ERR_REJECTED;  // a region mapped remote-read-only
   }
   if (st == UCS_OK) {
     std::memcpy(reinterpret_cast<void*>(h.address), data, length);

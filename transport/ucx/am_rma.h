@@ -110,16 +110,23 @@ Status install_fallback_handler(ucp_worker_h worker, unsigned id);
 
 class AmRmaServer {
  public:
+  // Whether the server serves PUTs at all. A source serves GETs only
+  // (kRefused): a peer's PUT is refused with UCS_ERR_REJECTED whatever its
+  // address, and the refusal counted (docs/security.md, "Data plane").
+  enum class Puts { kServed, kRefused };
+
   // Registers the request handlers on `worker` (borrowed; must outlive the
   // server). One server per worker.
-  static Result<std::unique_ptr<AmRmaServer>> create(Worker& worker);
+  static Result<std::unique_ptr<AmRmaServer>> create(Worker& worker, Puts puts = Puts::kServed);
   ~AmRmaServer();
   AmRmaServer(const AmRmaServer&) = delete;
   AmRmaServer& operator=(const AmRmaServer&) = delete;
 
-  // Peers may GET from and PUT to [base, base + length) of `region`
-  // (borrowed). Requests outside every exported region are refused with
-  // UCS_ERR_INVALID_ADDR in the reply.
+  // Peers may GET from [base, base + length) of `region` (borrowed), and PUT
+  // to it when the server serves PUTs and the region was mapped with
+  // Access::kRemoteReadWrite; a PUT into a region mapped kRemoteRead is
+  // refused with UCS_ERR_REJECTED. Requests outside every exported region
+  // are refused with UCS_ERR_INVALID_ADDR in the reply.
   void export_region(const MemoryRegion& region);
   void unexport_region(const MemoryRegion& region);
 
@@ -131,12 +138,14 @@ class AmRmaServer {
   uint64_t replies_in_flight() const { return inflight_->load(std::memory_order_relaxed); }
 
  private:
-  explicit AmRmaServer(Worker& worker) : worker_(worker) {}
+  AmRmaServer(Worker& worker, Puts puts) : worker_(worker), puts_(puts) {}
   static ucs_status_t on_get(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t on_put(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
-  bool exported(uint64_t address, uint64_t length) const;
+  // Whether [address, +length) lies in one exported region (and, with
+  // `for_write`, one mapped Access::kRemoteReadWrite).
+  bool exported(uint64_t address, uint64_t length, bool for_write = false) const;
   // A reply without bytes: a PUT's, or a refusal.
   void reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status);
   // A GET's bytes, in pieces of at most am_rma::kReplyPieceBytes.
@@ -144,6 +153,7 @@ class AmRmaServer {
   Status set_handler(unsigned id, ucp_am_recv_callback_t cb, void* arg);
 
   Worker& worker_;
+  const Puts puts_;
   mutable std::mutex mutex_;
   std::vector<const MemoryRegion*> regions_;  // guarded by mutex_
   std::atomic<uint64_t> served_{0};

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string_view>
 
+#include "transport/ucx/route.h"
 #include "transport/ucx/ucx_status.h"
 
 namespace refit::ucx {
@@ -60,6 +61,21 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 
+// Whether the transports reach other hosts only through tcp, whose devices
+// are the kernel's interfaces: then the interface toward the coordinator is
+// a UCX device name. rc, dc, ud and "all" name HCA ports instead.
+bool network_is_tcp(const std::vector<std::string>& transports) {
+  bool tcp = false;
+  for (const auto& t : transports) {
+    if (t == "tcp" || t == "shm") {
+      tcp = true;
+    } else if (t != "self" && t != "posix" && t != "sysv" && t != "cma" && t != "sm" && t != "mm") {
+      return false;
+    }
+  }
+  return tcp;
+}
+
 }  // namespace
 
 Result<std::string> ucx_tls_string(const std::vector<std::string>& transports,
@@ -97,7 +113,16 @@ Result<std::string> ucx_tls_string(const std::vector<std::string>& transports,
   return join(tls);
 }
 
-Result<Context> Context::create(const ContextConfig& config) {
+Result<Context> Context::create(const ContextConfig& asked) {
+  ContextConfig config = asked;
+  if (config.devices.empty() && !config.route_to.empty() && network_is_tcp(config.transports)) {
+    Result<std::string> dev = interface_toward(config.route_to);
+    if (!dev.is_ok()) {
+      return dev.status().with_context("ucx context \"" + config.name +
+                                       "\": choosing the default of \"devices\"");
+    }
+    config.devices = {*dev};
+  }
   auto tls = ucx_tls_string(config.transports, config.name);
   if (!tls) return tls.status();
   const std::string where = "ucx context \"" + config.name + "\"";
@@ -133,7 +158,8 @@ Result<Context> Context::create(const ContextConfig& config) {
   ucp_params_t params = {};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                       UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  if (!config.serves_only) params.features |= UCP_FEATURE_RMA;
   params.mt_workers_shared = 0;
   params.name = config.name.c_str();
   ucp_context_h handle = nullptr;
@@ -144,6 +170,7 @@ Result<Context> Context::create(const ContextConfig& config) {
                             "; check that these transports and devices exist here (ucx_info -d)");
   }
   Context context(handle, config.name);
+  context.devices_ = config.devices;
   REFIT_RETURN_IF_ERROR(check_devices(context, config, *tls));
   return context;
 }
@@ -187,7 +214,7 @@ Status Context::check_devices(const Context& context, const ContextConfig& confi
 }
 
 Context::Context(Context&& other) noexcept
-    : handle_(other.handle_), name_(std::move(other.name_)) {
+    : handle_(other.handle_), name_(std::move(other.name_)), devices_(std::move(other.devices_)) {
   other.handle_ = nullptr;
 }
 
@@ -196,6 +223,7 @@ Context& Context::operator=(Context&& other) noexcept {
     if (handle_) ucp_cleanup(handle_);
     handle_ = other.handle_;
     name_ = std::move(other.name_);
+    devices_ = std::move(other.devices_);
     other.handle_ = nullptr;
   }
   return *this;

@@ -23,13 +23,26 @@ struct ContextConfig {
   // default ("all"). "self" is always added so that a process can GET from
   // itself.
   std::vector<std::string> transports;
-  // Network devices (UCX NET_DEVICES), e.g. {"lo"} or {"mlx5_0:1"}; empty
-  // means all. A name UCX does not report for these transports is an error
-  // naming it and listing the ones UCX has (UCX itself only warns).
+  // Network devices (UCX NET_DEVICES), e.g. {"lo"} or {"mlx5_0:1"}. A name
+  // UCX does not report for these transports is an error naming it and
+  // listing the ones UCX has (UCX itself only warns). Empty: the interface
+  // that reaches `route_to` when that is set and the transports reach the
+  // network through tcp only (route.h), else all of UCX's devices.
   std::vector<std::string> devices;
+  // A host (the coordinator's) whose route picks the default device.
+  std::string route_to;
   // How soon UCX notices a silent dead peer (UCX KEEPALIVE_INTERVAL). Zero
   // keeps UCX's default.
   std::chrono::milliseconds keepalive_interval{0};
+  // A context that only serves its memory to peers and never issues RMA
+  // itself (a source's): ucp_init without UCP_FEATURE_RMA, so that UCX
+  // installs none of its own software RMA handlers (its GET/PUT emulation
+  // for transports without RMA, such as tcp), which read or write whatever
+  // address a peer's request names with no check against registered
+  // memory. Peers then reach the memory only through the AmRmaServer
+  // (am_rma.h), which checks every request, or through hardware RMA that
+  // the memory's protection flags govern (memory.h).
+  bool serves_only = false;
 };
 
 class Context {
@@ -47,6 +60,9 @@ class Context {
 
   ucp_context_h get() const { return handle_; }
   const std::string& name() const { return name_; }
+  // The devices the context was created with: those configured, or the one
+  // picked from route_to; empty means all of UCX's.
+  const std::vector<std::string>& devices() const { return devices_; }
 
  private:
   Context(ucp_context_h handle, std::string name) : handle_(handle), name_(std::move(name)) {}
@@ -54,6 +70,7 @@ class Context {
                               const std::string& tls);
   ucp_context_h handle_ = nullptr;
   std::string name_;
+  std::vector<std::string> devices_;
 };
 
 // The UCX TLS string a refit transport list maps to, or an error naming the

@@ -635,8 +635,11 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer refused the " +
                                                   op_name(r.op) + " of " + std::to_string(c.bytes) +
                                                   " bytes at offset " + std::to_string(c.offset) +
-                                                  " (is an AmRmaServer running on its worker, "
-                                                  "with this range exported?)"));
+                                                  (status == UCS_ERR_REJECTED
+                                                       ? " (it accepts no writes there: a source's memory, or "
+                                                         "memory mapped remote-read-only)"
+                                                       : " (is an AmRmaServer running on its worker, "
+                                                         "with this range exported?)")));
     } else {
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": " + op_name(r.op) + " of " +
                                                 std::to_string(c.bytes) + " bytes at offset " +

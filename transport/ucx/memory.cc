@@ -39,8 +39,27 @@ const char* memory_type_name(MemoryType type) {
   return "other";
 }
 
+unsigned protection_flags(Access access) {
+  unsigned flags = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE | UCP_MEM_MAP_PROT_REMOTE_READ;
+  if (access == Access::kRemoteReadWrite) flags |= UCP_MEM_MAP_PROT_REMOTE_WRITE;
+  return flags;
+}
+
+std::string protection_names(unsigned flags) {
+  std::string out;
+  for (auto [bit, name] : {std::pair<unsigned, const char*>{UCP_MEM_MAP_PROT_LOCAL_READ, "LOCAL_READ"},
+                           {UCP_MEM_MAP_PROT_LOCAL_WRITE, "LOCAL_WRITE"},
+                           {UCP_MEM_MAP_PROT_REMOTE_READ, "REMOTE_READ"},
+                           {UCP_MEM_MAP_PROT_REMOTE_WRITE, "REMOTE_WRITE"}}) {
+    if (!(flags & bit)) continue;
+    if (!out.empty()) out += "|";
+    out += name;
+  }
+  return out.empty() ? "none" : out;
+}
+
 Result<MemoryRegion> MemoryRegion::map(const Context& context, void* address, size_t length,
-                                       std::string name) {
+                                       std::string name, Access access) {
   const std::string where = "ucx memory \"" + name + "\" at " + hex(address) + " (" +
                             std::to_string(length) + " bytes)";
   if (context.get() == nullptr) return Status::invalid(where + ": context is empty (moved from)");
@@ -52,11 +71,11 @@ Result<MemoryRegion> MemoryRegion::map(const Context& context, void* address, si
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = address;
   params.length = length;
-  return create(context, params, std::move(name), where);
+  return create(context, params, std::move(name), access, where);
 }
 
 Result<MemoryRegion> MemoryRegion::allocate(const Context& context, size_t length,
-                                            std::string name) {
+                                            std::string name, Access access) {
   const std::string where =
       "ucx memory \"" + name + "\" (" + std::to_string(length) + " bytes, allocated by UCX)";
   if (context.get() == nullptr) return Status::invalid(where + ": context is empty (moved from)");
@@ -67,20 +86,30 @@ Result<MemoryRegion> MemoryRegion::allocate(const Context& context, size_t lengt
   params.address = nullptr;
   params.length = length;
   params.flags = UCP_MEM_MAP_ALLOCATE;
-  return create(context, params, std::move(name), where);
+  return create(context, params, std::move(name), access, where);
 }
 
 Result<MemoryRegion> MemoryRegion::create(const Context& context,
-                                          const ucp_mem_map_params_t& params, std::string name,
-                                          const std::string& where) {
+                                          const ucp_mem_map_params_t& asked, std::string name,
+                                          Access access, const std::string& where) {
+  // UCX 1.13 takes the protection as given (ucp_mm.c reads the field and
+  // hands it to each memory domain as UCT_MD_MEM_ACCESS_*); a domain whose
+  // registration has no notion of it (tcp, shared memory) ignores it, which
+  // is why AmRmaServer checks access() itself.
+  ucp_mem_map_params_t params = asked;
+  params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_PROT;
+  params.prot = protection_flags(access);
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context.get(), &params, &memh);
-  if (st != UCS_OK) return from_ucs(st, where + ": ucp_mem_map");
+  if (st != UCS_OK) {
+    return from_ucs(st, where + ": ucp_mem_map with " + protection_names(params.prot));
+  }
 
   MemoryRegion region;
   region.context_ = context.get();
   region.memh_ = memh;
   region.name_ = std::move(name);
+  region.access_ = access;
 
   ucp_mem_attr_t attr = {};
   attr.field_mask =
@@ -121,6 +150,7 @@ MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept
       base_(other.base_),
       length_(other.length_),
       type_(other.type_),
+      access_(other.access_),
       name_(std::move(other.name_)),
       packed_rkey_(std::move(other.packed_rkey_)) {
   other.memh_ = nullptr;
@@ -134,6 +164,7 @@ MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
     base_ = other.base_;
     length_ = other.length_;
     type_ = other.type_;
+    access_ = other.access_;
     name_ = std::move(other.name_);
     packed_rkey_ = std::move(other.packed_rkey_);
     other.memh_ = nullptr;

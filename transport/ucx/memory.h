@@ -20,12 +20,26 @@ enum class MemoryType { kHost, kCuda, kCudaManaged, kRocm, kRocmManaged, kOther 
 
 const char* memory_type_name(MemoryType type);
 
+// What peers may do with a region. kRemoteRead maps it with
+// UCP_MEM_MAP_PROT_LOCAL_READ | LOCAL_WRITE | REMOTE_READ: on a transport
+// with RMA in hardware (rc, dc) the NIC refuses a peer's PUT into it, and
+// refit's AmRmaServer refuses PUTs into it on the others (am_rma.h). A
+// source's shards are mapped so (docs/security.md). kRemoteReadWrite adds
+// REMOTE_WRITE: receivers' buffers that the local fabric PUTs into.
+enum class Access { kRemoteRead, kRemoteReadWrite };
+
+// The UCP_MEM_MAP_PROT_* flags `access` maps with, and their names joined
+// by '|' ("LOCAL_READ|LOCAL_WRITE|REMOTE_READ"), for logs and reports.
+unsigned protection_flags(Access access);
+std::string protection_names(unsigned flags);
+
 class MemoryRegion {
  public:
   // Registers [address, address + length). Zero length or a null address is
   // an invalid-argument Status naming `name`.
   static Result<MemoryRegion> map(const Context& context, void* address, size_t length,
-                                  std::string name = "buffer");
+                                  std::string name = "buffer",
+                                  Access access = Access::kRemoteReadWrite);
   // Allocates `length` bytes through UCX (UCP_MEM_MAP_ALLOCATE) and registers
   // them; the region owns the memory and frees it. On a shared-memory
   // context UCX allocates it as a posix/sysv segment, which peers on the
@@ -35,7 +49,8 @@ class MemoryRegion {
   // messages, several times slower (refit-ucx-bench --memory user).
   // Contents start undefined.
   static Result<MemoryRegion> allocate(const Context& context, size_t length,
-                                       std::string name = "buffer");
+                                       std::string name = "buffer",
+                                       Access access = Access::kRemoteReadWrite);
 
   MemoryRegion(MemoryRegion&& other) noexcept;
   MemoryRegion& operator=(MemoryRegion&& other) noexcept;
@@ -48,6 +63,9 @@ class MemoryRegion {
   size_t length() const { return length_; }
   MemoryType type() const { return type_; }
   const std::string& name() const { return name_; }
+  Access access() const { return access_; }
+  // The UCP_MEM_MAP_PROT_* flags the region was mapped with.
+  unsigned protection() const { return protection_flags(access_); }
   bool contains(const void* address, size_t length) const;
 
   // The rkey for peers, packed once at map(): opaque framed bytes that also
@@ -57,13 +75,14 @@ class MemoryRegion {
  private:
   MemoryRegion() = default;
   static Result<MemoryRegion> create(const Context& context, const ucp_mem_map_params_t& params,
-                                     std::string name, const std::string& where);
+                                     std::string name, Access access, const std::string& where);
   void release();
   ucp_context_h context_ = nullptr;
   ucp_mem_h memh_ = nullptr;
   uint8_t* base_ = nullptr;
   size_t length_ = 0;
   MemoryType type_ = MemoryType::kHost;
+  Access access_ = Access::kRemoteReadWrite;
   std::string name_;
   std::vector<uint8_t> packed_rkey_;
 };

@@ -35,7 +35,8 @@ Result<std::string> write_token_file() {
   return path;
 }
 
-Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::milliseconds heartbeat_timeout) {
+Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::milliseconds heartbeat_timeout,
+                                                                  const std::string& host) {
   std::unique_ptr<LocalCoordinator> c(new LocalCoordinator());
   auto path = write_token_file();
   if (!path) return path.status();
@@ -43,7 +44,7 @@ Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::m
   auto token = control::read_token_file(c->token_file_);
   if (!token) return token.status();
   control::CoordinatorConfig cfg;
-  cfg.host = "127.0.0.1";
+  cfg.host = host;
   cfg.port = 0;
   cfg.token = *token;
   if (heartbeat_timeout.count() > 0) cfg.heartbeat_timeout = heartbeat_timeout;
@@ -56,7 +57,7 @@ Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::m
   auto started = control::Coordinator::start(std::move(cfg));
   if (!started) return started.status().with_context("coordinator");
   c->coordinator_ = std::move(*started);
-  c->address_ = "127.0.0.1:" + std::to_string(c->coordinator_->port());
+  c->address_ = host + ":" + std::to_string(c->coordinator_->port());
   return c;
 }
 

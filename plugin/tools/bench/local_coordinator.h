@@ -1,6 +1,6 @@
 #pragma once
 // A coordinator embedded in the calling process (transport/control's
-// Coordinator on 127.0.0.1, any free port) with a fresh random token in a
+// Coordinator on 127.0.0.1 or a given address, any free port) with a fresh random token in a
 // private temporary file, for the bench and the tests. Its log lines are kept
 // (the last few) instead of printed, so that a failure can show them.
 //
@@ -22,13 +22,15 @@ class LocalCoordinator {
  public:
   // heartbeat_timeout: how long a member may be silent before the
   // coordinator declares it dead; zero keeps the coordinator's default.
+  // host: the address it listens on (the calling thread's network
+  // namespace; see hosts.h's NetnsScope).
   static Result<std::unique_ptr<LocalCoordinator>> start(
-      std::chrono::milliseconds heartbeat_timeout = std::chrono::milliseconds(0));
+      std::chrono::milliseconds heartbeat_timeout = std::chrono::milliseconds(0), const std::string& host = "127.0.0.1");
   ~LocalCoordinator();  // stops it and removes the token file
   LocalCoordinator(const LocalCoordinator&) = delete;
   LocalCoordinator& operator=(const LocalCoordinator&) = delete;
 
-  // "127.0.0.1:PORT"
+  // "HOST:PORT"
   const std::string& address() const { return address_; }
   const std::string& token_file() const { return token_file_; }
   // The last log lines, one per line; "" when there were none.

@@ -15,6 +15,8 @@
 #include <mutex>
 #include <set>
 
+#include "plugin/tools/bench/hosts.h"
+
 namespace refit::bench {
 
 namespace {
@@ -111,7 +113,7 @@ Result<Json> Channel::receive(Clock::time_point deadline) {
 
 ProcessGroup::~ProcessGroup() { kill_all(); }
 
-Result<size_t> ProcessGroup::spawn(std::string name, std::function<int(Channel&)> body) {
+Result<size_t> ProcessGroup::spawn(std::string name, std::function<int(Channel&)> body, const std::string& netns) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
     return Status::io_error("socketpair for " + name + ": " + std::strerror(errno));
@@ -127,6 +129,13 @@ Result<size_t> ProcessGroup::spawn(std::string name, std::function<int(Channel&)
     if (::getppid() != parent) ::_exit(125);  // the parent died before prctl
     ::close(sv[0]);
     for (int fd : parent_ends()) ::close(fd);  // siblings' ends: EOF must mean the parent is gone
+    if (!netns.empty()) {
+      Status entered = enter_host(netns);
+      if (!entered.is_ok()) {
+        std::fprintf(stderr, "%s: %s\n", name.c_str(), entered.message().c_str());
+        ::_exit(126);
+      }
+    }
     Channel channel(sv[1]);
     int rc = 1;
     try {

@@ -58,7 +58,10 @@ class ProcessGroup {
 
   // Forks a child named `name` ("source 1") that runs body(channel) and
   // leaves with its return value. Returns the child's index in the group.
-  Result<size_t> spawn(std::string name, std::function<int(Channel&)> body);
+  // With `netns`, the child first moves into that network namespace (a
+  // name under /run/netns) with a /sys of its own (hosts.h's enter_host)
+  // and exits with status 126 when it cannot.
+  Result<size_t> spawn(std::string name, std::function<int(Channel&)> body, const std::string& netns = "");
 
   size_t size() const { return children_.size(); }
   const std::string& name(size_t child) const { return children_[child].name; }

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "plugin/tools/bench/agent.h"
+#include "plugin/tools/bench/hosts.h"
 #include "plugin/tools/bench/local_coordinator.h"
 #include "plugin/tools/bench/process_group.h"
 #include "plugin/tools/bench/resident_memory.h"
@@ -143,8 +144,42 @@ class Runner {
     spec.huge_pages = options_.huge_pages;
     specs_.push_back(std::make_unique<AgentSpec>(spec));
     const AgentSpec* p = specs_.back().get();
-    if (standby) return group_.spawn(name, [p](Channel& ch) { return run_standby(*p, ch); });
-    return group_.spawn(name, [p](Channel& ch) { return run_agent(*p, ch); });
+    std::string netns;
+    if (options_.hosts) {
+      const RunOptions::HostPlaces& h = *options_.hosts;
+      if (spec.source_layout != nullptr && spec.receiver_layout != nullptr) netns = h.gatherer_netns;
+      else if (spec.source_layout != nullptr) netns = at(h.source_netns, spec.source_rank);
+      else netns = at(h.receiver_netns, spec.receiver_rank);
+    }
+    if (standby) return group_.spawn(name, [p](Channel& ch) { return run_standby(*p, ch); }, netns);
+    return group_.spawn(name, [p](Channel& ch) { return run_agent(*p, ch); }, netns);
+  }
+
+  static std::string at(const std::vector<std::string>& v, int32_t i) {
+    return i >= 0 && static_cast<size_t>(i) < v.size() ? v[static_cast<size_t>(i)] : std::string();
+  }
+  // The device a rank's agent names: its host's interface (hosts), else "".
+  std::string device_of(bool receiver, int32_t rank) const {
+    if (!options_.hosts) return "";
+    return at(receiver ? options_.hosts->receiver_device : options_.hosts->source_device, rank);
+  }
+
+  // Every host's interface counters now (hosts), else null.
+  Result<Json> link_counters() const {
+    if (!options_.hosts || !options_.hosts->counters) return Json();
+    return options_.hosts->counters();
+  }
+  static Json counter_difference(const Json& before, const Json& after) {
+    if (!before.is_object() || !after.is_object()) return Json();
+    Json out = Json::object();
+    for (auto it = after.begin(); it != after.end(); ++it) {
+      if (!before.contains(it.key())) continue;
+      Json d = Json::object();
+      for (const char* k : {"rx_bytes", "tx_bytes"})
+        d[k] = it.value().value(k, int64_t{0}) - before[it.key()].value(k, int64_t{0});
+      out[it.key()] = d;
+    }
+    return out;
   }
 
   Status spawn_sources(const Layout& layout, Role* role) {
@@ -155,7 +190,7 @@ class Runner {
       auto c = spawn("source " + std::to_string(s), spec);
       if (!c) return c.status();
       role->children.push_back(*c);
-      role->places.push_back({false, s, layout.sources[s].domain, 0});
+      role->places.push_back({false, s, layout.sources[s].domain, 0, device_of(false, s)});
     }
     return Status::ok();
   }
@@ -168,6 +203,14 @@ class Runner {
   }
 
   Result<std::unique_ptr<LocalCoordinator>> coordinator() {
+    if (options_.hosts && !options_.hosts->coordinator_netns.empty()) {
+      // Its threads start in the coordinator's host and stay there.
+      NetnsScope there(options_.hosts->coordinator_netns);
+      if (!there.status().is_ok()) return there.status();
+      auto c = LocalCoordinator::start(options_.heartbeat_timeout, options_.hosts->coordinator_host);
+      if (!c) return c.status();
+      return std::move(*c);
+    }
     auto c = LocalCoordinator::start(options_.heartbeat_timeout);
     if (!c) return c.status();
     return std::move(*c);
@@ -320,6 +363,10 @@ class Runner {
   // Checks the options and forks every process of the run (no threads yet).
   Status spawn_all() {
     if (options_.versions < 1) return Status::invalid("versions must be at least 1");
+    if (options_.partition && options_.versions < 3)
+      return Status::invalid("partition needs at least 3 versions: it hits the one before the last, and the last "
+                             "must verify after it");
+    if (options_.partition && options_.kill) return Status::invalid("partition and kill: give one of them");
     if (options_.kill && options_.versions < 2)
       return Status::invalid("kill needs at least 2 versions: the one before says when to kill");
     if (options_.kill && options_.kill->rejoin && options_.versions < 3)
@@ -372,7 +419,7 @@ class Runner {
       auto c = spawn("receiver " + std::to_string(r), spec);
       if (!c) return c.status();
       receivers.children.push_back(*c);
-      receivers.places.push_back({true, r, L->receivers[r].domain, L->receivers[r].instance});
+      receivers.places.push_back({true, r, L->receivers[r].domain, L->receivers[r].instance, device_of(true, r)});
     }
     if (kill_version != 0 && options_.kill->rejoin) {
       const RunOptions::Kill& k = *options_.kill;
@@ -469,10 +516,19 @@ class Runner {
         REFIT_RETURN_IF_ERROR(refresh_with_kill(v, sources, receivers, C));
         continue;
       }
+      if (options_.partition && v == last - 1) {
+        REFIT_RETURN_IF_ERROR(refresh_with_partition(v, sources, receivers));
+        continue;
+      }
+      auto links0 = link_counters();
+      if (!links0) return links0.status();
       const double cpu0 = own_cpu_seconds(), busy0 = machine_busy_seconds();
       const int64_t t0 = monotonic_ns();
       r = group_.request(rx, versioned("refresh", v, true), refresh_deadline());
       if (!r) return r.status();
+      auto links1 = link_counters();
+      if (!links1) return links1.status();
+      vr.link_bytes = counter_difference(*links0, *links1);
       vr.machine_cpu_seconds = machine_busy_seconds() - busy0;
       vr.cpu_seconds = own_cpu_seconds() - cpu0;
       int64_t end = t0;
@@ -640,6 +696,116 @@ class Runner {
     return Status::ok();
   }
 
+  // The version whose refresh loses a host's link for a while
+  // (RunOptions::partition). The version before it is live everywhere and
+  // verified. The receivers whose refresh returned OK complete it (commit,
+  // staged) and are verified; staged, those whose refresh failed must still
+  // hold the version before. Returns OK when the run may go on to the last
+  // version, which must verify on every receiver.
+  Status refresh_with_partition(int64_t v, Role& sources, Role& receivers) {
+    const RunOptions::Partition& p = *options_.partition;
+    const double estimate = result_.versions.back().seconds;
+    const double after = p.fraction * estimate;
+    char when[160];
+    std::snprintf(when, sizeof when, "host %s's link down at %.3f s (%.2f of the previous refresh's %.3f s), %s",
+                  p.host.c_str(), after, p.fraction, estimate,
+                  p.seconds > 0 ? ("for " + std::to_string(p.seconds) + " s").c_str() : "until the refresh ended");
+    result_.partitioned = when;
+    result_.partitioned_version = v;
+    const std::vector<size_t> rx = active(receivers);
+    // The link goes down and (with seconds) up again on a thread of its own,
+    // while this one waits for the receivers' answers.
+    Status link_status;
+    std::mutex link_mu;
+    std::condition_variable link_cv;
+    bool refresh_over = false, link_down = false, cut = false;
+    const Clock::time_point down_at =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(after));
+    std::thread cutter([&] {
+      std::unique_lock<std::mutex> lock(link_mu);
+      if (link_cv.wait_until(lock, down_at, [&] { return refresh_over; })) return;  // over before the cut
+      lock.unlock();
+      Status down = p.set_link(false);
+      lock.lock();
+      link_down = cut = down.is_ok();
+      if (!down.is_ok()) link_status = down;
+      if (p.seconds > 0 && link_down) {
+        link_cv.wait_for(lock, std::chrono::duration<double>(p.seconds), [] { return false; });
+        lock.unlock();
+        Status up = p.set_link(true);
+        lock.lock();
+        if (!up.is_ok() && link_status.is_ok()) link_status = up;
+        link_down = !up.is_ok();
+      }
+    });
+    auto links0 = link_counters();
+    const int64_t t0 = monotonic_ns();
+    auto answers = group_.request_tolerating(rx, versioned("refresh", v, true), refresh_deadline());
+    result_.partition_refresh_seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
+    {
+      std::lock_guard<std::mutex> lock(link_mu);
+      refresh_over = true;
+    }
+    link_cv.notify_all();
+    cutter.join();
+    if (link_down) {  // "until the refresh ended", or a timed partition whose up failed
+      Status up = p.set_link(true);
+      if (!up.is_ok() && link_status.is_ok()) link_status = up;
+    }
+    if (!link_status.is_ok()) return link_status.with_context("partition");
+    if (!cut) result_.partitioned += "; the refresh ended before the cut";
+    VersionResult vr;
+    vr.version = v;
+    auto links1 = link_counters();
+    if (links0 && links1) vr.link_bytes = counter_difference(*links0, *links1);
+    std::vector<size_t> ok, failed;
+    std::vector<Json> replies;
+    for (size_t i = 0; i < answers.size(); ++i) {
+      if (answers[i].ok) {
+        ok.push_back(rx[i]);
+        replies.push_back(answers[i].reply);
+      } else {
+        failed.push_back(rx[i]);
+        if (result_.partition_error.empty()) result_.partition_error = group_.name(rx[i]) + ": " + answers[i].error;
+      }
+    }
+    for (size_t r = 0; r < receivers.children.size(); ++r)
+      if (std::find(failed.begin(), failed.end(), receivers.children[r]) != failed.end())
+        result_.partition_failed.push_back(static_cast<int32_t>(r));
+    step("version " + std::to_string(v) + ": refreshed, " + result_.partitioned);
+    if (!ok.empty()) {
+      int64_t end = t0;
+      sum_reports(replies, &vr, t0, &end);
+      vr.seconds = static_cast<double>(end - t0) * 1e-9;
+      slowest(replies, &vr);
+      if (options_.staged) {
+        auto c = commit_one_by_one(ok);
+        if (!c) return c.status();
+        vr.pause_seconds = 0;
+        slowest(*c, &vr);
+        replies = std::move(*c);
+      }
+      auto c = group_.request(ok, versioned("verify", v), deadline());
+      if (!c) return c.status();
+      vr.verified = true;
+      for (Json& x : replies) vr.reports.push_back(std::move(x["report"]));
+    }
+    if (options_.staged && !failed.empty()) {
+      bool intact = true;
+      for (const auto& a : group_.request_tolerating(failed, versioned("verify", v - 1), deadline())) {
+        if (a.ok) continue;
+        intact = false;
+        result_.partition_error += "\nlive weights: " + a.error;
+      }
+      result_.partition_live_intact = intact;
+      if (!intact) return Status::io_error("version " + std::to_string(v) + ": " + result_.partitioned +
+                                           ": the live weights did not survive: " + result_.partition_error);
+    }
+    if (failed.empty()) result_.versions.push_back(std::move(vr));
+    (void)sources;
+    return Status::ok();
+  }
+
   Status run_broadcast(int64_t first) {
     derived_.push_back(std::make_unique<Layout>(gather_layout(layout_)));
     const Layout* G = derived_.back().get();
@@ -657,9 +823,10 @@ class Runner {
     auto g = spawn("gatherer", gspec);
     if (!g) return g.status();
     gatherer_rx.children = {*g};
-    gatherer_rx.places = {{true, 0, 0, 0}};
+    const std::string gatherer_device = options_.hosts ? options_.hosts->gatherer_device : "";
+    gatherer_rx.places = {{true, 0, 0, 0, gatherer_device}};
     gatherer_tx.children = {*g};
-    gatherer_tx.places = {{false, 0, 0, 0}};
+    gatherer_tx.places = {{false, 0, 0, 0, gatherer_device}};
     for (int32_t r = 0; r < P->num_ranks(Side::kReceiver); ++r) {
       AgentSpec spec;
       spec.receiver_layout = P;
@@ -669,7 +836,7 @@ class Runner {
       auto c = spawn("receiver " + std::to_string(r), spec);
       if (!c) return c.status();
       receivers.children.push_back(*c);
-      receivers.places.push_back({true, r, P->receivers[r].domain, P->receivers[r].instance});
+      receivers.places.push_back({true, r, P->receivers[r].domain, P->receivers[r].instance, device_of(true, r)});
     }
     step("started " + std::to_string(group_.size()) + " processes");
     auto c1 = coordinator();
@@ -707,6 +874,8 @@ class Runner {
       r = group_.request(sources.children, versioned("publish", v), deadline());
       if (!r) return r.status();
       step(tag + "published");
+      auto links0 = link_counters();
+      if (!links0) return links0.status();
       const double cpu0 = own_cpu_seconds(), busy0 = machine_busy_seconds();
       const int64_t t0 = monotonic_ns();
       int64_t end = t0;
@@ -721,6 +890,9 @@ class Runner {
       sum_reports(*r, &vr, t0, &end);
       slowest(*r, &vr);
       for (Json& x : *r) vr.reports.push_back(std::move(x["report"]));
+      auto links1 = link_counters();
+      if (!links1) return links1.status();
+      vr.link_bytes = counter_difference(*links0, *links1);
       step(tag + "broadcast");
       r = group_.request(receivers.children, versioned("unpack", v), deadline());
       if (!r) return r.status();
@@ -907,7 +1079,8 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
   c["coordinator"] = {{"address", coordinator_address}, {"token_file", token_file},
                       {"timeout_ms", options.step_timeout.count()}};
   ordered_json net = {{"transports", options.network_transports}};
-  if (!options.network_devices.empty()) net["devices"] = options.network_devices;
+  if (!place.device.empty()) net["devices"] = {place.device};
+  else if (!options.network_devices.empty()) net["devices"] = options.network_devices;
   c["network"] = std::move(net);
   if (place.receiver) {
     c["local"] = {{"transports", options.local_transports}};

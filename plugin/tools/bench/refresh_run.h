@@ -115,6 +115,38 @@ struct RunOptions {
   // declared dead after it), and the agents' "heartbeat_ms" a quarter of it;
   // zero keeps both defaults (10 s and 1 s).
   std::chrono::milliseconds heartbeat_timeout{0};
+  // Many hosts on this machine (hosts.h): the network namespace each
+  // process runs in and the device its agent's "network.devices" names;
+  // the coordinators run in coordinator_netns and listen on
+  // coordinator_host. Ranks are the scenario's (no-dedup and broadcast keep
+  // every rank where the scenario puts it; the broadcast's gatherer runs
+  // where gatherer_netns says). Empty: everything on this host, on
+  // network_devices.
+  struct HostPlaces {
+    std::vector<std::string> source_netns, source_device;      // by source rank
+    std::vector<std::string> receiver_netns, receiver_device;  // by receiver rank
+    std::string gatherer_netns, gatherer_device;
+    std::string coordinator_netns, coordinator_host;
+    // Every host's interface byte counters ({"<host>": {"rx_bytes",
+    // "tx_bytes"}}), read just before each refresh command and once every
+    // receiver answered; VersionResult::link_bytes holds the difference.
+    std::function<Result<nlohmann::json>()> counters;
+  };
+  std::optional<HostPlaces> hosts;
+  // A host's link taken down (set_link(false)) during the refresh of the
+  // version before the last (needs versions >= 3), once `fraction` of the
+  // version before's refresh wall time has passed since the refresh
+  // command went out, for `seconds` (0: until every receiver answered),
+  // then up again (set_link(true)). The ranks on that host may fail that
+  // version; the last version must then verify on every receiver (refit
+  // and no-dedup; broadcast ignores it).
+  struct Partition {
+    std::string host;  // its name, for the result
+    double fraction = 0.5;
+    double seconds = 0;
+    std::function<Status(bool up)> set_link;
+  };
+  std::optional<Partition> partition;
   // Called after each step: what was done, steps done, steps in all.
   std::function<void(const std::string& step, int done, int total)> progress;
 };
@@ -144,6 +176,9 @@ struct VersionResult {
   int64_t network_bytes = 0;  // the receivers' reports summed (broadcast: the gatherer's too)
   int64_t local_bytes = 0;
   bool verified = false;
+  // hosts: every host's interface bytes over the refresh
+  // ({"<host>": {"rx_bytes", "tx_bytes"}}); null otherwise.
+  nlohmann::json link_bytes;
   // per receiver rank (broadcast: stage 2); staged: the reports after commit
   std::vector<nlohmann::json> reports;
   // churn: the receivers that left and rejoined before this version, and
@@ -205,6 +240,17 @@ struct RunResult {
   int64_t rejoins = 0;
   // late join: the instance, its receiver ranks, and the version they joined at.
   std::string late_joined;
+  // partition: which host's link went down when and for how long, the
+  // version it hit, how long that refresh took until every receiver had
+  // answered, the receiver ranks whose refresh failed and the first error,
+  // and (staged, when some failed) whether those still hold the version
+  // before, every byte checked.
+  std::string partitioned;
+  int64_t partitioned_version = 0;
+  double partition_refresh_seconds = 0;
+  std::vector<int32_t> partition_failed;
+  std::string partition_error;
+  std::optional<bool> partition_live_intact;
   // Every long-lived process, in spawn order, the bench itself first.
   std::vector<ResidentSample> resident;
   bool verified() const;  // status ok and every version verified
@@ -246,6 +292,7 @@ struct AgentPlace {
   int32_t rank = 0;
   int32_t domain = 0;
   int32_t instance = 0;
+  std::string device;  // its host's interface; "" : RunOptions::network_devices
 };
 std::string agent_config(const AgentPlace& place, const std::string& coordinator_address,
                          const std::string& token_file, const RunOptions& options);

@@ -1,4 +1,4 @@
-// ucx_test_peer TRANSPORTS SEED BYTES [ucx]: serves a buffer of pattern(SEED) over
+// ucx_test_peer TRANSPORTS SEED BYTES [ucx|source]: serves a buffer of pattern(SEED) over
 // UCX for the multi-process tests (peer_process.h). Talks to its parent on
 // fd 3: sends worker address, packed rkey and buffer address, then progresses
 // until the parent closes the socket or writes a byte: kDumpCommand makes it
@@ -29,11 +29,16 @@ int main(int argc, char** argv) {
     send_blob(fd, e);
     ::_exit(2);
   };
-  if (argc != 4 && argc != 5) fail("usage: ucx_test_peer TRANSPORTS SEED BYTES [ucx]");
+  if (argc != 4 && argc != 5) fail("usage: ucx_test_peer TRANSPORTS SEED BYTES [ucx|source]");
   // "ucx": the buffer is allocated by UCX (MemoryRegion::allocate), as a
   // source does for the shared-memory fast path; otherwise plain memory.
   const bool ucx_memory = argc == 5 && std::string(argv[4]) == "ucx";
+  // "source": the buffer is served as SourceAgent serves a shard: the
+  // context serves only (no UCX RMA feature), the memory is mapped
+  // remote-read-only and the AmRmaServer refuses PUTs.
+  const bool as_source = argc == 5 && std::string(argv[4]) == "source";
   ContextConfig cfg;
+  if (as_source) cfg.serves_only = true;
   cfg.name = "peer";
   std::stringstream ss(argv[1]);
   for (std::string t; std::getline(ss, t, ',');) cfg.transports.push_back(t);
@@ -52,14 +57,16 @@ int main(int argc, char** argv) {
     region = MemoryRegion::allocate(*ctx, bytes, "peer buffer");
   } else {
     plain.resize(bytes);
-    region = MemoryRegion::map(*ctx, plain.data(), plain.size(), "peer buffer");
+    region = MemoryRegion::map(*ctx, plain.data(), plain.size(), "peer buffer",
+                               as_source ? Access::kRemoteRead : Access::kRemoteReadWrite);
   }
   if (!region) fail(region.status().message());
   uint8_t* const buf = region->base();
   for (uint64_t i = 0; i < bytes; ++i) buf[i] = pattern_byte(seed, i);
   // Serves the engine's GETs and PUTs on endpoints without an RMA lane
   // (tcp), as every refit process that exports memory must.
-  auto server = AmRmaServer::create(*worker);
+  auto server = AmRmaServer::create(*worker, as_source ? AmRmaServer::Puts::kRefused
+                                                       : AmRmaServer::Puts::kServed);
   if (!server) fail(server.status().message());
   (*server)->export_region(*region);
   // For active_message_test: kEchoId answers "echo:" + the request

@@ -116,10 +116,12 @@ inline bool spawn(Peer* p, const char* env_var, const std::vector<std::string>& 
 }  // namespace internal
 
 // `ucx_memory`: the peer's buffer comes from MemoryRegion::allocate.
+// `as_source`: the peer serves it as a source serves a shard (peer_main.cc).
 inline bool start_peer(Peer* p, const std::string& transports, uint32_t seed, uint64_t bytes,
-                       bool ucx_memory = false) {
+                       bool ucx_memory = false, bool as_source = false) {
   std::vector<std::string> args = {transports, std::to_string(seed), std::to_string(bytes)};
   if (ucx_memory) args.push_back("ucx");
+  if (as_source) args.push_back("source");
   if (!internal::spawn(p, "REFIT_UCX_TEST_PEER", args)) {
     return false;
   }
