@@ -95,7 +95,8 @@ def smoke() -> None:
         model = build(tiny_llama(os.path.join(tmp, "llama")))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         token = os.path.join(tmp, "token")
-        with open(token, "wb") as f:
+        # Mode 600: refit refuses a token file that group or others may read.
+        with os.fdopen(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             f.write(os.urandom(32))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -38,6 +38,7 @@ class Coordinator:
             pytest.skip(f"no refit-coordinator at {COORDINATOR} (build the project first)")
         self.token_file = tmp / "token"
         self.token_file.write_bytes(os.urandom(32))
+        self.token_file.chmod(0o600)  # the coordinator refuses a token file others may read
         self.log = tmp / "coordinator.log"
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen([str(COORDINATOR), "--listen", "127.0.0.1:0", "--token-file",
