@@ -462,30 +462,38 @@ Check check_nccl(bool needed) {
   return c;
 }
 
+refit::control::AuthRole role_of(const AgentConfig& config) {
+  return config.receiver ? refit::control::AuthRole::kReceiver : refit::control::AuthRole::kSource;
+}
+
+// The coordinator's token file, or a role key file ("refit-<role>-key:..."),
+// read as the agent reads it (transport/control/auth.h).
 Check check_token_file(const AgentConfig& config) {
   Check c{"token"};
   const std::string& path = config.coordinator.token_file;
-  struct stat st{};
-  if (stat(path.c_str(), &st) != 0) {
+  auto credential = refit::control::read_credential_file(path);
+  if (!credential.is_ok()) {
     c.outcome = Outcome::kFail;
-    c.detail = "token file \"" + path + "\": " + std::strerror(errno);
-    c.advice = "create it with 16 to 4096 random bytes, mode 0600, on every host of the job";
+    c.detail = credential.status().message();
+    c.advice = "the file must be private and hold 16 to 4096 bytes: `(umask 077; head -c 32 /dev/urandom | base64 > " +
+               path + ")`, or a role key from `refit-coordinator --print-role-key`";
     return c;
   }
-  auto token = refit::control::read_token_file(path);
-  if (!token.is_ok()) {
-    c.outcome = Outcome::kFail;
-    c.detail = token.status().message();
-    c.advice = "e.g. `head -c 32 /dev/urandom | base64 > " + path + " && chmod 600 " + path + "`";
+  if (!credential->bound) {
+    c.detail = "token file \"" + path + "\": the token itself (" + std::to_string(credential->token.size()) +
+               " bytes, any role)";
     return c;
   }
-  c.detail = "token file \"" + path + "\": " + std::to_string(token->size()) + " bytes";
-  if ((st.st_mode & 077) != 0) {
-    c.outcome = Outcome::kWarn;
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%03o", static_cast<unsigned>(st.st_mode & 0777));
-    c.detail += ", mode " + std::string(mode);
-    c.advice = "anyone who can read it can join the job: `chmod 600 " + path + "`";
+  const bool receiver_key = *credential->bound == refit::control::AuthRole::kReceiver;
+  c.detail = "token file \"" + path + "\": a " + (receiver_key ? "receiver" : "source") + " role key";
+  if (config.coordinator.embedded) {
+    c.outcome = Outcome::kFail;
+    c.advice = "an embedded coordinator derives every role's key from the token: give it the token itself";
+  } else if (!credential->key_for(role_of(config)).is_ok()) {
+    c.outcome = Outcome::kFail;
+    c.advice = std::string("this agent is a ") + (config.receiver ? "receiver" : "source") +
+               ": give it that role's key (`refit-coordinator --print-role-key " +
+               (config.receiver ? "receiver" : "source") + "`)";
   }
   return c;
 }
@@ -522,16 +530,17 @@ Check check_coordinator(const AgentConfig& config) {
     c.detail = "embedded coordinator: " + where + " is free to listen on";
     return c;
   }
-  auto token = refit::control::read_token_file(config.coordinator.token_file);
-  if (!token.is_ok()) {
+  auto credential = refit::control::read_credential_file(config.coordinator.token_file);
+  if (!credential.is_ok()) {
     c.outcome = Outcome::kSkip;
-    c.detail = "not tried: the token file cannot be read (see \"token\")";
+    c.detail = "not tried: the token file cannot be used (see \"token\")";
     return c;
   }
   refit::control::ClientOptions options;
   options.timeout = std::min(config.coordinator.timeout, std::chrono::milliseconds(5000));
+  options.role = role_of(config);
   const auto t0 = std::chrono::steady_clock::now();
-  auto client = refit::control::Client::connect(config.coordinator.host, config.coordinator.port, *token, options);
+  auto client = refit::control::Client::connect(config.coordinator.host, config.coordinator.port, *credential, options);
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
   if (!client.is_ok()) {
     c.outcome = Outcome::kFail;
@@ -544,7 +553,9 @@ Check check_coordinator(const AgentConfig& config) {
     }
     return c;
   }
-  c.detail = where + ": reachable and authenticated with the token file (" + std::to_string(ms) + " ms)";
+  c.detail = where + ": reachable; authenticated as a " +
+             (config.receiver ? "receiver" : "source") + " and the coordinator proved it holds the key (" +
+             std::to_string(ms) + " ms)";
   return c;
 }
 

@@ -124,7 +124,7 @@ TEST_F(RefitDoctorCli, ReachesAndAuthenticatesWithARealCoordinator) {
 
   Outcome good = run("--config " + write_config("good.json", receiver_config(port, path("token").string())).string());
   EXPECT_NE(good.out.find("[ ok ] coordinator"), std::string::npos) << good.out << good.err;
-  EXPECT_NE(good.out.find("reachable and authenticated"), std::string::npos) << good.out;
+  EXPECT_NE(good.out.find("reachable; authenticated as a receiver"), std::string::npos) << good.out;
   EXPECT_NE(good.out.find("[ ok ] device       network interface \"lo\""), std::string::npos) << good.out;
 
   write_token(path("wrong"), "another-token-that-is-long-enough", 0600);
@@ -141,15 +141,30 @@ TEST_F(RefitDoctorCli, ReachesAndAuthenticatesWithARealCoordinator) {
   EXPECT_NE(gone.out.find("start refit-coordinator there"), std::string::npos) << gone.out;
 }
 
-TEST_F(RefitDoctorCli, AReadableTokenFileIsReported) {
+TEST_F(RefitDoctorCli, AReadableTokenFileFailsWithAdvice) {
   write_token(path("open"), kToken, 0644);
   json config = receiver_config(1, path("open").string());
   config["coordinator"]["embedded"] = true;
   config["coordinator"]["address"] = "127.0.0.1:0";
   Outcome o = run("--config " + write_config("c.json", config).string());
-  EXPECT_NE(o.out.find("mode 644"), std::string::npos) << o.out;
-  EXPECT_NE(o.out.find("chmod 600"), std::string::npos) << o.out;
+  EXPECT_EQ(o.code, 1) << o.out;
+  EXPECT_NE(o.out.find("[FAIL] token"), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("mode 0644"), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("umask 077"), std::string::npos) << o.out;
   EXPECT_NE(o.out.find("embedded coordinator: 127.0.0.1:0 is free"), std::string::npos) << o.out;
+}
+
+TEST_F(RefitDoctorCli, ASourceKeyInAReceiversConfigFails) {
+  const std::string key = std::string(REFIT_COORDINATOR_BIN) + " --token-file " + path("token").string() +
+                          " --print-role-key source > " + path("source.key").string();
+  ASSERT_EQ(std::system(key.c_str()), 0);
+  chmod(path("source.key").c_str(), 0600);
+  Outcome o = run("--config " + write_config("c.json", receiver_config(1, path("source.key").string())).string());
+  EXPECT_EQ(o.code, 1) << o.out;
+  EXPECT_NE(o.out.find("[FAIL] token        token file \"" + path("source.key").string() + "\": a source role key"),
+            std::string::npos)
+      << o.out;
+  EXPECT_NE(o.out.find("--print-role-key receiver"), std::string::npos) << o.out;
 }
 
 TEST_F(RefitDoctorCli, BadInputIsNamed) {
