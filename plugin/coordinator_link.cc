@@ -265,7 +265,10 @@ Result<Json> CoordinatorLink::request(MsgType type, const Json& body) {
   const char* name = control::type_name(type);
   std::unique_lock<std::mutex> lock(mu_);
   for (int attempt = 0;; ++attempt) {
-    if (!up_) {
+    // While a new connection is being made, its member is not registered
+    // again yet: a request (a heartbeat, say) waits for that, or it would
+    // read "not registered" and take the member for dead.
+    if (!up_ || connecting_) {
       Status st = reconnect(lock, deadline);
       if (!st.is_ok()) return st.with_context(name);
     }

@@ -104,13 +104,17 @@ MODELS = {
     "small-moe": small_moe,
     # small-moe for a server that runs it in FP8; a BF16 trainer of
     # small-moe feeds it (examples/scenarios/moe-bf16-to-fp8.json).
-    "small-moe-fp8": lambda: fp8(small_moe()),
+    "small-moe-fp8": lambda: fp8_model(*small_moe()),
 }
-# quantization_config of the models that have one, as <name>.config.json.
-CONFIGS = {
-    "small-moe-fp8": {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                              "weight_block_size": [128, 128]}},
-}
+
+
+def fp8_model(m, config, block=(128, 128)):
+    """fp8() of a model, with its config's quantization_config as an FP8
+    checkpoint's config.json has it."""
+    config = dict(config)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    return fp8(m, block), config
 
 
 def main():
@@ -128,8 +132,6 @@ def main():
         (out / f"{name}.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
         (out / f"{name}.config.json").write_text(json.dumps(config, indent=2) + "\n")
         print(f"{name}: {len(m)} tensors, {nbytes / 2**20:.1f} MiB")
-        if name in CONFIGS:
-            (out / f"{name}.config.json").write_text(json.dumps(CONFIGS[name], indent=1) + "\n")
 
 
 if __name__ == "__main__":

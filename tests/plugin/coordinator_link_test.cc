@@ -182,7 +182,9 @@ TEST_F(LinkThroughRelay, AReplyThatComesAfterItsRequestTimedOutIsNotReadByTheNex
 // deadline, registers the member again, and is served.
 TEST_F(LinkThroughRelay, ABrokenConnectionIsMadeAgainAndTheMemberRegisteredWithinTheDeadline) {
   control::CoordinatorConfig cc;
-  cc.heartbeat_timeout = std::chrono::milliseconds(600);  // the old connection's member expires meanwhile
+  // The old connection's member expires meanwhile; 20 heartbeats long, so
+  // that a loaded machine does not expire the new one too.
+  cc.heartbeat_timeout = std::chrono::milliseconds(2000);
   start(cc, [](Direction, size_t, std::vector<uint8_t> frame) { return Frames{std::move(frame)}; },
         /*timeout_ms=*/5000);
   ASSERT_TRUE(register_receiver().is_ok());
@@ -199,7 +201,7 @@ TEST_F(LinkThroughRelay, ABrokenConnectionIsMadeAgainAndTheMemberRegisteredWithi
   EXPECT_EQ(receivers(), 1u) << "registered again on the new connection";
   // Heartbeats go on over the new connection: the member stays past the
   // coordinator's heartbeat timeout.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
   EXPECT_EQ(receivers(), 1u);
   EXPECT_FALSE(link_->dropped());
   std::printf("reconnected and registered again in %lld ms\n", static_cast<long long>(took.count()));

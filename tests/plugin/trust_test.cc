@@ -15,6 +15,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -105,6 +106,7 @@ class Trust : public ::testing::Test {
     dir_ = dir;
     token_file_ = dir_ + "/token";
     std::ofstream(token_file_) << kToken;
+    chmod(token_file_.c_str(), 0600);  // a token file others may read is refused
   }
   void TearDown() override {
     for (Kid& k : kids_) {

@@ -435,6 +435,7 @@ TEST_F(RefitPlanCli, GetStatisticsInTheSummary) {
 
 TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {
   write("models/tiny.json", manifest().dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
   json sc = scenario();
   sc["reported"] = json::array({{{"system", "other"}, {"seconds", 1.5}, {"source", "a paper"}}});
   const std::string s = write("tp2.json", sc.dump());
@@ -468,6 +469,7 @@ TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {
 
 TEST_F(RefitPlanCli, SimulateSaysWhenItUsesTheDefaults) {
   write("models/tiny.json", manifest().dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
   json sc = scenario();
   sc.erase("hardware");
   const std::string s = write("s.json", sc.dump());
@@ -479,6 +481,7 @@ TEST_F(RefitPlanCli, SimulateSaysWhenItUsesTheDefaults) {
 
 TEST_F(RefitPlanCli, SimulateRefusesBadHardware) {
   write("models/tiny.json", manifest().dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
   const std::string models = path("models").string();
   json sc = scenario();
   sc["hardware"]["get_op_us"] = -1;
@@ -562,7 +565,9 @@ TEST_F(RefitPlanCli, FP8ServerWithoutAScaleTensorIsRefused) {
   json fp8 = json::parse(slurp(root / "examples/models/small-moe-fp8.json"));
   fp8.erase("model.layers.0.self_attn.o_proj.weight_scale_inv");
   write("models/small-moe-fp8.json", fp8.dump());
+  write("models/small-moe-fp8.config.json", slurp(root / "examples/models/small-moe-fp8.config.json"));
   write("models/small-moe.json", slurp(root / "examples/models/small-moe.json"));
+  write("models/small-moe.config.json", slurp(root / "examples/models/small-moe.config.json"));
   Outcome r = run({"--scenario", (root / "examples/scenarios/moe-bf16-to-fp8.json").string(), "--models",
                    path("models").string()});
   EXPECT_EQ(r.code, 2);
