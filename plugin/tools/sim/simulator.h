@@ -105,7 +105,7 @@ Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimO
 // simulation: the result's model is "fluid".
 SimResult estimate_broadcast(const Plan& plan, const HardwareModel& hw);
 
-// The lower bound of DESIGN.md section 10 (docs/simulator.md), at the
+// The lower bound (docs/simulator.md, "The lower bound"), at the
 // model's achievable bandwidths: the largest of
 // - per receiving domain, the distinct bytes its ranks need over the sum of
 //   its GPUs' NIC bandwidth;
