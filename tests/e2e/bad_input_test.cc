@@ -17,7 +17,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "plugin/tools/bench/local_coordinator.h"
+#include "tools/bench/local_coordinator.h"
 #include "refit/refit.h"
 
 namespace {

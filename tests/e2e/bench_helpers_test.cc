@@ -17,12 +17,12 @@
 
 #include "planner/layout_json.h"
 #include "planner/plan.h"
-#include "plugin/tools/bench/agent.h"
-#include "plugin/tools/bench/pattern.h"
-#include "plugin/tools/bench/process_group.h"
-#include "plugin/tools/bench/rank_buffers.h"
-#include "plugin/tools/bench/resident_memory.h"
-#include "plugin/tools/bench/strategy_layouts.h"
+#include "tools/bench/agent.h"
+#include "tools/bench/pattern.h"
+#include "tools/bench/process_group.h"
+#include "tools/bench/rank_buffers.h"
+#include "tools/bench/resident_memory.h"
+#include "tools/bench/strategy_layouts.h"
 
 namespace {
 

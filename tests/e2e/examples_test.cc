@@ -22,12 +22,12 @@
 #include <gtest/gtest.h>
 
 #include "planner/layout_json.h"
-#include "plugin/tools/bench/agent.h"
-#include "plugin/tools/bench/local_coordinator.h"
-#include "plugin/tools/bench/pattern.h"
-#include "plugin/tools/bench/process_group.h"
-#include "plugin/tools/bench/rank_buffers.h"
-#include "plugin/tools/bench/refresh_run.h"
+#include "tools/bench/agent.h"
+#include "tools/bench/local_coordinator.h"
+#include "tools/bench/pattern.h"
+#include "tools/bench/process_group.h"
+#include "tools/bench/rank_buffers.h"
+#include "tools/bench/refresh_run.h"
 
 extern char** environ;
 

@@ -1,4 +1,4 @@
-// Many hosts on one machine (plugin/tools/bench/hosts.h): network
+// Many hosts on one machine (tools/bench/hosts.h): network
 // namespaces on a private bridge, torn down on exit and after a killed run;
 // UCX workers that use only their host's interface; refit-bench --hosts
 // end to end, its bad input refused before anything is made. Needs root and
@@ -19,7 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "plugin/tools/bench/hosts.h"
+#include "tools/bench/hosts.h"
 #include "transport/ucx/context.h"
 #include "transport/ucx/worker.h"
 

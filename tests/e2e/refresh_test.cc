@@ -20,7 +20,7 @@
 #include "planner/plan.h"
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
-#include "plugin/tools/bench/refresh_run.h"
+#include "tools/bench/refresh_run.h"
 
 namespace {
 

@@ -20,9 +20,9 @@
 #include "planner/manifest.h"
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
-#include "plugin/tools/bench/pattern.h"
-#include "plugin/tools/bench/rank_buffers.h"
-#include "plugin/tools/bench/refresh_run.h"
+#include "tools/bench/pattern.h"
+#include "tools/bench/rank_buffers.h"
+#include "tools/bench/refresh_run.h"
 
 namespace {
 

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("REFIT_BUILD_DIR") or ROOT / "build")
 LIBRARY = BUILD / "plugin" / "librefit.so"
-COORDINATOR = BUILD / "plugin" / "tools" / "refit-coordinator"
+COORDINATOR = BUILD / "tools" / "refit-coordinator"
 
 # The built library, unless one is named already; a wheel's own copy is used
 # only when $REFIT_LIBRARY is unset and no build tree exists.

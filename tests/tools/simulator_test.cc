@@ -1,7 +1,7 @@
 // The refresh simulator on plans small enough to check by hand
 // (docs/simulator.md gives the model these figures follow).
 
-#include "plugin/tools/sim/simulator.h"
+#include "tools/sim/simulator.h"
 
 #include <string>
 

@@ -58,7 +58,7 @@
 #include <string>
 
 #include "planner/layout.h"
-#include "plugin/tools/bench/process_group.h"
+#include "tools/bench/process_group.h"
 
 namespace refit::bench {
 

@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/resident_memory.h"
+#include "tools/bench/resident_memory.h"
 
 #include <malloc.h>
 #include <unistd.h>

@@ -16,7 +16,7 @@
 
 #include "planner/layout.h"
 #include "planner/status.h"
-#include "plugin/tools/bench/rank_buffers.h"
+#include "tools/bench/rank_buffers.h"
 
 namespace refit::bench {
 

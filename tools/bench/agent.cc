@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/agent.h"
+#include "tools/bench/agent.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -16,10 +16,10 @@
 
 #include "planner/plan.h"
 #include "plugin/host_memory.h"
-#include "plugin/tools/bench/pattern.h"
-#include "plugin/tools/bench/rank_buffers.h"
-#include "plugin/tools/bench/resident_memory.h"
-#include "plugin/tools/bench/strategy_layouts.h"
+#include "tools/bench/pattern.h"
+#include "tools/bench/rank_buffers.h"
+#include "tools/bench/resident_memory.h"
+#include "tools/bench/strategy_layouts.h"
 #include "refit/refit.h"
 
 namespace refit::bench {

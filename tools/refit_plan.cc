@@ -39,7 +39,7 @@
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
 #include "planner/status.h"
-#include "plugin/tools/sim/simulator.h"
+#include "tools/sim/simulator.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/hosts.h"
+#include "tools/bench/hosts.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/rank_buffers.h"
+#include "tools/bench/rank_buffers.h"
 
 #include <algorithm>
 #include <map>

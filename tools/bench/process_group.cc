@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/process_group.h"
+#include "tools/bench/process_group.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -15,7 +15,7 @@
 #include <mutex>
 #include <set>
 
-#include "plugin/tools/bench/hosts.h"
+#include "tools/bench/hosts.h"
 
 namespace refit::bench {
 

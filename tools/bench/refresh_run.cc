@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/refresh_run.h"
+#include "tools/bench/refresh_run.h"
 
 #include <unistd.h>
 
@@ -11,12 +11,12 @@
 #include <mutex>
 #include <thread>
 
-#include "plugin/tools/bench/agent.h"
-#include "plugin/tools/bench/hosts.h"
-#include "plugin/tools/bench/local_coordinator.h"
-#include "plugin/tools/bench/process_group.h"
-#include "plugin/tools/bench/resident_memory.h"
-#include "plugin/tools/bench/strategy_layouts.h"
+#include "tools/bench/agent.h"
+#include "tools/bench/hosts.h"
+#include "tools/bench/local_coordinator.h"
+#include "tools/bench/process_group.h"
+#include "tools/bench/resident_memory.h"
+#include "tools/bench/strategy_layouts.h"
 
 namespace refit::bench {
 

@@ -1,4 +1,4 @@
-#include "plugin/tools/sim/simulator.h"
+#include "tools/sim/simulator.h"
 
 #include <algorithm>
 #include <cmath>

@@ -33,9 +33,9 @@
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
 #include "planner/status.h"
-#include "plugin/tools/bench/hosts.h"
-#include "plugin/tools/bench/rank_buffers.h"
-#include "plugin/tools/bench/refresh_run.h"
+#include "tools/bench/hosts.h"
+#include "tools/bench/rank_buffers.h"
+#include "tools/bench/refresh_run.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/strategy_layouts.h"
+#include "tools/bench/strategy_layouts.h"
 
 #include <algorithm>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/local_coordinator.h"
+#include "tools/bench/local_coordinator.h"
 
 #include <errno.h>
 #include <unistd.h>

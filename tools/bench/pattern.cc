@@ -1,4 +1,4 @@
-#include "plugin/tools/bench/pattern.h"
+#include "tools/bench/pattern.h"
 
 #include <cinttypes>
 #include <cstdio>
