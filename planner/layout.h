@@ -1,6 +1,6 @@
 #pragma once
-// The planner's model of who holds what. Everything is segments (DESIGN.md
-// section 3): a Region says "this box of tensor T lives at element `offset`
+// The planner's model of who holds what. Everything is segments (docs/planner.md,
+// "Layouts are segments"): a Region says "this box of tensor T lives at element `offset`
 // of buffer B, with element `strides`, on every rank of a set". DTensor specs,
 // fused framework parameters and explicit layout files all expand into
 // Regions. Ranks that hold the same box at the same place share one Region

@@ -1,6 +1,7 @@
 #pragma once
 // Layout files (`refit-layout/1`) in and out, and the plan's runs export
-// (`refit-runs/1`); FORMATS.md gives both formats.
+// (`refit-runs/1`); docs/formats.md gives both
+// formats.
 //
 // A layout file lists every source and receiver rank, every tensor, and for
 // each tensor either DTensor specs (expanded as add_dtensor does, one buffer

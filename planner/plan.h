@@ -1,7 +1,7 @@
 #pragma once
 // The plan: for every receiving domain and tensor, what crosses the network
 // once, from which source, into which rank, and who gets it from there over
-// the local fabric (DESIGN.md section 4).
+// the local fabric (docs/planner.md, "Units, pieces, chunks").
 //
 // Vocabulary:
 // - A cell is a box of a tensor cut along every boundary of the receiver

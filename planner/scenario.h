@@ -1,5 +1,5 @@
 #pragma once
-// Scenario files (FORMATS.md): a model, the training side, the inference
+// Scenario files (docs/formats.md, "Scenario"): a model, the training side, the inference
 // side, the hardware, and figures other systems reported.
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 #pragma once
-// End-to-end verification (DESIGN.md section 6, "verify" in the agents'
+// End-to-end verification (docs/refresh.md, "Verification"; "verify" in the agents'
 // config): a hash of every box a receiver reads, computed by the source that
 // holds it when it publishes and checked by every receiver once its copy has
 // landed.

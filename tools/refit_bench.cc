@@ -624,7 +624,7 @@ int main(int argc, char** argv) {
       "strategy. Exit status: 0 all verified (and no mixed read), 1 a strategy failed, a\n"
       "byte was wrong or a read was mixed, 2 bad arguments or input files.",
       "refit-bench");
-  app.add_option("--scenario", scenario_path, "scenario file (FORMATS.md)")->required();
+  app.add_option("--scenario", scenario_path, "scenario file (docs/formats.md)")->required();
   app.add_option("--models", models_dir, "folder of model manifests: <model>.json, <model>.safetensors or <model>/")
       ->required();
   app.add_option("--versions", versions, "refreshes per strategy (default 3)")->check(CLI::Range(1, 1000));

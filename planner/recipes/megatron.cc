@@ -1,5 +1,5 @@
 // The training side as Megatron-Core lays out its parameters (TE layer
-// spec, DESIGN.md section 3): fused, TP-sharded parameters under Megatron's
+// spec, docs/formats.md, "How the recipes place the weights"): fused, TP-sharded parameters under Megatron's
 // own names, one buffer per parameter, HF tensors mapped into them.
 //
 // Rank = tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank)). A stage's ranks

@@ -1,6 +1,7 @@
 #pragma once
 // Recipes: a parallelism description and a model manifest in, an explicit
-// Layout out (DESIGN.md section 3). The training side is laid out as
+// Layout out (docs/formats.md, "How the recipes place the
+// weights"). The training side is laid out as
 // Megatron-Core (or torchtitan/FSDP2 when the scenario says "fsdp": true) lays
 // out its parameters; the inference side as vLLM does. Buffers carry the
 // framework's own parameter names; the logical tensors are the manifest's

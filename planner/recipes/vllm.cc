@@ -1,4 +1,5 @@
-// The inference side as vLLM lays out its parameters (DESIGN.md section 3):
+// The inference side as vLLM lays out its parameters (docs/formats.md,
+// "How the recipes place the weights"):
 // fused parameters under vLLM's own names (qkv_proj, gate_up_proj,
 // fused_qkv_a_proj, FusedMoE w13_weight/w2_weight), vocab padded to 64.
 //

@@ -20,7 +20,7 @@ namespace {
 
 using nlohmann::json;
 
-// The example of FORMATS.md.
+// The example of docs/formats.md, "Layout file".
 json formats_example() {
   return json::parse(R"J({"format": "refit-layout/1",
      "sources":   [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],

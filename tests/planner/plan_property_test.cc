@@ -12,8 +12,8 @@
 // element, byte of element), exactly, where a hashed byte pattern could
 // collide; a receiver byte starts as a sentinel. The runs of for_each_run()
 // are executed in order as copies of tags, and the result is compared with
-// what the layout says, byte by byte (DESIGN.md section 4, FORMATS.md
-// "refit-runs/1").
+// what the layout says, byte by byte (docs/planner.md, "What a plan
+// guarantees"; docs/formats.md, "Runs export").
 //
 // The sweep over all random layouts runs once (the first test that needs it
 // runs it) and records violations per property; each PlanProperty test of

@@ -10,7 +10,7 @@ namespace {
 
 Placement P(const char* s) { return *parse_placement(s); }
 
-// FORMATS.md's example: w [10, 6] BF16, S(0) over 2 sources, S(1) over 2
+// docs/formats.md's layout example: w [10, 6] BF16, S(0) over 2 sources, S(1) over 2
 // receivers of one domain.
 Layout cross_dim(int receiver_domains) {
   Layout L;

@@ -247,7 +247,8 @@ Index strides2(int64_t a, int64_t b) {
 // ---------------------------------------------------------------------------
 // Brute-force references: for one rank and one tensor, which buffer holds
 // it (if any), of how many elements, and where each element (a, b) lands.
-// Written per element, straight from the rules in DESIGN.md section 3, and
+// Written per element, straight from the rules in docs/formats.md ("How the recipes
+// place the weights"), and
 // independent of the recipes' code.
 
 struct Ref {

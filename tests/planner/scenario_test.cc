@@ -10,7 +10,7 @@ namespace {
 
 using nlohmann::json;
 
-// A complete scenario in the shape of FORMATS.md.
+// A complete scenario in the shape of docs/formats.md, "Scenario".
 json full() {
   return json::parse(R"({
     "about": "test", "model": "tiny",

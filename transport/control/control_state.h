@@ -26,7 +26,8 @@
 // when the last source lagging behind leaves). A source that joins starts at
 // 0 and so holds the group version until it has published a newer one.
 //
-// Commit barrier (DESIGN.md section 6): each receiver rank of an instance
+// Commit barrier (docs/refresh.md, "Staged mode and the instance's
+// commit"): each receiver rank of an instance
 // reports "staged v"; when every rank of the instance has (all its declared
 // "instance_ranks" registered, when it declares them), every one of them is
 // sent commit v, and (instance, v) is committed: final. A failure report, or
@@ -40,7 +41,7 @@
 // An instance that declares its size and lacks a rank is never committed:
 // a rank missing aborts the version for that instance only.
 //
-// Leases (DESIGN.md section 6): a receiver rank leases the version it reads
+// Leases (docs/refresh.md, "Leases"): a receiver rank leases the version it reads
 // from the sources, at most one at a time, until it releases it, the lease
 // expires (it is renewed while the refresh runs) or the rank leaves. A
 // source asks wait_drained(v): it is told at once, or by a drained notice

@@ -1,5 +1,5 @@
 #pragma once
-// Control-plane frames (DESIGN.md section 5). On the wire, big-endian:
+// Control-plane frames (docs/architecture.md, "Control-plane frames"). On the wire, big-endian:
 //
 //   magic    u32  "RFCP"
 //   version  u16  kProtocolVersion

@@ -30,7 +30,7 @@ enum class Role : uint8_t { kSource, kReceiver };
 const char* role_name(Role r);
 
 // Registrations carry the member's part of a refit-layout/1 document
-// (FORMATS.md, explicit form): the coordinator assembles the members' parts
+// (docs/formats.md, "Layout file", explicit form): the coordinator assembles the members' parts
 // into one layout and plans it with the planner.
 
 // A tensor as a source declares it: its global name, dtype and shape.
@@ -84,7 +84,7 @@ struct MemberRef {  // unregister and heartbeat
   int32_t rank = 0;
 };
 
-// Verification (DESIGN.md section 6): the XXH3-64 of one box of a tensor at
+// Verification (docs/refresh.md, "Verification"): the XXH3-64 of one box of a tensor at
 // a version, over the box's elements in row-major order, as the source rank
 // that holds it computed it at publish.
 struct BoxHash {

@@ -1,6 +1,6 @@
 #pragma once
 // cudaError_t to Status: the one place where CUDA runtime errors are
-// converted (STYLE.md). Compiled only when CUDA is found.
+// converted (docs/architecture.md, "Errors"). Compiled only when CUDA is found.
 
 #include <cuda_runtime_api.h>
 

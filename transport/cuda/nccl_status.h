@@ -1,6 +1,6 @@
 #pragma once
 // ncclResult_t to Status: the one place where NCCL errors are converted
-// (STYLE.md). Compiled only when NCCL is found.
+// (docs/architecture.md, "Errors"). Compiled only when NCCL is found.
 
 #include <nccl.h>
 
