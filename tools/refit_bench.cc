@@ -49,6 +49,10 @@ using ordered_json = nlohmann::ordered_json;
 
 constexpr int kExitFailed = 1;
 constexpr int kExitBadInput = 2;
+// --kill landed after every refresh of its version had returned: every byte
+// verified, but nothing was killed during a refresh (the automake/meson
+// convention for a test that did not run).
+constexpr int kExitUntested = 77;
 constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
 
 Result<std::string> read_file(const std::string& path) {
@@ -203,6 +207,7 @@ struct Row {
   std::optional<bool> live_weights_intact;
   int64_t killed_version = 0;
   std::string kill_error;  // what the killed version's refresh ended with
+  bool kill_missed = false;  // the kill landed after every refresh had returned
   double kill_refresh_seconds = 0;
   std::vector<int32_t> committed_without_killed;
   std::string rejoined;    // --rejoin: who took the killed rank
@@ -295,9 +300,16 @@ void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bo
     if (!r.killed.empty()) {
       std::printf("%s: killed %s, in the refresh of version %lld\n", s, r.killed.c_str(),
                   static_cast<long long>(r.killed_version));
+      // The verdict (exit status, the table's verified column) follows from
+      // the same facts: an error fails the run; a kill that missed every
+      // refresh leaves it verified but untested.
+      const char* outcome = !r.kill_error.empty() ? r.kill_error.c_str()
+                            : r.kill_missed
+                                ? "completed and verified on every receiver before the kill landed: the kill "
+                                  "tested nothing (exit status 77; use --versions >= 3 or a smaller fraction)"
+                                : "completed and verified on every receiver left";
       std::printf("%s: version %lld's refresh, %.3f s: %s\n", s, static_cast<long long>(r.killed_version),
-                  r.kill_refresh_seconds,
-                  r.kill_error.empty() ? "completed and verified on every receiver left" : r.kill_error.c_str());
+                  r.kill_refresh_seconds, outcome);
       if (!r.committed_without_killed.empty()) {
         std::string ranks;
         for (int32_t x : r.committed_without_killed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(x);
@@ -540,7 +552,10 @@ int main(int argc, char** argv) {
       "whether the receivers whose refresh failed still hold the previous version, every\n"
       "byte checked. Exit status 1 (the run failed), as for any failure, except when a source\n"
       "was killed and every receiver still completed and verified the version (a replica\n"
-      "of the source's data carried it, once the coordinator had declared it dead).\n"
+      "of the source's data carried it, once the coordinator had declared it dead). When the\n"
+      "kill lands after every refresh of version N had returned, that version completed and\n"
+      "verified untouched and the kill tested nothing: the run says so (\"kill_missed\" in the\n"
+      "JSON) and, if nothing failed, exits with 77.\n"
       "\n"
       "--rejoin (with --kill): the kill lands in the refresh of version N-1 instead (use\n"
       "N >= 4), and a standby process, forked at the start with the ranks, takes the killed\n"
@@ -622,7 +637,8 @@ int main(int argc, char** argv) {
       "\n"
       "A progress bar is drawn on stderr when it is a terminal; otherwise one line per\n"
       "strategy. Exit status: 0 all verified (and no mixed read), 1 a strategy failed, a\n"
-      "byte was wrong or a read was mixed, 2 bad arguments or input files.",
+      "byte was wrong or a read was mixed, 2 bad arguments or input files, 77 all verified\n"
+      "but a --kill landed after every refresh had returned (it tested nothing).",
       "refit-bench");
   app.add_option("--scenario", scenario_path, "scenario file (docs/formats.md)")->required();
   app.add_option("--models", models_dir, "folder of model manifests: <model>.json, <model>.safetensors or <model>/")
@@ -634,7 +650,8 @@ int main(int argc, char** argv) {
                  "\"pause_seconds_median\", \"cpu_seconds_median\", \"machine_cpu_seconds_median\", \"completed\", "
                  "\"error\" (null when none), with --serve-check "
                  "\"serve_reads\", \"mixed_version_reads\", with --kill \"killed\", \"killed_version\", "
-                 "\"kill_error\" (null when every receiver left completed it), \"kill_refresh_seconds\" (that refresh, "
+                 "\"kill_error\" (null when every receiver left completed it), \"kill_missed\" (the kill landed after "
+                 "every refresh had returned), \"kill_refresh_seconds\" (that refresh, "
                  "until every receiver left had answered), \"committed_without_killed\" (staged: ranks of a killed "
                  "receiver's instance that committed that version without it) and (staged, when some failed) "
                  "\"live_weights_intact\", with --rejoin \"rejoined\" and \"rejoin_seconds\" (from the kill to "
@@ -827,6 +844,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   ordered_json all_reports = ordered_json::object();
   bool all_ok = true;
+  bool any_kill_missed = false;  // some --kill landed after every refresh had returned
   // refit and no-dedup take turns version by version, each with processes
   // of its own (run_interleaved), unless --sequential or a membership test;
   // broadcast runs on its own.
@@ -887,6 +905,7 @@ int main(int argc, char** argv) {
     row.live_weights_intact = r.live_weights_intact;
     row.killed_version = r.killed_version;
     row.kill_error = r.kill_error;
+    row.kill_missed = r.kill_missed;
     row.kill_refresh_seconds = r.kill_refresh_seconds;
     row.committed_without_killed = r.committed_without_killed;
     row.rejoined = r.rejoined;
@@ -928,6 +947,7 @@ int main(int argc, char** argv) {
       for (size_t k = 0; k < r.versions.size(); ++k) per_version[k]["link_bytes"] = r.versions[k].link_bytes;
     all_reports[name] = std::move(per_version);
     all_ok = all_ok && row.verified && row.mixed_version_reads == 0;
+    any_kill_missed = any_kill_missed || row.kill_missed;
     rows.push_back(row);
   }
 
@@ -982,6 +1002,7 @@ int main(int argc, char** argv) {
         j["killed"] = text_or_null(r.killed);
         j["killed_version"] = r.killed_version;
         j["kill_error"] = text_or_null(r.kill_error);
+        j["kill_missed"] = r.kill_missed;
         j["kill_refresh_seconds"] = r.kill_refresh_seconds;
         j["committed_without_killed"] = r.committed_without_killed;
         if (r.live_weights_intact) j["live_weights_intact"] = *r.live_weights_intact;
@@ -1043,5 +1064,6 @@ int main(int argc, char** argv) {
       return kExitFailed;
     }
   }
-  return all_ok ? 0 : kExitFailed;
+  if (!all_ok) return kExitFailed;
+  return any_kill_missed ? kExitUntested : 0;
 }

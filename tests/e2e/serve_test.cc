@@ -126,6 +126,7 @@ TEST_F(ServeCheck, KilledReceiverLeavesItsInstanceOnThePreviousVersion) {
   o.refresh_timeout = std::chrono::seconds(10);
   o.kill = RunOptions::Kill{true, 1, 0.2};
   RunResult r = refit::bench::run_refreshes(layout, Strategy::kRefit, o);
+  if (r.kill_missed && r.status.is_ok()) GTEST_SKIP() << "the kill landed after the refresh: " << r.killed;
   EXPECT_FALSE(r.status.is_ok());
   EXPECT_NE(r.status.message().find("receiver 1"), std::string::npos) << r.status.message();
   EXPECT_NE(r.killed.find("receiver 1"), std::string::npos) << r.killed;

@@ -221,6 +221,12 @@ struct RunResult {
   // What the killed version's refresh ended with: the first error among the
   // receivers, or "" when every surviving receiver completed and verified it.
   std::string kill_error;
+  // The kill landed after every refresh of the killed version had returned
+  // (`killed` then ends with ", after every refresh had returned"): that
+  // version completed as if no kill had been asked for, so the run tested
+  // nothing about a kill. Its status is OK when everything verified; the
+  // caller reports the run as untested (refit-bench exits 77, a test skips).
+  bool kill_missed = false;
   // From the killed version's refresh command until every receiver left had
   // answered (completed or failed).
   double kill_refresh_seconds = 0;
