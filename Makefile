@@ -29,11 +29,14 @@ bench-plan: all
 	@scripts/bench-plan $(BUILD)
 
 # libFuzzer over the control plane's frame decoder and message parsers, for
-# FUZZ_SECONDS (default 60), in a clang build of its own (build-fuzz/).
+# FUZZ_SECONDS (default 60), in a clang build of its own (build-fuzz/),
+# through ccache when it is installed (meson adds it only to the compilers
+# it finds itself, not to one named in CXX).
 FUZZ_SECONDS ?= 60
 fuzz: deps
 	@scripts/install-deps --fuzz
-	@[ -f build-fuzz/build.ninja ] || CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=true
+	@[ -f build-fuzz/build.ninja ] || CXX="$$(command -v ccache >/dev/null && echo 'ccache ')clang++" \
+	  meson setup build-fuzz -Dfuzz=enabled -Dtests=true
 	@ninja --quiet -C build-fuzz tests/transport/control/control_fuzz
 	@mkdir -p build-fuzz/corpus
 	@build-fuzz/tests/transport/control/control_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \

@@ -158,20 +158,27 @@ using Frames = std::vector<std::vector<uint8_t>>;
 // the reply that comes late is dropped, and the next request reads its own.
 TEST_F(LinkThroughRelay, AReplyThatComesAfterItsRequestTimedOutIsNotReadByTheNext) {
   std::atomic<bool> hold{false};
+  std::atomic<int> to_client{0};  // replies the relay passed on
   start({}, [&](Direction d, size_t, std::vector<uint8_t> frame) {
     const auto until = Clock::now() + std::chrono::seconds(5);
     while (d == Direction::kToClient && hold.load() && Clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    if (d == Direction::kToClient) ++to_client;
     return Frames{std::move(frame)};
   }, /*timeout_ms=*/400);
   ASSERT_TRUE(register_receiver().is_ok());
   hold = true;
+  const int replies_before = to_client.load();
   auto late = link_->request(control::MsgType::kSubscribe, control::Json::object());
   ASSERT_FALSE(late.is_ok());
   EXPECT_EQ(late.status().code(), Code::kTimeout) << late.status().message();
   hold = false;  // the subscribe reply ({ok, version}) now arrives, late
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto let_go_by = Clock::now() + std::chrono::seconds(5);
+  while (to_client.load() == replies_before && Clock::now() < let_go_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_GT(to_client.load(), replies_before) << "the relay never passed the late reply on";
   auto beat = link_->request(control::MsgType::kHeartbeat, control::Json{{"role", "receiver"}, {"rank", 0}});
   ASSERT_TRUE(beat.is_ok()) << beat.status().message();
   EXPECT_FALSE(beat->contains("version")) << "the heartbeat read the late subscribe reply: " << beat->dump();
@@ -185,11 +192,20 @@ TEST_F(LinkThroughRelay, ABrokenConnectionIsMadeAgainAndTheMemberRegisteredWithi
   // The old connection's member expires meanwhile; 20 heartbeats long, so
   // that a loaded machine does not expire the new one too.
   cc.heartbeat_timeout = std::chrono::milliseconds(2000);
-  start(cc, [](Direction, size_t, std::vector<uint8_t> frame) { return Frames{std::move(frame)}; },
-        /*timeout_ms=*/5000);
+  std::atomic<size_t> to_coordinator{0};  // frames passed to the coordinator
+  start(cc, [&](Direction d, size_t, std::vector<uint8_t> frame) {
+    if (d == Direction::kToCoordinator) ++to_coordinator;
+    return Frames{std::move(frame)};
+  }, /*timeout_ms=*/5000);
   ASSERT_TRUE(register_receiver().is_ok());
+  const size_t registered = to_coordinator.load();
   link_->start_heartbeat(control::MemberRef{control::Role::kReceiver, 0});
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The cut comes after a heartbeat went through on the first connection.
+  const auto beat_by = Clock::now() + std::chrono::seconds(5);
+  while (to_coordinator.load() == registered && Clock::now() < beat_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GT(to_coordinator.load(), registered) << "no heartbeat reached the coordinator";
   relay_->cut_all();
   const auto t0 = Clock::now();
   auto r = link_->request(control::MsgType::kSubscribe, control::Json::object());
@@ -199,10 +215,12 @@ TEST_F(LinkThroughRelay, ABrokenConnectionIsMadeAgainAndTheMemberRegisteredWithi
   EXPECT_EQ(link_->connections(), 2u);
   EXPECT_EQ(relay_->connections(), 2u);
   EXPECT_EQ(receivers(), 1u) << "registered again on the new connection";
-  // Heartbeats go on over the new connection: the member stays past the
-  // coordinator's heartbeat timeout.
-  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
-  EXPECT_EQ(receivers(), 1u);
+  // Heartbeats go on over the new connection: the member stays, at every
+  // look, for longer than the coordinator's heartbeat timeout.
+  for (const auto until = Clock::now() + std::chrono::milliseconds(3000); Clock::now() < until;) {
+    ASSERT_EQ(receivers(), 1u) << "the member expired on its new connection";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   EXPECT_FALSE(link_->dropped());
   std::printf("reconnected and registered again in %lld ms\n", static_cast<long long>(took.count()));
   link_->stop_heartbeat();
@@ -238,10 +256,14 @@ TEST_F(LinkThroughRelay, AReplayedFrameIsRefused) {
   ASSERT_TRUE(register_receiver().is_ok());
   (void)link_->request(control::MsgType::kHeartbeat, control::Json{{"role", "receiver"}, {"rank", 0}});
   EXPECT_NE(wait_log("heartbeat (frame 2 after authentication) fails its seal"), "");
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  auto st = coordinator_->stats();
-  ASSERT_TRUE(st.is_ok());
-  EXPECT_GE(st->refused, 1u);
+  uint64_t refused = 0;
+  for (const auto until = Clock::now() + std::chrono::seconds(5); refused == 0 && Clock::now() < until;) {
+    auto st = coordinator_->stats();
+    ASSERT_TRUE(st.is_ok());
+    refused = st->refused;
+    if (refused == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GE(refused, 1u);
 }
 
 }  // namespace

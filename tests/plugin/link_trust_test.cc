@@ -334,8 +334,16 @@ TEST(Trust, StrangersAndExhaustedDescriptorsDoNotKeepAMemberFromRefreshing) {
       if (fd >= 0) close(fd);
     }
   });
-  while (opened.load() < kMaxConnections + 100) std::this_thread::sleep_for(5ms);
-  std::this_thread::sleep_for(200ms);
+  // The flood is on once the coordinator closed one of its connections and
+  // the flood opened it again.
+  const auto flooding_by = Clock::now() + 20s;
+  while (opened.load() <= kMaxConnections + 100 && Clock::now() < flooding_by) std::this_thread::sleep_for(5ms);
+  if (opened.load() <= kMaxConnections + 100) {
+    stop = true;
+    flood.join();
+    cleanup();
+    FAIL() << "the coordinator closed none of " << opened.load() << " idle connections within 20 s";
+  }
   // The members join and the receiver refreshes, the flood going on.
   const auto t0 = Clock::now();
   write_byte(source.down, 'j');

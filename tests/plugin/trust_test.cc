@@ -175,6 +175,17 @@ class Trust : public ::testing::Test {
     kid(i).send(command);
     return words(kid(i).recv(timeout));
   }
+  // Whether the coordinator counts `n` leases within `timeout` (a state
+  // query, polled: the coordinator has no event a test can wait on).
+  bool wait_leases(size_t n, milliseconds timeout = milliseconds(10000)) {
+    const auto until = Clock::now() + timeout;
+    do {
+      auto st = coordinator_->stats();
+      if (st.is_ok() && st->leases >= n) return true;
+      std::this_thread::sleep_for(milliseconds(5));
+    } while (Clock::now() < until);
+    return false;
+  }
   std::vector<std::string> log_lines() {
     std::lock_guard<std::mutex> lock(log_mu_);
     return log_;
@@ -370,7 +381,7 @@ TEST_F(Trust, ALeaseLivesAsLongAsItsRefresh) {
   }
   kid(2).send("refresh 1 20000");
   kid(1).send("refresh 1 20000 2500");
-  std::this_thread::sleep_for(milliseconds(500));  // receiver 1 leased and waits for receiver 0
+  ASSERT_TRUE(wait_leases(1)) << "receiver 1 never leased version 1";  // and waits for receiver 0
   kid(0).send("drain 1");
   const std::vector<std::string> a = words(kid(1).recv()), b = words(kid(2).recv());
   ASSERT_GE(a.size(), 4u);
@@ -399,7 +410,7 @@ TEST_F(Trust, ARefreshWhoseLeaseWasLostFails) {
   start({source_body, receiver_body({0})}, cc);
   ASSERT_EQ(ask(0, "publish 1"), std::vector<std::string>{"ok"});
   ASSERT_EQ(ask(1, "start 1 20000"), std::vector<std::string>{"started"});
-  std::this_thread::sleep_for(milliseconds(500));  // joined and leased, its plan being made
+  ASSERT_TRUE(wait_leases(1)) << "the receiver never leased version 1";  // its plan being made
   kill(pid(1), SIGSTOP);
   // Past the lease's expiry (the plan, then 400 ms, seen by a sweep every
   // 2 s): the source is told 1 drained and writes over it.

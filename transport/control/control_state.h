@@ -233,6 +233,8 @@ class ControlState {
   // The membership epoch: bumped by every register, unregister and death.
   uint64_t epoch() const { return epoch_; }
   uint64_t plans_made() const { return plans_made_; }
+  // Receiver ranks that hold a lease now.
+  size_t num_leases() const { return leases_.size(); }
   bool has_source(int32_t rank) const { return sources_.count(rank) != 0; }
   bool has_receiver(int32_t rank) const { return receivers_.count(rank) != 0; }
 

@@ -942,6 +942,7 @@ Result<CoordinatorStats> Coordinator::stats() const {
     st.version = impl->state_.version();
     st.refused = impl->refused_;
     st.plans = impl->state_.plans_made();
+    st.leases = impl->state_.num_leases();
     st.buffered_bytes = impl->buffered_;
     p->set_value(st);
   });

@@ -107,6 +107,7 @@ struct CoordinatorStats {
   int64_t version = 0;  // the group version (control_state.h)
   uint64_t refused = 0;  // connections closed for a protocol or auth failure
   uint64_t plans = 0;    // plans made (one per membership asked for a plan)
+  size_t leases = 0;     // receiver ranks holding a lease on a version now
   size_t buffered_bytes = 0;  // queued output and partly read input, all connections
 };
 
