@@ -5,6 +5,7 @@
 // share a process with other C++ libraries.
 #include "refit/refit.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <new>
@@ -59,8 +60,18 @@ Status null_arg(const char* what, const char* arg) {
   return Status::invalid(std::string(what) + ": " + arg + " is NULL");
 }
 
+// A timeout from the C ABI as a duration that every layer below may add to
+// steady_clock::now() without overflow: negative is 0 (as it always was),
+// and anything from a century on (REFIT_NO_DEADLINE among them) is a
+// century, which is no deadline. steady_clock counts int64 nanoseconds
+// (292 years), so INT64_MAX ms converted as it is wraps into the past.
+constexpr std::chrono::milliseconds kNoDeadline = std::chrono::hours(24 * 36525);
+static_assert(std::chrono::duration_cast<std::chrono::nanoseconds>(kNoDeadline).count() < INT64_MAX / 2,
+              "a deadline now + kNoDeadline must fit steady_clock for the next century of uptime");
+
 std::chrono::milliseconds timeout_of(int64_t ms) {
-  return std::chrono::milliseconds(ms < 0 ? 0 : ms);
+  if (ms < 0) return std::chrono::milliseconds(0);
+  return std::min(std::chrono::milliseconds(ms), kNoDeadline);
 }
 
 }  // namespace

@@ -169,6 +169,15 @@ extern "C" {
 /* refit_receiver_refresh*(): the newest version every source has published. */
 #define REFIT_LATEST ((int64_t)-1)
 
+/*
+ * timeout_ms of every call that takes one: milliseconds from the call. Any
+ * value >= 0 works; 0 gives up at once (refit_receiver_refresh_wait(): a
+ * poll). A negative value is taken as 0. Values of a century
+ * (3155760000000 ms) or more saturate to no deadline: the call waits as
+ * long as it takes. REFIT_NO_DEADLINE is the value to pass for that.
+ */
+#define REFIT_NO_DEADLINE INT64_MAX
+
 typedef enum refit_status {
   REFIT_OK = 0,
   REFIT_INVALID_ARGUMENT = 1, /* bad config, description, buffer or call order */

@@ -759,6 +759,18 @@ Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_p
     return Status::invalid("lease: version " + std::to_string(m.version) + " is not published (latest is " +
                            std::to_string(version_) + ")");
   }
+  if (!leases_.count(m.rank)) {
+    size_t held = 0;
+    for (const auto& [rank, l] : leases_) {
+      auto r = receivers_.find(rank);
+      held += r != receivers_.end() && r->second.session == session;
+    }
+    if (held >= limits_.max_leases_per_connection) {
+      return Status::invalid("lease: receiver rank " + std::to_string(m.rank) + ": this connection already holds " +
+                             std::to_string(held) + " leases, the limit of max_leases_per_connection (" +
+                             std::to_string(limits_.max_leases_per_connection) + "); release one first");
+    }
+  }
   leases_[m.rank] = Lease{m.version, now + lease_timeout_};
   leased_version_ = std::max(leased_version_, m.version);
   notify_drained();  // a rank moving to a newer version may drain an older one
