@@ -11,6 +11,7 @@
 #include <new>
 #include <string>
 
+#include "plugin/log.h"
 #include "plugin/receiver_agent.h"
 #include "plugin/source_agent.h"
 
@@ -95,6 +96,8 @@ REFIT_EXPORT const char* refit_status_name(refit_status_t status) {
   }
   return "unknown";
 }
+
+REFIT_EXPORT void refit_set_log_callback(refit_log_fn fn, void* user) { refit::plugin::set_log_callback(fn, user); }
 
 REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_source_t** out) {
   return guarded("refit_source_create", [&]() -> Status {
@@ -262,6 +265,7 @@ REFIT_EXPORT const refit_api_t* refit_get_api(uint32_t abi_version) {
       refit_receiver_version,
       refit_receiver_destroy,
       refit_receiver_commit,
+      refit_set_log_callback,
   };
   if (abi_version != REFIT_ABI_VERSION) {
     g_last_error = "refit_get_api: this library serves ABI version " + std::to_string(REFIT_ABI_VERSION) +

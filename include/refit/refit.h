@@ -205,6 +205,41 @@ REFIT_EXPORT const char* refit_last_error(void);
 /** A static name for a status ("REFIT_OK", ...); "unknown" for other values. */
 REFIT_EXPORT const char* refit_status_name(refit_status_t status);
 
+/* ---- Log ------------------------------------------------------------------ */
+
+typedef enum refit_log_level {
+  REFIT_LOG_ERROR = 0,
+  REFIT_LOG_WARN = 1,
+  REFIT_LOG_INFO = 2,
+  REFIT_LOG_DEBUG = 3
+} refit_log_level_t;
+
+/**
+ * A log callback: one line of refit's log, at `level`. `line` names the
+ * agent ("refit[receiver 0] refresh to 3, attempt 1 failed, retrying: ..."),
+ * has no level word and no newline, and is valid only during the call.
+ * `user` is the pointer given to refit_set_log_callback().
+ */
+typedef void (*refit_log_fn)(refit_log_level_t level, const char* line, void* user);
+
+/**
+ * Routes the log lines of every agent of the process (and of a coordinator
+ * an agent embeds) to `fn`, instead of stderr; NULL restores stderr. Only
+ * lines at or above an agent's "log_level" (or REFIT_LOG_LEVEL) are logged.
+ *
+ * @param [in] fn    The callback, or NULL.
+ * @param [in] user  Passed to every call of `fn`; may be NULL.
+ *
+ * @note `fn` is called on refit's own threads (progress, heartbeat, the
+ *       coordinator's) and on threads that call refit, one call at a time
+ *       (never two at once), while refit holds a lock: it must return
+ *       promptly, must not throw, and must not call any refit_* function
+ *       (that may deadlock). When this returns, no call to the previous
+ *       callback is running or will start, so its `user` may be freed.
+ *       Any thread; may block on a log line being delivered.
+ */
+REFIT_EXPORT void refit_set_log_callback(refit_log_fn fn, void* user);
+
 /* ---- Source (trainer side) ---------------------------------------------- */
 
 /** Creates a source from its JSON config and connects to the coordinator. */
@@ -400,6 +435,7 @@ typedef struct refit_api {
   int64_t (*receiver_version)(refit_receiver_t* receiver);
   void (*receiver_destroy)(refit_receiver_t* receiver);
   refit_status_t (*receiver_commit)(refit_receiver_t* receiver);
+  void (*set_log_callback)(refit_log_fn fn, void* user);
 } refit_api_t;
 
 /**
