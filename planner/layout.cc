@@ -71,9 +71,10 @@ void extent(const Region& r, int64_t* lo, int64_t* hi) {
   }
 }
 
-// Every element offset a region maps to, as sorted half-open intervals.
-// Only called for pairs whose extents meet, which is rare in real layouts.
-std::vector<std::pair<int64_t, int64_t>> footprint(const Region& r) {
+// Every element offset a region maps to, as sorted half-open intervals,
+// scaled by `elem_bytes` (1: elements). Only called for pairs whose extents
+// meet, which is rare in real layouts.
+std::vector<std::pair<int64_t, int64_t>> footprint(const Region& r, int64_t elem_bytes = 1) {
   std::vector<std::pair<int64_t, int64_t>> out;
   const Box& b = r.box;
   const int n = b.ndim;
@@ -84,7 +85,7 @@ std::vector<std::pair<int64_t, int64_t>> footprint(const Region& r) {
   for (;;) {
     int64_t off = r.offset;
     for (int d = 0; d < outer; ++d) off += idx[d] * r.strides[d];
-    out.emplace_back(off, off + run);
+    out.emplace_back(off * elem_bytes, (off + run) * elem_bytes);
     int d = outer - 1;
     while (d >= 0) {
       if (++idx[d] < b.size[d]) break;
@@ -97,9 +98,17 @@ std::vector<std::pair<int64_t, int64_t>> footprint(const Region& r) {
   return out;
 }
 
-bool footprints_meet(const Region& a, const Region& b) {
-  auto fa = footprint(a);
-  auto fb = footprint(b);
+}  // namespace
+
+void byte_extent(const Region& r, int elem_bytes, int64_t* lo, int64_t* hi) {
+  extent(r, lo, hi);
+  *lo *= elem_bytes;
+  *hi = (*hi + 1) * elem_bytes;
+}
+
+bool regions_meet(const Region& a, int a_bytes, const Region& b, int b_bytes) {
+  auto fa = footprint(a, a_bytes);
+  auto fb = footprint(b, b_bytes);
   size_t i = 0, j = 0;
   while (i < fa.size() && j < fb.size()) {
     if (std::max(fa[i].first, fb[j].first) < std::min(fa[i].second, fb[j].second)) return true;
@@ -107,6 +116,8 @@ bool footprints_meet(const Region& a, const Region& b) {
   }
   return false;
 }
+
+namespace {
 
 // True when no two elements of the region's box map to the same offset.
 // Proven cheaply when, taking dims by growing |stride|, each stride exceeds
@@ -162,17 +173,15 @@ Status check_region(const Layout& L, const Tensor& t, const Region& r, Side side
   const Buffer& b = L.buffers[bi];
   if (b.side != side)
     return Status::invalid(where + ": buffer \"" + b.name + "\" belongs to the other side");
-  if (b.dtype != t.dtype_on(side))
-    return Status::invalid(where + ": buffer \"" + b.name + "\" has dtype " + std::string(dtype_name(b.dtype)) +
-                           ", the tensor " + std::string(dtype_name(t.dtype_on(side))) + " on the " +
-                           side_name(side) + " side");
   const RankSets& sets = L.sets(side);
   if (r.ranks >= sets.size() || b.ranks >= sets.size()) return Status::invalid(where + ": unknown rank set");
   if (!is_subset(sets.get(r.ranks), sets.get(b.ranks)))
     return Status::invalid(where + ": a rank of the region has no buffer \"" + b.name + "\"");
+  // A buffer is bytes: the region's elements are its tensor's, whatever
+  // else the buffer holds.
   int64_t lo, hi;
   extent(r, &lo, &hi);
-  const int64_t elems = b.bytes / dtype_bytes(b.dtype);
+  const int64_t elems = b.bytes / dtype_bytes(t.dtype_on(side));
   if (lo < 0 || hi >= elems)
     return Status::invalid(where + ": box " + r.box.to_string() + " at element offset " +
                            std::to_string(r.offset) + " reaches element " + std::to_string(lo < 0 ? lo : hi) +
@@ -271,7 +280,7 @@ Status validate(const Layout& L) {
       for (const Region& r : L.regions(ti, side)) {
         REFIT_RETURN_IF_ERROR(check_region(L, t, r, side));
         Entry e{0, 0, &r, &t};
-        extent(r, &e.lo, &e.hi);
+        byte_extent(r, dtype_bytes(t.dtype_on(side)), &e.lo, &e.hi);
         by_buffer[t.base(side) + r.buffer].push_back(e);
       }
     }
@@ -306,12 +315,13 @@ Status validate(const Layout& L) {
     for (const Entry& e : v) {
       active.erase(std::remove_if(active.begin(), active.end(),
                                   [&](const Entry* a) {
-                                    return a->hi < e.lo || (disjoint && a->region->ranks != e.region->ranks);
+                                    return a->hi <= e.lo || (disjoint && a->region->ranks != e.region->ranks);
                                   }),
                    active.end());
       for (const Entry* a : active) {
         if (!disjoint && !sets_meet(sets.get(a->region->ranks), sets.get(e.region->ranks))) continue;
-        if (footprints_meet(*a->region, *e.region))
+        if (regions_meet(*a->region, dtype_bytes(a->tensor->dtype_on(L.buffers[bi].side)), *e.region,
+                         dtype_bytes(e.tensor->dtype_on(L.buffers[bi].side))))
           return Status::invalid("buffer \"" + L.buffers[bi].name + "\": the segment of tensor \"" + a->tensor->name +
                                  "\" " + a->region->box.to_string() + " and the segment of tensor \"" +
                                  e.tensor->name + "\" " + e.region->box.to_string() + " overlap");

@@ -178,11 +178,23 @@ Index row_major_strides(const std::vector<int64_t>& shape);
 
 // Checks everything the planner relies on, and names the culprit on failure:
 // ranks in range and domains/instances non-negative; every region's box
-// non-empty and inside its tensor; its buffer of the region's side, of the
-// tensor's dtype on that side (Tensor::dtype_on), held by every rank of the
-// region; a derived tensor without sources; every element it maps
-// inside the buffer; no two regions of one rank overlapping in a buffer.
+// non-empty and inside its tensor; its buffer of the region's side, held by
+// every rank of the region; a derived tensor without sources; every element
+// it maps inside the buffer; no two regions of one rank sharing a byte of a
+// buffer. A buffer is bytes: a region's offset and strides count elements
+// of its tensor's dtype on that side (Tensor::dtype_on), and one buffer may
+// hold tensors of several dtypes; Buffer::dtype only says what its bytes
+// must be a whole number of.
 // Does not check that sources cover what receivers need: the planner does.
 Status validate(const Layout& layout);
+
+// The bytes [*lo, *hi) a region of elements of `elem_bytes` spans in its
+// buffer, from its lowest to its highest element.
+void byte_extent(const Region& r, int elem_bytes, int64_t* lo, int64_t* hi);
+
+// Whether two regions of one buffer, of elements of a_bytes and b_bytes,
+// share a byte. Enumerates both footprints: call it for regions whose
+// extents meet.
+bool regions_meet(const Region& a, int a_bytes, const Region& b, int b_bytes);
 
 }  // namespace refit

@@ -381,18 +381,20 @@ class Parser {
 
     auto segs = list(b, "segments", true, path);
     if (!segs) return segs.status();
-    const int64_t elems = g.bytes / elem;
     for (size_t j = 0; j < (*segs)->size(); ++j) {
       Segment s;
       REFIT_RETURN_IF_ERROR(
-          parse_segment((**segs)[j], path + ".segments[" + std::to_string(j) + "]", g.side, g.dtype, elems, &s));
+          parse_segment((**segs)[j], path + ".segments[" + std::to_string(j) + "]", g.side, g.dtype, g.bytes, &s));
       g.segments.push_back(s);
     }
     add_to_group(std::move(g), static_cast<int32_t>(rank));
     return Status::ok();
   }
 
-  Status parse_segment(const json& s, const std::string& path, Side side, DType dtype, int64_t elems, Segment* out) {
+  // A buffer is bytes: a segment's "dtype" (the buffer's when left out) is
+  // its tensor's, and its offset and strides count elements of it.
+  Status parse_segment(const json& s, const std::string& path, Side side, DType buffer_dtype, int64_t bytes,
+                       Segment* out) {
     if (!s.is_object()) return fail(path, "must be an object, got " + show(s));
     auto name = field(s, "tensor", path);
     if (!name) return name.status();
@@ -401,16 +403,21 @@ class Parser {
     if (it == tensor_index_.end()) return fail(path + ".tensor", "unknown tensor " + show(**name));
     Tensor& t = L_.tensors[it->second];
     Context ctx(this, context_.substr(0, context_.size() - 1) + ", tensor \"" + t.name + "\")");
-    REFIT_RETURN_IF_ERROR(check_keys(s, path, {"tensor", "start", "size", "offset", "strides"}));
-    // A receiver buffer may hold the tensor in another dtype than its
+    REFIT_RETURN_IF_ERROR(check_keys(s, path, {"tensor", "dtype", "start", "size", "offset", "strides"}));
+    DType dtype = buffer_dtype;
+    const bool own_dtype = s.contains("dtype");
+    if (own_dtype) REFIT_RETURN_IF_ERROR(dtype_field(s, path, &dtype));
+    // A receiver segment may hold the tensor in another dtype than its
     // sources: the tensor is converted on the way (planner/conversion.h),
     // and all its receivers hold that dtype.
     if (side == Side::kReceiver && t.dtype != dtype && !t.receiver_dtype && t.receivers.empty())
       t.receiver_dtype = dtype;
     if (t.dtype_on(side) != dtype)
       return fail(path, "the tensor is " + std::string(dtype_name(t.dtype_on(side))) + " on the " + side_name(side) +
-                             " side but the buffer is " + std::string(dtype_name(dtype)) +
-                             "; all of a tensor's buffers on one side hold one dtype");
+                             " side but the " + (own_dtype ? "segment" : "buffer") + " is " +
+                             std::string(dtype_name(dtype)) + "; all of a tensor's " + (own_dtype ? "segments" : "buffers") +
+                             " on one side hold one dtype");
+    const int64_t elems = bytes / dtype_bytes(dtype);
     const int nd = static_cast<int>(t.shape.size());
     std::vector<int64_t> start, size, strides;
     REFIT_RETURN_IF_ERROR(int_list(s, "start", path, nd, 0, "non-negative integers", &start));
@@ -671,6 +678,8 @@ void write_layout(const Layout& L, Writer& w) {
         w.raw(", \"start\": ").list(r.box.start.data(), r.box.ndim);
         w.raw(", \"size\": ").list(r.box.size.data(), r.box.ndim);
         w.raw(", \"offset\": ").num(r.offset);
+        const DType dt = L.tensors[u.tensor].dtype_on(b.side);
+        if (dt != b.dtype) w.raw(", \"dtype\": ").str(dtype_name(dt));
         w.raw(", \"strides\": ").list(r.strides.data(), r.box.ndim).raw("}");
       }
       w.raw("]}");

@@ -23,14 +23,24 @@ std::vector<int64_t> row_major(const std::vector<int64_t>& size) {
   return strides;
 }
 
+std::string read_dtype(JsonReader& r, const Json& obj, const std::string& path) {
+  const std::string name = r.string(obj, path, "dtype", std::nullopt);
+  if (r.ok() && !parse_dtype(name)) {
+    r.fail(JsonReader::join(path, "dtype"),
+           "must be one of BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 U8 I16 I32 I64 BOOL, got \"" + name + "\"");
+  }
+  return name;
+}
+
 // Reads one segment; `tensor` is set from the description when the key is
 // allowed (receivers), else from `fixed_tensor`.
 control::Segment read_segment(JsonReader& r, const Json& s, const std::string& path, bool with_tensor,
                               const std::string& fixed_tensor) {
   control::Segment seg;
   if (with_tensor) {
-    r.object(s, path, {"tensor", "start", "size", "offset", "strides"});
+    r.object(s, path, {"tensor", "dtype", "start", "size", "offset", "strides"});
     seg.tensor = r.string(s, path, "tensor", std::nullopt);
+    if (r.ok() && s.contains("dtype")) seg.dtype = read_dtype(r, s, path);
   } else {
     r.object(s, path, {"start", "size", "offset", "strides"});
     seg.tensor = fixed_tensor;
@@ -48,15 +58,6 @@ control::Segment read_segment(JsonReader& r, const Json& s, const std::string& p
     r.fail(JsonReader::join(path, "strides"), "must have one entry per dim (" + std::to_string(seg.size.size()) + ")");
   }
   return seg;
-}
-
-std::string read_dtype(JsonReader& r, const Json& obj, const std::string& path) {
-  const std::string name = r.string(obj, path, "dtype", std::nullopt);
-  if (r.ok() && !parse_dtype(name)) {
-    r.fail(JsonReader::join(path, "dtype"),
-           "must be one of BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 U8 I16 I32 I64 BOOL, got \"" + name + "\"");
-  }
-  return name;
 }
 
 Result<DTensorSpec> read_dtensor(JsonReader& r, const Json& d) {
@@ -128,12 +129,75 @@ std::vector<BufferPart> rank_buffers(const Layout& layout, Side side, int32_t ra
   return out;
 }
 
+namespace {
+
+// The bytes of one element of segment `s` of `part`; 0 for an unknown dtype.
+int elem_bytes(const BufferPart& part, const control::Segment& s) {
+  const std::optional<DType> dtype = parse_dtype(s.dtype.empty() ? part.dtype : s.dtype);
+  return dtype ? dtype_bytes(*dtype) : 0;
+}
+
+Region region_of(const control::Segment& s) {
+  Region r;
+  r.box.ndim = static_cast<int>(std::min(s.size.size(), static_cast<size_t>(kMaxDims)));
+  for (int d = 0; d < r.box.ndim; ++d) {
+    r.box.start[d] = s.start[d];
+    r.box.size[d] = s.size[d];
+    r.strides[d] = d < static_cast<int>(s.strides.size()) ? s.strides[d] : 0;
+  }
+  r.offset = s.offset;
+  return r;
+}
+
+std::string segment_name(const BufferPart& part, size_t i) {
+  const control::Segment& s = part.segments[i];
+  return "segment " + std::to_string(i) + " (tensor \"" + s.tensor + "\", " +
+         (s.dtype.empty() ? part.dtype : s.dtype) + ")";
+}
+
+}  // namespace
+
+Status check_segments_apart(const BufferPart& part) {
+  struct Extent {
+    int64_t lo, hi;  // bytes [lo, hi)
+    size_t segment;
+    Region region;
+    int elem;
+  };
+  std::vector<Extent> extents;
+  extents.reserve(part.segments.size());
+  for (size_t i = 0; i < part.segments.size(); ++i) {
+    Extent e{0, 0, i, region_of(part.segments[i]), elem_bytes(part, part.segments[i])};
+    if (e.elem == 0) continue;  // check_segments_fit names it
+    byte_extent(e.region, e.elem, &e.lo, &e.hi);
+    extents.push_back(e);
+  }
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
+  // Sweep: each segment against the earlier ones whose bytes reach it.
+  std::vector<const Extent*> active;
+  for (const Extent& e : extents) {
+    active.erase(std::remove_if(active.begin(), active.end(), [&](const Extent* a) { return a->hi <= e.lo; }),
+                 active.end());
+    for (const Extent* a : active) {
+      if (regions_meet(a->region, a->elem, e.region, e.elem)) {
+        const size_t first = std::min(a->segment, e.segment), second = std::max(a->segment, e.segment);
+        return Status::invalid("buffer \"" + part.name + "\": " + segment_name(part, first) + " and " +
+                               segment_name(part, second) + " overlap: a byte of the buffer cannot hold both");
+      }
+    }
+    active.push_back(&e);
+  }
+  return Status::ok();
+}
+
 Status check_segments_fit(const BufferPart& part, uint64_t bytes) {
-  const std::optional<DType> dtype = parse_dtype(part.dtype);
-  if (!dtype) return Status::invalid("buffer \"" + part.name + "\": unknown dtype \"" + part.dtype + "\"");
-  const int64_t elem = dtype_bytes(*dtype);
   for (size_t i = 0; i < part.segments.size(); ++i) {
     const control::Segment& s = part.segments[i];
+    const std::string& dtype_name = s.dtype.empty() ? part.dtype : s.dtype;
+    const int64_t elem = elem_bytes(part, s);
+    if (elem == 0) {
+      return Status::invalid("buffer \"" + part.name + "\": unknown dtype \"" + dtype_name + "\"");
+    }
     __int128 last = s.offset;
     for (size_t d = 0; d < s.size.size(); ++d) last += static_cast<__int128>(s.size[d] - 1) * s.strides[d];
     const __int128 end = (last + 1) * elem;
@@ -143,7 +207,7 @@ Status check_segments_fit(const BufferPart& part, uint64_t bytes) {
                              std::to_string(static_cast<int64_t>(end)));
     }
   }
-  return Status::ok();
+  return check_segments_apart(part);
 }
 
 Result<SourceTensor> parse_source_tensor(std::string_view json_text, int32_t rank) {
@@ -252,7 +316,9 @@ Result<BufferPart> parse_receiver_buffer(std::string_view json_text, int32_t ran
   }
   BufferPart part;
   part.name = r.string(d, "", "name", std::nullopt);
-  part.dtype = read_dtype(r, d, "");
+  // A buffer is bytes: with "segments", "dtype" is only the default of
+  // segments that name none.
+  if (r.ok() && (d.contains("dtype") || !d.contains("segments"))) part.dtype = read_dtype(r, d, "");
   const Json* dt = r.member(d, "", "dtensor", false);
   const Json* segs = r.member(d, "", "segments", false);
   if (r.ok() && (dt == nullptr) == (segs == nullptr)) {
@@ -272,9 +338,27 @@ Result<BufferPart> parse_receiver_buffer(std::string_view json_text, int32_t ran
     return Status::invalid("buffer description: \"segments\" must be a non-empty list of segments");
   }
   for (size_t i = 0; i < segs->size(); ++i) {
-    control::Segment s = read_segment(r, (*segs)[i], "segments[" + std::to_string(i) + "]", true, "");
+    const std::string path = "segments[" + std::to_string(i) + "]";
+    control::Segment s = read_segment(r, (*segs)[i], path, true, "");
     if (!r.ok()) return r.status();
+    if (s.dtype.empty() && part.dtype.empty()) {
+      return Status::invalid("buffer description: \"" + path + "\" (tensor \"" + s.tensor +
+                             "\") needs a \"dtype\": the buffer names none");
+    }
+    if (s.dtype == part.dtype) s.dtype.clear();
     part.segments.push_back(std::move(s));
+  }
+  // One dtype for every segment: the buffer's (as a description with a
+  // top-level "dtype" always said). Several: the buffer is bytes (U8), and
+  // each segment keeps its own.
+  if (part.dtype.empty()) {
+    const std::string first = part.segments.front().dtype;
+    const bool one = std::all_of(part.segments.begin(), part.segments.end(),
+                                 [&](const control::Segment& s) { return s.dtype == first; });
+    part.dtype = one ? first : "U8";
+    for (control::Segment& s : part.segments) {
+      if (one || s.dtype == part.dtype) s.dtype.clear();
+    }
   }
   return part;
 }

@@ -21,6 +21,9 @@ namespace refit::plugin {
 
 // One buffer of one rank: what the coordinator needs, minus the address and
 // rkey the agent adds once it has registered the memory.
+// A buffer is bytes: a segment's offset and strides count elements of its
+// own dtype (Segment::dtype, "" for `dtype`). A buffer whose segments hold
+// several dtypes has dtype U8.
 struct BufferPart {
   std::string name;
   std::string dtype;
@@ -52,8 +55,13 @@ Result<BufferPart> parse_receiver_buffer(std::string_view json_text, int32_t ran
 // The buffers that `rank` of `side` holds in `layout`, with their segments.
 std::vector<BufferPart> rank_buffers(const Layout& layout, Side side, int32_t rank);
 
-// Checks that every segment fits in `bytes` of a buffer of `dtype`; the
-// message names the buffer and the segment.
+// Checks that every segment fits in `bytes` of the buffer, each counted in
+// elements of its own dtype, and that no two segments share a byte
+// (check_segments_apart); the message names the buffer and the segments.
 Status check_segments_fit(const BufferPart& part, uint64_t bytes);
+
+// Checks that no two segments of `part` share a byte, whatever their dtypes;
+// the message names both segments and their tensors.
+Status check_segments_apart(const BufferPart& part);
 
 }  // namespace refit::plugin

@@ -1,11 +1,13 @@
 #pragma once
-// The library's log: one line per event to stderr, "refit[source 3] warn: ...".
-// The level comes from the agent's config; REFIT_LOG_LEVEL (error, warn,
-// info, debug) overrides it. Thread-safe.
+// The library's log: one line per event, "refit[source 3] warn: ...", to
+// stderr, or to the host's callback (refit_set_log_callback, one per
+// process). The level comes from the agent's config; REFIT_LOG_LEVEL (error,
+// warn, info, debug) overrides it. Thread-safe.
 
 #include <string>
 
 #include "plugin/config.h"
+#include "refit/refit.h"
 
 namespace refit::plugin {
 
@@ -23,5 +25,11 @@ class Log {
   std::string who_;
   LogLevel level_;
 };
+
+// Sends every log line of every agent of the process to `fn` (with `user`),
+// or to stderr again when `fn` is null. Lines are delivered one at a time:
+// the callback is never entered by two threads at once, and once this
+// returns no call to the previous callback is running or will start.
+void set_log_callback(refit_log_fn fn, void* user);
 
 }  // namespace refit::plugin

@@ -5,11 +5,13 @@
 // share a process with other C++ libraries.
 #include "refit/refit.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <new>
 #include <string>
 
+#include "plugin/log.h"
 #include "plugin/receiver_agent.h"
 #include "plugin/source_agent.h"
 
@@ -59,8 +61,18 @@ Status null_arg(const char* what, const char* arg) {
   return Status::invalid(std::string(what) + ": " + arg + " is NULL");
 }
 
+// A timeout from the C ABI as a duration that every layer below may add to
+// steady_clock::now() without overflow: negative is 0 (as it always was),
+// and anything from a century on (REFIT_NO_DEADLINE among them) is a
+// century, which is no deadline. steady_clock counts int64 nanoseconds
+// (292 years), so INT64_MAX ms converted as it is wraps into the past.
+constexpr std::chrono::milliseconds kNoDeadline = std::chrono::hours(24 * 36525);
+static_assert(std::chrono::duration_cast<std::chrono::nanoseconds>(kNoDeadline).count() < INT64_MAX / 2,
+              "a deadline now + kNoDeadline must fit steady_clock for the next century of uptime");
+
 std::chrono::milliseconds timeout_of(int64_t ms) {
-  return std::chrono::milliseconds(ms < 0 ? 0 : ms);
+  if (ms < 0) return std::chrono::milliseconds(0);
+  return std::min(std::chrono::milliseconds(ms), kNoDeadline);
 }
 
 }  // namespace
@@ -84,6 +96,8 @@ REFIT_EXPORT const char* refit_status_name(refit_status_t status) {
   }
   return "unknown";
 }
+
+REFIT_EXPORT void refit_set_log_callback(refit_log_fn fn, void* user) { refit::plugin::set_log_callback(fn, user); }
 
 REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_source_t** out) {
   return guarded("refit_source_create", [&]() -> Status {
@@ -251,6 +265,7 @@ REFIT_EXPORT const refit_api_t* refit_get_api(uint32_t abi_version) {
       refit_receiver_version,
       refit_receiver_destroy,
       refit_receiver_commit,
+      refit_set_log_callback,
   };
   if (abi_version != REFIT_ABI_VERSION) {
     g_last_error = "refit_get_api: this library serves ABI version " + std::to_string(REFIT_ABI_VERSION) +

@@ -105,11 +105,25 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
   REFIT_RETURN_IF_ERROR(check_segments_fit(t->buffer, bytes).with_context("tensor \"" + t->decl.name + "\""));
   auto it = std::find_if(buffers_.begin(), buffers_.end(), [&](const Buf& b) { return b.name == t->buffer.name; });
   if (it != buffers_.end()) {  // a fused buffer: one more tensor in it
-    if (it->data != data || it->bytes != bytes || it->dtype != t->buffer.dtype) {
+    if (it->data != data || it->bytes != bytes) {
       return Status::invalid("tensor \"" + t->decl.name + "\": buffer \"" + it->name +
-                             "\" was added with another address, size or dtype");
+                             "\" was added with another address or size");
     }
-    it->segments.insert(it->segments.end(), t->buffer.segments.begin(), t->buffer.segments.end());
+    // A buffer is bytes: tensors of several dtypes may share it. Then it is
+    // U8, and each segment names its own dtype.
+    BufferPart fused{it->name, it->dtype, 0, it->segments};
+    const bool mixed = it->dtype != t->buffer.dtype;
+    if (mixed) fused.dtype = "U8";
+    for (control::Segment& seg : fused.segments) {
+      if (mixed && seg.dtype.empty()) seg.dtype = it->dtype;
+    }
+    for (control::Segment seg : t->buffer.segments) {
+      if (mixed && t->buffer.dtype != fused.dtype) seg.dtype = t->buffer.dtype;
+      fused.segments.push_back(std::move(seg));
+    }
+    REFIT_RETURN_IF_ERROR(check_segments_apart(fused).with_context("tensor \"" + t->decl.name + "\""));
+    it->dtype = fused.dtype;
+    it->segments = std::move(fused.segments);
   } else {
     Buf b;
     b.name = t->buffer.name;
@@ -237,10 +251,10 @@ Result<control::Json> SourceAgent::hash_served() {
     const std::vector<int64_t> size = box.value("size", std::vector<int64_t>());
     bool done = false;
     for (const Buf& b : buffers_) {
-      const std::optional<DType> dt = parse_dtype(b.dtype);
-      const int elem = dt ? dtype_bytes(*dt) : 1;
       for (const control::Segment& seg : b.segments) {
         if (done || seg.tensor != tensor) continue;
+        const std::optional<DType> dt = parse_dtype(seg.dtype.empty() ? b.dtype : seg.dtype);
+        const int elem = dt ? dtype_bytes(*dt) : 1;
         Result<uint64_t> h = hash_box(b.served(), b.bytes, seg, elem, start, size);
         if (!h.is_ok()) continue;  // another segment of the tensor may hold it
         hashes.push_back(control::to_json(control::BoxHash{config_.rank, tensor, start, size, *h}));

@@ -51,7 +51,8 @@
  *                      the coordinator's address (a wildcard address is refused:
  *                      name the devices); with rc, dc or ud, all of UCX's
  *     "heartbeat_ms" integer [1000]: how often the agent tells the coordinator it lives
- *     "log_level"    "error" | "warn" | "info" | "debug" ["warn"]; REFIT_LOG_LEVEL overrides
+ *     "log_level"    "error" | "warn" | "info" | "debug" ["warn"]; REFIT_LOG_LEVEL overrides.
+ *                    Lines go to stderr, or to refit_set_log_callback()'s callback
  *     "verify"       bool [false]: end-to-end verification. A source hashes (XXH3-64)
  *                    each box it serves when it publishes; a receiver checks
  *                    every box it got against its source's hash once the
@@ -142,11 +143,14 @@
  * dtype names are the safetensors ones: BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8
  * U8 I16 I32 I64 BOOL.
  *
- * Threads: a handle may be used by one thread at a time; different handles
+ * Threads: a handle may be used by one thread at a time ("the thread that
+ * owns the handle" below; it may change between calls); different handles
  * are independent. refit_last_error() is per thread. An agent runs threads
  * of its own (progress, heartbeat); a process that fork()s while agents
  * exist should exec() in the child before calling refit again (UCX's memory
- * hooks hold a lock that a fork can copy while taken).
+ * hooks hold a lock that a fork can copy while taken). Each function says
+ * what it may block on; a call that talks to the coordinator is bounded by
+ * "coordinator.timeout_ms", and a call that takes timeout_ms by that too.
  */
 #pragma once
 
@@ -169,6 +173,15 @@ extern "C" {
 /* refit_receiver_refresh*(): the newest version every source has published. */
 #define REFIT_LATEST ((int64_t)-1)
 
+/*
+ * timeout_ms of every call that takes one: milliseconds from the call. Any
+ * value >= 0 works; 0 gives up at once (refit_receiver_refresh_wait(): a
+ * poll). A negative value is taken as 0. Values of a century
+ * (3155760000000 ms) or more saturate to no deadline: the call waits as
+ * long as it takes. REFIT_NO_DEADLINE is the value to pass for that.
+ */
+#define REFIT_NO_DEADLINE INT64_MAX
+
 typedef enum refit_status {
   REFIT_OK = 0,
   REFIT_INVALID_ARGUMENT = 1, /* bad config, description, buffer or call order */
@@ -183,22 +196,84 @@ typedef enum refit_status {
 typedef struct refit_source refit_source_t;
 typedef struct refit_receiver refit_receiver_t;
 
-/** The library's version, "MAJOR.MINOR.PATCH". Static; never NULL; any thread. */
+/**
+ * The library's version.
+ *
+ * @return "MAJOR.MINOR.PATCH": static, never NULL.
+ * @note Any thread; never blocks.
+ */
 REFIT_EXPORT const char* refit_version(void);
 
 /**
- * Why the last call on this thread that returned an error failed: a message
- * that names the problem (the key, tensor, rank or peer). Owned by the
- * library, valid until this thread's next refit call; "" when there was none.
+ * Why the last call on this thread that returned an error failed.
+ *
+ * @return A message that names the problem (the key, tensor, rank or peer),
+ *         "" when there was none. Owned by the library; valid until this
+ *         thread's next refit call.
+ * @note Per thread; never blocks.
  */
 REFIT_EXPORT const char* refit_last_error(void);
 
-/** A static name for a status ("REFIT_OK", ...); "unknown" for other values. */
+/**
+ * The name of a status.
+ *
+ * @return A static string ("REFIT_OK", ...); "unknown" for other values.
+ * @note Any thread; never blocks.
+ */
 REFIT_EXPORT const char* refit_status_name(refit_status_t status);
+
+/* ---- Log ------------------------------------------------------------------ */
+
+typedef enum refit_log_level {
+  REFIT_LOG_ERROR = 0,
+  REFIT_LOG_WARN = 1,
+  REFIT_LOG_INFO = 2,
+  REFIT_LOG_DEBUG = 3
+} refit_log_level_t;
+
+/**
+ * A log callback: one line of refit's log, at `level`. `line` names the
+ * agent ("refit[receiver 0] refresh to 3, attempt 1 failed, retrying: ..."),
+ * has no level word and no newline, and is valid only during the call.
+ * `user` is the pointer given to refit_set_log_callback().
+ */
+typedef void (*refit_log_fn)(refit_log_level_t level, const char* line, void* user);
+
+/**
+ * Routes the log lines of every agent of the process (and of a coordinator
+ * an agent embeds) to `fn`, instead of stderr; NULL restores stderr. Only
+ * lines at or above an agent's "log_level" (or REFIT_LOG_LEVEL) are logged.
+ *
+ * @param [in] fn    The callback, or NULL.
+ * @param [in] user  Passed to every call of `fn`; may be NULL.
+ *
+ * @note `fn` is called on refit's own threads (progress, heartbeat, the
+ *       coordinator's) and on threads that call refit, one call at a time
+ *       (never two at once), while refit holds a lock: it must return
+ *       promptly, must not throw, and must not call any refit_* function
+ *       (that may deadlock). When this returns, no call to the previous
+ *       callback is running or will start, so its `user` may be freed.
+ *       Any thread; may block on a log line being delivered.
+ */
+REFIT_EXPORT void refit_set_log_callback(refit_log_fn fn, void* user);
 
 /* ---- Source (trainer side) ---------------------------------------------- */
 
-/** Creates a source from its JSON config and connects to the coordinator. */
+/**
+ * Creates a source from its JSON config and connects to the coordinator
+ * (starting it first with "embedded"). Starts the agent's threads.
+ *
+ * @param [in]  config_json  The config (the keys above), NUL-terminated.
+ * @param [out] out          The new source; NULL on failure.
+ *
+ * @return REFIT_OK; REFIT_INVALID_ARGUMENT for a NULL argument or a bad
+ *         config (the message names the key) or a token file others may
+ *         read; REFIT_IO_ERROR or REFIT_TIMEOUT for a token file that cannot
+ *         be read, or a coordinator that cannot be reached or refuses the
+ *         credentials (the message names the file or the address).
+ * @note Any thread. Blocks for the connection and its handshake, at most
+ *       "coordinator.timeout_ms".
+ */
 REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_source_t** out);
 
 /**
@@ -215,11 +290,14 @@ REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_s
  *    "segments": [{"start": [0, 0], "size": [8, 4], "offset": 0, "strides": [4, 1]}]}
  *
  * where each segment puts the box start/size of the tensor at element
- * `offset` of the buffer with element `strides` (row-major when left out).
- * Several tensors may share one buffer (a fused one): the same "buffer" name
- * with the same data and bytes. "buffer" defaults to the tensor's name.
- * Registered with the coordinator at refit_source_join() (or the first
- * publish); tensors added later re-register the source.
+ * `offset` of the buffer with element `strides` (row-major when left out),
+ * elements of the tensor's dtype. A buffer is bytes: several tensors, of
+ * one dtype or of several (FP8 weights and their F32 scales, a packed arena
+ * of small tensors), may share one buffer, named by the same "buffer" with
+ * the same data and bytes; no two of their segments may share a byte.
+ * "buffer" defaults to the tensor's name. Registered with the coordinator
+ * at refit_source_join() (or the first publish); tensors added later
+ * re-register the source.
  *
  * In a build with CUDA a shard may be GPU memory. Where UCX cannot read
  * device memory (or in snapshot mode, or with "verify") the source serves it
@@ -227,6 +305,20 @@ REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_s
  * the trainer may then write its shard again as soon as publish returns, and,
  * as in snapshot mode, a publish first waits (up to coordinator.timeout_ms)
  * until no receiver still reads the mirror's previous version.
+ *
+ * @param [in] source       The source.
+ * @param [in] tensor_json  The description, NUL-terminated.
+ * @param [in] data         The shard's buffer (host memory, or GPU memory
+ *                          with CUDA); the library reads it, never writes it.
+ * @param [in] bytes        The buffer's size.
+ *
+ * @return REFIT_OK; REFIT_INVALID_ARGUMENT for a bad description, a tensor
+ *         added twice, a buffer too small for its segments, segments that
+ *         share a byte (naming both), or a shared buffer given with another
+ *         address or size; REFIT_UNSUPPORTED for GPU memory in a build
+ *         without CUDA. Nothing is registered on failure.
+ * @note The thread that owns the handle. Maps the buffer for remote reads
+ *       (UCX memory registration); no coordinator call.
  */
 REFIT_EXPORT refit_status_t refit_source_add_tensor(refit_source_t* source, const char* tensor_json,
                                                     void* data, uint64_t bytes);
@@ -234,12 +326,29 @@ REFIT_EXPORT refit_status_t refit_source_add_tensor(refit_source_t* source, cons
 /**
  * Registers this source's tensors with the coordinator, so that receivers
  * can plan with it. Called by the first publish if not before.
+ *
+ * @return REFIT_OK; REFIT_INVALID_ARGUMENT when no tensor was added or the
+ *         coordinator refuses the registration (a rank already registered
+ *         by another live connection, a tensor declared otherwise by other
+ *         sources: the message names it); REFIT_IO_ERROR or REFIT_TIMEOUT
+ *         when the coordinator cannot be reached.
+ * @note The thread that owns the handle. Blocks on one coordinator call,
+ *       at most "coordinator.timeout_ms".
  */
 REFIT_EXPORT refit_status_t refit_source_join(refit_source_t* source);
 
 /**
- * Says that this rank's shards now hold version `version` (> every version
- * this source published before). Returns once the coordinator has it.
+ * Says that this rank's shards now hold version `version`, which must be
+ * greater than every version this source published before.
+ *
+ * @return REFIT_OK once the coordinator has it; REFIT_INVALID_ARGUMENT for a
+ *         version not newer (naming both) or a source with no tensor;
+ *         REFIT_IO_ERROR or REFIT_TIMEOUT when the coordinator cannot be
+ *         reached.
+ * @note The thread that owns the handle. Blocks on the coordinator (join
+ *       first, if not joined) and, in snapshot mode or with a mirror, on
+ *       receivers still reading the previous copy; each at most
+ *       "coordinator.timeout_ms". Copies the shards (snapshot, mirror).
  */
 REFIT_EXPORT refit_status_t refit_source_publish(refit_source_t* source, int64_t version);
 
@@ -247,18 +356,44 @@ REFIT_EXPORT refit_status_t refit_source_publish(refit_source_t* source, int64_t
  * Waits until no receiver reads `version` or an older one from the sources
  * (every lease on it released or expired): then the trainer may overwrite
  * its shards. From then on no receiver is granted `version` or an older one
- * again (see "Versions, leases and commits"). REFIT_TIMEOUT after
- * `timeout_ms`.
+ * again (see "Versions, leases and commits").
+ *
+ * @param [in] timeout_ms  How long to wait (see REFIT_NO_DEADLINE).
+ *
+ * @return REFIT_OK when drained; REFIT_TIMEOUT when leases remain after
+ *         `timeout_ms`; REFIT_INVALID_ARGUMENT before join;
+ *         REFIT_IO_ERROR when the coordinator cannot be reached.
+ * @note The thread that owns the handle. Blocks on the coordinator's
+ *       drained notice, at most `timeout_ms` (a request itself at most
+ *       "coordinator.timeout_ms").
  */
 REFIT_EXPORT refit_status_t refit_source_wait_drained(refit_source_t* source, int64_t version,
                                                       int64_t timeout_ms);
 
-/** Leaves the membership and frees everything. NULL is a no-op. */
+/**
+ * Leaves the membership and frees everything: the agent's threads are
+ * joined, its memory registrations released (the shards are no longer
+ * read), and an embedded coordinator stopped. NULL is a no-op.
+ *
+ * @note The thread that owns the handle; the handle is invalid after.
+ *       Blocks on one coordinator call (at most "coordinator.timeout_ms").
+ */
 REFIT_EXPORT void refit_source_destroy(refit_source_t* source);
 
 /* ---- Receiver (inference side) ------------------------------------------ */
 
-/** Creates a receiver from its JSON config and connects to the coordinator. */
+/**
+ * Creates a receiver from its JSON config and connects to the coordinator
+ * (starting it first with "embedded"). Starts the agent's threads.
+ *
+ * @param [in]  config_json  The config (the keys above), NUL-terminated.
+ * @param [out] out          The new receiver; NULL on failure.
+ *
+ * @return As refit_source_create(); also REFIT_NOT_FOUND or
+ *         REFIT_INVALID_ARGUMENT for a "recipe" whose model cannot be read.
+ * @note Any thread. Blocks for the connection and its handshake, at most
+ *       "coordinator.timeout_ms".
+ */
 REFIT_EXPORT refit_status_t refit_receiver_create(const char* config_json, refit_receiver_t** out);
 
 /**
@@ -275,8 +410,30 @@ REFIT_EXPORT refit_status_t refit_receiver_create(const char* config_json, refit
  *   a recipe parameter name (the config's "recipe" says how it is laid out):
  *     {"recipe": "model.layers.0.self_attn.qkv_proj.weight"}
  *
- * `bytes` must be at least what the description needs. Bytes outside every
- * segment are never written.
+ * A buffer is bytes: each segment's elements are of its tensor's dtype,
+ * which the segment may name ("dtype" in the segment; the buffer's
+ * "dtype" is the default, and may be left out when every segment names
+ * one), and `offset` and `strides` count elements of it. So one buffer may
+ * hold BF16 weights and their F32 scales:
+ *     {"name": "fused", "segments": [
+ *        {"tensor": "w", "dtype": "BF16", "start": [0, 0], "size": [16, 8], "offset": 0},
+ *        {"tensor": "w_scale", "dtype": "F32", "start": [0], "size": [4], "offset": 64}]}
+ * A segment's dtype must be the one the sources declare for its tensor
+ * (checked at join). No two segments may share a byte.
+ *
+ * @param [in] receiver     The receiver.
+ * @param [in] buffer_json  The description, NUL-terminated.
+ * @param [in] data         The buffer (host memory, or GPU memory with
+ *                          CUDA and "local": {"fabric": "nccl"}).
+ * @param [in] bytes        Its size: at least what the segments reach.
+ *
+ * @return REFIT_OK; REFIT_INVALID_ARGUMENT for a bad description, a buffer
+ *         too small, segments that share a byte (naming both), or a refresh
+ *         running; REFIT_NOT_FOUND for a recipe name the recipe does not
+ *         give this rank. Nothing is registered on failure. Bytes outside
+ *         every segment are never written.
+ * @note The thread that owns the handle. Maps the buffer (UCX memory
+ *       registration); no coordinator call.
  */
 REFIT_EXPORT refit_status_t refit_receiver_add_buffer(refit_receiver_t* receiver, const char* buffer_json,
                                                       void* data, uint64_t bytes);
@@ -285,13 +442,20 @@ REFIT_EXPORT refit_status_t refit_receiver_add_buffer(refit_receiver_t* receiver
  * Registers this receiver's buffers with the coordinator. Called by the
  * first refresh if not before. Every rank of a domain should have joined
  * before any of them refreshes: a domain's ranks execute one plan together.
- * REFIT_INVALID_ARGUMENT, naming the buffer and the problem, when a buffer
- * cannot be planned against the tensors the joined sources declare (a
- * tensor none of them declares, a box outside the tensor, another dtype or
- * number of dims), or when "instance_ranks" disagrees with the instance's
- * other ranks; nothing of the other members changes. A receiver that joins
- * before any source is checked when it refreshes (its refresh fails, naming
- * the problem; the others are planned without it).
+ *
+ * @return REFIT_OK; REFIT_INVALID_ARGUMENT, naming the buffer and the
+ *         problem, when a buffer cannot be planned against the tensors the
+ *         joined sources declare (a tensor none of them declares, a box
+ *         outside the tensor, another dtype or number of dims), when
+ *         "instance_ranks" disagrees with the instance's other ranks, when
+ *         this rank is registered by another live connection, or while a
+ *         started refresh runs; nothing of the other members changes.
+ *         REFIT_IO_ERROR or REFIT_TIMEOUT when the coordinator cannot be
+ *         reached. A receiver that joins before any source is checked when
+ *         it refreshes (its refresh fails, naming the problem; the others
+ *         are planned without it).
+ * @note The thread that owns the handle. Blocks on one coordinator call,
+ *       at most "coordinator.timeout_ms".
  */
 REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
 
@@ -309,6 +473,24 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
  * on any rank of the instance) the buffers keep the old version. Every
  * rank of an instance ends a version the same way ("Versions, leases and
  * commits"); REFIT_OK may come one coordinator round trip after timeout_ms.
+ *
+ * @param [in] version     A version >= 1, or REFIT_LATEST.
+ * @param [in] timeout_ms  The refresh's deadline (see REFIT_NO_DEADLINE).
+ *
+ * @return REFIT_OK; REFIT_TIMEOUT when the deadline passed (the version was
+ *         not published, a rank of the domain or instance did not come);
+ *         REFIT_NOT_FOUND for a version drained or older than the latest;
+ *         REFIT_IO_ERROR when a peer or the coordinator failed, the lease
+ *         was lost, verification found other bytes, or the instance
+ *         aborted the version; REFIT_INVALID_ARGUMENT for a bad version, a
+ *         started refresh still running, or a registration the coordinator
+ *         refuses. A failure a new attempt can fix (a peer that died) is
+ *         retried within the deadline.
+ * @note The thread that owns the handle. Blocks on the coordinator (the
+ *       version, the lease, the plan, the commit decision), on the
+ *       transfers and on the other ranks of the domain and instance; all
+ *       within `timeout_ms` but for the commit decision's round trip. The
+ *       agent's threads move the data meanwhile.
  */
 REFIT_EXPORT refit_status_t refit_receiver_refresh(refit_receiver_t* receiver, int64_t version,
                                                    int64_t timeout_ms);
@@ -318,20 +500,44 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh(refit_receiver_t* receiver, i
  * into the server's buffers (only the bytes the refresh wrote) and makes it
  * the version refit_receiver_version() returns. The server pauses reading
  * around this call; its duration is the report's "pause_seconds".
- * REFIT_INVALID_ARGUMENT when nothing is staged or in direct mode.
+ *
+ * @return REFIT_OK; REFIT_INVALID_ARGUMENT when nothing is staged, in
+ *         direct mode, or while a started refresh runs.
+ * @note The thread that owns the handle. Blocks on the copies only (host
+ *       memcpy, or device copies on the GPU); no coordinator call.
  */
 REFIT_EXPORT refit_status_t refit_receiver_commit(refit_receiver_t* receiver);
 
-/** Starts the same refresh on a thread of the library and returns at once. */
+/**
+ * Starts the same refresh as refit_receiver_refresh() on a thread of the
+ * library and returns at once; refit_receiver_refresh_poll() or
+ * refit_receiver_refresh_wait() gives its result.
+ *
+ * @return REFIT_OK when started; REFIT_INVALID_ARGUMENT for a bad version
+ *         or a started refresh still running.
+ * @note The thread that owns the handle. Never blocks on the refresh; joins
+ *       the thread of the previous started refresh, which has finished.
+ *       While it runs, only poll, wait, report, version and destroy may be
+ *       called on the handle.
+ */
 REFIT_EXPORT refit_status_t refit_receiver_refresh_start(refit_receiver_t* receiver, int64_t version,
                                                          int64_t timeout_ms);
 
-/** REFIT_IN_PROGRESS while the started refresh runs, then its result. */
+/**
+ * @return REFIT_IN_PROGRESS while the started refresh runs, then its result
+ *         (as refit_receiver_refresh() returns it, with its last error);
+ *         the last started refresh's result again on later calls.
+ * @note The thread that owns the handle; never blocks.
+ */
 REFIT_EXPORT refit_status_t refit_receiver_refresh_poll(refit_receiver_t* receiver);
 
 /**
- * Waits at most `timeout_ms` for the started refresh: its result, or
- * REFIT_IN_PROGRESS if it still runs.
+ * Waits at most `timeout_ms` (see REFIT_NO_DEADLINE) for the started
+ * refresh.
+ *
+ * @return Its result, or REFIT_IN_PROGRESS if it still runs.
+ * @note The thread that owns the handle. Blocks on the refresh's end, at
+ *       most `timeout_ms`.
  */
 REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiver, int64_t timeout_ms);
 
@@ -347,8 +553,11 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}, and
  * when GETs went through the landing ring "landing": {"slots", "chunks",
  * "copies", "held" (chunks whose GET waited for a slot)}}. "{}" before
- * the first. Owned by the receiver,
- * valid until its next refresh starts or it is destroyed.
+ * the first, and while a started refresh runs.
+ *
+ * @return The report, owned by the receiver, valid until its next refresh
+ *         starts or it is destroyed. "{}" for a NULL receiver.
+ * @note The thread that owns the handle; never blocks.
  */
 REFIT_EXPORT const char* refit_receiver_report(refit_receiver_t* receiver);
 
@@ -358,10 +567,23 @@ REFIT_EXPORT const char* refit_receiver_report(refit_receiver_t* receiver);
  * A refresh that failed before any transfer began (the version never came,
  * the coordinator refused) leaves it as it was. Staged mode: the version
  * last committed.
+ *
+ * @return The version; 0 for a NULL receiver.
+ * @note The thread that owns the handle, or any thread while a started
+ *       refresh runs (it is read atomically); never blocks.
  */
 REFIT_EXPORT int64_t refit_receiver_version(refit_receiver_t* receiver);
 
-/** Leaves the membership (waiting for a started refresh) and frees everything. NULL is a no-op. */
+/**
+ * Leaves the membership and frees everything: waits for a started refresh
+ * to end, joins the agent's threads, releases the buffers' registrations
+ * (they are not written after) and stops an embedded coordinator. NULL is
+ * a no-op.
+ *
+ * @note The thread that owns the handle; the handle is invalid after.
+ *       Blocks on a started refresh (up to its own deadline) and on one
+ *       coordinator call (at most "coordinator.timeout_ms").
+ */
 REFIT_EXPORT void refit_receiver_destroy(refit_receiver_t* receiver);
 
 /* ---- The function table ------------------------------------------------- */
@@ -391,6 +613,7 @@ typedef struct refit_api {
   int64_t (*receiver_version)(refit_receiver_t* receiver);
   void (*receiver_destroy)(refit_receiver_t* receiver);
   refit_status_t (*receiver_commit)(refit_receiver_t* receiver);
+  void (*set_log_callback)(refit_log_fn fn, void* user);
 } refit_api_t;
 
 /**

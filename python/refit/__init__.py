@@ -13,6 +13,8 @@
     rx.commit()
     rx.report()                           # a dict
 
+    refit.set_log_handler(logging.getLogger("refit"))  # refit's log into Python's
+
 Errors are one class per status (refit.InvalidArgumentError,
 refit.NotFoundError, refit.PeerError, refit.TimeoutError,
 refit.UnsupportedError, refit.InternalError), all refit.Error, each carrying
@@ -22,14 +24,14 @@ the library's message. ``refit.vllm`` is the vLLM weight-transfer engine
 
 from __future__ import annotations
 
-from .agents import LATEST, Receiver, Source, library
+from .agents import LATEST, Receiver, Source, library, set_log_handler
 from .errors import (Error, InternalError, InvalidArgumentError, NotFoundError, PeerError, TimeoutError,
                      UnsupportedError)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "LATEST", "Source", "Receiver", "library",
+    "LATEST", "Source", "Receiver", "library", "set_log_handler",
     "Error", "InvalidArgumentError", "NotFoundError", "PeerError", "TimeoutError", "UnsupportedError",
     "InternalError", "__version__",
 ]

@@ -48,6 +48,13 @@ _status_t = ctypes.c_int
 _source_p = ctypes.c_void_p
 _receiver_p = ctypes.c_void_p
 
+# refit_log_level_t and refit_log_fn (refit.h).
+LOG_ERROR = 0
+LOG_WARN = 1
+LOG_INFO = 2
+LOG_DEBUG = 3
+LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
 # The fields of refit_api_t, in order (refit.h).
 _API_FIELDS = [
     ("abi_version", ctypes.c_uint32),
@@ -72,6 +79,7 @@ _API_FIELDS = [
     ("receiver_version", ctypes.CFUNCTYPE(ctypes.c_int64, _receiver_p)),
     ("receiver_destroy", ctypes.CFUNCTYPE(None, _receiver_p)),
     ("receiver_commit", ctypes.CFUNCTYPE(_status_t, _receiver_p)),
+    ("set_log_callback", ctypes.CFUNCTYPE(None, LOG_FN, ctypes.c_void_p)),
 ]
 
 
@@ -172,6 +180,22 @@ class Library:
 
     def version(self):
         return self.api.version().decode()
+
+    def set_log_callback(self, fn):
+        """Routes the library's log lines to ``fn(level, line)`` (level: LOG_ERROR
+        .. LOG_DEBUG, line: str), called on the library's threads one at a time;
+        None restores stderr. ``fn`` must not call the library."""
+        if fn is None:
+            self.api.set_log_callback(LOG_FN(), None)
+            self._log_callback = None  # the library no longer calls it: it may go
+            return
+
+        def deliver(level, line, _user):
+            fn(int(level), (line or b"").decode(errors="replace"))
+
+        callback = LOG_FN(deliver)
+        self.api.set_log_callback(callback, None)
+        self._log_callback = callback  # kept alive while the library may call it
 
     def check(self, call, status):
         if status != OK:

@@ -9,7 +9,9 @@ tensor freed under it would be memory reused for something else.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from . import _abi
@@ -33,6 +35,38 @@ def library(path: str | None = None) -> _abi.Library:
     if key not in _libraries:
         _libraries[key] = _abi.Library(key)
     return _libraries[key]
+
+
+_LOGGING_LEVELS = {_abi.LOG_ERROR: logging.ERROR, _abi.LOG_WARN: logging.WARNING, _abi.LOG_INFO: logging.INFO,
+                   _abi.LOG_DEBUG: logging.DEBUG}
+
+
+def set_log_handler(handler: logging.Logger | Callable[[int, str], None] | None = None, *,
+                    library_path: str | None = None) -> None:
+    """Routes refit's log lines (every agent of the process) into Python.
+
+    `handler` is a ``logging.Logger`` (each line is logged there at its level),
+    or a callable ``handler(level, line)`` given a ``logging`` level and the
+    line; None sends the lines to stderr again. The lines are those at or above
+    each agent's "log_level". The handler runs on refit's threads, one line at
+    a time, and must not call refit. Restored to stderr at interpreter exit.
+    """
+    lib = library(library_path)
+    if handler is None:
+        lib.set_log_callback(None)
+        return
+    emit = handler.log if isinstance(handler, logging.Logger) else handler
+    if not callable(emit):
+        raise TypeError(f"set_log_handler: expected a logging.Logger, a callable or None, got {type(handler).__name__}")
+
+    def deliver(level: int, line: str) -> None:
+        emit(_LOGGING_LEVELS.get(level, logging.ERROR), line)
+
+    lib.set_log_callback(deliver)
+    if not getattr(lib, "_log_atexit", False):
+        # refit's threads may log after the interpreter is gone: stop first.
+        atexit.register(lib.set_log_callback, None)
+        lib._log_atexit = True
 
 
 def _strip_compile_prefix(name: str) -> str:

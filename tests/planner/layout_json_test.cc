@@ -415,6 +415,34 @@ TEST(ParseLayout, SegmentStridesThatAlias) {
             R"J(L.json: buffers[0].segments[0] (receiver rank 0 buffer "qkv", tensor "q"): strides [2, 1] map two elements of box [0:4, 0:4] to the same place)J");
 }
 
+// A buffer is bytes: one receiver buffer holds tensor "q" (BF16) and a
+// tensor "s" of F32 scales, each segment counting elements of its own
+// dtype. It parses, validates, and writes back to the same layout. The same
+// segments overlapping by one byte range are refused, naming both.
+TEST(ParseLayout, ABufferHoldsSegmentsOfSeveralDtypes) {
+  json d = formats_example();
+  d["tensors"].push_back(json::parse(R"J({"name": "s", "dtype": "F32", "shape": [4],
+      "source": {"mesh": [2], "ranks": [0, 1], "placements": ["R"]}})J"));
+  d["buffers"][0]["bytes"] = 48;  // q: bytes [0, 32); s: F32 elements [8, 12), bytes [32, 48)
+  d["buffers"][0]["segments"].push_back(
+      json::parse(R"J({"tensor": "s", "dtype": "F32", "start": [0], "size": [4], "offset": 8, "strides": [1]})J"));
+  auto l = parse(d);
+  ASSERT_TRUE(l) << l.status().message();
+  ASSERT_TRUE(validate(*l).is_ok()) << validate(*l).message();
+  auto again = parse_layout_json(write_layout_json(*l), "written");
+  ASSERT_TRUE(again) << again.status().message();
+  EXPECT_EQ(flatten(*again), flatten(*l));
+
+  d["buffers"][0]["segments"][1]["offset"] = 7;  // bytes [28, 44): over q's last row
+  const std::string e = error_of(d);
+  EXPECT_EQ(e, R"J(L.json: buffer "qkv": the segment of tensor "q" [0:4, 0:4] and the segment of tensor "s" [0:4] overlap)J");
+  d["buffers"][0]["segments"][1]["offset"] = 9;  // bytes [36, 52): past the end
+  EXPECT_NE(error_of(d).find("reaches past the end of the buffer (12 elements)"), std::string::npos) << error_of(d);
+  d["buffers"][0]["segments"][1]["offset"] = 8;
+  d["buffers"][0]["segments"][1]["dtype"] = "F33";
+  EXPECT_NE(error_of(d).find("buffers[0].segments[1].dtype"), std::string::npos) << error_of(d);
+}
+
 TEST(ParseLayout, OverlappingSegmentsInOneBuffer) {
   json d = formats_example();
   d["buffers"][0]["segments"].push_back(

@@ -11,7 +11,10 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -160,6 +163,55 @@ TEST_F(Abi, DescriptionsAreCheckedBeforeAnythingIsRegistered) {
   EXPECT_EQ(refit_source_publish(s, 1), REFIT_INVALID_ARGUMENT);  // nothing added
   EXPECT_NE(std::string(refit_last_error()).find("add at least one tensor"), std::string::npos);
   refit_source_destroy(s);
+}
+
+// The host's log callback gets refit's lines, with their level and the
+// agent's name and no newline; NULL sends them to stderr again, and the
+// callback is not called after that.
+struct Logged {
+  std::mutex mutex;
+  std::vector<std::pair<refit_log_level_t, std::string>> lines;
+};
+
+void keep_line(refit_log_level_t level, const char* line, void* user) {
+  Logged* logged = static_cast<Logged*>(user);
+  std::lock_guard<std::mutex> lock(logged->mutex);
+  logged->lines.emplace_back(level, line);
+}
+
+TEST_F(Abi, LogLinesGoToTheHostsCallback) {
+  Logged logged;
+  refit_set_log_callback(keep_line, &logged);
+  refit_source_t* s = nullptr;
+  const std::string cfg = "{\"rank\": 0, \"log_level\": \"info\", \"coordinator\": {\"address\": \"127.0.0.1:0\","
+                          " \"embedded\": true, \"token_file\": \"" + token_ + "\"}}";
+  ASSERT_EQ(refit_source_create(cfg.c_str(), &s), REFIT_OK) << refit_last_error();
+  float w[4] = {};
+  const char* desc = R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J";
+  ASSERT_EQ(refit_source_add_tensor(s, desc, w, sizeof w), REFIT_OK) << refit_last_error();
+  size_t seen = 0;
+  {
+    std::lock_guard<std::mutex> lock(logged.mutex);
+    seen = logged.lines.size();
+    bool mapped = false;
+    for (const auto& [level, line] : logged.lines) {
+      EXPECT_EQ(line.rfind("refit[source 0] ", 0), 0u) << line;
+      EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+      if (line.find("buffer \"w\" (16 bytes) mapped for peers") != std::string::npos) {
+        mapped = true;
+        EXPECT_EQ(level, REFIT_LOG_INFO) << line;
+      }
+    }
+    EXPECT_TRUE(mapped) << seen << " lines, none says that buffer \"w\" was mapped";
+  }
+  refit_set_log_callback(nullptr, nullptr);
+  float w2[4] = {};
+  const char* desc2 = R"J({"name": "w2", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J";
+  ASSERT_EQ(refit_source_add_tensor(s, desc2, w2, sizeof w2), REFIT_OK) << refit_last_error();
+  refit_source_destroy(s);
+  std::lock_guard<std::mutex> lock(logged.mutex);
+  EXPECT_EQ(logged.lines.size(), seen) << "a line reached the callback after it was removed: "
+                                       << logged.lines.back().second;
 }
 
 // Misuse around versions and registration, in one process (a source, and

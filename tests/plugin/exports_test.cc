@@ -18,6 +18,17 @@ TEST(Exports, DlopenAndVersion) {
   auto version = reinterpret_cast<VersionFn>(dlsym(lib, "refit_version"));
   ASSERT_NE(version, nullptr) << dlerror();
   EXPECT_STREQ(version(), REFIT_VERSION_STRING);
+  // Every entry point of the table is exported under its own name too.
+  for (const char* name : {"refit_get_api", "refit_set_log_callback", "refit_receiver_commit"}) {
+    EXPECT_NE(dlsym(lib, name), nullptr) << name << ": " << dlerror();
+  }
+  using GetApiFn = const refit_api_t* (*)(uint32_t);
+  auto get_api = reinterpret_cast<GetApiFn>(dlsym(lib, "refit_get_api"));
+  ASSERT_NE(get_api, nullptr);
+  const refit_api_t* api = get_api(REFIT_ABI_VERSION);
+  ASSERT_NE(api, nullptr);
+  EXPECT_EQ(api->size, sizeof(refit_api_t));
+  EXPECT_EQ(reinterpret_cast<void*>(api->set_log_callback), dlsym(lib, "refit_set_log_callback"));
   dlclose(lib);
 }
 

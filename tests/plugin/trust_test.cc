@@ -526,6 +526,56 @@ TEST_F(Trust, AnUnplannableReceiverIsRefusedAtJoinAndTheOthersRefresh) {
   EXPECT_EQ(good[2], "ok");
 }
 
+// A source that only answers "join": STATUS and the last error. Rank 0,
+// as the live source_body is.
+void second_source_body(const Line& line, uint16_t port, const std::string& token) {
+  refit_source_t* s = nullptr;
+  if (refit_source_create(config(0, port, token).c_str(), &s) != REFIT_OK) die("second source create");
+  std::vector<int32_t> w(kRows * kCols, 0);
+  const char* desc = R"J({"name": "w", "dtype": "I32", "shape": [64, 256],
+      "segments": [{"start": [0, 0], "size": [64, 256], "offset": 0}]})J";
+  if (refit_source_add_tensor(s, desc, w.data(), w.size() * 4) != REFIT_OK) die("second source add_tensor");
+  while (true) {
+    const std::vector<std::string> c = words(line.recv(milliseconds(100000)));
+    if (c.empty() || c[0] == "exit") break;
+    if (c[0] == "join") {
+      const refit_status_t st = refit_source_join(s);
+      line.send(std::string(refit_status_name(st)) + " " + refit_last_error());
+    }
+  }
+  refit_source_destroy(s);
+}
+
+// Source rank 0 and receiver rank 0 are live. Another process, with the
+// same token, connects and tries to join as each of them: both joins are
+// refused, naming the rank, and the live members go on refreshing as if
+// nothing happened (the version after is whole, from the live source).
+TEST_F(Trust, ASecondConnectionCannotTakeALiveRank) {
+  start({source_body, receiver_body({0}), receiver_body({0}), second_source_body}, coordinator_config());
+  ASSERT_EQ(ask(0, "publish 1"), std::vector<std::string>{"ok"});
+  const std::vector<std::string> one = ask(1, "refresh 1 10000");
+  ASSERT_GE(one.size(), 3u);
+  EXPECT_EQ(one[0], "REFIT_OK");
+  EXPECT_EQ(one[2], "ok");
+
+  kid(2).send("join");
+  const std::string receiver = kid(2).recv();
+  EXPECT_EQ(receiver.rfind("REFIT_INVALID_ARGUMENT", 0), 0u) << receiver;
+  EXPECT_NE(receiver.find("receiver rank 0 is already registered"), std::string::npos) << receiver;
+  kid(3).send("join");
+  const std::string source = kid(3).recv();
+  EXPECT_EQ(source.rfind("REFIT_INVALID_ARGUMENT", 0), 0u) << source;
+  EXPECT_NE(source.find("source rank 0 is already registered"), std::string::npos) << source;
+
+  ASSERT_EQ(ask(0, "publish 2"), std::vector<std::string>{"ok"});
+  const std::vector<std::string> two = ask(1, "refresh 2 10000");
+  ASSERT_GE(two.size(), 3u);
+  EXPECT_EQ(two[0], "REFIT_OK");
+  EXPECT_EQ(two[1], "2");
+  EXPECT_EQ(two[2], "ok");
+  for (const std::string& l : log_lines()) EXPECT_EQ(l.find("declared dead"), std::string::npos) << l;
+}
+
 // A plan that takes 3.2 s with a 2 s heartbeat timeout (the coordinator
 // reads nothing of the asking connection meanwhile, its heartbeats
 // included): the receiver gets its plan and refreshes, and nobody is

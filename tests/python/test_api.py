@@ -155,3 +155,38 @@ def test_refit_vllm_imports_without_vllm():
     env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_log_lines_go_to_python_logging(coordinator):
+    """refit.set_log_handler(logger): the library's lines arrive in Python's
+    logging at their level, naming the agent; None sends them to stderr again."""
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger = logging.getLogger("refit.test_api")
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    keep = Keep()
+    logger.addHandler(keep)
+    try:
+        refit.set_log_handler(logger)
+        with refit.Source({**source_config(coordinator), "log_level": "info"}) as src:
+            src.add("model.w", torch.zeros(4))
+            mapped = [r for r in records if 'buffer "model.w" (16 bytes) mapped for peers' in r.getMessage()]
+            assert mapped, [r.getMessage() for r in records]
+            assert mapped[0].levelno == logging.INFO
+            assert mapped[0].getMessage().startswith("refit[source 0] ")
+            refit.set_log_handler(None)
+            seen = len(records)
+            src.add("model.b", torch.zeros(4))
+            assert len(records) == seen, "a line reached the handler after it was removed"
+        with pytest.raises(TypeError, match="expected a logging.Logger, a callable or None"):
+            refit.set_log_handler(42)
+    finally:
+        refit.set_log_handler(None)
+        logger.removeHandler(keep)

@@ -144,9 +144,9 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
                                  " is not inside the tensor, " + decl.dtype + dims(decl.shape));
         }
       }
-      if (b.dtype != decl.dtype) {
-        return Status::invalid(where + ": the buffer's dtype is " + b.dtype + ", the sources declare the tensor as " +
-                               decl.dtype);
+      if (segment_dtype(b, seg) != decl.dtype) {
+        return Status::invalid(where + ": the " + (seg.dtype.empty() ? "buffer" : "segment") + "'s dtype is " +
+                               segment_dtype(b, seg) + ", the sources declare the tensor as " + decl.dtype);
       }
     }
   }
@@ -161,6 +161,7 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
     for (const Segment& seg : b.segments) {
       segs.push_back({{"tensor", seg.tensor}, {"start", seg.start}, {"size", seg.size}, {"offset", seg.offset},
                       {"strides", seg.strides}});
+      if (!seg.dtype.empty()) segs.back()["dtype"] = seg.dtype;
       if (named.insert(seg.tensor).second) {
         const TensorDecl& d = tensors_.at(seg.tensor).decl;
         tensors.push_back({{"name", d.name}, {"dtype", d.dtype}, {"shape", d.shape}});
@@ -425,10 +426,10 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
   std::vector<int64_t> start, size;
   for (size_t bi = 0; bi < r.info.buffers.size(); ++bi) {
     const MemberBuffer& b = r.info.buffers[bi];
-    const std::optional<DType> dt = parse_dtype(b.dtype);
-    const int64_t elem = dt ? dtype_bytes(*dt) : 1;
     for (size_t si = 0; si < b.segments.size(); ++si) {
       const Segment& want = b.segments[si];
+      const std::optional<DType> dt = parse_dtype(segment_dtype(b, want));
+      const int64_t elem = dt ? dtype_bytes(*dt) : 1;
       auto h = held.find(want.tensor);
       if (h == held.end()) continue;
       std::set<std::string> seen;
@@ -477,6 +478,7 @@ Json ControlState::layout_document(bool solo) const {
       for (const Segment& s : b.segments) {
         segs.push_back({{"tensor", s.tensor}, {"start", s.start}, {"size", s.size}, {"offset", s.offset},
                         {"strides", s.strides}});
+        if (!s.dtype.empty()) segs.back()["dtype"] = s.dtype;
       }
       buffers.push_back({{"side", side}, {"rank", rank}, {"name", b.name}, {"dtype", b.dtype},
                          {"bytes", b.bytes}, {"segments", std::move(segs)}});
@@ -758,6 +760,18 @@ Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_p
   if (m.version > version_) {
     return Status::invalid("lease: version " + std::to_string(m.version) + " is not published (latest is " +
                            std::to_string(version_) + ")");
+  }
+  if (!leases_.count(m.rank)) {
+    size_t held = 0;
+    for (const auto& [rank, l] : leases_) {
+      auto r = receivers_.find(rank);
+      held += r != receivers_.end() && r->second.session == session;
+    }
+    if (held >= limits_.max_leases_per_connection) {
+      return Status::invalid("lease: receiver rank " + std::to_string(m.rank) + ": this connection already holds " +
+                             std::to_string(held) + " leases, the limit of max_leases_per_connection (" +
+                             std::to_string(limits_.max_leases_per_connection) + "); release one first");
+    }
   }
   leases_[m.rank] = Lease{m.version, now + lease_timeout_};
   leased_version_ = std::max(leased_version_, m.version);

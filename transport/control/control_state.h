@@ -47,7 +47,8 @@
 // source asks wait_drained(v): it is told at once, or by a drained notice
 // later, when no lease on v or older remains. From then on no lease on v or
 // an older version is granted again (drained_through()): the sources may be
-// overwriting its memory.
+// overwriting its memory. One connection holds at most
+// StateLimits::max_leases_per_connection leases.
 //
 // Thread safety: none; one thread (the coordinator's I/O thread) owns it.
 
@@ -104,6 +105,11 @@ struct StateLimits {
   size_t max_sources = 4096;
   size_t max_receivers = 65536;
   size_t max_subscribers = 65536;
+  // Leases one connection may hold at once, over all the receiver ranks it
+  // registered (each rank holds at most one: a new lease replaces its old
+  // one). An agent holds one; the bound keeps one token holder from
+  // pinning versions for many ranks and stalling the trainers' drains.
+  size_t max_leases_per_connection = 16;
 };
 
 // A message for a session, queued by the state, sent by the coordinator.
@@ -193,8 +199,10 @@ class ControlState {
   Status report_failed(uint64_t session, const StageReport& m);
   // `m.reason` is unused for leases. Refused (not_found) for a version that
   // was drained (drained_through()); refused while the rank's instance lacks
-  // a declared rank (instance_complete()). renew: extends the lease the rank
-  // holds on m.version, refused (not_found) when it holds none.
+  // a declared rank (instance_complete()), and (invalid, naming the limit)
+  // when the session already holds max_leases_per_connection leases for its
+  // other ranks. renew: extends the lease the rank holds on m.version,
+  // refused (not_found) when it holds none.
   Status lease(uint64_t session, const StageReport& m, Clock::time_point now, bool renew = false);
   Clock::duration lease_timeout() const { return lease_timeout_; }
   // The newest version a wait_drained answered drained: no lease on it or

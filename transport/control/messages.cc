@@ -179,6 +179,7 @@ bool parse_buffers(Reader& r, const Json& body, const MessageLimits& lim, std::v
       r.dims(s, q, "size", lim.max_dims, 0, &sg.size);
       r.int_in(s, q, "offset", 0, std::numeric_limits<int64_t>::max(), &sg.offset);
       r.dims(s, q, "strides", lim.max_dims, 0, &sg.strides);
+      if (s.is_object() && s.contains("dtype")) r.str(s, q, "dtype", 16, &sg.dtype);
       if (r.ok() && (sg.start.size() != sg.size.size() || sg.strides.size() != sg.size.size())) {
         r.fail(q, "has " + std::to_string(sg.start.size()) + " start, " + std::to_string(sg.size.size()) +
                       " size and " + std::to_string(sg.strides.size()) + " strides dims; they must agree");
@@ -343,6 +344,7 @@ Json buffers_json(const std::vector<MemberBuffer>& buffers) {
     for (const auto& s : b.segments) {
       segs.push_back({{"tensor", s.tensor}, {"start", s.start}, {"size", s.size}, {"offset", s.offset},
                       {"strides", s.strides}});
+      if (!s.dtype.empty()) segs.back()["dtype"] = s.dtype;
     }
     out.push_back({{"name", b.name}, {"dtype", b.dtype}, {"bytes", b.bytes}, {"address", b.address},
                    {"rkey", Json::binary(b.rkey)}, {"segments", std::move(segs)}});

@@ -40,13 +40,15 @@ struct TensorDecl {
   std::vector<int64_t> shape;
 };
 
-// One box of a tensor inside a buffer (refit-layout/1 segment).
+// One box of a tensor inside a buffer (refit-layout/1 segment). A buffer is
+// bytes: the segment's elements are of its own dtype, "" for the buffer's.
 struct Segment {
   std::string tensor;
   std::vector<int64_t> start;
   std::vector<int64_t> size;
-  int64_t offset = 0;  // elements into the buffer
+  int64_t offset = 0;  // elements of the segment's dtype into the buffer
   std::vector<int64_t> strides;
+  std::string dtype;  // "": the buffer's
 };
 
 // A registered buffer of the member's rank: what the planner needs, plus the
@@ -59,6 +61,11 @@ struct MemberBuffer {
   std::vector<uint8_t> rkey;
   std::vector<Segment> segments;
 };
+
+// The dtype of segment `s` of buffer `b`.
+inline const std::string& segment_dtype(const MemberBuffer& b, const Segment& s) {
+  return s.dtype.empty() ? b.dtype : s.dtype;
+}
 
 struct RegisterSource {
   int32_t rank = 0;

@@ -692,4 +692,31 @@ TEST(ControlState, AnUnplannableReceiverIsRefusedAndDoesNotStallTheOthers) {
 }
 
 }  // namespace
+// One connection that registered many receiver ranks holds leases for at
+// most max_leases_per_connection of them: the next lease is refused, naming
+// the limit, until it releases one. Another connection is not affected, and
+// a rank that holds a lease may lease again (it replaces its own).
+TEST(ControlState, LeasesPerConnectionAreBounded) {
+  StateLimits lim;
+  lim.max_leases_per_connection = 2;
+  ControlState s(lim, 10s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), now).is_ok());
+  for (int32_t r = 0; r < 3; ++r) ASSERT_TRUE(s.register_receiver(10, receiver(r, r), now).is_ok());
+  ASSERT_TRUE(s.register_receiver(11, receiver(3, 3), now).is_ok());
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  ASSERT_TRUE(s.publish(1, 2).is_ok());
+  ASSERT_TRUE(s.lease(10, StageReport{0, 2, ""}, now).is_ok());
+  ASSERT_TRUE(s.lease(10, StageReport{1, 2, ""}, now).is_ok());
+  Status excess = s.lease(10, StageReport{2, 2, ""}, now);
+  ASSERT_FALSE(excess.is_ok());
+  EXPECT_EQ(excess.message(),
+            "lease: receiver rank 2: this connection already holds 2 leases, the limit of "
+            "max_leases_per_connection (2); release one first");
+  EXPECT_TRUE(s.lease(10, StageReport{1, 2, ""}, now).is_ok());  // rank 1 again: still two
+  EXPECT_TRUE(s.lease(11, StageReport{3, 2, ""}, now).is_ok());  // another connection
+  ASSERT_TRUE(s.release(10, StageReport{0, 2, ""}).is_ok());
+  EXPECT_TRUE(s.lease(10, StageReport{2, 2, ""}, now).is_ok());
+}
+
 }  // namespace refit::control
