@@ -108,7 +108,7 @@ TEST(Plan, NeverChoosesAStridedHolderWhenAContiguousOneExists) {
   auto plan = make_plan(L);
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   int w_runs = 0;
-  for_each_run(*plan, [&](const Run& r) {
+  for_each_run(*plan, [&](const refit::Run& r) {
     if (r.local || r.to.buffer != rb) return;
     ++w_runs;
     EXPECT_EQ(r.from.rank, 1);
