@@ -66,20 +66,17 @@ bool send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, u
 
 ucs_status_t refuse_request(void* arg, const void* header, size_t header_length, void*, size_t,
                             const ucp_am_recv_param_t* param) {
-  // A GET's or PUT's header, or a gather's: both carry the token at the
-  // same offset and have the same size.
+  // A GET's or PUT's header, or a gather's (of another size): both carry
+  // the token at the same offset.
   static_assert(offsetof(am_rma::RequestHeader, token) == offsetof(am_rma::GatherHeader, token));
-  am_rma::RequestHeader h;
-  if ((header_length != sizeof(h) && header_length != sizeof(am_rma::GatherHeader)) ||
+  if ((header_length != sizeof(am_rma::RequestHeader) && header_length != sizeof(am_rma::GatherHeader)) ||
       !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
     return UCS_OK;
   }
   uint64_t token = 0;
   std::memcpy(&token, static_cast<const uint8_t*>(header) + offsetof(am_rma::RequestHeader, token), sizeof(token));
-  h.token = token;
   const unsigned reply_id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
-  (void)send_reply(param->reply_ep, reply_id, h.token, UCS_ERR_UNSUPPORTED, 0, nullptr, 0,
-                   nullptr);
+  (void)send_reply(param->reply_ep, reply_id, token, UCS_ERR_UNSUPPORTED, 0, nullptr, 0, nullptr);
   return UCS_OK;
 }
 

@@ -213,20 +213,20 @@ Status GetEngine::validate_gather_locked(uint32_t i, const GetRun& r) {
   uint64_t sum = 0;
   for (size_t k = 0; k < r.gather.size(); ++k) {
     const GatherPart& p = r.gather[k];
-    const std::string part = run_name(i, r) + ", range " + std::to_string(k);
+    auto part = [&] { return run_name(i, r) + ", range " + std::to_string(k); };  // only on error
     if (p.bytes == 0 || p.bytes > r.bytes - sum) {
-      return Status::invalid(part + ": " + std::to_string(p.bytes) +
+      return Status::invalid(part() + ": " + std::to_string(p.bytes) +
                              " bytes; the ranges must be non-empty and sum to the run's bytes");
     }
     const RemoteKey* key = r.endpoint->rkey(p.rkey_id);
     if (key == nullptr || !key->contains(p.remote_address, p.bytes)) {
-      return Status::invalid(part + ": remote range [" + hex(p.remote_address) + ", +" + std::to_string(p.bytes) +
+      return Status::invalid(part() + ": remote range [" + hex(p.remote_address) + ", +" + std::to_string(p.bytes) +
                              ") is not inside the region of rkey " + std::to_string(p.rkey_id) +
                              (key == nullptr ? " (never imported on this endpoint)" : ""));
     }
     if (std::none_of(local_regions_.begin(), local_regions_.end(),
                      [&](const MemoryRegion* m) { return m->contains(p.local_address, p.bytes); })) {
-      return Status::invalid(part + ": local range at " + hex(reinterpret_cast<uint64_t>(p.local_address)) +
+      return Status::invalid(part() + ": local range at " + hex(reinterpret_cast<uint64_t>(p.local_address)) +
                              " is not inside a registered region");
     }
     gather_offsets_.push_back(sum);
