@@ -167,6 +167,20 @@ TEST_F(GatherFixture, UnexportedRangeFailsTheRunWithTheServersRefusal) {
   EXPECT_EQ(engine_->outstanding_requests(), 0u);
 }
 
+// A peer without an AmRmaServer refuses a gather at once (its fallback
+// handler), rather than leaving it to the deadline.
+TEST_F(GatherFixture, PeerWithoutAServerRefusesAtOnce) {
+  make_engine(1 << 20);
+  server_.reset();
+  const auto parts = column_slice(4, 100, 1000);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  const auto start = Clock::now();
+  auto report = engine_->run_batch(runs, start + std::chrono::seconds(5));
+  ASSERT_FALSE(report.status.is_ok());
+  EXPECT_TRUE(contains(report.status, "AmRmaServer")) << report.status.message();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(4));
+}
+
 // Raw requests, as a hostile or broken peer could send them: every bad list
 // is refused whole, with a reply, and nothing is read.
 struct RawReply {
