@@ -1,21 +1,68 @@
 #include "planner/get_stats.h"
 
+#include <unordered_map>
+
 namespace refit {
 
-GetStats get_stats(const Plan& plan, int64_t max_get_bytes) {
+GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather) {
   GetStats s;
   s.per_receiver.assign(plan.layout().receivers.size(), 0);
   if (max_get_bytes <= 0) return s;
-  for_each_run(plan, [&](const Run& r) {
-    if (r.local) return;
-    const int64_t whole = r.bytes / max_get_bytes;
-    const int64_t rest = r.bytes % max_get_bytes;
+  auto count = [&](int32_t receiver, int64_t bytes) {
+    const int64_t whole = bytes / max_get_bytes;
+    const int64_t rest = bytes % max_get_bytes;
     const int64_t n = whole + (rest > 0 ? 1 : 0);
-    s.per_receiver[r.to.rank] += n;
+    s.per_receiver[receiver] += n;
     s.gets += n;
     if (whole > 0) s.sizes[max_get_bytes] += whole;
     if (rest > 0) s.sizes[rest] += 1;
+  };
+  GatherOptions off;
+  off.enabled = false;
+  // The runs the grouper still holds (receiver, bytes); a run it passes on
+  // at once is `current`.
+  std::unordered_map<uint64_t, std::pair<int32_t, int64_t>> held;
+  uint64_t current_index = 0;
+  std::pair<int32_t, int64_t> current;
+  auto info = [&](uint64_t i) {
+    if (i == current_index) {
+      held.erase(i);
+      return current;
+    }
+    auto it = held.find(i);
+    const auto v = it->second;
+    held.erase(it);
+    return v;
+  };
+  GatherGrouper grouper(
+      gather ? *gather : off,
+      [&](std::span<const uint64_t> runs) {
+        int32_t receiver = 0;
+        int64_t bytes = 0;
+        for (uint64_t i : runs) {
+          const auto [rank, n] = info(i);
+          receiver = rank;
+          bytes += n;
+        }
+        count(receiver, bytes);
+      },
+      [&](uint64_t i) {
+        const auto [rank, n] = info(i);
+        count(rank, n);
+      });
+  const int64_t below = gather && gather->enabled ? gather->below_bytes : 0;
+  uint64_t next = 0;
+  for_each_run(plan, [&](const Run& r) {
+    if (r.local) return;
+    current_index = next++;
+    current = {r.to.rank, r.bytes};
+    if (r.bytes < below) held.emplace(current_index, current);
+    grouper.add(GatherInput{r.to.rank, r.from.rank, r.bytes});
   });
+  grouper.finish();
+  s.gathers = static_cast<int64_t>(grouper.gathers());
+  s.gathered_runs = static_cast<int64_t>(grouper.gathered_runs());
+  s.unpacked = static_cast<int64_t>(grouper.unpacked());
   for (size_t i = 0; i < s.per_receiver.size(); ++i) {
     if (s.per_receiver[i] > s.gets_per_receiver_max) {
       s.gets_per_receiver_max = s.per_receiver[i];

@@ -6,12 +6,15 @@
 //
 // A GET is what a receiver agent issues: each network run of the plan
 // (for_each_run), split into pieces of at most `max_get_bytes` (the agent's
-// `chunk_bytes`, 1 MiB by default).
+// `chunk_bytes`, 1 MiB by default). With `gather` (planner/gather.h), the
+// small runs grouped into a gather count as one GET of their total bytes
+// (split the same way), which is what the agent posts.
 
 #include <cstdint>
 #include <map>
 #include <vector>
 
+#include "planner/gather.h"
 #include "planner/plan.h"
 
 namespace refit {
@@ -25,11 +28,15 @@ struct GetStats {
   int64_t get_bytes_min = 0;
   int64_t get_bytes_max = 0;
   std::map<int64_t, int64_t> sizes;   // GET bytes -> how many GETs of that size
+  int64_t gathers = 0;                // gathers among the GETs (with `gather`)
+  int64_t gathered_runs = 0;          // network runs that travel in them
+  int64_t unpacked = 0;               // small runs too large for "gather_bytes" (gather.h)
 };
 
 // REQUIRES max_get_bytes > 0 and a plan with units (not kBroadcast, which
 // has only its summary: its GetStats are empty).
-GetStats get_stats(const Plan& plan, int64_t max_get_bytes);
+// `gather` null or disabled: every network run is its own GET.
+GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather = nullptr);
 
 // GETs of the same power-of-two size class, for a short table: the key is
 // the class's upper bound (512 holds 257..512 bytes), the value the count.

@@ -183,6 +183,27 @@ void merge_cells(const Grid& g, std::vector<Sig>& sig, F&& emit) {
   }
 }
 
+// Whether copying `box` from `from` to `to` is one contiguous run (the
+// merge of for_each_copy covers every dim of the box that has more than
+// one element).
+bool contiguous_copy(const Box& box, const Region& from, const Region& to) {
+  const int n = box.ndim;
+  int64_t run = 1;
+  int outer = n;
+  if (n > 0 && from.strides[n - 1] == 1 && to.strides[n - 1] == 1) {
+    run = box.size[n - 1];
+    outer = n - 1;
+    while (outer > 0 && from.strides[outer - 1] == run && to.strides[outer - 1] == run) {
+      run *= box.size[outer - 1];
+      --outer;
+    }
+  }
+  for (int d = 0; d < outer; ++d) {
+    if (box.size[d] > 1) return false;
+  }
+  return true;
+}
+
 int64_t count_chunks(const Box& box, int64_t max_elems) {
   if (box.empty()) return 0;
   if (box.numel() <= max_elems) return 1;
@@ -651,10 +672,19 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
       const PullSet& ps = plan.pull_sets_[u.pull_set];
       if (ps.forced) continue;
       u.sources_begin = static_cast<uint32_t>(plan.chosen_.size());
+      const Region& dst = t.receivers[cs[u.puller].region];
       for (const Piece& p : ps.pieces) {
+        // A holder from which the piece is one contiguous run beats one
+        // that forces a strided pull (a GET per row), whatever the NIC
+        // loads: a strided pull costs per GET, not per byte.
+        bool any_contiguous = false;
+        for (uint32_t k = 0; k < p.holders_count && !any_contiguous; ++k) {
+          any_contiguous = contiguous_copy(p.box, t.sources[ps.holders[p.holders_begin + k]], dst);
+        }
         SourcePick best{-1, 0};
         for (uint32_t k = 0; k < p.holders_count; ++k) {
           const uint32_t region = ps.holders[p.holders_begin + k];
+          if (any_contiguous && !contiguous_copy(p.box, t.sources[region], dst)) continue;
           for (int32_t r : L.source_sets.get(t.sources[region].ranks)) {
             if (best.rank == -1 || plan.source_nic_[r] < plan.source_nic_[best.rank] ||
                 (plan.source_nic_[r] == plan.source_nic_[best.rank] && r < best.rank))

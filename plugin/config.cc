@@ -66,8 +66,8 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   c.receiver = receiver;
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "instance_ranks", "coordinator", "network", "local",
-                       "window_bytes", "chunk_bytes", "landing_bytes", "heartbeat_ms", "log_level", "recipe", "mode",
-                       "verify"});
+                       "window_bytes", "chunk_bytes", "landing_bytes", "gather_below_bytes", "gather_bytes",
+                       "gather_entries", "heartbeat_ms", "log_level", "recipe", "mode", "verify"});
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
@@ -117,6 +117,11 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
       r.fail("landing_bytes", "must hold at least two chunks of \"chunk_bytes\" (2 x " +
                                   std::to_string(c.chunk_bytes) + "), got " + std::to_string(c.landing_bytes));
     }
+    // Gathers (docs/refresh.md, "Gathers"); "gather_below_bytes": 0 turns them off.
+    c.gather.below_bytes = r.integer(doc, "", "gather_below_bytes", c.gather.below_bytes, 0, int64_t{64} << 20);
+    c.gather.enabled = c.gather.below_bytes > 0;
+    c.gather.max_bytes = r.integer(doc, "", "gather_bytes", c.gather.max_bytes, 1, int64_t{64} << 20);
+    c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, 65536);
     if (const Json* rc = r.member(doc, "", "recipe", false)) {
       r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});
       RecipeConfig recipe;

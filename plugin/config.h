@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "planner/gather.h"
 #include "planner/status.h"
 
 namespace refit::plugin {
@@ -52,6 +53,7 @@ struct AgentConfig {
   uint64_t window_bytes = 32ull << 20;
   uint64_t chunk_bytes = 1ull << 20;
   uint64_t landing_bytes = 64ull << 20;  // receivers: the landing ring (transport/cuda/staging.h)
+  GatherOptions gather;                  // receivers: small runs in gathers (planner/gather.h)
   std::chrono::milliseconds heartbeat{1000};
   LogLevel log_level = LogLevel::kWarn;
   std::optional<RecipeConfig> recipe;

@@ -20,6 +20,7 @@
 #include "transport/cuda/staging.h"
 #include "transport/fabric/cma_fabric.h"
 #include "transport/fabric/ucx_fabric.h"
+#include "transport/ucx/gather_ops.h"
 #include "transport/ucx/get_engine.h"
 
 namespace refit::plugin {
@@ -111,6 +112,7 @@ struct CompiledPart {
   uint64_t epoch = 0;
   bool device_landing = false;  // some GETs land in the landing ring first
   std::vector<Get> net;
+  ucx::GatherOps gathers;  // small runs of `net` that travel together (docs/refresh.md, "Gathers")
   std::map<int32_t, std::vector<std::pair<uint64_t, std::vector<uint8_t>>>> source_keys;  // rank -> (id, packed)
   std::map<int32_t, std::vector<uint8_t>> source_addresses;
   fabric::Schedule schedule;                       // version set per refresh
@@ -193,6 +195,7 @@ struct ReceiverAgent::Report {
   int64_t minimum_network_bytes = -1;
   bool solo = false;
   uint64_t pulls = 0;
+  uint64_t gathers = 0, gathered_runs = 0, gather_unpacked = 0;  // docs/refresh.md, "Gathers"
   uint64_t pushes = 0;
   uint64_t retries = 0;
   double plan_s = 0, network_s = 0, local_s = 0, total_s = 0;
@@ -594,6 +597,16 @@ Result<std::shared_ptr<CompiledPart>> ReceiverAgent::compile(const Json& reply) 
       reads.push_back({src, src + bytes});
       part->schedule.sends.push_back(s);
     }
+    // Gathers: small host runs of one source travel as one request
+    // (docs/refresh.md, "Gathers"); device runs stay plain GETs.
+    {
+      std::vector<ucx::NetRunRef> refs;
+      for (const CompiledPart::Get& g : part->net) {
+        refs.push_back(ucx::NetRunRef{g.source, ucx::GatherPart{g.rkey_id, g.remote, g.local, g.bytes},
+                                      g.device == nullptr});
+      }
+      part->gathers = ucx::make_gather_ops(refs, config_.gather);
+    }
     // Each send waits for the network runs that bring the bytes it reads.
     std::sort(landed.begin(), landed.end(), [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
     part->dependents.assign(part->net.size(), {});
@@ -698,7 +711,7 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   }
   for (uint32_t i = 0; i < part.net.size(); ++i) {
     const CompiledPart::Get& g = part.net[i];
-    if (g.device != nullptr) continue;
+    if (g.device != nullptr || part.gathers.gathered[i]) continue;
     gets.push_back(ucx::GetRun{eps.at(g.source), g.rkey_id, g.remote, g.local, g.bytes});
     get_chunk.push_back(-1);
     get_net.push_back(i);
@@ -713,6 +726,16 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
       get_chunk.push_back(k);
       get_net.push_back(ring_net[chunks[k].run]);
     }
+  }
+
+  // Gathers: one engine run each, releasing the sends of all its runs.
+  std::vector<int64_t> get_gather(gets.size(), -1);  // per engine run: its gather, or -1
+  for (uint32_t k = 0; k < part.gathers.ops.size(); ++k) {
+    const ucx::GatherOps::Op& op = part.gathers.ops[k];
+    gets.push_back(ucx::GetRun{eps.at(op.peer), 0, 0, nullptr, op.bytes, ucx::Op::kGet, op.parts});
+    get_chunk.push_back(-1);
+    get_net.push_back(op.runs.front());
+    get_gather.push_back(k);
   }
 
   // The fan-out: sends become ready as the network runs they read land.
@@ -858,7 +881,13 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
           }
           if (!st.is_ok()) return;
           std::lock_guard<std::mutex> lock(mu);
-          if (release(get_net[run])) cv.notify_one();
+          bool any = false;
+          if (get_gather[run] >= 0) {
+            for (uint32_t n : part.gathers.ops[get_gather[run]].runs) any = release(n) || any;
+          } else {
+            any = release(get_net[run]);
+          }
+          if (any) cv.notify_one();
         },
         ring ? ucx::GetEngine::Gate([&](uint32_t run, void** local) {
           return get_chunk[run] < 0 || ring->acquire(static_cast<uint32_t>(get_chunk[run]), local);
@@ -895,6 +924,9 @@ Status ReceiverAgent::execute(const CompiledPart& part, int64_t version, Clock::
   report->network_s = seconds_between(start, net_end);
   report->local_s = seconds_between(start, fan_end);
   report->pulls = part.net.size();
+  report->gathers = part.gathers.ops.size();
+  report->gathered_runs = part.gathers.gathered_runs;
+  report->gather_unpacked = part.gathers.unpacked;
   report->pushes = schedule.sends.size();
   if (ring) {
     report->landing = true;
@@ -1180,6 +1212,9 @@ void ReceiverAgent::finish(Status status, const Report& r) {
   if (config_.verify) {
     j["verify"] = {{"boxes", r.verified_boxes}, {"bytes", r.verified_bytes},
                    {"unverified_bytes", r.unverified_bytes}, {"seconds", r.verify_s}};
+  }
+  if (r.gathers > 0 || r.gather_unpacked > 0) {
+    j["gathers"] = {{"ops", r.gathers}, {"runs", r.gathered_runs}, {"unpacked", r.gather_unpacked}};
   }
   if (r.landing) {
     j["landing"] = {{"slots", r.landing_slots}, {"chunks", r.landing_chunks}, {"copies", r.landing_copies},

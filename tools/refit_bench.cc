@@ -494,7 +494,7 @@ int usage_error(const std::string& message) {
 int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
   std::string mode = "direct", kill_text, local_fabric;
-  bool serve_check = false, rejoin = false, small_pages = false, sequential = false;
+  bool serve_check = false, rejoin = false, small_pages = false, sequential = false, no_gather = false;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
   double timeout_s = 60, heartbeat_timeout_s = 0;
@@ -678,6 +678,9 @@ int main(int argc, char** argv) {
                  "the receivers' local fabric: cma (cross-memory attach) or ucx (UCX shared memory); "
                  "default: the library's (cma where the kernel allows it)")
       ->check(CLI::IsMember({"cma", "ucx"}));
+  app.add_flag("--no-gather", no_gather,
+               "receivers pull every network run as its own GET (\"gather_below_bytes\": 0), for a before/after "
+               "of gathers (docs/refresh.md)");
   app.add_flag("--small-pages", small_pages,
                "the ranks' buffers on 4 KiB pages instead of transparent huge pages (see above)");
   app.add_flag("--serve-check", serve_check,
@@ -744,6 +747,7 @@ int main(int argc, char** argv) {
   options.staged = mode == "staged";
   options.serve_check = serve_check;
   options.huge_pages = !small_pages;
+  options.gather = !no_gather;
   options.local_fabric = local_fabric;
   if (!kill_text.empty()) {
     auto k = parse_kill(kill_text);

@@ -23,6 +23,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -282,6 +283,9 @@ struct Options {
   std::string strategy;
   bool no_dedup = false;
   std::string chunk_bytes;
+  bool no_gather = false;
+  std::string gather_below;
+  std::string gather_bytes;
   bool compare = false;
   bool quiet = false;
   bool simulate = false;
@@ -408,8 +412,13 @@ struct Planned {
   double plan_seconds = 0;
   // Layouts with dtype conversions: the bytes with each place of conversion.
   std::optional<refit::ConversionBytes> at_receiver, at_source;
-  std::optional<refit::GetStats> gets;  // none for the broadcast baseline
+  std::optional<refit::GetStats> gets;  // none for the broadcast baseline; after grouping
+  std::optional<refit::GetStats> ungrouped_gets;  // every network run its own GET
 };
+
+// How the receiver agents group small runs into gathers (their defaults,
+// or the command line's).
+refit::GatherOptions g_gather;
 
 // The receiver agent's default chunk_bytes (plugin/config.h): the largest
 // GET it posts, so a longer network run is several GETs.
@@ -424,12 +433,15 @@ Result<Planned> plan_one(const Input& in, const PlanOptions& po, const std::stri
     REFIT_RETURN_IF_ERROR(write_streamed(runs_out, [&](const refit::TextSink& sink) {
       return refit::write_runs_json(*plan, sink);
     }));
-  Planned out{plan->summary(), secs, std::nullopt, std::nullopt, std::nullopt};
+  Planned out{plan->summary(), secs, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
   if (refit::has_conversions(*in.layout) && po.strategy != Strategy::kBroadcast) {
     out.at_receiver = refit::count_conversion_bytes(*plan, refit::ConvertAt::kReceiver);
     out.at_source = refit::count_conversion_bytes(*plan, refit::ConvertAt::kSource);
   }
-  if (po.strategy != Strategy::kBroadcast) out.gets = refit::get_stats(*plan, kAgentGetBytes);
+  if (po.strategy != Strategy::kBroadcast) {
+    out.gets = refit::get_stats(*plan, kAgentGetBytes, &g_gather);
+    out.ungrouped_gets = refit::get_stats(*plan, kAgentGetBytes);
+  }
   return out;
 }
 
@@ -471,6 +483,15 @@ ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) 
     j["get_bytes_median"] = p.gets->get_bytes_median;
     j["get_bytes_min"] = p.gets->get_bytes_min;
     j["get_bytes_max"] = p.gets->get_bytes_max;
+    // Small runs grouped into gathers (planner/gather.h); the figures
+    // without grouping beside them.
+    j["gather"] = g_gather.enabled;
+    j["gathers"] = p.gets->gathers;
+    j["gathered_runs"] = p.gets->gathered_runs;
+    j["gather_unpacked"] = p.gets->unpacked;
+    j["ungrouped_gets"] = p.ungrouped_gets->gets;
+    j["ungrouped_gets_per_receiver_max"] = p.ungrouped_gets->gets_per_receiver_max;
+    j["ungrouped_get_bytes_median"] = p.ungrouped_gets->get_bytes_median;
   }
   j["layout_seconds"] = in.layout_seconds;
   j["plan_seconds"] = p.plan_seconds;
@@ -486,6 +507,7 @@ std::string summary_table(const ordered_json& j) {
                                     "max_source_nic_bytes",
                                     "max_receiver_nic_bytes",
                                     "get_bytes_median",
+                                    "ungrouped_get_bytes_median",
                                     "get_bytes_min",
                                     "get_bytes_max",
                                     "convert_at_receiver_network_bytes",
@@ -518,6 +540,7 @@ struct CompareRow {
   std::string name;
   PlanSummary refit, no_dedup, broadcast;
   std::optional<refit::GetStats> refit_gets;
+  std::optional<refit::GetStats> refit_ungrouped_gets;
   double plan_seconds = 0;
   double layout_seconds = 0;
 };
@@ -538,6 +561,8 @@ ordered_json compare_json(const std::vector<CompareRow>& rows) {
     if (r.refit_gets) {
       j["gets_per_receiver_max"] = r.refit_gets->gets_per_receiver_max;
       j["get_bytes_median"] = r.refit_gets->get_bytes_median;
+      j["ungrouped_gets_per_receiver_max"] = r.refit_ungrouped_gets->gets_per_receiver_max;
+      j["ungrouped_get_bytes_median"] = r.refit_ungrouped_gets->get_bytes_median;
     }
     j["no_dedup_bytes"] = r.no_dedup.network_bytes;
     j["no_dedup_ratio"] = ratio_value(r.no_dedup.network_bytes, r.refit.network_bytes);
@@ -846,6 +871,16 @@ int run(const Options& o) {
                                o.chunk_bytes + "\"");
     po.chunk_bytes = *n;
   }
+  g_gather.enabled = !o.no_gather;
+  for (const auto& [flag, text, field] : {std::tuple{"--gather-below", &o.gather_below, &g_gather.below_bytes},
+                                          std::tuple{"--gather-bytes", &o.gather_bytes, &g_gather.max_bytes}}) {
+    if (text->empty()) continue;
+    auto n = parse_size(*text);
+    if (!n) return usage_error(std::string(flag) + " must be a positive byte count like 65536 or 64KiB, got \"" +
+                               *text + "\"");
+    *field = *n;
+  }
+  if (Status st = refit::validate(g_gather); !st.is_ok()) return usage_error(st.message());
   if (o.strategy == "no-dedup") po.strategy = Strategy::kNoDedup;
   if (o.strategy == "broadcast") po.strategy = Strategy::kBroadcast;
   if (o.no_dedup) {
@@ -887,6 +922,7 @@ int run(const Options& o) {
         if (st == Strategy::kRefit) {
           row.plan_seconds = planned->plan_seconds;
           row.refit_gets = planned->gets;
+          row.refit_ungrouped_gets = planned->ungrouped_gets;
         }
       }
       rows.push_back(std::move(row));
@@ -949,6 +985,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"refit", "no-dedup", "broadcast"}));
   app.add_flag("--no-dedup", o.no_dedup, "same as --strategy no-dedup: every receiver rank pulls for itself");
   app.add_option("--chunk-bytes", o.chunk_bytes, "pipelining grain, e.g. 4M, 4MiB, 1048576 (default 4MiB)")
+      ->type_name("SIZE");
+  app.add_flag("--no-gather", o.no_gather,
+               "count every network run as its own GET, as receivers with \"gather_below_bytes\": 0 post them");
+  app.add_option("--gather-below", o.gather_below,
+                 "group network runs smaller than SIZE into gathers (the agents' \"gather_below_bytes\", default "
+                 "64KiB)")
+      ->type_name("SIZE");
+  app.add_option("--gather-bytes", o.gather_bytes, "bytes of one gather (the agents' \"gather_bytes\", default 1MiB)")
       ->type_name("SIZE");
   app.add_flag("--compare", o.compare,
                "plan refit, no-dedup and broadcast for every input; print one row each");

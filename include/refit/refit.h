@@ -96,6 +96,14 @@
  *        "transports"  list of strings ["shm"]: the UCX fabric's transports
  *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
  *     "chunk_bytes"  integer [1048576]: largest single GET or PUT
+ *     "gather_below_bytes" integer [65536]: network runs smaller than this
+ *                    travel in gathers, many runs of one source in one request
+ *                    (docs/refresh.md, "Gathers"); 0 turns gathers off. At most
+ *                    64 MiB
+ *     "gather_bytes" integer [1048576]: bytes of one gather, 1 to 64 MiB; a run
+ *                    below "gather_below_bytes" but above this travels alone
+ *                    and the report counts it ("gathers": {"unpacked"})
+ *     "gather_entries" integer [4096]: runs of one gather, 2 to 65536
  *     "landing_bytes" integer [67108864, or two chunks if more]: pinned host
  *                    memory of the landing ring (GPU buffers that UCX cannot
  *                    write), in slots of "chunk_bytes": at least two slots, at

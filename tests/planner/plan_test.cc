@@ -81,6 +81,42 @@ TEST(Plan, PullersBalanceAcrossTheDomain) {
   EXPECT_EQ(plan->receiver_nic_bytes()[1], 4 * 32);
 }
 
+// Two holders of the whole tensor: source 0 column-major, source 1
+// row-major, like the receiver. From source 0 every element would be its
+// own run; the plan takes it from source 1 in one run, even where source 1's
+// NIC is the busier (it serves another tensor first), and even though ties
+// otherwise go to the lowest rank.
+TEST(Plan, NeverChoosesAStridedHolderWhenAContiguousOneExists) {
+  Layout L;
+  L.sources = {{0}, {0}};
+  L.receivers = {{0, 0}};
+  const uint32_t w = L.add_tensor("w", DType::kF32, {8, 8});
+  const uint32_t busy = L.add_tensor("busy", DType::kF32, {64});
+  const RankSetId s0 = L.source_sets.intern({0}), s1 = L.source_sets.intern({1});
+  const RankSetId r0 = L.receiver_sets.intern({0});
+  const uint32_t b0 = L.add_buffer(Buffer{Side::kSource, "w_cm", DType::kF32, 256, s0});
+  const uint32_t b1 = L.add_buffer(Buffer{Side::kSource, "w_rm", DType::kF32, 256, s1});
+  const uint32_t bb = L.add_buffer(Buffer{Side::kSource, "busy", DType::kF32, 256, s1});
+  const uint32_t rb = L.add_buffer(Buffer{Side::kReceiver, "w", DType::kF32, 256, r0});
+  const uint32_t rbb = L.add_buffer(Buffer{Side::kReceiver, "busy", DType::kF32, 256, r0});
+  L.tensors[w].sources.push_back(Region{Box::whole({8, 8}), s0, b0, 0, Index{1, 8}});
+  L.tensors[w].sources.push_back(Region{Box::whole({8, 8}), s1, b1, 0, row_major_strides({8, 8})});
+  L.tensors[w].receivers.push_back(Region{Box::whole({8, 8}), r0, rb, 0, row_major_strides({8, 8})});
+  L.tensors[busy].sources.push_back(Region{Box::whole({64}), s1, bb, 0, row_major_strides({64})});
+  L.tensors[busy].receivers.push_back(Region{Box::whole({64}), r0, rbb, 0, row_major_strides({64})});
+  ASSERT_TRUE(validate(L).is_ok()) << validate(L).message();
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  int w_runs = 0;
+  for_each_run(*plan, [&](const refit::Run& r) {
+    if (r.local || r.to.buffer != rb) return;
+    ++w_runs;
+    EXPECT_EQ(r.from.rank, 1);
+    EXPECT_EQ(r.bytes, 256);
+  });
+  EXPECT_EQ(w_runs, 1);
+}
+
 TEST(Plan, MissingSourceNamesTensorRankAndBox) {
   Layout L;
   L.sources = {{0}};

@@ -35,6 +35,14 @@ constexpr int kVersions = 3;
 bool g_verify = false;
 int g_tamper = 0;
 
+// Gathers (docs/refresh.md, "Gathers"): the receivers' "gather_below_bytes"
+// and "gather_bytes" (-1: the defaults), and what each refresh's report
+// must then say. Rank 1's half of w is a column slice: one 2000-byte run
+// per row from sources that hold whole rows.
+int64_t g_gather_below = -1, g_gather_bytes = -1;
+enum class Gathers { kAny, kUsed, kOff, kUnpacked };
+Gathers g_expect_gathers = Gathers::kAny;
+
 float w_value(int64_t r, int64_t c, int64_t v) { return static_cast<float>(r * 7919 + c * 31 + v * 1000003 % 8191); }
 int32_t b_value(int64_t c, int64_t v) { return static_cast<int32_t>(c * 17 + v * 101); }
 
@@ -55,6 +63,8 @@ std::string config(int rank, int domain, uint16_t port, const std::string& token
                       {"heartbeat_ms", 200}};
   if (g_verify) c["verify"] = true;
   if (receiver) {
+    if (g_gather_below >= 0) c["gather_below_bytes"] = g_gather_below;
+    if (g_gather_bytes >= 0) c["gather_bytes"] = g_gather_bytes;
     c["instance"] = staged ? 0 : rank;  // staged: one instance, which commits all or nothing
     if (staged) c["mode"] = "staged";
     const char* ring = std::getenv("REFIT_LANDING_RING");
@@ -199,6 +209,14 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
         fail("the report's landing counts", 12);
       }
     }
+    const nlohmann::json gathers = report.value("gathers", nlohmann::json::object());
+    const bool used = gathers.value("ops", 0) > 0 && gathers.value("runs", 0) > gathers.value("ops", 0);
+    if ((g_expect_gathers == Gathers::kUsed && (!used || gathers.value("unpacked", -1) != 0)) ||
+        (g_expect_gathers == Gathers::kOff && report.contains("gathers")) ||
+        (g_expect_gathers == Gathers::kUnpacked && gathers.value("unpacked", 0) == 0)) {
+      std::fprintf(stderr, "rank %d: %s\n", rank, refit_receiver_report(r));
+      fail("the report's gathers", 13);
+    }
     std::fprintf(stderr, "rank %d: %s\n", rank, refit_receiver_report(r));
     write_byte(up, 'd');
   }
@@ -338,6 +356,36 @@ TEST(Agents, VerificationPassesOnEveryVersion) {
   g_verify = true;
   run_agents(false, {{}, {}});
   g_verify = false;
+}
+
+// The column slices travel as gathers (on by default), every byte checked
+// against the sources' hashes; then with gathers off, the same bytes as
+// one GET per row; then with "gather_bytes" smaller than a row, so that the
+// rows travel unpacked and the report counts them.
+TEST(Agents, ColumnSlicesTravelAsGathersAndVerify) {
+  g_verify = true;
+  g_expect_gathers = Gathers::kUsed;
+  run_agents(false, {{}, {}});
+  g_expect_gathers = Gathers::kAny;
+  g_verify = false;
+}
+
+TEST(Agents, GathersOffPullsEveryRowAlone) {
+  g_verify = true;
+  g_gather_below = 0;
+  g_expect_gathers = Gathers::kOff;
+  run_agents(false, {{}, {}});
+  g_gather_below = -1;
+  g_expect_gathers = Gathers::kAny;
+  g_verify = false;
+}
+
+TEST(Agents, AGatherBoundSmallerThanARowLeavesRowsUnpacked) {
+  g_gather_bytes = 1000;
+  g_expect_gathers = Gathers::kUnpacked;
+  run_agents(false, {{}, {}});
+  g_gather_bytes = -1;
+  g_expect_gathers = Gathers::kAny;
 }
 
 }  // namespace

@@ -1092,6 +1092,7 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
     if (!options.local_fabric.empty()) c["local"]["fabric"] = options.local_fabric;
   }
   if (place.receiver && options.staged) c["mode"] = "staged";
+  if (place.receiver && !options.gather) c["gather_below_bytes"] = 0;
   if (options.heartbeat_timeout.count() > 0)
     c["heartbeat_ms"] = std::max<int64_t>(100, options.heartbeat_timeout.count() / 4);
   c["log_level"] = options.log_level;

@@ -62,6 +62,9 @@ struct RunOptions {
   // The receivers' "local.fabric" ("cma", "ucx"); empty: the library's
   // default.
   std::string local_fabric;
+  // The receivers group small runs into gathers (docs/refresh.md,
+  // "Gathers"); false: "gather_below_bytes": 0, every run its own GET.
+  bool gather = true;
   // Deadline of each step (every child's answer to one command).
   std::chrono::milliseconds step_timeout{60000};
   // Passed to refit_receiver_refresh and refit_source_wait_drained.

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
+#include <memory>
 
 #include "transport/ucx/ucx_status.h"
 
@@ -14,6 +16,7 @@ namespace {
 struct PendingReply {
   am_rma::ReplyHeader header;
   std::shared_ptr<std::atomic<uint64_t>> inflight;  // may be null
+  std::unique_ptr<uint8_t[]> bytes;  // a gather's piece, else null
 };
 
 void release(PendingReply* p) {
@@ -31,10 +34,13 @@ void on_reply_sent(void* request, ucs_status_t /*status*/, void* user_data) {
 // Sends one reply message from inside an AM handler. Returns false when the
 // send failed at once (the puller is gone). A send that fails later
 // completes with an error status: no abort, unlike UCX's own RMA emulation.
+// `owned`, if given, holds `data` until the send completes.
 bool send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, uint64_t offset,
                 const void* data, size_t length,
-                const std::shared_ptr<std::atomic<uint64_t>>& inflight) {
+                const std::shared_ptr<std::atomic<uint64_t>>& inflight,
+                std::unique_ptr<uint8_t[]> owned = nullptr) {
   auto* p = new PendingReply{};
+  p->bytes = std::move(owned);
   p->header.token = token;
   p->header.status = status;
   p->header.offset = offset;
@@ -60,14 +66,17 @@ bool send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, u
 
 ucs_status_t refuse_request(void* arg, const void* header, size_t header_length, void*, size_t,
                             const ucp_am_recv_param_t* param) {
-  am_rma::RequestHeader h;
-  if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+  // A GET's or PUT's header, or a gather's (of another size): both carry
+  // the token at the same offset.
+  static_assert(offsetof(am_rma::RequestHeader, token) == offsetof(am_rma::GatherHeader, token));
+  if ((header_length != sizeof(am_rma::RequestHeader) && header_length != sizeof(am_rma::GatherHeader)) ||
+      !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
     return UCS_OK;
   }
-  std::memcpy(&h, header, sizeof(h));
+  uint64_t token = 0;
+  std::memcpy(&token, static_cast<const uint8_t*>(header) + offsetof(am_rma::RequestHeader, token), sizeof(token));
   const unsigned reply_id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
-  (void)send_reply(param->reply_ep, reply_id, h.token, UCS_ERR_UNSUPPORTED, 0, nullptr, 0,
-                   nullptr);
+  (void)send_reply(param->reply_ep, reply_id, token, UCS_ERR_UNSUPPORTED, 0, nullptr, 0, nullptr);
   return UCS_OK;
 }
 
@@ -82,6 +91,7 @@ namespace am_rma {
 Status install_fallback_handler(ucp_worker_h worker, unsigned id) {
   switch (id) {
     case kGetRequest:
+    case kGatherRequest:
       return set_am_handler(worker, id, &refuse_request,
                          reinterpret_cast<void*>(static_cast<uintptr_t>(kGetReply)));
     case kPutRequest:
@@ -93,7 +103,7 @@ Status install_fallback_handler(ucp_worker_h worker, unsigned id) {
 }
 
 Status install_fallback_handlers(ucp_worker_h worker) {
-  for (unsigned id : {kGetRequest, kGetReply, kPutRequest, kPutReply}) {
+  for (unsigned id : {kGetRequest, kGetReply, kPutRequest, kPutReply, kGatherRequest}) {
     REFIT_RETURN_IF_ERROR(install_fallback_handler(worker, id));
   }
   return Status::ok();
@@ -106,6 +116,7 @@ Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker, Puts pu
   std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker, puts));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGetRequest, &AmRmaServer::on_get, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kPutRequest, &AmRmaServer::on_put, s.get()));
+  REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGatherRequest, &AmRmaServer::on_gather, s.get()));
   return s;
 }
 
@@ -117,6 +128,7 @@ Status AmRmaServer::set_handler(unsigned id, ucp_am_recv_callback_t cb, void* ar
 AmRmaServer::~AmRmaServer() {
   (void)am_rma::install_fallback_handler(worker_.get(), am_rma::kGetRequest);
   (void)am_rma::install_fallback_handler(worker_.get(), am_rma::kPutRequest);
+  (void)am_rma::install_fallback_handler(worker_.get(), am_rma::kGatherRequest);
   // Replies still in flight read exported memory: give them a moment.
   // Their callbacks do not touch the server, so any left are harmless to
   // the server's memory (not to the regions': see the header).
@@ -176,6 +188,95 @@ ucs_status_t AmRmaServer::on_get(void* arg, const void* header, size_t header_le
     self->reply_data(param->reply_ep, h.token, reinterpret_cast<const uint8_t*>(h.address),
                      h.length);
   }
+  return UCS_OK;
+}
+
+ucs_status_t AmRmaServer::check_gather(const am_rma::GatherHeader& h, const void* data,
+                                       size_t length) const {
+  if (h.count == 0 || h.count > am_rma::kMaxGatherEntries ||
+      length != uint64_t{h.count} * sizeof(am_rma::GatherEntry) || h.total == 0 ||
+      h.total > am_rma::kMaxGatherBytes) {
+    return UCS_ERR_INVALID_PARAM;
+  }
+  uint64_t sum = 0;
+  for (uint32_t i = 0; i < h.count; ++i) {
+    am_rma::GatherEntry e;
+    std::memcpy(&e, static_cast<const uint8_t*>(data) + i * sizeof(e), sizeof(e));
+    // Each length is at most the bound before it is added: no overflow.
+    if (e.length == 0 || e.length > am_rma::kMaxGatherBytes - sum) return UCS_ERR_INVALID_PARAM;
+    sum += e.length;
+  }
+  if (sum != h.total) return UCS_ERR_INVALID_PARAM;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const MemoryRegion* last = nullptr;  // consecutive entries mostly share a region
+  for (uint32_t i = 0; i < h.count; ++i) {
+    am_rma::GatherEntry e;
+    std::memcpy(&e, static_cast<const uint8_t*>(data) + i * sizeof(e), sizeof(e));
+    const void* a = reinterpret_cast<const void*>(e.address);
+    if (last != nullptr && last->contains(a, e.length)) continue;
+    auto it = std::find_if(regions_.begin(), regions_.end(),
+                           [&](const MemoryRegion* r) { return r->contains(a, e.length); });
+    if (it == regions_.end()) return UCS_ERR_INVALID_ADDR;
+    last = *it;
+  }
+  return UCS_OK;
+}
+
+void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries, uint32_t count) {
+  std::unique_ptr<uint8_t[]> piece;
+  uint64_t filled = 0;  // bytes in `piece`
+  uint64_t offset = 0;  // of `piece` in the stream
+  for (uint32_t i = 0; i < count; ++i) {
+    am_rma::GatherEntry e;
+    std::memcpy(&e, static_cast<const uint8_t*>(entries) + i * sizeof(e), sizeof(e));
+    const auto* from = reinterpret_cast<const uint8_t*>(e.address);
+    uint64_t left = e.length;
+    while (left > 0) {
+      if (!piece) piece.reset(new uint8_t[am_rma::kReplyPieceBytes]);
+      const uint64_t n = std::min(left, am_rma::kReplyPieceBytes - filled);
+      std::memcpy(piece.get() + filled, from, n);
+      from += n;
+      left -= n;
+      filled += n;
+      if (filled == am_rma::kReplyPieceBytes) {
+        const uint8_t* p = piece.get();
+        if (!send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_,
+                        std::move(piece))) {
+          return;  // the puller is gone
+        }
+        offset += filled;
+        filled = 0;
+      }
+    }
+  }
+  if (filled > 0) {
+    const uint8_t* p = piece.get();
+    (void)send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_, std::move(piece));
+  }
+}
+
+ucs_status_t AmRmaServer::on_gather(void* arg, const void* header, size_t header_length, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<AmRmaServer*>(arg);
+  am_rma::GatherHeader h;
+  if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    return UCS_OK;  // malformed, and no way to answer
+  }
+  std::memcpy(&h, header, sizeof(h));
+  ucs_status_t st = UCS_OK;
+  if (h.magic != am_rma::kMagic || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    st = UCS_ERR_UNSUPPORTED;  // the engine always sends eager
+  } else {
+    st = self->check_gather(h, data, length);
+  }
+  if (st != UCS_OK) {
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, st);
+    return UCS_OK;
+  }
+  self->served_.fetch_add(1, std::memory_order_relaxed);
+  self->reply_gather(param->reply_ep, h.token, data, h.count);
   return UCS_OK;
 }
 

@@ -28,8 +28,27 @@
 //        target --kGetReply{token, status, offset} + bytes--> puller (copies)
 //               one reply per piece of kReplyPieceBytes, or one reply
 //               without bytes when the target refuses
+//   GATHER: puller --kGatherRequest{token, count, total} + count x
+//                    GatherEntry{address, length}--> target
+//        target --kGetReply{token, status, offset} + bytes--> puller
+//               the entries' bytes in order, as one stream of `total`
+//               bytes cut into pieces as for a GET; the puller scatters
+//               each piece to where its stream bytes go
 //   PUT: puller --kPutRequest{token, address, length} + bytes--> target
 //        target copies, --kPutReply{token, status, 0}----------> puller
+//
+// A gather serves many small ranges in one request: a column slice of a
+// row-major tensor is one range per row, and one GET per row costs the
+// per-request overhead hundreds of thousands of times (docs/refresh.md,
+// "Gathers"). Its entry list is peer input: the server refuses it whole
+// (UCS_ERR_INVALID_PARAM) unless it has between 1 and kMaxGatherEntries
+// entries, each of at least one byte, totalling exactly `total` and at most
+// kMaxGatherBytes (checked without overflow), and refuses it with
+// UCS_ERR_INVALID_ADDR unless every entry lies in one exported region. The
+// server copies the bytes into reply buffers of kReplyPieceBytes each, held
+// only until that reply's send completes: a source's extra memory is at
+// most the gather bytes its pullers have in flight (each bounded by its
+// window), never a copy of its shard.
 //
 // The puller side is part of the GetEngine (get_engine.h); the target side
 // is the AmRmaServer below, which every process that exports memory over
@@ -65,6 +84,7 @@ constexpr unsigned kGetRequest = 0x3F0;
 constexpr unsigned kGetReply = 0x3F1;
 constexpr unsigned kPutRequest = 0x3F2;
 constexpr unsigned kPutReply = 0x3F3;
+constexpr unsigned kGatherRequest = 0x3F4;  // answered with kGetReply
 constexpr uint32_t kMagic = 0x52464d32;  // "RFM2": format version 2
 
 struct RequestHeader {
@@ -74,6 +94,22 @@ struct RequestHeader {
   uint64_t address = 0;  // in the target's exported memory
   uint64_t length = 0;
 };
+
+struct GatherHeader {
+  uint32_t magic = kMagic;
+  uint32_t count = 0;  // GatherEntry records in the message's data
+  uint64_t token = 0;
+  uint64_t total = 0;  // sum of the entries' lengths
+};
+
+struct GatherEntry {
+  uint64_t address = 0;  // in the target's exported memory
+  uint64_t length = 0;
+};
+
+// Bounds on one gather request (peer input, checked by the server).
+constexpr uint32_t kMaxGatherEntries = 65536;
+constexpr uint64_t kMaxGatherBytes = uint64_t{64} << 20;
 
 struct ReplyHeader {
   uint32_t magic = kMagic;
@@ -98,7 +134,7 @@ struct ReplyHeader {
 // more per byte in per-message overhead.
 constexpr uint64_t kReplyPieceBytes = (64u << 10) - 1024;
 
-// Registers refit's fallback handlers for the four ids on a new worker (the
+// Registers refit's fallback handlers for the five ids on a new worker (the
 // Worker does this at create): requests are refused with
 // UCS_ERR_UNSUPPORTED (no AmRmaServer here), stray replies are dropped.
 // Without a handler, UCX 1.13 crashes in ucp_am_handler_reply on an AM sent
@@ -141,6 +177,14 @@ class AmRmaServer {
   AmRmaServer(Worker& worker, Puts puts) : worker_(worker), puts_(puts) {}
   static ucs_status_t on_get(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_gather(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
+  // Why a gather's entry list is refused (UCS_ERR_INVALID_PARAM: malformed
+  // or out of bounds; UCS_ERR_INVALID_ADDR: an entry outside every
+  // exported region), or UCS_OK.
+  ucs_status_t check_gather(const am_rma::GatherHeader& h, const void* data, size_t length) const;
+  // The entries' bytes, in order, in pieces of at most kReplyPieceBytes.
+  void reply_gather(ucp_ep_h ep, uint64_t token, const void* entries, uint32_t count);
   static ucs_status_t on_put(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   // Whether [address, +length) lies in one exported region (and, with

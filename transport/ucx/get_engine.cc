@@ -24,6 +24,11 @@ std::string hex(uint64_t v) {
 const char* op_name(Op op) { return op == Op::kPut ? "PUT" : "GET"; }
 
 std::string run_name(uint32_t i, const GetRun& r) {
+  if (!r.gather.empty()) {
+    return "run " + std::to_string(i) + " (gather of " + std::to_string(r.gather.size()) + " ranges, " +
+           std::to_string(r.bytes) + " bytes" +
+           (r.endpoint ? ", on endpoint \"" + r.endpoint->name() + "\"" : std::string()) + ")";
+  }
   return "run " + std::to_string(i) + " (" + op_name(r.op) + " of " + std::to_string(r.bytes) +
          (r.op == Op::kPut ? " bytes to " : " bytes from ") + hex(r.remote_address) +
          (r.endpoint ? " on endpoint \"" + r.endpoint->name() + "\"" : std::string()) + ")";
@@ -147,6 +152,19 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
       return Status::invalid(run_name(i, r) + ": zero bytes; drop empty runs before submitting");
     }
     if (r.endpoint->failed()) return r.endpoint->failure().with_context(run_name(i, r));
+    if (!r.gather.empty()) {
+      REFIT_RETURN_IF_ERROR(validate_gather_locked(i, r));
+      auto it = std::find(batch_eps_.begin(), batch_eps_.end(), r.endpoint);
+      uint32_t e = static_cast<uint32_t>(it - batch_eps_.begin());
+      if (it == batch_eps_.end()) batch_eps_.push_back(r.endpoint);
+      run_ep_.push_back(e);
+      run_memh_.push_back(nullptr);
+      run_region_.push_back(nullptr);
+      run_local_.push_back(nullptr);
+      chunk_runs->push_back(ChunkRun{e, r.bytes});
+      continue;
+    }
+    run_gather_.push_back(0);
     const RemoteKey* key = r.endpoint->rkey(r.rkey_id);
     if (key == nullptr) {
       return Status::not_found(run_name(i, r) + ": rkey id " + std::to_string(r.rkey_id) +
@@ -181,6 +199,46 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
   return Status::ok();
 }
 
+Status GetEngine::validate_gather_locked(uint32_t i, const GetRun& r) {
+  if (r.op != Op::kGet) return Status::invalid(run_name(i, r) + ": a gather must be a GET");
+  if (r.gather.size() > am_rma::kMaxGatherEntries) {
+    return Status::invalid(run_name(i, r) + ": more than " + std::to_string(am_rma::kMaxGatherEntries) +
+                           " ranges, the most a peer serves in one gather");
+  }
+  if (std::min<uint64_t>(r.bytes, options_.limits.chunk_bytes) > am_rma::kMaxGatherBytes) {
+    return Status::invalid(run_name(i, r) + ": its requests would exceed " + std::to_string(am_rma::kMaxGatherBytes) +
+                           " bytes, the most a peer serves in one gather; use a smaller \"chunk_bytes\"");
+  }
+  run_gather_.push_back(static_cast<uint32_t>(gather_offsets_.size()));
+  uint64_t sum = 0;
+  for (size_t k = 0; k < r.gather.size(); ++k) {
+    const GatherPart& p = r.gather[k];
+    auto part = [&] { return run_name(i, r) + ", range " + std::to_string(k); };  // only on error
+    if (p.bytes == 0 || p.bytes > r.bytes - sum) {
+      return Status::invalid(part() + ": " + std::to_string(p.bytes) +
+                             " bytes; the ranges must be non-empty and sum to the run's bytes");
+    }
+    const RemoteKey* key = r.endpoint->rkey(p.rkey_id);
+    if (key == nullptr || !key->contains(p.remote_address, p.bytes)) {
+      return Status::invalid(part() + ": remote range [" + hex(p.remote_address) + ", +" + std::to_string(p.bytes) +
+                             ") is not inside the region of rkey " + std::to_string(p.rkey_id) +
+                             (key == nullptr ? " (never imported on this endpoint)" : ""));
+    }
+    if (std::none_of(local_regions_.begin(), local_regions_.end(),
+                     [&](const MemoryRegion* m) { return m->contains(p.local_address, p.bytes); })) {
+      return Status::invalid(part() + ": local range at " + hex(reinterpret_cast<uint64_t>(p.local_address)) +
+                             " is not inside a registered region");
+    }
+    gather_offsets_.push_back(sum);
+    sum += p.bytes;
+  }
+  if (sum != r.bytes) {
+    return Status::invalid(run_name(i, r) + ": its ranges hold " + std::to_string(sum) + " bytes, not " +
+                           std::to_string(r.bytes));
+  }
+  return Status::ok();
+}
+
 BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point deadline,
                                  RunCallback on_run_done, Gate gate) {
   const auto start = Clock::now();
@@ -192,6 +250,8 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   run_memh_.clear();
   run_region_.clear();
   run_local_.clear();
+  run_gather_.clear();
+  gather_offsets_.clear();
   std::vector<ChunkRun> chunk_runs;
   Status bad = validate_locked(runs, &chunk_runs);
   if (bad.is_ok()) {
@@ -222,7 +282,7 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
       void* moved = nullptr;
       if (!gate_(run, &moved)) return false;
       if (moved != nullptr) {
-        if (!run_region_[run]->contains(moved, runs_[run].bytes)) {
+        if (run_region_[run] == nullptr || !run_region_[run]->contains(moved, runs_[run].bytes)) {
           // Issued all the same (the scheduler counts it), into its own
           // place; the run fails when it completes.
           fail_run_locked(run, Status::internal(run_name(run, runs_[run]) +
@@ -496,6 +556,10 @@ void GetEngine::issue_locked(const Chunk& c) {
   slot->chunk = c;
   ++outstanding_;
   ++gets_issued_;
+  if (!r.gather.empty()) {
+    issue_gather_locked(slot, r);
+    return;
+  }
   if (r.endpoint->rma_in_software()) {
     issue_am_locked(slot, r);
     return;
@@ -570,6 +634,65 @@ void GetEngine::issue_am_locked(Slot* slot, const GetRun& r) {
   }
 }
 
+void GetEngine::issue_gather_locked(Slot* slot, const GetRun& r) {
+  const Chunk& c = slot->chunk;
+  slot->am = true;
+  slot->am_sent = false;
+  slot->am_replied = false;
+  slot->am_received = 0;
+  slot->am_status = UCS_OK;
+  slot->endpoint = r.endpoint;
+  // The parts that overlap the chunk's stream range [c.offset, +c.bytes).
+  const uint64_t* offsets = gather_offsets_.data() + run_gather_[c.run];
+  const size_t n = r.gather.size();
+  size_t k = static_cast<size_t>(std::upper_bound(offsets, offsets + n, c.offset) - offsets) - 1;
+  slot->gather_entries.clear();
+  const uint64_t end = c.offset + c.bytes;
+  for (uint64_t at = c.offset; at < end; ++k) {
+    const GatherPart& p = r.gather[k];
+    const uint64_t skip = at - offsets[k];
+    const uint64_t take = std::min(p.bytes - skip, end - at);
+    slot->gather_entries.push_back(am_rma::GatherEntry{p.remote_address + skip, take});
+    at += take;
+  }
+  slot->gather_header = am_rma::GatherHeader{};
+  slot->gather_header.count = static_cast<uint32_t>(slot->gather_entries.size());
+  slot->gather_header.token =
+      (uint64_t{instance_} << 48) | (uint64_t{slot->index & 0xFFFF} << 32) | slot->seq;
+  slot->gather_header.total = c.bytes;
+  ucp_request_param_t param = {};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;  // as issue_am_locked says why
+  param.cb.send = &GetEngine::on_op_done;
+  param.user_data = slot;
+  ucs_status_ptr_t req = ucp_am_send_nbx(
+      r.endpoint->get(), am_rma::kGatherRequest, &slot->gather_header, sizeof(slot->gather_header),
+      slot->gather_entries.data(), slot->gather_entries.size() * sizeof(am_rma::GatherEntry), &param);
+  if (req == nullptr) {
+    slot->am_sent = true;
+  } else if (UCS_PTR_IS_ERR(req)) {
+    complete_locked(slot, UCS_PTR_STATUS(req));
+  }
+}
+
+void GetEngine::scatter_locked(uint32_t run, uint64_t offset, const uint8_t* data, uint64_t length) {
+  const GetRun& r = runs_[run];
+  const uint64_t* offsets = gather_offsets_.data() + run_gather_[run];
+  const size_t n = r.gather.size();
+  size_t k = static_cast<size_t>(std::upper_bound(offsets, offsets + n, offset) - offsets) - 1;
+  while (length > 0) {
+    const GatherPart& p = r.gather[k];
+    const uint64_t skip = offset - offsets[k];
+    const uint64_t take = std::min(p.bytes - skip, length);
+    std::memcpy(static_cast<uint8_t*>(p.local_address) + skip, data, take);
+    data += take;
+    offset += take;
+    length -= take;
+    ++k;
+  }
+}
+
 void GetEngine::am_progress_locked(Slot* slot) {
   if (slot->am_sent && slot->am_replied) complete_locked(slot, slot->am_status);
 }
@@ -600,7 +723,12 @@ ucs_status_t GetEngine::on_am_reply(void* arg, const void* header, size_t header
         length > want - h.offset || length > want - slot->am_received) {
       st = UCS_ERR_MESSAGE_TRUNCATED;
     } else {
-      std::memcpy(self->run_local_[slot->chunk.run] + slot->chunk.offset + h.offset, data, length);
+      const uint32_t run = slot->chunk.run;
+      if (!self->runs_[run].gather.empty()) {
+        self->scatter_locked(run, slot->chunk.offset + h.offset, static_cast<const uint8_t*>(data), length);
+      } else {
+        std::memcpy(self->run_local_[run] + slot->chunk.offset + h.offset, data, length);
+      }
       slot->am_received += length;
       if (slot->am_received < want) return UCS_OK;
     }

@@ -22,6 +22,12 @@
 // chunk costs no reassembly (am_rma.h); a PUT sent this way is already
 // visible at the peer when it is reported.
 //
+// Gathers: a GET run may instead list many small ranges of one peer
+// (GetRun::gather), which travel as gather requests (am_rma.h) on any
+// endpoint: the peer's AmRmaServer copies them, in order, into its replies,
+// and the engine scatters each reply piece to the ranges' local places. A
+// gather's bytes are one stream, chunked and windowed like any run's.
+//
 // Speed on shared memory: with PeerErrorHandling::kNone and a peer region
 // from MemoryRegion::allocate, a GET is a memcpy from the peer's mapped
 // segment, at ucx_perftest's bandwidth (refit-ucx-bench --transport shm);
@@ -78,6 +84,14 @@ namespace refit::ucx {
 // kPut: local -> remote (the local bytes are read; the peer's are written).
 enum class Op : uint8_t { kGet, kPut };
 
+// One range of a gather: like a GET run's fields, on the gather's endpoint.
+struct GatherPart {
+  uint64_t rkey_id = 0;
+  uint64_t remote_address = 0;
+  void* local_address = nullptr;
+  uint64_t bytes = 0;  // > 0
+};
+
 struct GetRun {
   Endpoint* endpoint = nullptr;  // borrowed; outlives the batch
   uint64_t rkey_id = 0;          // imported on `endpoint` (Endpoint::import_rkey)
@@ -85,6 +99,10 @@ struct GetRun {
   void* local_address = nullptr; // inside a region added with add_local_region
   uint64_t bytes = 0;            // > 0
   Op op = Op::kGet;
+  // Non-empty: a gather (op kGet) of these ranges (borrowed; they outlive
+  // the batch), in this order; `bytes` is their sum and rkey_id,
+  // remote_address and local_address are not used. A gate may not move it.
+  std::span<const GatherPart> gather;
 };
 
 struct BatchReport {
@@ -191,6 +209,9 @@ class GetEngine {
     ucs_status_t am_status = UCS_OK;  // from the reply
     Endpoint* endpoint = nullptr;
     am_rma::RequestHeader am_header;  // must live until the send completes
+    // A gather's request: its header and entries, likewise.
+    am_rma::GatherHeader gather_header;
+    std::vector<am_rma::GatherEntry> gather_entries;
   };
 
   GetEngine(Worker& worker, GetEngineOptions options);
@@ -198,6 +219,10 @@ class GetEngine {
   static ucs_status_t on_am_reply(void* arg, const void* header, size_t header_length,
                                   void* data, size_t length, const ucp_am_recv_param_t* param);
   void issue_am_locked(Slot* slot, const GetRun& r);
+  void issue_gather_locked(Slot* slot, const GetRun& r);
+  // Copies `length` bytes of run `run`'s gather stream, from `offset` on,
+  // to the parts' local places.
+  void scatter_locked(uint32_t run, uint64_t offset, const uint8_t* data, uint64_t length);
   void am_progress_locked(Slot* slot);
   // Fails the AM slots of `ep` still waiting for a reply that can no longer
   // come (the endpoint was closed).
@@ -213,6 +238,7 @@ class GetEngine {
   void cancel_locked(const std::string& reason);
   Slot* take_slot_locked();
   Status validate_locked(std::span<const GetRun> runs, std::vector<ChunkRun>* chunk_runs);
+  Status validate_gather_locked(uint32_t i, const GetRun& r);
   void progress_loop();
   bool batch_done_locked() const { return !scheduler_ || scheduler_->done(); }
 
@@ -252,6 +278,10 @@ class GetEngine {
   ChunkScheduler::Gate scheduler_gate_;  // gate_, as the scheduler asks it
   std::vector<uint8_t*> run_local_;      // per run: where it lands (the gate may move it)
   std::vector<const MemoryRegion*> run_region_;  // per run: the local region it lies in
+  // Per gather run: where its parts' stream offsets start in gather_offsets_
+  // (part i of the run begins at gather_offsets_[run_gather_[run] + i]).
+  std::vector<uint32_t> run_gather_;
+  std::vector<uint64_t> gather_offsets_;
   uint64_t bytes_done_ = 0;
   uint64_t gets_issued_ = 0;
 

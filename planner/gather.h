@@ -1,0 +1,98 @@
+#pragma once
+// Grouping a receiver's small network runs into gathers (docs/planner.md,
+// "Gathers").
+//
+// A column slice of a tensor its source holds row-major arrives as one
+// network run per row: hundreds of thousands of runs of a few hundred bytes,
+// each its own GET, whose cost is the per-GET overhead, not the bytes. A
+// gather is one request to a source for a list of its byte ranges; the
+// source copies them in order into its replies and the puller scatters the
+// replies into place (transport/ucx/am_rma.h). The grouping here decides
+// which runs travel together: pure, deterministic, and the same for the
+// receiver that executes it and for `refit-plan`, which counts it.
+//
+// Rules: a run of fewer than `below_bytes` bytes joins the open gather of
+// its (receiver rank, source rank); a gather closes when the next run would
+// take it past `max_bytes` or `max_entries`. Runs keep their input order
+// inside a gather. A gather that ends with a single run is no gather: that
+// run travels as a plain GET. A run below `below_bytes` but above
+// `max_bytes` cannot be packed: it travels as a plain GET and is counted in
+// `unpacked`, so that a configuration whose bounds are too small for its
+// pieces shows in the report.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "planner/status.h"
+
+namespace refit {
+
+struct GatherOptions {
+  bool enabled = true;
+  int64_t below_bytes = int64_t{64} << 10;  // runs smaller than this are grouped
+  int64_t max_bytes = int64_t{1} << 20;     // bytes of one gather
+  int64_t max_entries = 4096;               // runs of one gather
+};
+
+// Ok, or invalid naming the key ("gather_below_bytes", "gather_bytes",
+// "gather_entries") and its value.
+Status validate(const GatherOptions& options);
+
+// One network run as the grouping sees it.
+struct GatherInput {
+  int32_t receiver = 0;  // the rank that pulls it
+  int32_t source = 0;    // the rank that serves it
+  int64_t bytes = 0;     // > 0
+};
+
+// Runs as they are grouped: each input is either one of a gather's runs or
+// a single (a plain GET). Streaming, so that a plan of a hundred million
+// runs is grouped without holding them all.
+class GatherGrouper {
+ public:
+  // `on_gather(runs)` receives each closed gather: the input indices
+  // (counted from 0 in the order of add()) of its runs, in order, at least
+  // two. `on_single(index)` receives each run that travels alone. Both are
+  // called from add() or finish(), in a deterministic order.
+  GatherGrouper(GatherOptions options, std::function<void(std::span<const uint64_t>)> on_gather,
+                std::function<void(uint64_t)> on_single);
+  void add(const GatherInput& run);
+  // Closes every open gather. Call once, after the last add().
+  void finish();
+
+  uint64_t gathers() const { return gathers_; }
+  uint64_t gathered_runs() const { return gathered_runs_; }
+  // Runs below `below_bytes` that did not fit `max_bytes` (see the top).
+  uint64_t unpacked() const { return unpacked_; }
+
+ private:
+  struct Open {
+    std::vector<uint64_t> runs;
+    int64_t bytes = 0;
+  };
+  void close(Open& g);
+
+  GatherOptions options_;
+  std::function<void(std::span<const uint64_t>)> on_gather_;
+  std::function<void(uint64_t)> on_single_;
+  std::map<std::pair<int32_t, int32_t>, Open> open_;  // (receiver, source) -> its open gather
+  uint64_t next_ = 0;
+  uint64_t gathers_ = 0;
+  uint64_t gathered_runs_ = 0;
+  uint64_t unpacked_ = 0;
+};
+
+// The same for a list held in memory: the gathers, as lists of indices into
+// `runs`, in the order they close.
+struct Grouping {
+  std::vector<std::vector<uint64_t>> gathers;
+  std::vector<uint64_t> singles;
+  uint64_t unpacked = 0;
+};
+Grouping group_runs(std::span<const GatherInput> runs, const GatherOptions& options);
+
+}  // namespace refit

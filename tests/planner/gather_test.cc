@@ -1,0 +1,145 @@
+// The grouping of small network runs into gathers (planner/gather.h),
+// checked against a brute-force reference on random inputs, and for the
+// knobs' edge cases.
+#include "planner/gather.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+
+namespace refit {
+namespace {
+
+// The rules of gather.h written out plainly: per (receiver, source) in input
+// order, small runs fill a group until the next would break a bound.
+Grouping reference(const std::vector<GatherInput>& runs, const GatherOptions& o) {
+  Grouping out;
+  std::map<std::pair<int32_t, int32_t>, std::pair<std::vector<uint64_t>, int64_t>> open;
+  auto close = [&](std::vector<uint64_t>& g) {
+    if (g.size() == 1) out.singles.push_back(g[0]);
+    if (g.size() > 1) out.gathers.push_back(g);
+    g.clear();
+  };
+  for (uint64_t i = 0; i < runs.size(); ++i) {
+    const GatherInput& r = runs[i];
+    if (!o.enabled || r.bytes >= o.below_bytes) {
+      out.singles.push_back(i);
+      continue;
+    }
+    if (r.bytes > o.max_bytes) {
+      ++out.unpacked;
+      out.singles.push_back(i);
+      continue;
+    }
+    auto& [g, bytes] = open[{r.receiver, r.source}];
+    if (!g.empty() && (bytes + r.bytes > o.max_bytes || static_cast<int64_t>(g.size()) >= o.max_entries)) {
+      close(g);
+      bytes = 0;
+    }
+    g.push_back(i);
+    bytes += r.bytes;
+  }
+  for (auto& [key, g] : open) close(g.first);
+  return out;
+}
+
+std::vector<GatherInput> random_runs(std::mt19937_64& rng, size_t n) {
+  std::vector<GatherInput> runs(n);
+  for (GatherInput& r : runs) {
+    r.receiver = static_cast<int32_t>(rng() % 3);
+    r.source = static_cast<int32_t>(rng() % 4);
+    r.bytes = rng() % 4 == 0 ? int64_t(1 + rng() % (1 << 20)) : int64_t(1 + rng() % 2048);
+  }
+  return runs;
+}
+
+TEST(Gather, MatchesTheReferenceOnRandomRuns) {
+  std::mt19937_64 rng(18);
+  for (int trial = 0; trial < 200; ++trial) {
+    GatherOptions o;
+    o.below_bytes = int64_t(1) << (8 + rng() % 14);
+    o.max_bytes = int64_t(1) << (6 + rng() % 16);
+    o.max_entries = 2 + static_cast<int64_t>(rng() % 40);
+    const auto runs = random_runs(rng, 1 + rng() % 400);
+    const Grouping got = group_runs(runs, o);
+    const Grouping want = reference(runs, o);
+    ASSERT_EQ(got.gathers, want.gathers) << "trial " << trial;
+    ASSERT_EQ(got.singles, want.singles) << "trial " << trial;
+    ASSERT_EQ(got.unpacked, want.unpacked) << "trial " << trial;
+  }
+}
+
+TEST(Gather, EveryRunTravelsExactlyOnceWithinTheBounds) {
+  std::mt19937_64 rng(7);
+  GatherOptions o;
+  o.below_bytes = 4096;
+  o.max_bytes = 16384;
+  o.max_entries = 8;
+  const auto runs = random_runs(rng, 5000);
+  const Grouping g = group_runs(runs, o);
+  std::vector<int> seen(runs.size(), 0);
+  for (uint64_t i : g.singles) ++seen[i];
+  for (const auto& gather : g.gathers) {
+    ASSERT_GE(gather.size(), 2u);
+    ASSERT_LE(static_cast<int64_t>(gather.size()), o.max_entries);
+    int64_t bytes = 0;
+    for (uint64_t i : gather) {
+      ++seen[i];
+      bytes += runs[i].bytes;
+      EXPECT_LT(runs[i].bytes, o.below_bytes);
+      EXPECT_EQ(runs[i].source, runs[gather[0]].source);
+      EXPECT_EQ(runs[i].receiver, runs[gather[0]].receiver);
+    }
+    EXPECT_LE(bytes, o.max_bytes);
+    EXPECT_TRUE(std::is_sorted(gather.begin(), gather.end()));
+  }
+  for (size_t i = 0; i < runs.size(); ++i) ASSERT_EQ(seen[i], 1) << "run " << i;
+}
+
+TEST(Gather, ColumnSliceRowsBecomeFewGathers) {
+  // 4096 rows of 512 bytes from one source: a column slice.
+  std::vector<GatherInput> runs(4096, GatherInput{0, 1, 512});
+  GatherOptions o;  // defaults
+  const Grouping g = group_runs(runs, o);
+  EXPECT_TRUE(g.singles.empty());
+  ASSERT_EQ(g.gathers.size(), 2u);  // 2 MiB in gathers of at most 1 MiB
+  EXPECT_EQ(g.gathers[0].size(), 2048u);
+}
+
+TEST(Gather, DisabledOrLargeRunsStaySingle) {
+  std::vector<GatherInput> runs = {{0, 0, 100}, {0, 0, 100}, {0, 0, int64_t{1} << 20}};
+  GatherOptions off;
+  off.enabled = false;
+  EXPECT_TRUE(group_runs(runs, off).gathers.empty());
+  const Grouping on = group_runs(runs, GatherOptions{});
+  ASSERT_EQ(on.gathers.size(), 1u);
+  EXPECT_EQ(on.singles, std::vector<uint64_t>{2});
+}
+
+TEST(Gather, PieceTooLargeForTheBoundTravelsUnpackedAndIsCounted) {
+  GatherOptions o;
+  o.below_bytes = 1 << 20;
+  o.max_bytes = 1000;
+  std::vector<GatherInput> runs = {{0, 0, 600}, {0, 0, 5000}, {0, 0, 300}};
+  const Grouping g = group_runs(runs, o);
+  EXPECT_EQ(g.unpacked, 1u);
+  ASSERT_EQ(g.gathers.size(), 1u);
+  EXPECT_EQ(g.gathers[0], (std::vector<uint64_t>{0, 2}));
+  EXPECT_EQ(g.singles, std::vector<uint64_t>{1});
+}
+
+TEST(Gather, ValidateNamesTheKey) {
+  GatherOptions o;
+  o.max_bytes = 0;
+  EXPECT_NE(validate(o).message().find("gather_bytes"), std::string::npos);
+  o = GatherOptions{};
+  o.max_entries = 1;
+  EXPECT_NE(validate(o).message().find("gather_entries"), std::string::npos);
+  EXPECT_TRUE(validate(GatherOptions{}).is_ok());
+}
+
+}  // namespace
+}  // namespace refit

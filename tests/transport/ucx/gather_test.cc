@@ -1,0 +1,284 @@
+// Gathers (am_rma.h, get_engine.h): many small ranges of one peer in one
+// request, scattered into place by the engine; and the server's checks of
+// the entry list, which is peer input. One process that gathers from its
+// own memory over tcp on lo, so no peer is needed.
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "transport/ucx/am_rma.h"
+#include "transport/ucx/context.h"
+#include "transport/ucx/endpoint.h"
+#include "transport/ucx/get_engine.h"
+#include "transport/ucx/memory.h"
+#include "transport/ucx/worker.h"
+
+namespace refit::ucx {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool contains(const Status& s, const std::string& needle) { return s.message().find(needle) != std::string::npos; }
+
+class GatherFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ContextConfig cfg;
+    cfg.name = "loopback";
+    cfg.transports = {"tcp"};
+    cfg.devices = {"lo"};
+    auto ctx = Context::create(cfg);
+    if (!ctx) GTEST_SKIP() << "UCX tcp transport unavailable: " << ctx.status().message();
+    ctx_.emplace(std::move(*ctx));
+    auto worker = Worker::create(*ctx_);
+    ASSERT_TRUE(worker.is_ok()) << worker.status().message();
+    worker_.emplace(std::move(*worker));
+    auto addr = worker_->address();
+    ASSERT_TRUE(addr.is_ok());
+    auto ep = Endpoint::create(*worker_, *addr, "self");
+    ASSERT_TRUE(ep.is_ok()) << ep.status().message();
+    ep_.emplace(std::move(*ep));
+    src_.resize(1 << 20);
+    dst_.assign(1 << 20, 0);
+    for (size_t i = 0; i < src_.size(); ++i) src_[i] = static_cast<uint8_t>(i * 7 + 3 + (i >> 8));
+    auto s = MemoryRegion::map(*ctx_, src_.data(), src_.size(), "src");
+    auto d = MemoryRegion::map(*ctx_, dst_.data(), dst_.size(), "dst");
+    ASSERT_TRUE(s.is_ok() && d.is_ok());
+    src_region_.emplace(std::move(*s));
+    dst_region_.emplace(std::move(*d));
+    ASSERT_TRUE(ep_->import_rkey(1, src_region_->packed_rkey()).is_ok());
+    auto server = AmRmaServer::create(*worker_, AmRmaServer::Puts::kRefused);
+    ASSERT_TRUE(server.is_ok()) << server.status().message();
+    server_ = std::move(*server);
+    server_->export_region(*src_region_);
+  }
+  void TearDown() override {
+    engine_.reset();
+    server_.reset();
+    ep_.reset();
+    src_region_.reset();
+    dst_region_.reset();
+    worker_.reset();
+    ctx_.reset();
+  }
+  void make_engine(uint64_t chunk_bytes) {
+    GetEngineOptions o;
+    o.limits.chunk_bytes = chunk_bytes;
+    auto engine = GetEngine::create(*worker_, o);
+    ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+    engine_ = std::move(*engine);
+    engine_->add_local_region(*dst_region_);
+  }
+  uint64_t src_at(uint64_t off) const { return reinterpret_cast<uint64_t>(src_.data()) + off; }
+
+  // A column slice: `rows` rows of `row_bytes` at a source stride, landing
+  // packed at the destination in reverse row order (so the scatter, not
+  // the order of the stream, decides where bytes go).
+  std::vector<GatherPart> column_slice(int rows, uint64_t row_bytes, uint64_t stride) {
+    std::vector<GatherPart> parts;
+    for (int r = 0; r < rows; ++r) {
+      parts.push_back(GatherPart{1, src_at(r * stride + 40), dst_.data() + (rows - 1 - r) * row_bytes, row_bytes});
+    }
+    return parts;
+  }
+  void expect_landed(const std::vector<GatherPart>& parts) {
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const auto* want = reinterpret_cast<const uint8_t*>(parts[k].remote_address);
+      ASSERT_EQ(std::memcmp(parts[k].local_address, want, parts[k].bytes), 0) << "range " << k;
+    }
+  }
+
+  std::optional<Context> ctx_;
+  std::optional<Worker> worker_;
+  std::optional<Endpoint> ep_;
+  std::vector<uint8_t> src_, dst_;
+  std::optional<MemoryRegion> src_region_, dst_region_;
+  std::unique_ptr<GetEngine> engine_;
+  std::unique_ptr<AmRmaServer> server_;
+};
+
+uint64_t sum(const std::vector<GatherPart>& parts) {
+  uint64_t n = 0;
+  for (const GatherPart& p : parts) n += p.bytes;
+  return n;
+}
+
+TEST_F(GatherFixture, ColumnSliceLandsInOneRequest) {
+  make_engine(1 << 20);
+  // 300 rows of 700 bytes: more than three reply pieces, cut mid-row.
+  const auto parts = column_slice(300, 700, 2048);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(10));
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(report.gets_issued, 1u);
+  EXPECT_EQ(report.bytes_done, sum(parts));
+  EXPECT_EQ(server_->served(), 1u);
+  expect_landed(parts);
+}
+
+TEST_F(GatherFixture, GatherLargerThanAChunkIsCutAcrossRanges) {
+  make_engine(4096);  // chunks end inside ranges
+  std::mt19937_64 rng(18);
+  std::vector<GatherPart> parts;
+  uint64_t at_src = 0, at_dst = 0;
+  for (int k = 0; k < 200; ++k) {
+    const uint64_t n = 1 + rng() % 1500;
+    parts.push_back(GatherPart{1, src_at(at_src), dst_.data() + at_dst, n});
+    at_src += n + rng() % 300;
+    at_dst += n + 64;
+  }
+  // A plain GET in the same batch, after the gather's bytes.
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts},
+                              GetRun{&*ep_, 1, src_at(900000), dst_.data() + 900000, 5000}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(10));
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(report.gets_issued, (sum(parts) + 4095) / 4096 + 2);
+  expect_landed(parts);
+  EXPECT_EQ(std::memcmp(dst_.data() + 900000, src_.data() + 900000, 5000), 0);
+}
+
+TEST_F(GatherFixture, RangeOutsideTheKeyIsRefusedBeforeAnyRequest) {
+  make_engine(1 << 20);
+  auto parts = column_slice(4, 100, 1000);
+  parts[2].remote_address = src_at(src_.size() - 10);  // runs past the region
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(5));
+  ASSERT_FALSE(report.status.is_ok());
+  EXPECT_TRUE(contains(report.status, "range 2")) << report.status.message();
+  EXPECT_EQ(report.gets_issued, 0u);
+  parts = column_slice(4, 100, 1000);
+  runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts) + 1, Op::kGet, parts}};
+  report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(5));
+  EXPECT_TRUE(contains(report.status, "not 401")) << report.status.message();
+}
+
+TEST_F(GatherFixture, UnexportedRangeFailsTheRunWithTheServersRefusal) {
+  make_engine(1 << 20);
+  server_->unexport_region(*src_region_);
+  const auto parts = column_slice(4, 100, 1000);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(5));
+  ASSERT_FALSE(report.status.is_ok());
+  EXPECT_TRUE(contains(report.status, "refused")) << report.status.message();
+  EXPECT_EQ(server_->refused(), 1u);
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+}
+
+// A peer without an AmRmaServer refuses a gather at once (its fallback
+// handler), rather than leaving it to the deadline.
+TEST_F(GatherFixture, PeerWithoutAServerRefusesAtOnce) {
+  make_engine(1 << 20);
+  server_.reset();
+  const auto parts = column_slice(4, 100, 1000);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  const auto start = Clock::now();
+  auto report = engine_->run_batch(runs, start + std::chrono::seconds(5));
+  ASSERT_FALSE(report.status.is_ok());
+  EXPECT_TRUE(contains(report.status, "AmRmaServer")) << report.status.message();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(4));
+}
+
+// Raw requests, as a hostile or broken peer could send them: every bad list
+// is refused whole, with a reply, and nothing is read.
+struct RawReply {
+  bool got = false;
+  ucs_status_t status = UCS_OK;
+  uint64_t bytes = 0;
+};
+
+ucs_status_t on_raw_reply(void* arg, const void* header, size_t header_length, void*, size_t length,
+                          const ucp_am_recv_param_t*) {
+  auto* r = static_cast<RawReply*>(arg);
+  am_rma::ReplyHeader h;
+  if (header_length != sizeof(h)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  r->bytes += length;
+  if (h.status != UCS_OK || length == 0) {
+    r->got = true;
+    r->status = static_cast<ucs_status_t>(h.status);
+  }
+  return UCS_OK;
+}
+
+class RawGather : public GatherFixture {
+ protected:
+  RawReply send(uint32_t count, uint64_t total, const std::vector<am_rma::GatherEntry>& entries,
+                uint64_t expect_bytes = 0) {
+    RawReply reply;
+    EXPECT_TRUE(set_am_handler(worker_->get(), am_rma::kGetReply, &on_raw_reply, &reply).is_ok());
+    am_rma::GatherHeader h;
+    h.count = count;
+    h.token = 77;
+    h.total = total;
+    ucp_request_param_t param = {};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t req = ucp_am_send_nbx(ep_->get(), am_rma::kGatherRequest, &h, sizeof(h), entries.data(),
+                                           entries.size() * sizeof(am_rma::GatherEntry), &param);
+    EXPECT_FALSE(UCS_PTR_IS_ERR(req));
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    while (Clock::now() < until && !(reply.got || (expect_bytes > 0 && reply.bytes >= expect_bytes))) {
+      worker_->progress();
+    }
+    if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) worker_->progress();
+      ucp_request_free(req);
+    }
+    EXPECT_TRUE(am_rma::install_fallback_handler(worker_->get(), am_rma::kGetReply).is_ok());
+    return reply;
+  }
+};
+
+TEST_F(RawGather, GoodListIsServed) {
+  std::vector<am_rma::GatherEntry> e = {{src_at(0), 100}, {src_at(5000), 200}};
+  RawReply r = send(2, 300, e, 300);
+  EXPECT_EQ(r.bytes, 300u);
+  EXPECT_FALSE(r.got);  // no refusal
+  EXPECT_EQ(server_->served(), 1u);
+}
+
+TEST_F(RawGather, EntryOutsideEveryRegionIsRefused) {
+  std::vector<am_rma::GatherEntry> e = {{src_at(0), 100}, {src_at(src_.size() - 50), 100}};
+  RawReply r = send(2, 200, e);
+  ASSERT_TRUE(r.got);
+  EXPECT_EQ(r.status, UCS_ERR_INVALID_ADDR);
+  EXPECT_EQ(r.bytes, 0u);
+  e = {{0x1000, 8}};  // not this process's registered memory at all
+  r = send(1, 8, e);
+  EXPECT_EQ(r.status, UCS_ERR_INVALID_ADDR);
+  EXPECT_EQ(server_->refused(), 2u);
+  EXPECT_EQ(server_->served(), 0u);
+}
+
+TEST_F(RawGather, OverflowingLengthsAreRefused) {
+  // Two lengths whose sum wraps to 100 in 64 bits.
+  const uint64_t big = std::numeric_limits<uint64_t>::max() - 49;
+  std::vector<am_rma::GatherEntry> e = {{src_at(0), big}, {src_at(0), 150}};
+  RawReply r = send(2, 100, e);
+  ASSERT_TRUE(r.got);
+  EXPECT_EQ(r.status, UCS_ERR_INVALID_PARAM);
+  EXPECT_EQ(r.bytes, 0u);
+}
+
+TEST_F(RawGather, MalformedListsAreRefused) {
+  std::vector<am_rma::GatherEntry> e = {{src_at(0), 100}, {src_at(200), 100}};
+  EXPECT_EQ(send(3, 200, e).status, UCS_ERR_INVALID_PARAM);        // count says more than is there
+  EXPECT_EQ(send(2, 300, e).status, UCS_ERR_INVALID_PARAM);        // total does not match
+  EXPECT_EQ(send(0, 0, {}).status, UCS_ERR_INVALID_PARAM);         // empty
+  std::vector<am_rma::GatherEntry> zero = {{src_at(0), 0}, {src_at(0), 10}};
+  EXPECT_EQ(send(2, 10, zero).status, UCS_ERR_INVALID_PARAM);      // an empty entry
+  // Too long: more entries than a server takes.
+  std::vector<am_rma::GatherEntry> many(am_rma::kMaxGatherEntries + 1, am_rma::GatherEntry{src_at(0), 1});
+  EXPECT_EQ(send(static_cast<uint32_t>(many.size()), many.size(), many).status, UCS_ERR_INVALID_PARAM);
+  // Too many bytes, though each entry is in the region.
+  std::vector<am_rma::GatherEntry> huge(80, am_rma::GatherEntry{src_at(0), 1 << 20});
+  EXPECT_EQ(send(80, uint64_t{80} << 20, huge).status, UCS_ERR_INVALID_PARAM);
+  EXPECT_EQ(server_->served(), 0u);
+  EXPECT_EQ(server_->refused(), 6u);
+}
+
+}  // namespace
+}  // namespace refit::ucx
