@@ -596,6 +596,13 @@ REFIT_EXPORT void refit_receiver_destroy(refit_receiver_t* receiver);
 
 /* ---- The function table ------------------------------------------------- */
 
+/*
+ * Every entry point, for a server that resolves one symbol. The table only
+ * grows, at its end, within one REFIT_ABI_VERSION: a caller built against
+ * a newer header reads an entry only when `size` covers it
+ * (offsetof(refit_api_t, entry) < size). Appended since the first table:
+ * set_log_callback.
+ */
 typedef struct refit_api {
   uint32_t abi_version; /* REFIT_ABI_VERSION */
   uint32_t size;        /* sizeof(refit_api_t) of the library */
