@@ -619,6 +619,8 @@ class Runner {
     if (!during) {
       result_.killed += ", after every refresh had returned";
       result_.kill_missed = true;
+      // The answers were in before the kill; the wait for it is no part of the refresh.
+      result_.kill_refresh_seconds = static_cast<double>(last_end - t0) * 1e-9;
     }
     const size_t others = ok.size() + failed.size();
     step("version " + std::to_string(v) + ": refreshed, " + victim_name + " killed");
