@@ -67,7 +67,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "instance_ranks", "coordinator", "network", "local",
                        "window_bytes", "chunk_bytes", "landing_bytes", "heartbeat_ms", "log_level", "recipe", "mode",
-                       "verify"});
+                       "verify", "test"});
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
@@ -116,6 +116,12 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     if (r.ok() && c.landing_bytes < 2 * c.chunk_bytes) {
       r.fail("landing_bytes", "must hold at least two chunks of \"chunk_bytes\" (2 x " +
                                   std::to_string(c.chunk_bytes) + "), got " + std::to_string(c.landing_bytes));
+    }
+    // Test-only switches (include/refit/refit.h, "test"): never for production.
+    if (const Json* t = r.member(doc, "", "test", false)) {
+      r.object(*t, "test", {"force_landing_ring", "refuse_threads_after"});
+      c.test.force_landing_ring = r.boolean(*t, "test", "force_landing_ring", false);
+      c.test.refuse_threads_after = r.integer(*t, "test", "refuse_threads_after", -1, 0, 1 << 20);
     }
     if (const Json* rc = r.member(doc, "", "recipe", false)) {
       r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});

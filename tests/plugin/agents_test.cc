@@ -64,6 +64,7 @@ std::string config(int rank, int domain, uint16_t port, const std::string& token
       c["chunk_bytes"] = 4096;
       c["window_bytes"] = 16384;
       c["landing_bytes"] = 3 * 4096;
+      c["test"] = {{"force_landing_ring", true}};  // a test-only key (include/refit/refit.h)
     }
   }
   return c.dump();
@@ -155,6 +156,7 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
         if (error.find("verify: version " + std::to_string(v) + " of tensor \"w\"") == std::string::npos) {
           fail("the error does not name the version and tensor that failed verification", 10);
         }
+        if (st != REFIT_VERIFY_FAILED) fail("a verification mismatch is not REFIT_VERIFY_FAILED", 13);
       }
       if (!staged) fail("a failure expected in direct mode", 5);
       check(live);  // staged: the live buffers keep the old version
