@@ -848,7 +848,7 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
     }
   }
   if (!st.is_ok()) {  // the coordinator's own plan does not fit the message: a bug
-    const Status bug = Status::internal("fetch_plan: " + st.message());
+    const Status bug = Status::internal("the coordinator's plan part does not fit its message: " + st.message());
     log("refused a request from " + s.peer() + ": " + bug.message());
     s.reply("fetch_plan", reply(bug));
     return;

@@ -66,6 +66,10 @@ class Reader {
       *out = v->get<uint64_t>();
       return true;
     }
+    if (v->is_number_integer() && v->get<int64_t>() >= 0) {  // a JSON document's non-negative integer
+      *out = static_cast<uint64_t>(v->get<int64_t>());
+      return true;
+    }
     return fail(join(path, key), "must be an unsigned integer, got " + shown(*v));
   }
   bool boolean(const Json& obj, const std::string& path, const char* key, bool* out) {
