@@ -78,7 +78,9 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   return Status::ok();
 }
 
-Status ReceiverAgent::join() {
+Status ReceiverAgent::join() { return join_until(Clock::time_point::max()); }
+
+Status ReceiverAgent::join_until(Clock::time_point deadline) {
   if (joined_ && link_->dropped()) joined_ = false;  // declared dead: the coordinator holds nothing of it
   if (joined_ && !changed_) {
     enter(ReceiverState::kJoined);
@@ -88,11 +90,12 @@ Status ReceiverAgent::join() {
   const control::MemberRef me{control::Role::kReceiver, config_.rank};
   if (joined_) {
     link_->stop_heartbeat();
-    Result<Json> r = link_->request(MsgType::kUnregister, control::to_json(me));
+    Result<Json> r = link_->request(MsgType::kUnregister, control::to_json(me), deadline);
     if (!r.is_ok()) return r.status().with_context("re-registering");
     joined_ = false;
   }
-  Result<Json> r = link_->request(MsgType::kRegisterReceiver, control::to_json(resources_->registration(config_)));
+  Result<Json> r =
+      link_->request(MsgType::kRegisterReceiver, control::to_json(resources_->registration(config_)), deadline);
   if (!r.is_ok()) return r.status();
   joined_ = true;
   changed_ = false;
@@ -166,7 +169,7 @@ Status ReceiverAgent::attempts(int64_t version, Clock::time_point deadline, rece
   bool touched = false;  // some attempt began its transfer (direct: the buffers may be torn)
   while (true) {
     *report = receiver::RefreshReport{};
-    Status st = join();
+    Status st = join_until(deadline);
     if (st.is_ok()) st = session.attempt(version, deadline, &compiled_, report);
     if (resources_->fabric().contact_changed()) changed_ = true;  // registered anew before the next attempt
     touched = touched || report->touched;

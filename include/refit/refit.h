@@ -307,7 +307,14 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
 
 /**
  * Fills the buffers with `version` (or REFIT_LATEST), blocking until done,
- * failed, or `timeout_ms` passed.
+ * failed, or `timeout_ms` passed. The deadline covers everything the
+ * refresh does, its coordinator calls included; a refresh that failed at
+ * its deadline takes at most 500 ms more to release its lease. Failures a
+ * server may act on: REFIT_PEER_LOST (a peer died or left, and the retries
+ * until the deadline did not get past it), REFIT_ABORTED (staged: the
+ * instance aborted the version), REFIT_VERIFY_FAILED ("verify": the bytes
+ * are not the ones published), REFIT_TIMEOUT; REFIT_IO_ERROR for others of
+ * the network, a lost lease, or a thread the system refused.
  *
  * Direct mode: the server must not read the buffers while a refresh runs;
  * on failure they are torn, the status says so, and refit_receiver_version()
