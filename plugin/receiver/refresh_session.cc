@@ -330,7 +330,10 @@ Status RefreshSession::barrier(const Status& st, int64_t version, Clock::time_po
     if (!r.is_ok()) log_.warn(r.status().message());
     return st;
   }
-  Result<Json> r = link_.request(MsgType::kReportStaged, body, deadline);
+  // Not bounded by the deadline: once sent, the report may complete the
+  // instance's commit, and commit is final; its answer must be read (the
+  // refresh may return one coordinator round trip after its deadline).
+  Result<Json> r = link_.request(MsgType::kReportStaged, body);
   if (!r.is_ok()) return r.status();
   while (true) {
     // In slices, to notice at once when the coordinator declared this rank
