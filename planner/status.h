@@ -19,6 +19,45 @@ enum class Code {
   kTimeout,          // a deadline passed (a peer or the coordinator too slow or gone)
 };
 
+// Why a failure happened, where a caller decides on it (retry or not, which
+// status the C ABI returns): a refresh retries on the reason, never on the
+// message's text. Most statuses carry kNone.
+enum class Reason {
+  kNone = 0,
+  kStaleMembership,     // a peer executed the plan of another membership epoch: replan and retry
+  kPeerLost,            // a peer (source or receiver) died, left or failed its part: retry without it
+  kInstanceAborted,     // staged: the instance aborted the version (a rank failed): not retried
+  kVerifyMismatch,      // the bytes that arrived hash differently from the published ones: not retried
+  kLeaseLost,           // the lease expired or was revoked under the refresh: not retried
+  kDrained,             // the version was drained: the sources may be overwriting it
+  kInstanceIncomplete,  // a rank of the instance has not registered (yet)
+  kNoThread,            // the system refused a thread
+};
+inline const char* reason_name(Reason r) {
+  switch (r) {
+    case Reason::kNone: return "none";
+    case Reason::kStaleMembership: return "stale_membership";
+    case Reason::kPeerLost: return "peer_lost";
+    case Reason::kInstanceAborted: return "instance_aborted";
+    case Reason::kVerifyMismatch: return "verify_mismatch";
+    case Reason::kLeaseLost: return "lease_lost";
+    case Reason::kDrained: return "drained";
+    case Reason::kInstanceIncomplete: return "instance_incomplete";
+    case Reason::kNoThread: return "no_thread";
+  }
+  return "none";
+}
+
+// The reason named `name` (reason_name's inverse); kNone for any other text
+// (a peer's word is untrusted).
+inline Reason reason_from_name(const std::string& name) {
+  for (Reason r : {Reason::kStaleMembership, Reason::kPeerLost, Reason::kInstanceAborted, Reason::kVerifyMismatch,
+                   Reason::kLeaseLost, Reason::kDrained, Reason::kInstanceIncomplete, Reason::kNoThread}) {
+    if (name == reason_name(r)) return r;
+  }
+  return Reason::kNone;
+}
+
 class Status {
  public:
   Status() = default;
@@ -30,23 +69,37 @@ class Status {
   static Status internal(std::string msg) { return Status(Code::kInternal, std::move(msg)); }
   static Status timeout(std::string msg) { return Status(Code::kTimeout, std::move(msg)); }
 
+  // A copy that carries `reason` (an ok Status stays ok, without one).
+  Status with_reason(Reason reason) const {
+    if (is_ok()) return *this;
+    Status s = *this;
+    s.reason_ = reason;
+    return s;
+  }
+
   bool is_ok() const { return code_ == Code::kOk; }
   explicit operator bool() const { return is_ok(); }
   Code code() const { return code_; }
+  Reason reason() const { return reason_; }
   const std::string& message() const { return message_; }
 
   // Returns a copy whose message starts with `context: `, for errors that
   // travel up through layers that know more about where they came from.
   Status with_context(const std::string& context) const {
     if (is_ok()) return *this;
-    return Status(code_, context + ": " + message_);
+    Status s(code_, context + ": " + message_);
+    s.reason_ = reason_;
+    return s;
   }
 
  private:
   Status(Code code, std::string msg) : code_(code), message_(std::move(msg)) {}
   Code code_ = Code::kOk;
+  Reason reason_ = Reason::kNone;
   std::string message_;
 };
+
+
 
 template <typename T>
 class Result {

@@ -67,7 +67,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "instance_ranks", "coordinator", "network", "local",
                        "window_bytes", "chunk_bytes", "landing_bytes", "gather_below_bytes", "gather_bytes",
-                       "gather_entries", "heartbeat_ms", "log_level", "recipe", "mode", "verify"});
+                       "gather_entries", "heartbeat_ms", "log_level", "recipe", "mode", "verify", "test"});
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
@@ -122,6 +122,12 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.gather.enabled = c.gather.below_bytes > 0;
     c.gather.max_bytes = r.integer(doc, "", "gather_bytes", c.gather.max_bytes, 1, int64_t{64} << 20);
     c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, 65536);
+    // Test-only switches (include/refit/refit.h, "test"): never for production.
+    if (const Json* t = r.member(doc, "", "test", false)) {
+      r.object(*t, "test", {"force_landing_ring", "refuse_threads_after"});
+      c.test.force_landing_ring = r.boolean(*t, "test", "force_landing_ring", false);
+      c.test.refuse_threads_after = r.integer(*t, "test", "refuse_threads_after", -1, 0, 1 << 20);
+    }
     if (const Json* rc = r.member(doc, "", "recipe", false)) {
       r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});
       RecipeConfig recipe;

@@ -39,6 +39,13 @@ struct RecipeConfig {
   int64_t gpus_per_domain = 0;  // 0: tp*pp*dp
 };
 
+// Test-only switches of a receiver ("test" in its config): tests inject
+// what the library cannot be made to do on demand. Never for production.
+struct TestSwitches {
+  bool force_landing_ring = false;    // host buffers take the GPU path's landing ring and copies
+  int64_t refuse_threads_after = -1;  // >= 0: the receiver starts that many threads, then is refused
+};
+
 struct AgentConfig {
   bool receiver = false;
   int32_t rank = 0;
@@ -60,6 +67,7 @@ struct AgentConfig {
   bool staged = false;    // receivers: "mode": "staged" (else "direct")
   bool snapshot = false;  // sources: copy the shards at publish
   bool verify = false;    // sources: hash at publish; receivers: check after each refresh (plugin/verify.h)
+  TestSwitches test;      // receivers
 };
 
 // Parses a source's (receiver = false) or a receiver's config document.

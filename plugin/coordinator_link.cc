@@ -261,7 +261,23 @@ Result<Frame> CoordinatorLink::exchange(std::unique_lock<std::mutex>& lock, MsgT
 }
 
 Result<Json> CoordinatorLink::request(MsgType type, const Json& body) {
-  const auto deadline = Clock::now() + config_.coordinator.timeout;
+  return request(type, body, Clock::time_point::max());
+}
+
+Result<Json> CoordinatorLink::request(MsgType type, const Json& body, Clock::time_point until) {
+  const char* name = control::type_name(type);
+  const auto now = Clock::now();
+  if (until <= now) return Status::timeout(std::string(name) + ": the deadline passed before it was sent");
+  const bool by_until = until - now < config_.coordinator.timeout;
+  const auto deadline = by_until ? until : now + config_.coordinator.timeout;
+  Result<Json> r = request_until(type, body, deadline);
+  if (by_until && r.status().code() == Code::kTimeout && Clock::now() >= until) {
+    return Status::timeout(std::string(name) + ": no reply from the coordinator before the deadline");
+  }
+  return r;
+}
+
+Result<Json> CoordinatorLink::request_until(MsgType type, const Json& body, Clock::time_point deadline) {
   const char* name = control::type_name(type);
   std::unique_lock<std::mutex> lock(mu_);
   for (int attempt = 0;; ++attempt) {

@@ -57,6 +57,10 @@ class CoordinatorLink {
   // One request and its reply within config.coordinator.timeout; the error
   // names the request.
   Result<control::Json> request(control::MsgType type, const control::Json& body);
+  // The same, given up at `until` too if that comes first (a refresh's
+  // deadline covers its coordinator calls).
+  Result<control::Json> request(control::MsgType type, const control::Json& body,
+                                std::chrono::steady_clock::time_point until);
   // The next notice of `type` that arrives before `deadline`; notices of
   // other types that arrive meanwhile are dropped. nullopt on timeout.
   Result<std::optional<control::Json>> wait_notice(control::MsgType type,
@@ -93,6 +97,7 @@ class CoordinatorLink {
   // Connects and authenticates a new connection before `deadline`, then
   // replays the registration and the subscription. Caller holds mu_ (lock).
   Status reconnect(std::unique_lock<std::mutex>& lock, Clock::time_point deadline);
+  Result<control::Json> request_until(control::MsgType type, const control::Json& body, Clock::time_point deadline);
   Status connect_once(Clock::time_point deadline, std::unique_lock<std::mutex>& lock);
   void reader_loop(Connection* c, control::FrameDecoder decoder, uint64_t generation);
   void broken(uint64_t generation, const std::string& why);  // caller holds mu_

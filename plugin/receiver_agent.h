@@ -3,23 +3,27 @@
 // refit_receiver_*): registers the server's buffers, and on refresh pulls
 // this rank's part of the plan from the sources over the network and passes
 // the slices it pulled for its domain on to the other ranks of the domain
-// over the local fabric, each as soon as it has landed.
+// over the local fabric, each as soon as it has landed (docs/receiver.md).
 //
-// One refresh, as executed here:
-//   1. the version: the group's latest (REFIT_LATEST) or the one asked for,
-//      waiting for it to be published until the deadline; lease it.
-//   2. the plan part of this rank for the current membership (fetch_plan),
-//      compiled once per membership epoch: network GETs, sends to the
-//      domain's other ranks (each depending on the GETs that brought its
-//      bytes), and what the peers send to this rank.
-//   3. the GETs run on the network engine; each run that lands releases the
-//      sends that read it to the fan-out thread, which passes them to the
-//      local fabric (transport/fabric/local_fabric.h) while the next GETs
-//      are in flight.
-//   4. when every send is done, the fabric makes them visible at the peers
-//      and tells them; this rank waits until every peer that sends to it
-//      has done the same.
-//   5. release the lease; the report.
+// It drives one state machine (plugin/receiver/state.h):
+//
+//   idle --join--> joined --version published--> version known
+//     --lease granted--> leased --plan part compiled--> transferring
+//     --every GET and send done--> landed --hashes match ("verify")--> verified
+//   verified --direct--> committed
+//   verified --staged: report staged; the instance's commit--> staged --commit()--> committed
+//   version known .. verified --failure--> failed --retryable reason, time left--> joined (next attempt)
+//   staged barrier --the instance's abort--> aborted
+//   committed | failed | aborted --refresh--> joined ...
+//
+// Its parts, each with one job (plugin/receiver/):
+//   resources.h          buffers, registrations, staging copies, landing ring, endpoints;
+//   plan_compiler.h      the typed plan part in, GETs, sends and their dependencies out (pure);
+//   transfer_executor.h  the GET engine, the fan-out and the landing ring of one attempt,
+//                        with the threads it owns and always joins;
+//   refresh_session.h    the coordinator's side of a refresh: version, lease, plan,
+//                        verification, retries on typed reasons, the staged barrier.
+//
 // Direct mode writes into the server's buffers (the server pauses for the
 // whole refresh; a failure leaves them torn). Staged mode writes into
 // staging copies the agent allocates and registers instead, while the server
@@ -29,22 +33,20 @@
 // only pause. A failure anywhere in the instance leaves the live buffers on
 // the old version.
 //
-// How the fabric signals completion is its own business
-// (transport/fabric/ucx_fabric.h: mailbox flags).
-//
 // Threads: the caller's thread runs every public method (one at a time, as
 // the C ABI says) except that refresh_start() moves the refresh itself to a
-// thread of the agent; until it has finished, only poll/wait/report/version
-// and the destructor may be called. Endpoints and memory are created only
-// while no engine exists; engines (with their progress threads) live for one
-// refresh.
+// thread of the agent; until it has finished, only poll/wait/report/version/
+// state and the destructor may be called. `state_` and `version_` are
+// atomics that any thread may read; everything else belongs to whichever
+// thread runs the refresh, and to the caller's thread between refreshes.
+// Every thread the agent starts goes through its ThreadFactory (a thread
+// the system refuses is a Status) and is joined before the refresh returns.
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
-#include <map>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -58,16 +60,13 @@
 #include "plugin/coordinator_link.h"
 #include "plugin/describe.h"
 #include "plugin/log.h"
-#include "transport/cuda/device_ops.h"
-#include "transport/fabric/local_fabric.h"
-#include "transport/ucx/context.h"
-#include "transport/ucx/endpoint.h"
-#include "transport/ucx/memory.h"
-#include "transport/ucx/worker.h"
+#include "plugin/receiver/plan_compiler.h"
+#include "plugin/receiver/refresh_session.h"
+#include "plugin/receiver/resources.h"
+#include "plugin/receiver/state.h"
+#include "plugin/receiver/threads.h"
 
 namespace refit::plugin {
-
-struct CompiledPart;
 
 class ReceiverAgent {
  public:
@@ -87,79 +86,39 @@ class ReceiverAgent {
   // Staged mode: copies the staged version into the live buffers (the
   // server pauses around it). Fails when no version is staged.
   Status commit();
-  const std::string& report() const { return report_; }
+  // The last refresh's report. The string stays where it is until the next
+  // refresh starts: commit() adds a newer report beside it.
+  const std::string& report() const { return reports_.back(); }
   int64_t version() const { return version_.load(); }
+  receiver::ReceiverState state() const { return state_.load(); }
 
  private:
-  struct Buf {
-    BufferPart part;
-    uint8_t* live = nullptr;  // the server's buffer
-    uint8_t* data = nullptr;  // where refreshes write: `live`, or the staging copy
-    uint64_t bytes = 0;
-    std::shared_ptr<uint8_t> staging;  // host staging copy (plugin/host_memory.h)
-    // GPU memory (a build with CUDA): the staging copy is device memory too,
-    // and where the network cannot write device memory (UCX without CUDA
-    // support), GETs land in the agent's landing ring and are copied on to
-    // `data` chunk by chunk while the next ones arrive (`ring`).
-    bool device = false;
-    bool ring = false;
-    std::shared_ptr<void> device_memory;  // owner of the staging copy
-    std::optional<ucx::MemoryRegion> net_region;  // none with `ring`
-    std::vector<uint8_t> local_key;  // the fabric's key for it
-  };
-  struct Peer {
-    std::vector<uint8_t> address;  // the worker address the endpoint was made from
-    std::optional<ucx::Endpoint> ep;
-    std::map<std::string, uint64_t> rkey_ids;  // "buffer\0packed rkey" -> id imported on ep
-  };
-  struct Report;
-
   explicit ReceiverAgent(AgentConfig config);
-  // GPU buffers: a staging copy in device memory; the landing ring (pinned
-  // host slots registered with the network), made at the first buffer
-  // that needs it.
-  Status device_staging(Buf* b);
-  Status landing_ring(bool pinned);
-  // Runs `copies` on the copy stream and waits until they are done.
-  Status copy_and_wait(const std::vector<cuda::Copy>& copies);
+  void enter(receiver::ReceiverState s) { state_.store(s); }
+  // join(), its coordinator calls bounded by `deadline` too (a refresh's).
+  Status join_until(std::chrono::steady_clock::time_point deadline);
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
-  // Checks what landed against the sources' hashes (plugin/verify.h).
-  Status verify(int64_t version, Report* report);
-  Status stage_barrier(Status st, int64_t version, std::chrono::steady_clock::time_point deadline);
-  Status run_refresh(int64_t version, std::chrono::steady_clock::time_point deadline, Report* report);
-  Status execute(const CompiledPart& part, int64_t version, std::chrono::steady_clock::time_point deadline,
-                 Report* report);
-  Result<std::shared_ptr<CompiledPart>> compile(const control::Json& reply);
-  Result<ucx::Endpoint*> endpoint(int32_t rank, const std::vector<uint8_t>& address);
-  uint64_t rkey_id(int32_t rank, const std::string& buffer, const std::vector<uint8_t>& rkey);
-  void finish(Status status, const Report& report);
+  Status attempts(int64_t version, std::chrono::steady_clock::time_point deadline, receiver::RefreshReport* report);
+  void finish(const Status& status, const receiver::RefreshReport& report);
 
   AgentConfig config_;
   Log log_;
   std::shared_ptr<const RecipeLayout> recipe_;
-  std::optional<ucx::Context> net_context_;
-  std::optional<ucx::Worker> net_worker_;
-  std::unique_ptr<fabric::LocalFabric> fabric_;
-  // The copies from the landing ring to device memory, on a stream of their
-  // own that the NCCL fabric's sends wait for (null without the GPU path).
-  std::unique_ptr<cuda::CopyOps> copy_ops_;
-  int fabric_gpu_ = -1;  // the NCCL fabric's device
-  std::shared_ptr<uint8_t> ring_memory_;  // config_.landing_bytes
-  std::optional<ucx::MemoryRegion> ring_region_;
+  receiver::ThreadFactory threads_;
+  std::unique_ptr<receiver::Resources> resources_;
   std::unique_ptr<CoordinatorLink> link_;
-  std::vector<Buf> buffers_;
-  std::map<int32_t, Peer> sources_;  // network endpoints, kept across refreshes
-  uint64_t next_rkey_id_ = 1;
-  std::shared_ptr<CompiledPart> compiled_;  // the part of compiled_->epoch
+  std::shared_ptr<const receiver::CompiledPart> compiled_;  // the part of compiled_->epoch
   bool joined_ = false;
-  bool changed_ = false;
+  bool changed_ = false;  // buffers or the fabric's contact changed since the registration
+  std::atomic<receiver::ReceiverState> state_{receiver::ReceiverState::kIdle};
   std::atomic<int64_t> version_{0};
-  // Staged mode: the version staged and committed by the instance, waiting
-  // for commit(), and the byte ranges of each buffer it wrote.
+  // Staged mode: the version the instance committed, waiting for commit(),
+  // and the byte ranges of each buffer it wrote.
   int64_t staged_version_ = 0;
-  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> staged_ranges_;  // per buffer: offset, bytes
-  bool aborted_ = false;  // the last attempt ended in an abort of the instance
-  std::string report_ = "{}";
+  std::vector<receiver::Ranges> staged_ranges_;
+  // The reports since the last refresh started, newest last (a deque keeps
+  // each string where it is).
+  std::deque<std::string> reports_{std::string("{}")};
 
   // The started refresh (refresh_start).
   mutable std::mutex async_mutex_;

@@ -35,12 +35,19 @@ refit_status_t to_c(const Status& s) {
     case Code::kOk: return REFIT_OK;
     case Code::kInvalidArgument: return REFIT_INVALID_ARGUMENT;
     case Code::kNotFound: return REFIT_NOT_FOUND;
-    case Code::kIoError: return REFIT_IO_ERROR;
+    case Code::kIoError: break;  // by its reason, below
     case Code::kUnsupported: return REFIT_UNSUPPORTED;
     case Code::kInternal: return REFIT_INTERNAL;
     case Code::kTimeout: return REFIT_TIMEOUT;
   }
-  return REFIT_INTERNAL;
+  if (s.code() != Code::kIoError) return REFIT_INTERNAL;
+  switch (s.reason()) {
+    case refit::Reason::kPeerLost:
+    case refit::Reason::kStaleMembership: return REFIT_PEER_LOST;
+    case refit::Reason::kInstanceAborted: return REFIT_ABORTED;
+    case refit::Reason::kVerifyMismatch: return REFIT_VERIFY_FAILED;
+    default: return REFIT_IO_ERROR;
+  }
 }
 
 // Runs `body` (returning Status), turning exceptions into statuses.
@@ -93,6 +100,9 @@ REFIT_EXPORT const char* refit_status_name(refit_status_t status) {
     case REFIT_UNSUPPORTED: return "REFIT_UNSUPPORTED";
     case REFIT_INTERNAL: return "REFIT_INTERNAL";
     case REFIT_IN_PROGRESS: return "REFIT_IN_PROGRESS";
+    case REFIT_PEER_LOST: return "REFIT_PEER_LOST";
+    case REFIT_ABORTED: return "REFIT_ABORTED";
+    case REFIT_VERIFY_FAILED: return "REFIT_VERIFY_FAILED";
   }
   return "unknown";
 }

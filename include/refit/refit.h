@@ -56,7 +56,7 @@
  *     "verify"       bool [false]: end-to-end verification. A source hashes (XXH3-64)
  *                    each box it serves when it publishes; a receiver checks
  *                    every box it got against its source's hash once the
- *                    refresh has landed, and fails the refresh (REFIT_IO_ERROR,
+ *                    refresh has landed, and fails the refresh (REFIT_VERIFY_FAILED,
  *                    naming the tensor and box; not retried) on a difference.
  *                    Boxes without a hash (a source without "verify", or a
  *                    receiver layout registered after the publish) are counted
@@ -95,7 +95,7 @@
  *        "device"      integer [the current CUDA device]: "nccl" only
  *        "transports"  list of strings ["shm"]: the UCX fabric's transports
  *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
- *     "chunk_bytes"  integer [1048576]: largest single GET or PUT
+ *     "chunk_bytes"  integer [1048576]: the transfer chunk, the largest single GET or PUT
  *     "gather_below_bytes" integer [65536]: network runs smaller than this
  *                    travel in gathers, many runs of one source in one request
  *                    (docs/refresh.md, "Gathers"); 0 turns gathers off. At most
@@ -110,6 +110,10 @@
  *                    most 1 TiB. Allocated at the first such buffer; more
  *                    slots than the window lets GETs go on while earlier
  *                    chunks are copied to the GPU
+ *     "test"         object, for tests only (never in production; docs/receiver.md):
+ *        "force_landing_ring"   bool [false]: host buffers take the landing ring too
+ *        "refuse_threads_after" integer [none]: the receiver starts that many
+ *                               threads, then is refused every later one
  *     "recipe"       object, for buffers added by recipe name:
  *        "model"       path of a model manifest (safetensors header JSON), required;
  *                      its Hugging Face config NAME.config.json must lie beside
@@ -141,7 +145,7 @@
  *    instance had committed v, refit_receiver_refresh() returns REFIT_OK
  *    (one round trip past timeout_ms) and the rank commits v like the
  *    others; otherwise the withdrawal aborts v for the whole instance and
- *    every rank keeps its old version (REFIT_TIMEOUT here, REFIT_IO_ERROR on
+ *    every rank keeps its old version (REFIT_TIMEOUT here, REFIT_ABORTED on
  *    the others). Either way every rank of the instance ends on the same
  *    version. The one exception is a rank that cannot reach the coordinator
  *    at all at its deadline: it keeps its old version and its error says the
@@ -194,11 +198,17 @@ typedef enum refit_status {
   REFIT_OK = 0,
   REFIT_INVALID_ARGUMENT = 1, /* bad config, description, buffer or call order */
   REFIT_NOT_FOUND = 2,        /* a named thing (file, tensor, version) does not exist */
-  REFIT_IO_ERROR = 3,         /* the network or a file failed; a peer died */
+  REFIT_IO_ERROR = 3,         /* the network or a file failed */
   REFIT_TIMEOUT = 4,          /* a deadline passed */
   REFIT_UNSUPPORTED = 5,      /* valid, but not possible with this build */
   REFIT_INTERNAL = 6,         /* a bug in refit */
-  REFIT_IN_PROGRESS = 7       /* poll/wait: the refresh is still running */
+  REFIT_IN_PROGRESS = 7,      /* poll/wait: the refresh is still running */
+  /* Refresh failures a server may act on differently (appended: the ABI
+   * version stays 1). Each leaves the buffers as REFIT_IO_ERROR would. */
+  REFIT_PEER_LOST = 8,        /* a source or a receiver of the domain died, left or failed its part, and
+                                 the retries until the deadline did not get past it */
+  REFIT_ABORTED = 9,          /* staged: the instance aborted the version (a rank of it failed) */
+  REFIT_VERIFY_FAILED = 10    /* "verify": the bytes that arrived are not the ones published (not retried) */
 } refit_status_t;
 
 typedef struct refit_source refit_source_t;
@@ -469,7 +479,14 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
 
 /**
  * Fills the buffers with `version` (or REFIT_LATEST), blocking until done,
- * failed, or `timeout_ms` passed.
+ * failed, or `timeout_ms` passed. The deadline covers everything the
+ * refresh does, its coordinator calls included; a refresh that failed at
+ * its deadline takes at most 500 ms more to release its lease. Failures a
+ * server may act on: REFIT_PEER_LOST (a peer died or left, and the retries
+ * until the deadline did not get past it), REFIT_ABORTED (staged: the
+ * instance aborted the version), REFIT_VERIFY_FAILED ("verify": the bytes
+ * are not the ones published), REFIT_TIMEOUT; REFIT_IO_ERROR for others of
+ * the network, a lost lease, or a thread the system refused.
  *
  * Direct mode: the server must not read the buffers while a refresh runs;
  * on failure they are torn, the status says so, and refit_receiver_version()
@@ -564,7 +581,10 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * the first, and while a started refresh runs.
  *
  * @return The report, owned by the receiver, valid until its next refresh
- *         starts or it is destroyed. "{}" for a NULL receiver.
+ *         starts or it is destroyed: refit_receiver_commit() leaves the
+ *         pointer returned before it valid and unchanged (a report taken
+ *         after the commit carries "committed" and "pause_seconds"). "{}"
+ *         for a NULL receiver.
  * @note The thread that owns the handle; never blocks.
  */
 REFIT_EXPORT const char* refit_receiver_report(refit_receiver_t* receiver);

@@ -16,7 +16,8 @@
     refit.set_log_handler(logging.getLogger("refit"))  # refit's log into Python's
 
 Errors are one class per status (refit.InvalidArgumentError,
-refit.NotFoundError, refit.PeerError, refit.TimeoutError,
+refit.NotFoundError, refit.PeerError with its refit.PeerLostError,
+refit.AbortedError and refit.VerifyFailedError, refit.TimeoutError,
 refit.UnsupportedError, refit.InternalError), all refit.Error, each carrying
 the library's message. ``refit.vllm`` is the vLLM weight-transfer engine
 (imported on use; vLLM is not needed to import refit).
@@ -25,13 +26,14 @@ the library's message. ``refit.vllm`` is the vLLM weight-transfer engine
 from __future__ import annotations
 
 from .agents import LATEST, Receiver, Source, library, set_log_handler
-from .errors import (Error, InternalError, InvalidArgumentError, NotFoundError, PeerError, TimeoutError,
-                     UnsupportedError)
+from .errors import (AbortedError, Error, InternalError, InvalidArgumentError, NotFoundError, PeerError,
+                     PeerLostError, TimeoutError, UnsupportedError, VerifyFailedError)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LATEST", "Source", "Receiver", "library", "set_log_handler",
-    "Error", "InvalidArgumentError", "NotFoundError", "PeerError", "TimeoutError", "UnsupportedError",
+    "Error", "InvalidArgumentError", "NotFoundError", "PeerError", "PeerLostError", "AbortedError",
+    "VerifyFailedError", "TimeoutError", "UnsupportedError",
     "InternalError", "__version__",
 ]

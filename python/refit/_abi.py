@@ -43,6 +43,9 @@ TIMEOUT = 4
 UNSUPPORTED = 5
 INTERNAL = 6
 IN_PROGRESS = 7
+PEER_LOST = 8
+ABORTED = 9
+VERIFY_FAILED = 10
 
 _status_t = ctypes.c_int
 _source_p = ctypes.c_void_p

@@ -30,7 +30,19 @@ class NotFoundError(Error, LookupError):
 
 
 class PeerError(Error, builtins.IOError):
-    """REFIT_IO_ERROR: the network or a file failed; a peer died."""
+    """REFIT_IO_ERROR: the network or a file failed; the base of the three below."""
+
+
+class PeerLostError(PeerError):
+    """REFIT_PEER_LOST: a source or a receiver of the domain died, left or failed its part."""
+
+
+class AbortedError(PeerError):
+    """REFIT_ABORTED: staged mode; the instance aborted the version (a rank of it failed)."""
+
+
+class VerifyFailedError(PeerError):
+    """REFIT_VERIFY_FAILED: the bytes that arrived are not the ones published."""
 
 
 class TimeoutError(Error, builtins.TimeoutError):  # noqa: A001 - refit.TimeoutError by design
@@ -49,6 +61,9 @@ _abi.ERROR_CLASSES.update({
     _abi.INVALID_ARGUMENT: InvalidArgumentError,
     _abi.NOT_FOUND: NotFoundError,
     _abi.IO_ERROR: PeerError,
+    _abi.PEER_LOST: PeerLostError,
+    _abi.ABORTED: AbortedError,
+    _abi.VERIFY_FAILED: VerifyFailedError,
     _abi.TIMEOUT: TimeoutError,
     _abi.UNSUPPORTED: UnsupportedError,
     _abi.INTERNAL: InternalError,

@@ -74,6 +74,7 @@ std::string config(int rank, int domain, uint16_t port, const std::string& token
       c["chunk_bytes"] = 4096;
       c["window_bytes"] = 16384;
       c["landing_bytes"] = 3 * 4096;
+      c["test"] = {{"force_landing_ring", true}};  // a test-only key (include/refit/refit.h)
     }
   }
   return c.dump();
@@ -164,6 +165,10 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
         std::fprintf(stderr, "rank %d v%d failed as it should: %s\n", rank, v, error.c_str());
         if (error.find("verify: version " + std::to_string(v) + " of tensor \"w\"") == std::string::npos) {
           fail("the error does not name the version and tensor that failed verification", 10);
+        }
+        // The rank that found it, or one whose instance aborted for it first.
+        if (st != REFIT_VERIFY_FAILED && st != REFIT_ABORTED) {
+          fail("a verification mismatch is neither REFIT_VERIFY_FAILED nor REFIT_ABORTED", 13);
         }
       }
       if (!staged) fail("a failure expected in direct mode", 5);

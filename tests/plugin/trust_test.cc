@@ -315,6 +315,28 @@ Body receiver_body(ReceiverSpec spec) {
         answer(refit_receiver_refresh_wait(r, 60000), started);
       } else if (c[0] == "report") {
         line.send(refit_receiver_report(r));
+      } else if (c[0] == "refresh_keep") {
+        // Staged: refreshes, takes the report, commits, and answers
+        // "STATUS KEPT COMMITTED": whether the report taken before the
+        // commit still reads as it did ("kept" or "changed"), and the
+        // "committed" of the report taken after.
+        const refit_status_t st = refit_receiver_refresh(r, std::stoll(c[1]), std::stoll(c[2]));
+        if (st != REFIT_OK) {
+          line.send(std::string(refit_status_name(st)) + " - - " + refit_last_error());
+          continue;
+        }
+        const char* before = refit_receiver_report(r);
+        const std::string copy = before;
+        if (refit_receiver_commit(r) != REFIT_OK) die("commit");
+        const bool kept = std::strcmp(before, copy.c_str()) == 0;
+        const nlohmann::json after = nlohmann::json::parse(refit_receiver_report(r), nullptr, false);
+        line.send(std::string("REFIT_OK ") + (kept ? "kept" : "changed") + " " +
+                  (after.is_object() && after.value("committed", false) ? "true" : "false"));
+      } else if (c[0] == "try_start") {
+        started = Clock::now();
+        const refit_status_t st = refit_receiver_refresh_start(r, std::stoll(c[1]), std::stoll(c[2]));
+        std::string error = st == REFIT_OK ? "" : refit_last_error();
+        line.send(std::string(refit_status_name(st)) + " " + error);
       }
     }
     refit_receiver_destroy(r);
@@ -598,6 +620,86 @@ TEST_F(Trust, APlanSlowerThanTheHeartbeatTimeoutIsServedAndNobodyDies) {
     planned = planned || l.find("planned membership") != std::string::npos;
   }
   EXPECT_TRUE(planned);
+}
+
+// ---- The receiver's C ABI contract (include/refit/refit.h) ---------------
+
+class ReceiverAbi : public Trust {};
+
+// The report pointer a staged receiver returns after its refresh stays
+// valid, and reads the same, after commit (the header promises it lives
+// until the next refresh); the report taken after the commit says so.
+TEST_F(ReceiverAbi, TheReportTakenBeforeACommitOutlivesIt) {
+  const nlohmann::json staged = {{"mode", "staged"}};
+  start({source_body, receiver_body({0, 0, kRows, staged})}, coordinator_config());
+  ASSERT_EQ(ask(0, "publish 1"), std::vector<std::string>{"ok"});
+  const std::vector<std::string> r = ask(1, "refresh_keep 1 20000");
+  ASSERT_GE(r.size(), 3u);
+  ASSERT_EQ(r[0], "REFIT_OK");
+  EXPECT_EQ(r[1], "kept") << "the report taken before the commit changed under it (freed and reused)";
+  EXPECT_EQ(r[2], "true");
+}
+
+// The plan takes 3 s (test_plan_delay) and the coordinator's own timeout
+// is 10 s: a refresh given 800 ms returns within about its deadline,
+// REFIT_TIMEOUT, instead of waiting for the plan.
+TEST_F(ReceiverAbi, ARefreshDeadlineCoversItsCoordinatorCalls) {
+  refit::control::CoordinatorConfig cc = coordinator_config();
+  cc.heartbeat_timeout = milliseconds(8000);
+  cc.test_plan_delay = milliseconds(3000);
+  start({source_body, receiver_body({0})}, cc);
+  ASSERT_EQ(ask(0, "publish 1"), std::vector<std::string>{"ok"});
+  const std::vector<std::string> r = ask(1, "refresh 1 800");
+  ASSERT_GE(r.size(), 4u);
+  EXPECT_EQ(r[0], "REFIT_TIMEOUT");
+  EXPECT_LT(std::stoll(r[3]), 1800) << "the refresh waited for the coordinator past its deadline";
+}
+
+// The receiver may start one thread (the started refresh's own); the next
+// (the lease renewal) is refused as the system refuses one at its limit.
+// The refresh fails with a status that names the thread; the process
+// lives on and refreshes once threads are allowed again (a new receiver).
+TEST_F(ReceiverAbi, AThreadThatCannotStartFailsTheRefreshNotTheProcess) {
+  const nlohmann::json refuse = {{"test", {{"refuse_threads_after", 1}}}};
+  start({source_body, receiver_body({0, 0, kRows, refuse})}, coordinator_config());
+  ASSERT_EQ(ask(0, "publish 1"), std::vector<std::string>{"ok"});
+  const std::vector<std::string> started = ask(1, "try_start 1 5000");
+  ASSERT_FALSE(started.empty());
+  ASSERT_EQ(started[0], "REFIT_OK");
+  const std::vector<std::string> r = ask(1, "wait", milliseconds(20000));
+  ASSERT_GE(r.size(), 3u) << "the receiver's process died";
+  EXPECT_EQ(r[0], "REFIT_IO_ERROR");
+  std::string error;
+  for (size_t i = 4; i < r.size(); ++i) error += r[i] + " ";
+  EXPECT_NE(error.find("cannot start the lease renewal thread"), std::string::npos) << error;
+  // The refresh thread itself refused: refresh_start says so.
+  const std::vector<std::string> again = ask(1, "try_start 1 5000");
+  ASSERT_FALSE(again.empty()) << "the receiver's process died";
+  EXPECT_EQ(again[0], "REFIT_IO_ERROR");
+}
+
+// A two-rank staged instance: rank 0's deadline passes before rank 1
+// stages, so the instance aborts the version. Rank 1 is told so:
+// REFIT_ABORTED, not the REFIT_IO_ERROR of a network failure.
+TEST_F(ReceiverAbi, AnAbortOfTheInstanceIsReportedAsAborted) {
+  const nlohmann::json staged = {{"mode", "staged"}, {"instance", 0}, {"instance_ranks", 2}};
+  start({source_body, receiver_body({0, 0, kRows / 2, staged}), receiver_body({1, kRows / 2, kRows / 2, staged})},
+        coordinator_config());
+  ASSERT_EQ(ask(0, "publish 1"), std::vector<std::string>{"ok"});
+  for (size_t i : {1, 2}) {
+    const std::vector<std::string> joined = ask(i, "join");
+    ASSERT_FALSE(joined.empty());
+    ASSERT_EQ(joined[0], "REFIT_OK");
+  }
+  kid(1).send("refresh 1 500");
+  kid(2).send("refresh 1 10000 2000");
+  const std::vector<std::string> a = words(kid(1).recv()), b = words(kid(2).recv());
+  ASSERT_GE(a.size(), 2u);
+  ASSERT_GE(b.size(), 2u);
+  EXPECT_NE(a[0], "REFIT_OK");
+  EXPECT_EQ(b[0], "REFIT_ABORTED");
+  EXPECT_EQ(a[1], "0");
+  EXPECT_EQ(b[1], "0");
 }
 
 }  // namespace

@@ -218,9 +218,14 @@ Result<Json> reply_result(const char* request, Frame f) {
   if (ok == f.body.end() || !ok->is_boolean() || !ok->get<bool>()) {
     std::string error = f.body.contains("error") && f.body["error"].is_string()
                             ? f.body["error"].get<std::string>() : "refused without a reason";
+    const auto why = f.body.find("reason");
+    const Reason reason = why != f.body.end() && why->is_string() ? reason_from_name(why->get<std::string>())
+                                                                  : Reason::kNone;
     const auto nf = f.body.find("not_found");
-    if (nf != f.body.end() && nf->is_boolean() && nf->get<bool>()) return Status::not_found(std::move(error));
-    return Status::invalid(std::move(error));
+    if (nf != f.body.end() && nf->is_boolean() && nf->get<bool>()) {
+      return Status::not_found(std::move(error)).with_reason(reason);
+    }
+    return Status::invalid(std::move(error)).with_reason(reason);
   }
   return std::move(f.body);
 }

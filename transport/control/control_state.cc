@@ -257,7 +257,7 @@ void ControlState::abort_instance(int32_t instance, int64_t version, const std::
   if (auto c = committed_.find(instance); c != committed_.end() && c->second >= version) return;
   for (int32_t rank : instance_ranks(instance)) {
     notices_.push_back(Notice{receivers_[rank].session, MsgType::kAbort,
-                              Json{{"instance", instance}, {"version", version}, {"reason", reason}}});
+                              to_json(VersionNotice{MsgType::kAbort, instance, version, reason})});
   }
   barriers_.erase(instance);
   int64_t& last = aborted_[instance];
@@ -458,7 +458,9 @@ void ControlState::advance_version() {
   for (const auto& [rank, s] : sources_) low = std::min(low, s.published);
   if (low <= version_) return;
   version_ = low;
-  for (uint64_t s : subscribers_) notices_.push_back(Notice{s, MsgType::kVersionNotify, Json{{"version", low}}});
+  for (uint64_t s : subscribers_) {
+    notices_.push_back(Notice{s, MsgType::kVersionNotify, to_json(VersionNotice{MsgType::kVersionNotify, 0, low, ""})});
+  }
 }
 
 Status ControlState::subscribe(uint64_t session) {
@@ -680,10 +682,11 @@ Status ControlState::report_staged(uint64_t session, const StageReport& m) {
     // It reports again what the instance already committed (it had not
     // heard yet): it is told commit, as the others were.
     auto c = committed_.find(instance);
-    notices_.push_back(Notice{session, c->second == m.version ? MsgType::kCommit : MsgType::kAbort,
-                              Json{{"instance", instance}, {"version", m.version},
-                                   {"reason", "the instance already committed version " +
-                                                  std::to_string(c->second)}}});
+    const MsgType word = c->second == m.version ? MsgType::kCommit : MsgType::kAbort;
+    notices_.push_back(Notice{session, word,
+                              to_json(VersionNotice{word, instance, m.version,
+                                                    "the instance already committed version " +
+                                                        std::to_string(c->second)})});
     return Status::ok();
   }
   auto aborted = aborted_.find(instance);
@@ -691,8 +694,9 @@ Status ControlState::report_staged(uint64_t session, const StageReport& m) {
     // A rank that staged after another had already failed: the version
     // stays aborted, and this rank is told so (again).
     notices_.push_back(Notice{session, MsgType::kAbort,
-                              Json{{"instance", instance}, {"version", m.version},
-                                   {"reason", "the instance already aborted version " + std::to_string(m.version)}}});
+                              to_json(VersionNotice{MsgType::kAbort, instance, m.version,
+                                                    "the instance already aborted version " +
+                                                        std::to_string(m.version)})});
     return Status::ok();
   }
   Barrier& b = barriers_[instance];
@@ -722,7 +726,7 @@ Status ControlState::report_staged(uint64_t session, const StageReport& m) {
   }
   for (int32_t r : ranks) {
     notices_.push_back(Notice{receivers_[r].session, MsgType::kCommit,
-                              Json{{"instance", instance}, {"version", m.version}}});
+                              to_json(VersionNotice{MsgType::kCommit, instance, m.version, ""})});
   }
   barriers_.erase(instance);
   int64_t& last = committed_[instance];
@@ -744,7 +748,8 @@ Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_p
     if (it == leases_.end() || it->second.version != m.version) {
       return Status::not_found("lease: receiver rank " + std::to_string(m.rank) + " holds no lease on version " +
                                std::to_string(m.version) + " to renew: it expired or was revoked, and the sources " +
-                               "may be overwriting that version");
+                               "may be overwriting that version")
+          .with_reason(Reason::kLeaseLost);
     }
     it->second.expires = now + lease_timeout_;
     return Status::ok();
@@ -752,10 +757,12 @@ Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_p
   if (m.version <= drained_through_) {
     return Status::not_found("lease: version " + std::to_string(m.version) + " was drained (the sources were told " +
                              "no receiver reads version " + std::to_string(drained_through_) +
-                             " or older, and may be overwriting it); the latest is " + std::to_string(version_));
+                             " or older, and may be overwriting it); the latest is " + std::to_string(version_))
+        .with_reason(Reason::kDrained);
   }
   if (const std::string missing = instance_shortfall(receivers_.at(m.rank).info.instance); !missing.empty()) {
-    return Status::unsupported("lease: " + missing + "; a version is refreshed only with all of them");
+    return Status::unsupported("lease: " + missing + "; a version is refreshed only with all of them")
+        .with_reason(Reason::kInstanceIncomplete);
   }
   if (m.version > version_) {
     return Status::invalid("lease: version " + std::to_string(m.version) + " is not published (latest is " +

@@ -186,7 +186,7 @@ class ControlState {
   // The epoch a fetch_plan reply names for `rank`'s part: the membership
   // epoch, with kSoloEpochBit set for a solo part.
   uint64_t plan_epoch(int32_t rank) const { return wants_solo(rank) ? epoch_ | kSoloEpochBit : epoch_; }
-  static constexpr uint64_t kSoloEpochBit = uint64_t{1} << 32;
+  static constexpr uint64_t kSoloEpochBit = PlanEpoch::kWireSoloBit;
   // What a receiver needs to execute `runs` (a cached_part): the worker
   // address of every other rank the runs name, and the address and packed
   // rkey of every buffer of theirs they name; and every receiver of its

@@ -552,6 +552,8 @@ Json reply(const Status& s) {
   // A member the coordinator does not hold (declared dead, or never
   // registered): the agent registers again rather than retrying.
   if (s.code() == Code::kNotFound) r["not_found"] = true;
+  // Why, for a caller that decides on it (planner/status.h, Reason).
+  if (s.reason() != Reason::kNone) r["reason"] = reason_name(s.reason());
   return r;
 }
 
@@ -823,17 +825,35 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
     s.reply("fetch_plan", reply(part.status()));
     return;
   }
-  // cached_part() succeeded, so the plan is of the current epoch.
-  const uint64_t epoch = state_.plan_epoch(request.rank);
-  if (request.have_epoch == epoch) {  // the receiver holds this part already
-    s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", epoch},
-                               {"unchanged", true}, {"plan", state_.plan_totals(request.rank)}});
+  // cached_part() succeeded, so the plan is of the current epoch. The
+  // reply is a PlanPart (messages.h), the struct the receiver parses it into.
+  PlanPart reply_part;
+  reply_part.version = state_.version();
+  reply_part.epoch = PlanEpoch::from_wire(state_.plan_epoch(request.rank));
+  Result<PlanTotals> totals = parse_plan_totals(state_.plan_totals(request.rank));
+  Status st = totals.status();
+  if (st.is_ok()) reply_part.totals = *totals;
+  if (st.is_ok() && request.have_epoch == reply_part.epoch.wire()) {  // the receiver holds this part already
+    reply_part.unchanged = true;
+    s.reply("fetch_plan", to_json(reply_part));
     return;
   }
-  Json peers = state_.peers_of(request.rank, *part);
-  s.reply("fetch_plan", Json{{"ok", true}, {"version", state_.version()}, {"epoch", epoch},
-                             {"plan", state_.plan_totals(request.rank)}, {"runs", std::move(part).value()},
-                             {"peers", std::move(peers)}});
+  if (st.is_ok()) {
+    Result<std::vector<PlanRun>> runs = parse_plan_runs(*part);
+    Result<PlanPeers> peers = runs.is_ok() ? parse_plan_peers(state_.peers_of(request.rank, *part)) : runs.status();
+    st = peers.status();
+    if (st.is_ok()) {
+      reply_part.runs = std::move(runs).value();
+      reply_part.peers = std::move(peers).value();
+    }
+  }
+  if (!st.is_ok()) {  // the coordinator's own plan does not fit the message: a bug
+    const Status bug = Status::internal("the coordinator's plan part does not fit its message: " + st.message());
+    log("refused a request from " + s.peer() + ": " + bug.message());
+    s.reply("fetch_plan", reply(bug));
+    return;
+  }
+  s.reply("fetch_plan", to_json(reply_part));
 }
 
 // Planning a cluster-scale layout takes seconds: it runs on planner_, one

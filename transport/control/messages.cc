@@ -59,14 +59,25 @@ class Reader {
     return fail(join(path, key), "must be an integer in [" + std::to_string(lo) + ", " +
                                      std::to_string(hi) + "], got " + shown(*v));
   }
-  bool uint64(const Json& obj, const std::string& path, const char* key, uint64_t* out) {
-    const Json* v = field(obj, path, key, false);
+  bool uint64(const Json& obj, const std::string& path, const char* key, uint64_t* out, bool required = false) {
+    const Json* v = field(obj, path, key, required);
     if (!v) return ok();
     if (v->is_number_unsigned()) {
       *out = v->get<uint64_t>();
       return true;
     }
+    if (v->is_number_integer() && v->get<int64_t>() >= 0) {  // a JSON document's non-negative integer
+      *out = static_cast<uint64_t>(v->get<int64_t>());
+      return true;
+    }
     return fail(join(path, key), "must be an unsigned integer, got " + shown(*v));
+  }
+  bool boolean(const Json& obj, const std::string& path, const char* key, bool* out) {
+    const Json* v = field(obj, path, key, false);
+    if (!v) return ok();
+    if (!v->is_boolean()) return fail(join(path, key), "must be a boolean, got " + shown(*v));
+    *out = v->get<bool>();
+    return true;
   }
   bool str(const Json& obj, const std::string& path, const char* key, size_t max, std::string* out) {
     const Json* v = field(obj, path, key);
@@ -389,6 +400,233 @@ Result<LeaseRequest> parse_lease(const Json& body, const MessageLimits& lim) {
     m.renew = it->get<bool>();
   }
   return m;
+}
+
+// ---- The plan part a receiver executes ------------------------------------
+
+namespace {
+
+bool parse_end(Reader& r, const Json& end, const std::string& path, bool to, const MessageLimits& lim,
+               RunEnd* out) {
+  int64_t rank = 0;
+  if (!to) {
+    std::string side;
+    if (r.str(end, path, "side", 16, &side)) {
+      if (side == "source") out->side = Role::kSource;
+      else if (side == "receiver") out->side = Role::kReceiver;
+      else r.fail(path + ".side", "must be \"source\" or \"receiver\", got \"" + side.substr(0, 40) + "\"");
+    }
+  }
+  if (r.int_in(end, path, "rank", 0, lim.max_rank - 1, &rank)) out->rank = static_cast<int32_t>(rank);
+  r.str(end, path, "buffer", lim.max_name_bytes, &out->buffer);
+  r.uint64(end, path, "offset", &out->offset, /*required=*/true);
+  return r.ok();
+}
+
+bool parse_runs(Reader& r, const Json& runs, const std::string& path, const MessageLimits& lim,
+                std::vector<PlanRun>* out) {
+  if (!runs.is_array()) return r.fail(path, "must be a list, got " + Reader::shown(runs));
+  if (runs.size() > lim.max_runs) {
+    return r.fail(path, "has " + std::to_string(runs.size()) + " entries, more than the limit of " +
+                            std::to_string(lim.max_runs));
+  }
+  out->reserve(runs.size());
+  for (size_t i = 0; i < runs.size() && r.ok(); ++i) {
+    const Json& run = runs[i];
+    const std::string p = path + "[" + std::to_string(i) + "]";
+    PlanRun pr;
+    std::string kind;
+    if (r.str(run, p, "kind", 16, &kind) && kind != "net" && kind != "local") {
+      r.fail(p + ".kind", "must be \"net\" or \"local\", got \"" + kind.substr(0, 40) + "\"");
+    }
+    pr.network = kind == "net";
+    const Json* from = r.field(run, p, "from");
+    const Json* to = r.field(run, p, "to");
+    if (from) parse_end(r, *from, p + ".from", /*to=*/false, lim, &pr.from);
+    if (to) parse_end(r, *to, p + ".to", /*to=*/true, lim, &pr.to);
+    r.uint64(run, p, "bytes", &pr.bytes, /*required=*/true);
+    if (r.ok() && pr.bytes == 0) r.fail(p + ".bytes", "must be positive, got 0");
+    if (r.ok() && pr.network != (pr.from.side == Role::kSource)) {
+      r.fail(p + ".from.side", pr.network ? "must be \"source\" for a \"net\" run"
+                                          : "must be \"receiver\" for a \"local\" run");
+    }
+    out->push_back(std::move(pr));
+  }
+  return r.ok();
+}
+
+bool parse_peer_list(Reader& r, const Json& obj, const std::string& path, const char* key, const MessageLimits& lim,
+                     std::vector<PlanPeer>* out) {
+  const Json* list = r.array(obj, path, key, lim.max_peers);
+  if (!list) return false;
+  out->reserve(list->size());
+  for (size_t i = 0; i < list->size() && r.ok(); ++i) {
+    const Json& p = (*list)[i];
+    const std::string q = Reader::join(path, key) + "[" + std::to_string(i) + "]";
+    PlanPeer peer;
+    int64_t rank = 0;
+    if (r.int_in(p, q, "rank", 0, lim.max_rank - 1, &rank)) peer.rank = static_cast<int32_t>(rank);
+    r.bytes(p, q, "worker_address", lim.max_address_bytes, &peer.worker_address);
+    const Json* buffers = r.array(p, q, "buffers", lim.max_buffers);
+    for (size_t j = 0; buffers && j < buffers->size() && r.ok(); ++j) {
+      const Json& b = (*buffers)[j];
+      const std::string bq = q + "." + at("buffers", j);
+      PeerBuffer pb;
+      r.str(b, bq, "name", lim.max_name_bytes, &pb.name);
+      r.uint64(b, bq, "address", &pb.address, /*required=*/true);
+      r.bytes(b, bq, "rkey", lim.max_rkey_bytes, &pb.rkey);
+      peer.buffers.push_back(std::move(pb));
+    }
+    out->push_back(std::move(peer));
+  }
+  return r.ok();
+}
+
+bool parse_peers(Reader& r, const Json& peers, const std::string& path, const MessageLimits& lim, PlanPeers* out) {
+  parse_peer_list(r, peers, path, "sources", lim, &out->sources);
+  parse_peer_list(r, peers, path, "receivers", lim, &out->receivers);
+  if (r.ok() && r.field(peers, path, "domain", /*required=*/false)) {
+    const Json* list = r.array(peers, path, "domain", lim.max_peers);
+    for (size_t i = 0; list && i < list->size() && r.ok(); ++i) {
+      const std::string q = Reader::join(path, "domain") + "[" + std::to_string(i) + "]";
+      DomainContact m;
+      int64_t rank = 0;
+      if (r.int_in((*list)[i], q, "rank", 0, lim.max_rank - 1, &rank)) m.rank = static_cast<int32_t>(rank);
+      r.bytes((*list)[i], q, "worker_address", lim.max_address_bytes, &m.worker_address);
+      out->domain.push_back(std::move(m));
+    }
+  }
+  return r.ok();
+}
+
+bool parse_totals(Reader& r, const Json& totals, const std::string& path, PlanTotals* out) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  if (!totals.is_object()) return r.fail(path, "must be a map, got " + Reader::shown(totals));
+  r.int_in(totals, path, "network_bytes", 0, kMax, &out->network_bytes, /*required=*/false);
+  r.int_in(totals, path, "minimum_network_bytes", -1, kMax, &out->minimum_network_bytes, /*required=*/false);
+  r.int_in(totals, path, "local_bytes", 0, kMax, &out->local_bytes, /*required=*/false);
+  r.boolean(totals, path, "solo", &out->solo);
+  return r.ok();
+}
+
+}  // namespace
+
+Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& lim) {
+  Reader r("plan");
+  PlanPart m;
+  uint64_t epoch = 0;
+  r.int_in(body, "", "version", 0, std::numeric_limits<int64_t>::max(), &m.version, /*required=*/false);
+  r.uint64(body, "", "epoch", &epoch, /*required=*/true);
+  m.epoch = PlanEpoch::from_wire(epoch);
+  r.boolean(body, "", "unchanged", &m.unchanged);
+  if (const Json* totals = r.field(body, "", "plan", /*required=*/false)) parse_totals(r, *totals, "plan", &m.totals);
+  if (r.ok() && !m.unchanged) {
+    if (const Json* runs = r.field(body, "", "runs")) parse_runs(r, *runs, "runs", lim, &m.runs);
+    if (const Json* peers = r.field(body, "", "peers")) parse_peers(r, *peers, "peers", lim, &m.peers);
+  }
+  if (!r.ok()) return r.status();
+  return m;
+}
+
+Result<std::vector<PlanRun>> parse_plan_runs(const Json& runs, const MessageLimits& lim) {
+  Reader r("plan");
+  std::vector<PlanRun> out;
+  if (!parse_runs(r, runs, "runs", lim, &out)) return r.status();
+  return out;
+}
+
+Result<PlanPeers> parse_plan_peers(const Json& peers, const MessageLimits& lim) {
+  Reader r("plan");
+  PlanPeers out;
+  if (!parse_peers(r, peers, "peers", lim, &out)) return r.status();
+  return out;
+}
+
+Result<PlanTotals> parse_plan_totals(const Json& totals) {
+  Reader r("plan");
+  PlanTotals out;
+  if (!parse_totals(r, totals, "plan", &out)) return r.status();
+  return out;
+}
+
+Json to_json(const PlanRun& run) {
+  return Json{{"kind", run.network ? "net" : "local"},
+              {"from", {{"side", run.from.side == Role::kSource ? "source" : "receiver"}, {"rank", run.from.rank},
+                        {"buffer", run.from.buffer}, {"offset", run.from.offset}}},
+              {"to", {{"rank", run.to.rank}, {"buffer", run.to.buffer}, {"offset", run.to.offset}}},
+              {"bytes", run.bytes}};
+}
+
+Json to_json(const PlanPeers& peers) {
+  auto list = [](const std::vector<PlanPeer>& ps) {
+    Json out = Json::array();
+    for (const PlanPeer& p : ps) {
+      Json bs = Json::array();
+      for (const PeerBuffer& b : p.buffers) {
+        bs.push_back({{"name", b.name}, {"address", b.address}, {"rkey", Json::binary(b.rkey)}});
+      }
+      out.push_back({{"rank", p.rank}, {"worker_address", Json::binary(p.worker_address)}, {"buffers", std::move(bs)}});
+    }
+    return out;
+  };
+  Json domain = Json::array();
+  for (const DomainContact& m : peers.domain) {
+    domain.push_back({{"rank", m.rank}, {"worker_address", Json::binary(m.worker_address)}});
+  }
+  return Json{{"sources", list(peers.sources)}, {"receivers", list(peers.receivers)}, {"domain", std::move(domain)}};
+}
+
+Json to_json(const PlanTotals& t) {
+  Json j{{"network_bytes", t.network_bytes}, {"minimum_network_bytes", t.minimum_network_bytes},
+         {"local_bytes", t.local_bytes}};
+  if (t.solo) j["solo"] = true;
+  return j;
+}
+
+Json to_json(const PlanPart& part) {
+  Json j{{"ok", true}, {"version", part.version}, {"epoch", part.epoch.wire()}, {"plan", to_json(part.totals)}};
+  if (part.unchanged) {
+    j["unchanged"] = true;
+    return j;
+  }
+  Json runs = Json::array();
+  for (const PlanRun& run : part.runs) runs.push_back(to_json(run));
+  j["runs"] = std::move(runs);
+  j["peers"] = to_json(part.peers);
+  return j;
+}
+
+// ---- Notices ----------------------------------------------------------------
+
+Result<VersionNotice> parse_notice(MsgType type, const Json& body, const MessageLimits& lim) {
+  if (type != MsgType::kVersionNotify && type != MsgType::kCommit && type != MsgType::kAbort) {
+    return Status::invalid(std::string("notice: ") + type_name(type) + " is not a notice to a receiver");
+  }
+  Reader r(type_name(type));
+  VersionNotice n;
+  n.type = type;
+  r.int_in(body, "", "version", 0, std::numeric_limits<int64_t>::max(), &n.version);
+  if (type != MsgType::kVersionNotify) {
+    int64_t instance = 0;
+    if (r.int_in(body, "", "instance", 0, lim.max_rank - 1, &instance, /*required=*/false)) {
+      n.instance = static_cast<int32_t>(instance);
+    }
+  }
+  const Json* reason = type == MsgType::kAbort ? r.field(body, "", "reason", /*required=*/false) : nullptr;
+  if (reason && !reason->is_string()) r.fail("reason", "must be a string, got " + Reader::shown(*reason));
+  if (reason && r.ok()) {
+    n.reason = reason->get<std::string>();
+    if (n.reason.size() > lim.max_reason_bytes) r.too_long("", "reason", lim.max_reason_bytes, n.reason.size());
+  }
+  if (!r.ok()) return r.status();
+  return n;
+}
+
+Json to_json(const VersionNotice& n) {
+  if (n.type == MsgType::kVersionNotify) return Json{{"version", n.version}};
+  Json j{{"instance", n.instance}, {"version", n.version}};
+  if (n.type == MsgType::kAbort) j["reason"] = n.reason;
+  return j;
 }
 
 }  // namespace refit::control

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "planner/plan_epoch.h"
 #include "planner/status.h"
 #include "transport/control/frame_codec.h"
 
@@ -24,6 +25,9 @@ struct MessageLimits {
   size_t max_buffers = size_t{1} << 16;  // per member
   size_t max_segments = size_t{1} << 20; // per member, all buffers
   size_t max_dims = 8;
+  size_t max_runs = size_t{1} << 24;     // per plan part
+  size_t max_peers = size_t{1} << 20;    // per plan part, each list
+  size_t max_reason_bytes = 4096;        // an abort's reason
 };
 
 enum class Role : uint8_t { kSource, kReceiver };
@@ -164,5 +168,99 @@ struct LeaseRequest {
   bool renew = false;
 };
 Result<LeaseRequest> parse_lease(const Json& body, const MessageLimits& limits);
+
+// ---- The plan part a receiver executes (fetch_plan's reply) --------------
+// The coordinator serializes it with to_json(), the receiver parses it with
+// parse_plan_part(): one definition both ways. The receiver trusts the
+// coordinator no more than any peer: every field is checked, and a
+// refusal names the field (`plan: runs[3].from.side must be "source" or
+// "receiver", got "x"`).
+
+// One end of a run: a byte offset into a named buffer of a rank.
+struct RunEnd {
+  Role side = Role::kReceiver;  // "to" is always a receiver
+  int32_t rank = 0;
+  std::string buffer;
+  uint64_t offset = 0;
+};
+
+// One run of the plan (refit-runs/1): a network GET of `bytes` from a
+// source's buffer into this receiver's ("kind": "net"), or a local run
+// between two receivers of a domain ("kind": "local").
+struct PlanRun {
+  bool network = false;
+  RunEnd from;
+  RunEnd to;
+  uint64_t bytes = 0;
+};
+
+// A buffer of a peer that the runs name: where it is and its packed rkey
+// (sources: for GETs; receivers: the local fabric's key).
+struct PeerBuffer {
+  std::string name;
+  uint64_t address = 0;
+  std::vector<uint8_t> rkey;
+};
+
+struct PlanPeer {
+  int32_t rank = 0;
+  std::vector<uint8_t> worker_address;
+  std::vector<PeerBuffer> buffers;
+};
+
+// A receiver of the domain and its contact (a fabric that needs the whole
+// domain, one NCCL communicator, builds it from these).
+struct DomainContact {
+  int32_t rank = 0;
+  std::vector<uint8_t> worker_address;
+};
+
+struct PlanPeers {
+  std::vector<PlanPeer> sources;
+  std::vector<PlanPeer> receivers;
+  std::vector<DomainContact> domain;  // in rank order, this rank included
+};
+
+// The whole plan's totals, for the receiver's report ("plan").
+struct PlanTotals {
+  int64_t network_bytes = 0;
+  int64_t minimum_network_bytes = -1;  // -1: not given
+  int64_t local_bytes = 0;
+  bool solo = false;
+};
+
+struct PlanPart {
+  int64_t version = 0;  // the latest published when the coordinator answered
+  PlanEpoch epoch;
+  // The receiver holds this epoch's part already: no runs, no peers.
+  bool unchanged = false;
+  PlanTotals totals;
+  std::vector<PlanRun> runs;
+  PlanPeers peers;
+};
+
+// fetch_plan's reply body ("ok": true and the part). At most lim.max_runs
+// runs, lim.max_buffers buffers per peer.
+Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& limits = MessageLimits{});
+// A list of runs alone (the coordinator's cached part).
+Result<std::vector<PlanRun>> parse_plan_runs(const Json& runs, const MessageLimits& limits = MessageLimits{});
+Result<PlanPeers> parse_plan_peers(const Json& peers, const MessageLimits& limits = MessageLimits{});
+Result<PlanTotals> parse_plan_totals(const Json& totals);
+Json to_json(const PlanPart& part);
+Json to_json(const PlanRun& run);
+Json to_json(const PlanPeers& peers);
+Json to_json(const PlanTotals& totals);
+
+// ---- Notices the coordinator sends a receiver ----------------------------
+// version_notify {version}; commit {instance, version}; abort {instance,
+// version, reason}.
+struct VersionNotice {
+  MsgType type = MsgType::kVersionNotify;
+  int32_t instance = 0;  // commit, abort
+  int64_t version = 0;
+  std::string reason;    // abort
+};
+Result<VersionNotice> parse_notice(MsgType type, const Json& body, const MessageLimits& limits = MessageLimits{});
+Json to_json(const VersionNotice& n);
 
 }  // namespace refit::control

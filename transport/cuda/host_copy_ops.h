@@ -3,7 +3,8 @@
 // like a CUDA stream, optionally slowed down, so that the GPU path's logic
 // (the landing ring and the receiver's lander) runs for real on a machine
 // without a GPU: in the CPU tests, and in a receiver told to land its GETs
-// for host buffers in the landing ring (REFIT_LANDING_RING, docs/refresh.md).
+// for host buffers in the landing ring (the test-only config key
+// "test": {"force_landing_ring": true}, docs/receiver.md).
 
 #include <condition_variable>
 #include <deque>

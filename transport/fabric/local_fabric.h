@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "planner/plan_epoch.h"
 #include "planner/status.h"
 
 namespace refit::fabric {
@@ -78,7 +79,7 @@ struct DomainMember {
 
 struct Schedule {
   int64_t version = 0;
-  uint64_t epoch = 0;  // the membership epoch of the plan: every rank of the domain must run the same
+  PlanEpoch epoch;  // the plan's: every rank of the domain must run the same
   // Every receiver of the domain in rank order, this rank included: a fabric
   // that needs the whole domain (one NCCL communicator per membership) builds
   // it from this list; the UCX fabric needs only `peers`.

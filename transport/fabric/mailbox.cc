@@ -9,7 +9,7 @@
 
 namespace refit::fabric::mailbox {
 
-Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uint64_t epoch,
+Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, PlanEpoch epoch,
             std::chrono::steady_clock::time_point deadline, const std::atomic<bool>* cancel) {
   const uint64_t want = flag(version, epoch, false);
   std::vector<int32_t> waiting(from.begin(), from.end());
@@ -23,10 +23,12 @@ Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uin
       if ((v >> (kEpochBits + 1)) == static_cast<uint64_t>(version)) {
         if (v & 1) {
           return Status::io_error("local fabric: receiver rank " + std::to_string(waiting[i]) +
-                                  " of this domain failed to pass on its slices");
+                                  " of this domain failed to pass on its slices")
+              .with_reason(Reason::kPeerLost);
         }
         return Status::invalid("local fabric: receiver rank " + std::to_string(waiting[i]) +
-                               " executed the plan of another membership; retry the refresh");
+                               " executed the plan of another membership; retry the refresh")
+            .with_reason(Reason::kStaleMembership);
       }
       ++i;
     }
@@ -46,7 +48,7 @@ Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uin
 }
 
 Status await_accepting(const std::function<Status(uint64_t* word)>& read, int32_t rank, int64_t version,
-                       uint64_t epoch, std::chrono::steady_clock::time_point deadline,
+                       PlanEpoch epoch, std::chrono::steady_clock::time_point deadline,
                        const std::atomic<bool>* cancel) {
   while (true) {
     uint64_t word = 0;
@@ -77,7 +79,7 @@ Status await_accepting(const std::function<Status(uint64_t* word)>& read, int32_
   }
 }
 
-void Fence::close(uint64_t* slots, std::span<const Sender> senders, int64_t version, uint64_t epoch, bool ok) {
+void Fence::close(uint64_t* slots, std::span<const Sender> senders, int64_t version, PlanEpoch epoch, bool ok) {
   const uint64_t keep = flag(version, epoch, false);
   for (const Sender& s : senders) {
     std::atomic_ref<uint64_t> slot(slots[slot_of(s.rank)]);
@@ -128,7 +130,7 @@ Status Fence::wait(uint64_t* slots, int64_t version, std::chrono::steady_clock::
       return Status::timeout("local fabric: receiver rank " + std::to_string(pending->sender.rank) +
                              " may still be writing version " + std::to_string(pending->version) +
                              " into this rank's buffers (its attempt under membership epoch " +
-                             std::to_string(pending->epoch) +
+                             std::to_string(pending->epoch.counter) + (pending->epoch.solo ? " (solo)" : "") +
                              " has not ended), so this rank cannot take version " + std::to_string(version) +
                              " yet; retry the refresh");
     }

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "planner/plan_epoch.h"
 #include "planner/status.h"
 
 namespace refit::fabric::mailbox {
@@ -51,13 +52,14 @@ inline constexpr int kEpochBits = 20;
 inline constexpr size_t kAcceptingWord = kSlots;
 inline constexpr size_t kWords = kSlots + 1;
 
-// The epoch's bits in a flag: its low 19 bits, and the coordinator's solo bit
-// (bit 32 of a plan's epoch) as bit 19, so that a solo attempt and the
-// domain's attempt of one membership are told apart.
-inline uint64_t epoch_bits(uint64_t epoch) {
-  return (epoch & ((uint64_t{1} << (kEpochBits - 1)) - 1)) | (((epoch >> 32) & 1) << (kEpochBits - 1));
+// The plan epoch's bits in a flag: the counter's low 19 bits, and the solo
+// flag as bit 19, so that a solo attempt and the domain's attempt of one
+// membership are told apart.
+inline uint64_t epoch_bits(PlanEpoch epoch) {
+  return (epoch.counter & ((uint64_t{1} << (kEpochBits - 1)) - 1)) |
+         (uint64_t{epoch.solo ? 1u : 0u} << (kEpochBits - 1));
 }
-inline uint64_t flag(int64_t version, uint64_t epoch, bool failed) {
+inline uint64_t flag(int64_t version, PlanEpoch epoch, bool failed) {
   return (static_cast<uint64_t>(version) << (kEpochBits + 1)) | (epoch_bits(epoch) << 1) | (failed ? 1 : 0);
 }
 inline size_t slot_of(int32_t rank) { return static_cast<size_t>(rank) % kSlots; }
@@ -66,7 +68,7 @@ inline int64_t version_of(uint64_t flag) { return static_cast<int64_t>(flag >> (
 // What a sender of attempt (version, epoch) does, given a peer's accepting
 // word: write, wait for the peer to begin the attempt, or stop.
 enum class Accepting { kWrite, kWait, kStop };
-inline Accepting accepting(uint64_t word, int64_t version, uint64_t epoch) {
+inline Accepting accepting(uint64_t word, int64_t version, PlanEpoch epoch) {
   const uint64_t open = flag(version, epoch, false);
   if (word == open) return Accepting::kWrite;
   if (word == (open | 1) || (word >> 1) > (open >> 1)) return Accepting::kStop;
@@ -74,7 +76,7 @@ inline Accepting accepting(uint64_t word, int64_t version, uint64_t epoch) {
 }
 // Whether a slot's value shows that the sender ended its attempt (version,
 // epoch), ok or failed, or a later version (its attempts run one at a time).
-inline bool ended(uint64_t value, int64_t version, uint64_t epoch) {
+inline bool ended(uint64_t value, int64_t version, PlanEpoch epoch) {
   if (value == 0) return false;
   if (version_of(value) > version) return true;
   return (value | 1) == flag(version, epoch, true);
@@ -84,7 +86,7 @@ inline bool ended(uint64_t value, int64_t version, uint64_t epoch) {
 // (kSlots of them, written by other processes), polling every 100 us until
 // `deadline` or `*cancel`. Fails at once when a sender flagged this version
 // failed or with another epoch; the message names the rank.
-Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uint64_t epoch,
+Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, PlanEpoch epoch,
             std::chrono::steady_clock::time_point deadline, const std::atomic<bool>* cancel = nullptr);
 
 // A sender of attempt (version, epoch) before a batch of writes to receiver
@@ -92,7 +94,7 @@ Status wait(uint64_t* slots, std::span<const int32_t> from, int64_t version, uin
 // (ok) or to stop (an error naming the rank), every 100 us until `deadline`
 // or `*cancel`.
 Status await_accepting(const std::function<Status(uint64_t* word)>& read, int32_t rank, int64_t version,
-                       uint64_t epoch, std::chrono::steady_clock::time_point deadline,
+                       PlanEpoch epoch, std::chrono::steady_clock::time_point deadline,
                        const std::atomic<bool>* cancel);
 
 // The senders that may still be writing into this rank (see the fence above).
@@ -120,7 +122,7 @@ class Fence {
   // meanwhile stays for wait() to find. A sender seen to end the attempt is
   // forgotten (with any earlier attempt of it: its attempts run one at a
   // time).
-  void close(uint64_t* slots, std::span<const Sender> senders, int64_t version, uint64_t epoch, bool ok);
+  void close(uint64_t* slots, std::span<const Sender> senders, int64_t version, PlanEpoch epoch, bool ok);
   // Before this rank accepts writes for `version`: waits until every
   // remembered sender of another version has ended that attempt (its flag,
   // or Sender::over), polling every 100 us until `deadline` or `*cancel`. A
@@ -134,7 +136,7 @@ class Fence {
   struct Open {
     Sender sender;
     int64_t version = 0;
-    uint64_t epoch = 0;
+    PlanEpoch epoch;
   };
   std::vector<Open> open_;
 };

@@ -400,7 +400,8 @@ void NcclFabric::rounds() {
         moved = true;
         if (peer_failed.is_ok()) {
           peer_failed = Status::io_error("nccl fabric: receiver rank " + std::to_string(ranks_[p]) +
-                                         " of this domain failed to pass on its slices");
+                                         " of this domain failed to pass on its slices")
+                            .with_reason(Reason::kPeerLost);
         }
         continue;
       }

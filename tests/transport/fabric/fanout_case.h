@@ -86,7 +86,7 @@ inline Schedule schedule_of(const FanoutCase& c, int32_t rank, const std::vector
                             const std::vector<RankFabric>& fabrics, int64_t version) {
   Schedule s;
   s.version = version;
-  s.epoch = 1;
+  s.epoch = PlanEpoch{1, false};
   std::vector<uint32_t> peer_of(c.ranks, kSelf);
   for (int32_t r = 0; r < c.ranks; ++r) {
     s.domain.push_back(DomainMember{r, fabrics[r].contact});

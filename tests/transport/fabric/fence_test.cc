@@ -21,27 +21,27 @@ using namespace std::chrono_literals;
 constexpr uint64_t kBytes = 4096;
 
 TEST(Mailbox, AcceptingWordTellsASenderToWriteWaitOrStop) {
-  const uint64_t open = mailbox::flag(3, 7, false);
-  EXPECT_EQ(mailbox::accepting(open, 3, 7), mailbox::Accepting::kWrite);
-  EXPECT_EQ(mailbox::accepting(0, 3, 7), mailbox::Accepting::kWait);                             // not begun
-  EXPECT_EQ(mailbox::accepting(mailbox::flag(2, 7, true), 3, 7), mailbox::Accepting::kWait);     // earlier version
-  EXPECT_EQ(mailbox::accepting(mailbox::flag(3, 6, false), 3, 7), mailbox::Accepting::kWait);    // earlier epoch
-  EXPECT_EQ(mailbox::accepting(open | 1, 3, 7), mailbox::Accepting::kStop);                       // over there
-  EXPECT_EQ(mailbox::accepting(mailbox::flag(4, 1, false), 3, 7), mailbox::Accepting::kStop);    // went on
-  EXPECT_EQ(mailbox::accepting(mailbox::flag(3, 7 | (uint64_t{1} << 32), false), 3, 7),           // went solo
+  const uint64_t open = mailbox::flag(3, PlanEpoch{7}, false);
+  EXPECT_EQ(mailbox::accepting(open, 3, PlanEpoch{7}), mailbox::Accepting::kWrite);
+  EXPECT_EQ(mailbox::accepting(0, 3, PlanEpoch{7}), mailbox::Accepting::kWait);                             // not begun
+  EXPECT_EQ(mailbox::accepting(mailbox::flag(2, PlanEpoch{7}, true), 3, PlanEpoch{7}), mailbox::Accepting::kWait);     // earlier version
+  EXPECT_EQ(mailbox::accepting(mailbox::flag(3, PlanEpoch{6}, false), 3, PlanEpoch{7}), mailbox::Accepting::kWait);    // earlier epoch
+  EXPECT_EQ(mailbox::accepting(open | 1, 3, PlanEpoch{7}), mailbox::Accepting::kStop);                       // over there
+  EXPECT_EQ(mailbox::accepting(mailbox::flag(4, PlanEpoch{1}, false), 3, PlanEpoch{7}), mailbox::Accepting::kStop);    // went on
+  EXPECT_EQ(mailbox::accepting(mailbox::flag(3, PlanEpoch{7, true}, false), 3, PlanEpoch{7}),           // went solo
             mailbox::Accepting::kStop);
 }
 
 TEST(Mailbox, CloseClearsTheSlotsAndRemembersSendersWithoutTheirFlag) {
   std::vector<uint64_t> slots(mailbox::kWords, 0);
   const std::vector<mailbox::Fence::Sender> senders = {{1, nullptr}, {2, nullptr}, {3, nullptr}};
-  slots[1] = mailbox::flag(5, 2, false);  // finished
-  slots[2] = mailbox::flag(5, 2, true);   // failed: ended too
-  slots[3] = mailbox::flag(4, 2, false);  // a stale flag: rank 3 may still write version 5
+  slots[1] = mailbox::flag(5, PlanEpoch{2}, false);  // finished
+  slots[2] = mailbox::flag(5, PlanEpoch{2}, true);   // failed: ended too
+  slots[3] = mailbox::flag(4, PlanEpoch{2}, false);  // a stale flag: rank 3 may still write version 5
   mailbox::Fence fence;
-  fence.close(slots.data(), senders, 5, 2, /*ok=*/false);
+  fence.close(slots.data(), senders, 5, PlanEpoch{2}, /*ok=*/false);
   EXPECT_EQ(fence.open(), 1u);
-  EXPECT_EQ(slots[1], mailbox::flag(5, 2, false)) << "a retry of the attempt keeps what a peer finished";
+  EXPECT_EQ(slots[1], mailbox::flag(5, PlanEpoch{2}, false)) << "a retry of the attempt keeps what a peer finished";
   EXPECT_EQ(slots[2], 0u);
   EXPECT_EQ(slots[3], 0u);
 
@@ -51,7 +51,7 @@ TEST(Mailbox, CloseClearsTheSlotsAndRemembersSendersWithoutTheirFlag) {
   Status st = fence.wait(slots.data(), 6, std::chrono::steady_clock::now() + 20ms);
   ASSERT_EQ(st.code(), Code::kTimeout);
   EXPECT_NE(st.message().find("receiver rank 3 may still be writing version 5"), std::string::npos) << st.message();
-  slots[3] = mailbox::flag(5, 2, true);
+  slots[3] = mailbox::flag(5, PlanEpoch{2}, true);
   EXPECT_TRUE(fence.wait(slots.data(), 6, std::chrono::steady_clock::now() + 1s).is_ok());
   EXPECT_EQ(fence.open(), 0u);
   EXPECT_EQ(slots[3], 0u) << "the flag that ended the wait is consumed";
@@ -59,17 +59,17 @@ TEST(Mailbox, CloseClearsTheSlotsAndRemembersSendersWithoutTheirFlag) {
   // A sender whose attempt is over by other signs (Sender::over) ends the wait too.
   std::atomic<bool> over{false};
   const std::vector<mailbox::Fence::Sender> one = {{9, [&](uint64_t open) {
-                                                      EXPECT_EQ(open, mailbox::flag(6, 2, false));
+                                                      EXPECT_EQ(open, mailbox::flag(6, PlanEpoch{2}, false));
                                                       return over.load();
                                                     }}};
-  fence.close(slots.data(), one, 6, 2, /*ok=*/false);
+  fence.close(slots.data(), one, 6, PlanEpoch{2}, /*ok=*/false);
   EXPECT_EQ(fence.wait(slots.data(), 7, std::chrono::steady_clock::now() + 20ms).code(), Code::kTimeout);
   over = true;
   EXPECT_TRUE(fence.wait(slots.data(), 7, std::chrono::steady_clock::now() + 1s).is_ok());
 
   // After an attempt that succeeded every slot is cleared.
-  slots[1] = mailbox::flag(7, 2, false);
-  fence.close(slots.data(), std::vector<mailbox::Fence::Sender>{{1, nullptr}}, 7, 2, /*ok=*/true);
+  slots[1] = mailbox::flag(7, PlanEpoch{2}, false);
+  fence.close(slots.data(), std::vector<mailbox::Fence::Sender>{{1, nullptr}}, 7, PlanEpoch{2}, /*ok=*/true);
   EXPECT_EQ(slots[1], 0u);
   EXPECT_EQ(fence.open(), 0u);
 }
@@ -104,10 +104,11 @@ class Fence : public ::testing::TestWithParam<std::string> {
 
   // Rank 0 sends its whole buffer to rank 1's; `solo`: rank 1's part of a
   // solo plan (no peers).
-  Schedule schedule(int32_t rank, int64_t version, uint64_t epoch, bool solo = false) {
+  // `solo_epoch`: the epoch of the coordinator's solo plan.
+  Schedule schedule(int32_t rank, int64_t version, uint64_t epoch, bool solo = false, bool solo_epoch = false) {
     Schedule s;
     s.version = version;
-    s.epoch = epoch;
+    s.epoch = PlanEpoch{epoch, solo_epoch};
     if (solo) return s;
     const int32_t other = 1 - rank;
     Peer p;
@@ -242,7 +243,7 @@ TEST_P(Fence, ARetryOfTheSameVersionDoesNotWait) {
   f(1).end();
   // Rank 1 retries version 1 solo while rank 0 is still in its attempt.
   const auto start = Clock::now();
-  const Schedule b1_solo = schedule(1, 1, 2 | (uint64_t{1} << 32), /*solo=*/true);
+  const Schedule b1_solo = schedule(1, 1, 2, /*solo=*/true, /*solo_epoch=*/true);
   EXPECT_TRUE(f(1).begin(b1_solo, Clock::now() + 20s).is_ok());
   EXPECT_LT(Clock::now() - start, 5s);
   EXPECT_TRUE(f(1).finish(false).is_ok());

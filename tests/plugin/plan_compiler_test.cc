@@ -1,0 +1,185 @@
+// The plan compiler (plugin/receiver/plan_compiler.h) and the typed plan
+// part it reads (transport/control/messages.h): pure, no UCX.
+#include "plugin/receiver/plan_compiler.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <vector>
+
+namespace refit::plugin::receiver {
+namespace {
+
+using control::Json;
+using control::PlanPart;
+using control::PlanRun;
+using control::Role;
+
+constexpr int32_t kMe = 0;
+constexpr uint64_t kSourceAddress = 0x10000;
+
+// Rank 0 holds buffer "w" of 1024 bytes; source rank 5 holds "s" at
+// kSourceAddress; receiver rank 1 of the domain holds "w" too.
+class PlanCompiler : public ::testing::Test {
+ protected:
+  PlanCompiler() : memory_(1024) {
+    buffers_.push_back(LocalBuffer{"w", memory_.data(), memory_.size(), false});
+    part_.epoch = PlanEpoch{7, false};
+    part_.peers.sources.push_back({5, {1, 2, 3}, {{"s", kSourceAddress, {9, 9}}}});
+    part_.peers.receivers.push_back({1, {4, 5}, {{"w", 0x20000, {8}}}});
+    part_.peers.domain = {{0, {6}}, {1, {4, 5}}};
+  }
+  static PlanRun get(uint64_t from, uint64_t to, uint64_t bytes) {
+    return PlanRun{true, {Role::kSource, 5, "s", from}, {Role::kReceiver, kMe, "w", to}, bytes};
+  }
+  static PlanRun send(uint64_t from, int32_t to_rank, uint64_t to, uint64_t bytes) {
+    return PlanRun{false, {Role::kReceiver, kMe, "w", from}, {Role::kReceiver, to_rank, "w", to}, bytes};
+  }
+  Result<std::shared_ptr<const CompiledPart>> compile() {
+    return compile_plan(part_, kMe, buffers_, [this](int32_t rank, const std::string& buffer, const std::vector<uint8_t>&) {
+      ++asked_[{rank, buffer}];
+      return uint64_t{42};
+    });
+  }
+
+  std::vector<uint8_t> memory_;
+  std::vector<LocalBuffer> buffers_;
+  PlanPart part_;
+  std::map<std::pair<int32_t, std::string>, int> asked_;
+};
+
+TEST_F(PlanCompiler, AGetLandsInItsPlaceAndReleasesTheSendsThatReadIt) {
+  part_.runs = {get(100, 0, 512), send(0, 1, 64, 256)};
+  auto c = compile();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  const CompiledPart& p = **c;
+  ASSERT_EQ(p.gets.size(), 1u);
+  EXPECT_EQ(p.gets[0].source, 5);
+  EXPECT_EQ(p.gets[0].remote, kSourceAddress + 100);
+  EXPECT_EQ(p.gets[0].local, memory_.data());
+  EXPECT_EQ(p.gets[0].rkey_id, 42u);
+  EXPECT_EQ(p.gets[0].device, nullptr);
+  ASSERT_EQ(p.schedule.sends.size(), 1u);
+  EXPECT_EQ(p.schedule.sends[0].peer, 0u);
+  EXPECT_EQ(p.schedule.sends[0].offset, 64u);
+  EXPECT_EQ(p.send_deps, std::vector<uint32_t>{1});
+  EXPECT_EQ(p.dependents, std::vector<std::vector<uint32_t>>{{0}});
+  EXPECT_EQ(p.network_bytes, 512u);
+  EXPECT_EQ(p.local_bytes, 256u);
+  EXPECT_EQ(p.written, (std::vector<Ranges>{{{0, 512}}}));
+  EXPECT_EQ(p.schedule.epoch, part_.epoch);
+  EXPECT_EQ(p.schedule.domain.size(), 2u);
+  EXPECT_EQ((asked_[{5, "s"}]), 1) << "one rkey id per source buffer";
+}
+
+TEST_F(PlanCompiler, ASendSpanningTwoGetsWaitsForBoth) {
+  part_.runs = {get(0, 512, 512), get(512, 0, 512), send(256, 1, 0, 512), send(0, 1, 512, 64)};
+  auto c = compile();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_EQ((*c)->send_deps, (std::vector<uint32_t>{2, 1}));
+  EXPECT_EQ((*c)->dependents, (std::vector<std::vector<uint32_t>>{{0}, {0, 1}}));
+  EXPECT_EQ((*c)->written, (std::vector<Ranges>{{{0, 1024}}})) << "touching ranges merge";
+}
+
+TEST_F(PlanCompiler, ASendOfBytesThisRankNeverPullsIsRefused) {
+  part_.runs = {get(0, 0, 256), send(128, 1, 0, 256)};
+  auto c = compile();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("local run 0 passes on bytes that this rank does not pull"), std::string::npos)
+      << c.status().message();
+}
+
+TEST_F(PlanCompiler, ARunOutsideTheBufferIsRefusedNamingTheRun) {
+  part_.runs = {get(0, 0, 256), get(0, 1000, 25)};
+  auto c = compile();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("run 1 [1000, +25) lies outside buffer \"w\" (1024 bytes)"), std::string::npos)
+      << c.status().message();
+}
+
+TEST_F(PlanCompiler, ARunNamingAPeerThatIsNotListedIsRefused) {
+  PlanRun r = get(0, 0, 16);
+  r.from.rank = 6;
+  part_.runs = {r};
+  auto c = compile();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("source rank 6, which is not among the peers"), std::string::npos)
+      << c.status().message();
+  part_.runs = {send(0, 3, 0, 16)};
+  c = compile();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("receiver rank 3, which is not among the peers"), std::string::npos);
+}
+
+TEST_F(PlanCompiler, AGetThroughALandingSlotNamesItsPlaceOnTheDevice) {
+  buffers_[0].through_slot = true;
+  part_.runs = {get(0, 128, 256)};
+  auto c = compile();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_TRUE((*c)->through_slots);
+  EXPECT_EQ((*c)->gets[0].local, nullptr);
+  EXPECT_EQ((*c)->gets[0].device, memory_.data() + 128);
+}
+
+TEST_F(PlanCompiler, WhatAPeerSendsLandsInThisRanksBuffer) {
+  part_.runs = {PlanRun{false, {Role::kReceiver, 1, "w", 0}, {Role::kReceiver, kMe, "w", 512}, 128}};
+  auto c = compile();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_EQ((*c)->schedule.recvs.size(), 1u);
+  EXPECT_EQ((*c)->schedule.recvs[0].dst, memory_.data() + 512);
+  EXPECT_EQ((*c)->written, (std::vector<Ranges>{{{512, 128}}}));
+  EXPECT_TRUE((*c)->gets.empty());
+}
+
+// The wire form: what the coordinator serializes, the receiver parses back
+// to the same part; a bad field is refused by its name.
+TEST(PlanMessages, APartRoundTripsThroughItsJson) {
+  PlanPart p;
+  p.version = 3;
+  p.epoch = PlanEpoch{12, true};
+  p.totals = control::PlanTotals{1000, 800, 200, true};
+  p.runs = {PlanRun{true, {Role::kSource, 2, "s", 8}, {Role::kReceiver, 0, "w", 16}, 64}};
+  p.peers.sources.push_back({2, {1, 2}, {{"s", 4096, {3}}}});
+  p.peers.domain = {{0, {7}}};
+  const Json j = control::to_json(p);
+  EXPECT_EQ(j["epoch"].get<uint64_t>(), 12 | PlanEpoch::kWireSoloBit);
+  Result<PlanPart> back = control::parse_plan_part(j);
+  ASSERT_TRUE(back.is_ok()) << back.status().message();
+  EXPECT_EQ(back->epoch, p.epoch);
+  EXPECT_EQ(control::to_json(*back), j);
+}
+
+TEST(PlanMessages, ABadFieldIsRefusedByItsName) {
+  PlanPart p;
+  p.epoch = PlanEpoch{1, false};
+  p.runs = {PlanRun{true, {Role::kSource, 2, "s", 8}, {Role::kReceiver, 0, "w", 16}, 64}};
+  Json j = control::to_json(p);
+  j["runs"][0]["from"]["side"] = "elsewhere";
+  Result<PlanPart> bad = control::parse_plan_part(j);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("runs[0].from.side must be \"source\" or \"receiver\""), std::string::npos)
+      << bad.status().message();
+  j = control::to_json(p);
+  j["runs"][0]["bytes"] = 0;
+  bad = control::parse_plan_part(j);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("runs[0].bytes must be positive"), std::string::npos) << bad.status().message();
+  j = control::to_json(p);
+  j["peers"]["sources"] = Json::array({Json{{"rank", -1}}});
+  bad = control::parse_plan_part(j);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("peers.sources[0].rank"), std::string::npos) << bad.status().message();
+}
+
+TEST(PlanMessages, AnAbortNoticeCarriesItsVersionAndReason) {
+  control::VersionNotice n{control::MsgType::kAbort, 2, 9, "receiver rank 1 failed"};
+  Result<control::VersionNotice> back = control::parse_notice(control::MsgType::kAbort, control::to_json(n));
+  ASSERT_TRUE(back.is_ok()) << back.status().message();
+  EXPECT_EQ(back->version, 9);
+  EXPECT_EQ(back->instance, 2);
+  EXPECT_EQ(back->reason, "receiver rank 1 failed");
+  EXPECT_FALSE(control::parse_notice(control::MsgType::kCommit, Json{{"version", "9"}}).is_ok());
+}
+
+}  // namespace
+}  // namespace refit::plugin::receiver
