@@ -286,7 +286,7 @@ Status RefreshSession::verify(int64_t version, Clock::time_point deadline, Refre
     }
     const Buffer& b = buffers[bi];
     const control::Segment& seg = b.part.segments[si];
-    const std::optional<DType> dt = parse_dtype(b.part.dtype);
+    const std::optional<DType> dt = parse_dtype(seg.dtype.empty() ? b.part.dtype : seg.dtype);
     const int elem = dt ? dtype_bytes(*dt) : 1;
     const std::vector<int64_t> start = h.value("start", std::vector<int64_t>());
     const std::vector<int64_t> size = h.value("size", std::vector<int64_t>());
