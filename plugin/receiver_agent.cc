@@ -78,9 +78,10 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   return Status::ok();
 }
 
-Status ReceiverAgent::join() { return join_until(Clock::time_point::max()); }
-
-Status ReceiverAgent::join_until(Clock::time_point deadline) {
+// Registration is not bounded by a refresh's deadline: a registration the
+// coordinator applied but whose reply came too late would leave the rank
+// registered there and not here, refused at its next try.
+Status ReceiverAgent::join() {
   if (joined_ && link_->dropped()) joined_ = false;  // declared dead: the coordinator holds nothing of it
   if (joined_ && !changed_) {
     enter(ReceiverState::kJoined);
@@ -90,12 +91,11 @@ Status ReceiverAgent::join_until(Clock::time_point deadline) {
   const control::MemberRef me{control::Role::kReceiver, config_.rank};
   if (joined_) {
     link_->stop_heartbeat();
-    Result<Json> r = link_->request(MsgType::kUnregister, control::to_json(me), deadline);
+    Result<Json> r = link_->request(MsgType::kUnregister, control::to_json(me));
     if (!r.is_ok()) return r.status().with_context("re-registering");
     joined_ = false;
   }
-  Result<Json> r =
-      link_->request(MsgType::kRegisterReceiver, control::to_json(resources_->registration(config_)), deadline);
+  Result<Json> r = link_->request(MsgType::kRegisterReceiver, control::to_json(resources_->registration(config_)));
   if (!r.is_ok()) return r.status();
   joined_ = true;
   changed_ = false;
@@ -169,7 +169,7 @@ Status ReceiverAgent::attempts(int64_t version, Clock::time_point deadline, rece
   bool touched = false;  // some attempt began its transfer (direct: the buffers may be torn)
   while (true) {
     *report = receiver::RefreshReport{};
-    Status st = join_until(deadline);
+    Status st = join();
     if (st.is_ok()) st = session.attempt(version, deadline, &compiled_, report);
     if (resources_->fabric().contact_changed()) changed_ = true;  // registered anew before the next attempt
     touched = touched || report->touched;

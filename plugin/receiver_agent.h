@@ -95,8 +95,6 @@ class ReceiverAgent {
  private:
   explicit ReceiverAgent(AgentConfig config);
   void enter(receiver::ReceiverState s) { state_.store(s); }
-  // join(), its coordinator calls bounded by `deadline` too (a refresh's).
-  Status join_until(std::chrono::steady_clock::time_point deadline);
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
   Status attempts(int64_t version, std::chrono::steady_clock::time_point deadline, receiver::RefreshReport* report);
   void finish(const Status& status, const receiver::RefreshReport& report);

@@ -479,9 +479,11 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
 
 /**
  * Fills the buffers with `version` (or REFIT_LATEST), blocking until done,
- * failed, or `timeout_ms` passed. The deadline covers everything the
- * refresh does, its coordinator calls included; a refresh that failed at
- * its deadline takes at most 500 ms more to release its lease. Failures a
+ * failed, or `timeout_ms` passed. The deadline covers the refresh's
+ * coordinator calls too, but for three whose answer must be read once sent:
+ * the registration (join), the staged report and the withdrawal (staged
+ * mode, below); a refresh that failed at its deadline takes at most 500 ms
+ * more to release its lease. Failures a
  * server may act on: REFIT_PEER_LOST (a peer died or left, and the retries
  * until the deadline did not get past it), REFIT_ABORTED (staged: the
  * instance aborted the version), REFIT_VERIFY_FAILED ("verify": the bytes

@@ -186,6 +186,13 @@ Result<RefreshSession::Lease> RefreshSession::lease(int64_t requested, Clock::ti
       return Lease{version, std::chrono::milliseconds(leased->value("timeout_ms", int64_t{60000}))};
     }
     const Status& refused = leased.status();
+    if (refused.code() == Code::kTimeout) {
+      // The coordinator may have granted it after all: released, or the
+      // sources would wait for it to expire.
+      (void)link_.request(MsgType::kRelease, Json{{"rank", config_.rank}, {"version", version}},
+                          std::max(deadline, Clock::now()) + kReleaseGrace);
+      return refused;
+    }
     if (requested == -1 && refused.reason() == Reason::kDrained) {
       // The sources are overwriting it: the latest is the next version.
       drained = refused.message();
