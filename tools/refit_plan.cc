@@ -524,6 +524,8 @@ std::string summary_table(const ordered_json& j) {
     std::string value;
     if (it->is_string()) {
       value = it->get<std::string>();
+    } else if (it->is_boolean()) {
+      value = it->get<bool>() ? "yes" : "no";
     } else if (it->is_number_float()) {
       value = fixed(it->get<double>(), 6);
     } else {

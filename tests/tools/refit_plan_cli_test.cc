@@ -417,16 +417,37 @@ TEST_F(RefitPlanCli, GetStatisticsInTheSummary) {
   // kLayout: each w unit (10 rows x 3 of 6 columns) comes as two pieces of
   // 5 rows, each row its own 6-byte run (the source holds whole rows); q is
   // one 32-byte run. The two w units go to receivers 2 and 1, q to 0.
+  // Grouped (the agents' default, docs/refresh.md "Gathers"): each w unit's
+  // rows from one source are one gather of 30 bytes, so 2 per receiver.
   const std::string l = write("l.json", kLayout);
   const Outcome r = run({"--layout", l, "--json", "-"});
   ASSERT_EQ(r.code, 0) << r.err;
   const json s = json::parse(r.out);
-  EXPECT_EQ(s["gets"], 21);
-  EXPECT_EQ(s["gets_per_receiver_max"], 10);
+  EXPECT_EQ(s["gets"], 5);
+  EXPECT_EQ(s["gets_per_receiver_max"], 2);
   EXPECT_EQ(s["gets_busiest_receiver"], 1);
-  EXPECT_EQ(s["get_bytes_median"], 6);
-  EXPECT_EQ(s["get_bytes_min"], 6);
+  EXPECT_EQ(s["get_bytes_median"], 30);
+  EXPECT_EQ(s["get_bytes_min"], 30);
   EXPECT_EQ(s["get_bytes_max"], 32);
+  EXPECT_EQ(s["gathers"], 4);
+  EXPECT_EQ(s["gathered_runs"], 20);
+  EXPECT_EQ(s["gather_unpacked"], 0);
+  EXPECT_EQ(s["ungrouped_gets"], 21);
+  EXPECT_EQ(s["ungrouped_gets_per_receiver_max"], 10);
+  EXPECT_EQ(s["ungrouped_get_bytes_median"], 6);
+  // Without grouping, every run is its own GET.
+  const Outcome off = run({"--layout", l, "--no-gather", "--json", "-"});
+  ASSERT_EQ(off.code, 0) << off.err;
+  const json o = json::parse(off.out);
+  EXPECT_EQ(o["gets"], 21);
+  EXPECT_EQ(o["gets_per_receiver_max"], 10);
+  EXPECT_EQ(o["get_bytes_median"], 6);
+  EXPECT_EQ(o["get_bytes_min"], 6);
+  EXPECT_EQ(o["gathers"], 0);
+  // A gather bound smaller than a row: the 20 rows and q travel unpacked, counted.
+  const Outcome small = run({"--layout", l, "--gather-bytes", "4", "--json", "-"});
+  ASSERT_EQ(small.code, 0) << small.err;
+  EXPECT_EQ(json::parse(small.out)["gather_unpacked"], 21);
   // The broadcast baseline has no runs, so no GET figures.
   const Outcome b = run({"--layout", l, "--strategy", "broadcast", "--json", "-"});
   ASSERT_EQ(b.code, 0) << b.err;
