@@ -161,6 +161,15 @@ class Coordinator::Impl {
   asio::thread_pool planner_{1};  // runs compute_plan; touches no member
   bool planning_ = false;
   std::vector<std::pair<std::weak_ptr<Session>, FetchPlan>> pending_fetches_;  // paused sessions, their requests
+  // Per receiver rank: the runs and peers of its part, as the typed
+  // messages serialize them (messages.h), for the plan epoch they were made
+  // for. Made once per epoch, so that a fetch costs the I/O thread a copy,
+  // not a parse and a rebuild of a part of maybe a million runs.
+  struct PartReply {
+    uint64_t epoch = 0;
+    Json runs, peers;
+  };
+  std::map<int32_t, PartReply> part_replies_;
   uint64_t next_id_ = 1;
   uint64_t refused_ = 0;
   // Bytes the sessions hold: their queued output and their decoders' input.
@@ -838,22 +847,30 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
     s.reply("fetch_plan", to_json(reply_part));
     return;
   }
-  if (st.is_ok()) {
+  PartReply& cached = part_replies_[request.rank];
+  if (st.is_ok() && (cached.epoch != reply_part.epoch.wire() || cached.runs.is_null())) {
     Result<std::vector<PlanRun>> runs = parse_plan_runs(*part);
     Result<PlanPeers> peers = runs.is_ok() ? parse_plan_peers(state_.peers_of(request.rank, *part)) : runs.status();
     st = peers.status();
     if (st.is_ok()) {
-      reply_part.runs = std::move(runs).value();
-      reply_part.peers = std::move(peers).value();
+      PlanPart typed;
+      typed.runs = std::move(runs).value();
+      typed.peers = std::move(peers).value();
+      Json j = to_json(typed);
+      cached = PartReply{reply_part.epoch.wire(), std::move(j["runs"]), std::move(j["peers"])};
     }
   }
   if (!st.is_ok()) {  // the coordinator's own plan does not fit the message: a bug
+    part_replies_.erase(request.rank);
     const Status bug = Status::internal("the coordinator's plan part does not fit its message: " + st.message());
     log("refused a request from " + s.peer() + ": " + bug.message());
     s.reply("fetch_plan", reply(bug));
     return;
   }
-  s.reply("fetch_plan", to_json(reply_part));
+  Json body = to_json(reply_part);
+  body["runs"] = cached.runs;
+  body["peers"] = cached.peers;
+  s.reply("fetch_plan", body);
 }
 
 // Planning a cluster-scale layout takes seconds: it runs on planner_, one

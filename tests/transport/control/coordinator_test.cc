@@ -361,7 +361,10 @@ TEST_F(SlowReaders, DroppedAtTheWriteDeadline) {
   EXPECT_LT(took, 8000ms);
   const std::string line = wait_log({"refused 127.0.0.1:", "did not take a reply within 500 ms; dropped"});
   EXPECT_NE(line, "");
-  EXPECT_GT(served_, 5) << "the other client was served meanwhile";
+  // Served meanwhile: a heartbeat every 20 ms plus its wait behind replies
+  // of about 450 KB each (100 to 170 ms on a loaded 2-core machine), for as
+  // long as the slow reader lasts (0.7 to 5 s).
+  EXPECT_GE(served_, 3) << "the other client was served meanwhile";
   EXPECT_EQ(wait_buffered(*co_, 0), 0u) << "its queued replies are freed";
   EXPECT_TRUE(src_->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}}).is_ok());
   expect_serving();
