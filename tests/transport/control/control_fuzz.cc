@@ -40,14 +40,14 @@ void parse_request(const Frame& f, const MessageLimits& lim) {
     // What the coordinator sends a receiver, which parses it as untrusted:
     // a plan part that parses serializes to one that parses again.
     case MsgType::kReply: {
-      Result<PlanPart> part = parse_plan_part(f.body, lim);
+      refit::Result<PlanPart> part = parse_plan_part(f.body, lim);
       if (part.is_ok() && !parse_plan_part(to_json(*part), lim).is_ok()) __builtin_trap();
       break;
     }
     case MsgType::kVersionNotify:
     case MsgType::kCommit:
     case MsgType::kAbort: {
-      Result<VersionNotice> n = parse_notice(f.type, f.body, lim);
+      refit::Result<VersionNotice> n = parse_notice(f.type, f.body, lim);
       if (n.is_ok() && !parse_notice(f.type, to_json(*n), lim).is_ok()) __builtin_trap();
       break;
     }
