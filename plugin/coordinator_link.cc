@@ -146,6 +146,9 @@ Status CoordinatorLink::connect_once(Clock::time_point deadline, std::unique_loc
     control::ClientOptions options;
     options.timeout = left;
     options.role = role_;
+    options.on_cut = [this](const std::string& why, milliseconds pause) {
+      log_.warn("coordinator connection: " + why + "; made again in " + std::to_string(pause.count()) + " ms");
+    };
     client = control::Client::connect(config_.coordinator.host, port_, credential_, options);
   }
   lock.lock();

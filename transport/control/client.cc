@@ -1,6 +1,7 @@
 #include "transport/control/client.h"
 
 #include <boost/asio.hpp>
+#include <thread>
 
 #include "transport/control/auth.h"
 
@@ -79,12 +80,17 @@ class Client::Impl {
     }
   }
 
+  bool cut() const { return cut_; }
+
   Status authenticate(const Credential& credential) {
     const AuthRole role = options_.role;
     Result<Mac> key = credential.key_for(role);
     if (!key.is_ok()) return key.status();
     Result<Frame> ch = read_frame(options_.timeout);
-    if (!ch.is_ok()) return ch.status().with_context("auth: waiting for the challenge");
+    if (!ch.is_ok()) {
+      cut_ = ch.status().code() == Code::kIoError;
+      return ch.status().with_context("auth: waiting for the challenge");
+    }
     const Json& b = ch->body;
     if (ch->type != MsgType::kChallenge || !b.is_object() || !b.contains("nonce") || !b["nonce"].is_binary() ||
         b["nonce"].get_binary().size() != kNonceBytes) {
@@ -96,14 +102,19 @@ class Client::Impl {
     if (!client.is_ok()) return client.status();
     Result<Mac> mac = client_proof(*key, role, server, *client);
     if (!mac.is_ok()) return mac.status();
-    REFIT_RETURN_IF_ERROR(send_frame(MsgType::kAuthResponse,
-                                     Json{{"role", auth_role_name(role)},
-                                          {"nonce", Json::binary(std::vector<uint8_t>(client->begin(), client->end()))},
-                                          {"mac", Json::binary(std::vector<uint8_t>(mac->begin(), mac->end()))}}));
+    Status sent = send_frame(MsgType::kAuthResponse,
+                             Json{{"role", auth_role_name(role)},
+                                  {"nonce", Json::binary(std::vector<uint8_t>(client->begin(), client->end()))},
+                                  {"mac", Json::binary(std::vector<uint8_t>(mac->begin(), mac->end()))}});
+    if (!sent.is_ok()) {
+      cut_ = sent.code() == Code::kIoError;
+      return sent;
+    }
     Result<Frame> ok = read_frame(options_.timeout);
     if (!ok.is_ok()) {
-      return Status::invalid(std::string("auth: the coordinator refused the credential for the role \"") +
-                             auth_role_name(role) + "\" (" + ok.status().message() + ")");
+      cut_ = ok.status().code() == Code::kIoError;
+      return ok.status().with_context(std::string("auth: waiting for the answer to the proof for the role \"") +
+                                      auth_role_name(role) + "\"");
     }
     if (ok->type == MsgType::kError) {
       const Json& e = ok->body;
@@ -196,6 +207,9 @@ class Client::Impl {
   }
 
   ClientOptions options_;
+  // The last authenticate() failed on the connection itself (closed, reset,
+  // silent), not on what the coordinator said.
+  bool cut_ = false;
   asio::io_context io_;
   tcp::socket socket_;
   FrameDecoder decoder_;
@@ -241,10 +255,18 @@ Result<std::unique_ptr<Client>> Client::connect_raw(const std::string& host, uin
 
 Result<std::unique_ptr<Client>> Client::connect(const std::string& host, uint16_t port, const Credential& credential,
                                                 ClientOptions options) {
-  auto impl = std::make_unique<Impl>(options);
-  REFIT_RETURN_IF_ERROR(impl->connect(host, port));
-  REFIT_RETURN_IF_ERROR(impl->authenticate(credential));
-  return std::unique_ptr<Client>(new Client(std::move(impl)));
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  for (std::chrono::milliseconds pause(20);; pause = std::min(pause * 2, std::chrono::milliseconds(500))) {
+    auto impl = std::make_unique<Impl>(options);
+    REFIT_RETURN_IF_ERROR(impl->connect(host, port));
+    Status st = impl->authenticate(credential);
+    if (st.is_ok()) return std::unique_ptr<Client>(new Client(std::move(impl)));
+    const auto now = std::chrono::steady_clock::now();
+    if (!options.on_cut || !impl->cut() || now + pause >= deadline) return st;
+    options.on_cut(st.message(), pause);
+    std::this_thread::sleep_for(pause);
+    options.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - (now + pause));
+  }
 }
 
 Result<std::unique_ptr<Client>> Client::connect(const std::string& host, uint16_t port, const std::string& token,

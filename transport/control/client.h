@@ -15,6 +15,7 @@
 // (release()), for a connection that a reader thread of its own serves.
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -30,6 +31,12 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{10000};  // per call
   DecoderLimits decoder;
   AuthRole role = AuthRole::kAny;  // the role claimed; a role key must be this role's
+  // When set, a connection the coordinator closes before it authenticated
+  // (a coordinator short of descriptors drops unauthenticated connections,
+  // docs/security.md) is made again, with a pause growing from 20 ms to
+  // 500 ms, until `timeout` has passed in all; each cut is told here first.
+  // A refused credential is never tried again: the coordinator says so.
+  std::function<void(const std::string& why, std::chrono::milliseconds pause)> on_cut;
 };
 
 // An authenticated connection's state, handed over by Client::release().
@@ -43,8 +50,9 @@ struct AuthenticatedSocket {
 class Client {
  public:
   // Connects and authenticates with `credential` as options.role. Fails
-  // naming the step: connect, challenge, auth (the coordinator closes
-  // without a word on a wrong credential), or the coordinator's proof.
+  // naming the step: connect, challenge, auth (the coordinator refuses a
+  // wrong credential with an error frame; a close without one is a cut
+  // connection, see ClientOptions::on_cut), or the coordinator's proof.
   static Result<std::unique_ptr<Client>> connect(const std::string& host, uint16_t port,
                                                  const Credential& credential, ClientOptions options = {});
   // The same with the token itself.

@@ -424,8 +424,9 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  // The auth response: {role, nonce, mac} (auth.h). Anything else, or a
-  // proof that does not check out, closes the connection.
+  // The auth response: {role, nonce, mac} (auth.h). Anything else closes
+  // the connection; a proof that does not check out is refused with an
+  // error frame, then closed.
   void authenticate(const Frame& frame) {
     if (frame.type != MsgType::kAuthResponse) {
       close(std::string("sent ") + type_name(frame.type) + " before authenticating", true);
@@ -441,9 +442,11 @@ class Session : public std::enable_shared_from_this<Session> {
     const Mac& key = co_.key_of(role);
     Result<Mac> expected = client_proof(key, role, nonce_, client);
     if (!expected.is_ok() || !mac_equal_bytes(*expected, response->mac.data())) {
-      close(std::string("auth: wrong credential for the role \"") + auth_role_name(role) +
-                "\" (its proof over the challenge does not match)",
-            true);
+      // Said, not just closed: a member tells a refusal from a connection
+      // dropped while it authenticated, which it makes again. The word
+      // tells a stranger nothing a close would not.
+      refuse_and_close(std::string("auth: wrong credential for the role \"") + auth_role_name(role) +
+                       "\" (its proof over the challenge does not match)");
       return;
     }
     if (co_.authenticated_count() >= co_.config_.max_connections) {

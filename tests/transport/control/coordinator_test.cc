@@ -447,13 +447,32 @@ TEST_F(Coordinators, RefusesWrongToken) {
   start();
   auto c = Client::connect("127.0.0.1", co_->port(), "not-the-token-0123456789");
   ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.status().message().find("auth: the coordinator refused the credential"), std::string::npos)
+  EXPECT_NE(c.status().message().find("auth: the coordinator refused the connection: auth: wrong credential"),
+            std::string::npos)
       << c.status().message();
   EXPECT_NE(wait_log({"refused 127.0.0.1:", "auth: wrong credential for the role \"any\""}), "");
   expect_serving();
   auto st = co_->stats();
   ASSERT_TRUE(st.is_ok());
   EXPECT_GE(st->refused, 1u);
+}
+
+// A member makes a connection cut while it authenticates again
+// (ClientOptions::on_cut), but never a refused credential: the coordinator
+// says "wrong credential", and the client gives up at once.
+TEST_F(Coordinators, AWrongTokenIsNotTriedAgain) {
+  start();
+  ClientOptions options;
+  options.timeout = 5s;
+  int cuts = 0;
+  options.on_cut = [&](const std::string&, std::chrono::milliseconds) { ++cuts; };
+  const auto t0 = std::chrono::steady_clock::now();
+  auto c = Client::connect("127.0.0.1", co_->port(), "not-the-token-0123456789", options);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("wrong credential"), std::string::npos) << c.status().message();
+  EXPECT_EQ(cuts, 0);
+  EXPECT_LT(took, 2s) << "a refused credential was tried again";
 }
 
 TEST_F(Coordinators, RefusesRandomBytes) {
