@@ -39,7 +39,11 @@
  *                      role and checks that the coordinator holds that role's
  *                      key too; every frame after is sealed (docs/security.md).
  *                      A broken connection is made again, and the member
- *                      registered again, by the next call within its deadline.
+ *                      registered again, by the next call within its deadline;
+ *                      once the coordinator has seen the old connection close,
+ *                      the same registration takes the member over at once,
+ *                      its lease and plan kept (else it waits for the old
+ *                      member's heartbeat timeout).
  *        "embedded"    bool [false]: start the coordinator inside this process,
  *                      listening on "address", before connecting to it (needs
  *                      the token in "token_file", not a role key)

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,7 +14,7 @@
 namespace refit::bench {
 
 namespace {
-constexpr size_t kKeptLogLines = 20;
+constexpr size_t kKeptLogLines = 100;
 }
 
 Result<std::string> write_token_file() {
@@ -51,7 +52,16 @@ Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::m
   LocalCoordinator* self = c.get();
   cfg.log = [self](const std::string& line) {
     std::lock_guard<std::mutex> lock(self->mu_);
-    self->logs_.push_back(line);
+    // A line repeated (members trying again, interleaved) is counted, not
+    // kept again: it would push the line that says why out of the kept tail.
+    const size_t recent = std::min<size_t>(self->logs_.size(), 8);
+    for (auto it = self->logs_.end() - static_cast<std::ptrdiff_t>(recent); it != self->logs_.end(); ++it) {
+      if (it->first == line) {
+        ++it->second;
+        return;
+      }
+    }
+    self->logs_.emplace_back(line, 1);
     if (self->logs_.size() > kKeptLogLines) self->logs_.pop_front();
   };
   auto started = control::Coordinator::start(std::move(cfg));
@@ -74,7 +84,9 @@ void LocalCoordinator::stop() {
 std::string LocalCoordinator::logs() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
-  for (const std::string& l : logs_) out += l + "\n";
+  for (const auto& [l, times] : logs_) {
+    out += l + (times > 1 ? " (" + std::to_string(times) + " times)" : std::string()) + "\n";
+  }
   return out;
 }
 

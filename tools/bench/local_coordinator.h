@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "planner/status.h"
 #include "transport/control/coordinator.h"
@@ -42,7 +43,7 @@ class LocalCoordinator {
   std::unique_ptr<control::Coordinator> coordinator_;
   std::string address_, token_file_;
   mutable std::mutex mu_;
-  std::deque<std::string> logs_;  // guarded by mu_
+  std::deque<std::pair<std::string, int>> logs_;  // each line and how many times in a row; guarded by mu_
 };
 
 // Writes a fresh random token (64 hex digits) to a new private file under

@@ -56,10 +56,7 @@ int64_t numel(const std::vector<int64_t>& size) {
 }  // namespace
 
 Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::time_point now) {
-  if (sources_.count(m.rank)) {
-    return Status::invalid("register_source: source rank " + std::to_string(m.rank) +
-                           " is already registered; unregister it first");
-  }
+  if (sources_.count(m.rank)) return registered_again("register_source", sources_, Role::kSource, session, m, now);
   if (sources_.size() >= limits_.max_sources) {
     return Status::invalid("register_source: the coordinator already holds the limit of " +
                            std::to_string(limits_.max_sources) + " sources");
@@ -91,8 +88,7 @@ Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::
 
 Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clock::time_point now) {
   if (receivers_.count(m.rank)) {
-    return Status::invalid("register_receiver: receiver rank " + std::to_string(m.rank) +
-                           " is already registered; unregister it first");
+    return registered_again("register_receiver", receivers_, Role::kReceiver, session, m, now);
   }
   if (receivers_.size() >= limits_.max_receivers) {
     return Status::invalid("register_receiver: the coordinator already holds the limit of " +
@@ -214,6 +210,23 @@ void ControlState::touch_session(uint64_t session, Clock::time_point now) {
     // Its lease renewals wait behind the plan too (they share the connection).
     if (auto l = leases_.find(rank); l != leases_.end()) l->second.expires = std::max(l->second.expires, now + lease_timeout_);
   }
+}
+
+template <typename T>
+Status ControlState::registered_again(const char* message, std::map<int32_t, Member<T>>& members, Role role,
+                                      uint64_t session, const T& m, Clock::time_point now) {
+  Member<T>& held = members.at(m.rank);
+  const std::string who = std::string(message) + ": " + role_name(role) + " rank " + std::to_string(m.rank);
+  if (held.session != 0) return Status::invalid(who + " is already registered; unregister it first");
+  if (to_json(held.info) != to_json(m)) {
+    return Status::invalid(who + " is still held for a connection that closed, with another registration (buffers, "
+                           "tensors or worker address); it is removed once it misses the heartbeat timeout");
+  }
+  // The same member on a new connection: its plan, leases and staged state
+  // stay as they are.
+  held.session = session;
+  held.last_seen = now;
+  return Status::ok();
 }
 
 template <typename T>
@@ -836,6 +849,12 @@ void ControlState::notify_drained() {
 }
 
 void ControlState::session_closed(uint64_t session) {
+  for (auto& [rank, m] : sources_) {
+    if (m.session == session) m.session = 0;
+  }
+  for (auto& [rank, m] : receivers_) {
+    if (m.session == session) m.session = 0;
+  }
   subscribers_.erase(session);
   for (auto it = drain_waiters_.begin(); it != drain_waiters_.end();) {
     num_drain_waiters_ -= it->second.erase(session);

@@ -222,7 +222,10 @@ class ControlState {
   // drained notice when it is.
   Result<bool> wait_drained(uint64_t session, int64_t version);
   void set_lease_timeout(Clock::duration d) { lease_timeout_ = d; }
-  // Forgets the session's subscription; its members stay until they time out.
+  // Forgets the session's subscription. Its members stay, with their
+  // leases, until they time out; until then one whose registration comes
+  // again, identical, on a new connection (a member whose connection broke)
+  // is owned by that connection from then on, and nothing else changes.
   void session_closed(uint64_t session);
   // Removes members silent for longer than the heartbeat timeout; returns one
   // line per member removed, naming it and its silence.
@@ -249,7 +252,7 @@ class ControlState {
  private:
   template <typename T>
   struct Member {
-    uint64_t session = 0;
+    uint64_t session = 0;  // 0: its connection closed (session_closed)
     Clock::time_point last_seen;
     T info;
     int64_t published = 0;  // sources only: the last version it published
@@ -259,6 +262,12 @@ class ControlState {
     std::set<int32_t> staged;
   };
 
+  // A registration of a rank already held: taken over when its connection
+  // closed and `m` is the same registration; refused otherwise. OK when
+  // `session` now owns the member.
+  template <typename T>
+  Status registered_again(const char* message, std::map<int32_t, Member<T>>& members, Role role, uint64_t session,
+                          const T& m, Clock::time_point now);
   template <typename T>
   Status owned(const char* message, const std::map<int32_t, Member<T>>& members, Role role,
                int32_t rank, uint64_t session) const;

@@ -720,3 +720,44 @@ TEST(ControlState, LeasesPerConnectionAreBounded) {
 }
 
 }  // namespace refit::control
+
+namespace refit::control {
+
+// A member whose connection broke registers again, the same, on a new
+// connection: it is taken over at once, its lease kept, with no new plan.
+// Another registration of that rank waits for the heartbeat timeout, and a
+// rank whose connection is open is never taken.
+TEST(ControlState, TheSameRegistrationTakesOverARankWhoseConnectionClosed) {
+  ControlState s(StateLimits{}, 10s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, source(0), now).is_ok());
+  ASSERT_TRUE(s.register_receiver(10, receiver(0, 0), now).is_ok());
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  ASSERT_TRUE(s.lease(10, StageReport{0, 1, ""}, now).is_ok());
+  const uint64_t epoch = s.epoch();
+
+  Status open = s.register_receiver(11, receiver(0, 0), now);
+  ASSERT_FALSE(open.is_ok());
+  EXPECT_NE(open.message().find("is already registered"), std::string::npos) << open.message();
+
+  s.session_closed(10);
+  RegisterReceiver other = receiver(0, 0);
+  other.worker_address = {9, 9, 9};
+  Status changed = s.register_receiver(11, other, now);
+  ASSERT_FALSE(changed.is_ok());
+  EXPECT_NE(changed.message().find("still held for a connection that closed, with another registration"),
+            std::string::npos)
+      << changed.message();
+
+  ASSERT_TRUE(s.register_receiver(12, receiver(0, 0), now).is_ok());
+  EXPECT_EQ(s.epoch(), epoch) << "a member taken over is not a new membership";
+  EXPECT_TRUE(s.heartbeat(12, MemberRef{Role::kReceiver, 0}, now).is_ok());
+  EXPECT_FALSE(s.heartbeat(10, MemberRef{Role::kReceiver, 0}, now).is_ok()) << "the closed connection owns nothing";
+  EXPECT_TRUE(s.lease(12, StageReport{0, 1, ""}, now).is_ok()) << "the lease is renewed by the new connection";
+  EXPECT_TRUE(s.release(12, StageReport{0, 1, ""}).is_ok());
+
+  s.session_closed(1);
+  EXPECT_TRUE(s.register_source(2, source(0), now).is_ok());
+}
+
+}  // namespace refit::control
