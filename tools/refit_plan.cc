@@ -722,6 +722,8 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["network_bytes"] = r.network_bytes;
   j["local_bytes"] = r.local_bytes;
   j["gets"] = r.gets;
+  j["gather"] = g_gather.enabled;
+  j["gathers"] = r.gathers;
   j["gets_per_receiver_max"] = r.gets_per_receiver_max;
   j["local_sends"] = r.local_sends;
   j["jobs"] = r.jobs;
@@ -774,7 +776,9 @@ std::string simulation_table(const ordered_json& j) {
       {"busiest NVLink out", link(j["busiest"]["nvlink_out"])},
       {"busiest NVLink in", link(j["busiest"]["nvlink_in"])},
       {"GETs", std::to_string(j["gets"].get<int64_t>()) + " (at most " +
-                   std::to_string(j["gets_per_receiver_max"].get<int64_t>()) + " per receiver)"},
+                   std::to_string(j["gets_per_receiver_max"].get<int64_t>()) + " per receiver; " +
+                   (j["gather"].get<bool>() ? std::to_string(j["gathers"].get<int64_t>()) + " of them gathers)"
+                                            : std::string("gathers off)"))},
       {"hardware from", j["hardware"]["from"].get<std::string>()},
   };
   for (const auto& r : j["reported"]) {
@@ -815,6 +819,7 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
   } else {
     refit::sim::SimOptions so;
     so.trace = !o.trace_out.empty();
+    so.gather = g_gather;
     auto r = refit::sim::simulate(*plan, hw->model, so);
     if (!r) return fail(r.status().with_context(in.origin));
     result = std::move(*r);

@@ -62,9 +62,10 @@ Layout replicated(int sources, const std::vector<int>& receiver_domains, int64_t
   return std::move(*layout);
 }
 
-SimResult simulated(const Plan& plan, const HardwareModel& hw, bool trace = false) {
+SimResult simulated(const Plan& plan, const HardwareModel& hw, bool trace = false, bool gather = true) {
   SimOptions o;
   o.trace = trace;
+  o.gather.enabled = gather;
   auto r = simulate(plan, hw, o);
   EXPECT_TRUE(r.is_ok()) << r.status().message();
   return r.is_ok() ? std::move(*r) : SimResult{};
@@ -173,8 +174,8 @@ TEST(Simulator, HostLandingAndPublishCopiesAddTheirTime) {
   EXPECT_NEAR(r.predicted_seconds, (4 + 4.096 + 2 + 2) * kUs, 1e-12);
 }
 
-TEST(Simulator, SmallRunsCostOneGetEach) {
-  // A column slice of a row-major source: every row is its own run.
+// A column slice of a row-major source: every row is its own run.
+Layout column_slices() {
   json l = json::parse(R"J({"format": "refit-layout/1",
     "sources": [{"rank": 0, "domain": 0}],
     "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 1, "instance": 1}],
@@ -182,10 +183,16 @@ TEST(Simulator, SmallRunsCostOneGetEach) {
       "source": {"mesh": [1], "ranks": [0], "placements": ["R"]},
       "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]}}]})J");
   auto L = parse_layout_json(l.dump(), "t");
-  ASSERT_TRUE(L.is_ok()) << L.status().message();
-  auto plan = make_plan(*L);
+  EXPECT_TRUE(L.is_ok()) << L.status().message();
+  return L.is_ok() ? std::move(*L) : Layout{};
+}
+
+TEST(Simulator, WithoutGathersSmallRunsCostOneGetEach) {
+  const Layout L = column_slices();  // the plan refers to it
+  auto plan = make_plan(L);
   ASSERT_TRUE(plan.is_ok());
-  const SimResult r = simulated(*plan, unit_hardware());
+  const SimResult r = simulated(*plan, unit_hardware(), false, /*gather=*/false);
+  EXPECT_EQ(r.gathers, 0);
   EXPECT_EQ(r.gets, 128);  // 64 rows of 16 bytes, each receiver
   EXPECT_EQ(r.gets_per_receiver_max, 64);
   const GetStats g = get_stats(*plan, 1 << 20);
@@ -195,6 +202,26 @@ TEST(Simulator, SmallRunsCostOneGetEach) {
   // Each receiver's 64 GETs cost 64 us of posting: the source NIC (2 x 1024
   // bytes) is not what takes the time.
   EXPECT_GT(r.predicted_seconds, 64 * kUs);
+}
+
+// With the agents' gathers, each receiver's 64 rows travel as one gather:
+// one GET each, as refit-plan counts them (get_stats), and the per-GET cost
+// no longer takes the time.
+TEST(Simulator, GathersCountAsOneGetAsTheAgentsGroupThem) {
+  const Layout L = column_slices();  // the plan refers to it
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult r = simulated(*plan, unit_hardware());
+  const GatherOptions agents;
+  const GetStats g = get_stats(*plan, 1 << 20, &agents);
+  EXPECT_EQ(r.gathers, 2);
+  EXPECT_EQ(r.gets, 2);
+  EXPECT_EQ(r.gets, g.gets);
+  EXPECT_EQ(r.gets_per_receiver_max, g.gets_per_receiver_max);
+  EXPECT_EQ(r.network_bytes, 2 * 64 * 16);
+  const SimResult plain = simulated(*plan, unit_hardware(), false, /*gather=*/false);
+  EXPECT_LT(r.predicted_seconds, plain.predicted_seconds);
+  EXPECT_LT(r.predicted_seconds, 8 * kUs);
 }
 
 TEST(LowerBound, IsTheLargestOfTheThreeTerms) {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <limits>
 #include <queue>
+#include <span>
 
 #include "transport/ucx/chunking.h"
 
@@ -57,6 +58,8 @@ class Sim {
     const int32_t S = L_.num_ranks(Side::kSource);
     jobs_.assign(R, {});
     build_jobs(R, S);
+    in_gather_ = {};
+    charged_ = {};
     src_nic_.assign(S, {});
     rcv_nic_.assign(R, {});
     post_.assign(R, {});
@@ -74,9 +77,32 @@ class Sim {
   // Walks the plan's runs in execution order and groups them into jobs and
   // sends (simulator.h). Sends read the last job of their puller: the runs
   // of a chunk come right before its fan-out (for_each_run's order).
+  // Which network runs (numbered in for_each_run order) travel in a gather,
+  // and which one of each gather is charged its one GET: the grouping the
+  // receiver agents make (planner/gather.h), two bits a run.
+  void group_gathers() {
+    GatherGrouper grouper(
+        opt_.gather,
+        [&](std::span<const uint64_t> runs) {
+          for (uint64_t i : runs) in_gather_[i] = true;
+          charged_[runs.back()] = true;
+          ++r_.gathers;
+        },
+        [](uint64_t) {});
+    for_each_run(plan_, [&](const Run& run) {
+      if (run.local) return;
+      in_gather_.push_back(false);
+      charged_.push_back(false);
+      grouper.add(GatherInput{run.to.rank, run.from.rank, run.bytes});
+    });
+    grouper.finish();
+  }
+
   void build_jobs(int32_t R, int32_t S) {
     const int64_t cap = plan_.options().chunk_bytes;
     const int64_t get_chunk = static_cast<int64_t>(hw_.get_chunk_bytes);
+    if (opt_.gather.enabled) group_gathers();
+    uint64_t network_run = 0;
     std::vector<int32_t> open(static_cast<size_t>(R) * S, -1);
     std::vector<int32_t> last(R, -1);
     std::vector<int64_t> gets(R, 0);
@@ -87,7 +113,9 @@ class Sim {
       if (!run.local) {
         const int32_t s = run.from.rank;
         int32_t& j = open[static_cast<size_t>(p) * S + s];
-        const int64_t n = ceil_div(run.bytes, get_chunk);
+        const uint64_t i = network_run++;
+        const bool gathered = i < in_gather_.size() && in_gather_[i];
+        const int64_t n = gathered ? (charged_[i] ? 1 : 0) : ceil_div(run.bytes, get_chunk);
         if (j < 0 || jobs[j].closed || jobs[j].bytes + run.bytes > cap) {
           j = static_cast<int32_t>(jobs.size());
           jobs.push_back(Job{s, false, 0, 0, 0, 0});
@@ -312,6 +340,8 @@ class Sim {
     r_.busiest_nvlink_in = busiest(nvl_in_, R);
   }
 
+  std::vector<bool> in_gather_;  // group_gathers()
+  std::vector<bool> charged_;
   const Plan& plan_;
   const Layout& L_;
   const HardwareModel& hw_;

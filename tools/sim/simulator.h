@@ -19,6 +19,9 @@
 //   fan-out send reading them in between, are simulated as one job of up to
 //   the plan's chunk bytes, with the GET count of all its runs. That keeps a
 //   plan of 150 million small runs within memory; the GETs are all counted.
+// - Small runs are grouped into gathers as the receiver agents group them
+//   (planner/gather.h, SimOptions::gather): a gather counts as one GET, at
+//   the job that holds its last run.
 //
 // Pure computation, no I/O. Not thread-safe; one simulation per call.
 
@@ -26,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "planner/gather.h"
 #include "planner/hardware.h"
 #include "planner/layout_json.h"
 #include "planner/plan.h"
@@ -69,6 +73,9 @@ struct TraceSpan {
 
 struct SimOptions {
   bool trace = false;
+  // How the receivers group small network runs into gathers (planner/gather.h):
+  // a gather is one GET, of the bytes of all its runs. The agents' defaults.
+  GatherOptions gather;
   // Busy intervals of one resource closer than this merge into one trace
   // span: a NIC that is busy back to back is one bar, not a million. 50 us
   // keeps a DeepSeek-V3 trace (two million GET chunks) to a size a viewer
@@ -87,7 +94,8 @@ struct SimResult {
   LinkLoad busiest_nvlink_in;
   int64_t network_bytes = 0;
   int64_t local_bytes = 0;
-  int64_t gets = 0;                 // GETs posted, all receivers
+  int64_t gets = 0;                 // GETs posted, all receivers (a gather is one)
+  int64_t gathers = 0;              // gathers among them
   int64_t gets_per_receiver_max = 0;
   int64_t local_sends = 0;          // fan-out sends (runs to one peer after one network job)
   int64_t jobs = 0;                 // network jobs simulated
