@@ -34,6 +34,7 @@
 #include "planner/scenario.h"
 #include "planner/status.h"
 #include "tools/bench/hosts.h"
+#include "tools/bench/predict.h"
 #include "tools/bench/rank_buffers.h"
 #include "tools/bench/refresh_run.h"
 
@@ -201,6 +202,7 @@ struct Row {
   double machine_cpu_seconds_median = 0;
   int64_t completed = 0;
   std::string error;  // "" when none
+  std::optional<refit::bench::Prediction> predicted;  // --hardware
   int64_t serve_reads = 0;
   int64_t mixed_version_reads = 0;
   std::string killed;  // --kill: who and when, else ""
@@ -289,6 +291,12 @@ void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bo
     if (r.cpu_seconds_median > 0)
       std::printf(", %.3f of the CPU", refit->cpu_seconds_median / r.cpu_seconds_median);
     std::printf("\n");
+  }
+  for (const Row& r : rows) {
+    if (!r.predicted) continue;
+    std::printf("%s: predicted %.4f s (simulated on --hardware, %s model); measured / predicted %.3f\n",
+                r.strategy.c_str(), r.predicted->seconds, r.predicted->model.c_str(),
+                r.predicted->seconds > 0 ? r.seconds_median / r.predicted->seconds : 0.0);
   }
   for (const Row& r : rows) {
     const char* s = r.strategy.c_str();
@@ -495,6 +503,7 @@ int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
   std::string mode = "direct", kill_text, local_fabric;
   bool serve_check = false, rejoin = false, small_pages = false, sequential = false, no_gather = false;
+  std::string hardware_file;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
   double timeout_s = 60, heartbeat_timeout_s = 0;
@@ -678,6 +687,10 @@ int main(int argc, char** argv) {
                  "the receivers' local fabric: cma (cross-memory attach) or ucx (UCX shared memory); "
                  "default: the library's (cma where the kernel allows it)")
       ->check(CLI::IsMember({"cma", "ucx"}));
+  app.add_option("--hardware", hardware_file,
+                 "a hardware model of this machine (docs/simulator.md, \"Calibration\"; scripts/calibrate measures "
+                 "one): every strategy's refresh is also simulated on it, and the table and --json give "
+                 "predicted_seconds beside the measured median");
   app.add_flag("--no-gather", no_gather,
                "receivers pull every network run as its own GET (\"gather_below_bytes\": 0), for a before/after "
                "of gathers (docs/refresh.md)");
@@ -739,6 +752,12 @@ int main(int argc, char** argv) {
   if (!plan) return usage_error(plan.status().message());
   const int64_t minimum = plan->summary().minimum_network_bytes;
   const int64_t payload = refit::bench::receiver_payload_bytes(*layout);
+  std::optional<refit::HardwareModel> hardware;
+  if (!hardware_file.empty()) {
+    auto hw = refit::bench::read_hardware_file(hardware_file);
+    if (!hw) return usage_error(hw.status().message());
+    hardware = *hw;
+  }
 
   refit::bench::RunOptions options;
   options.versions = versions;
@@ -895,6 +914,14 @@ int main(int argc, char** argv) {
       row.local_bytes = r.versions.back().local_bytes;
     }
     row.minimum_network_bytes = minimum;
+    if (hardware) {
+      auto p = refit::bench::predict(*layout, (*strategies)[i], *hardware, !no_gather);
+      if (!p) {
+        std::fprintf(stderr, "refit-bench: %s\n", p.status().message().c_str());
+        return 1;
+      }
+      row.predicted = *p;
+    }
     row.verified = r.verified();
     row.mode = r.staged ? "staged" : "direct";
     row.refresh_seconds_median = r.median_refresh_seconds();
@@ -996,6 +1023,12 @@ int main(int argc, char** argv) {
                          {"machine_cpu_seconds_median", r.machine_cpu_seconds_median},
                          {"completed", r.completed},
                          {"error", r.error.empty() ? ordered_json(nullptr) : ordered_json(r.error)}});
+      if (r.predicted) {
+        results.back()["predicted_seconds"] = r.predicted->seconds;
+        results.back()["predicted_model"] = r.predicted->model;
+        results.back()["measured_over_predicted"] =
+            r.predicted->seconds > 0 ? r.seconds_median / r.predicted->seconds : 0.0;
+      }
       if (serve_check) {
         results.back()["serve_reads"] = r.serve_reads;
         results.back()["mixed_version_reads"] = r.mixed_version_reads;

@@ -43,7 +43,9 @@
  *                      once the coordinator has seen the old connection close,
  *                      the same registration takes the member over at once,
  *                      its lease and plan kept (else it waits for the old
- *                      member's heartbeat timeout).
+ *                      member's heartbeat timeout). A new process registering
+ *                      that rank replaces the old member as soon as its
+ *                      connection closed.
  *        "embedded"    bool [false]: start the coordinator inside this process,
  *                      listening on "address", before connecting to it (needs
  *                      the token in "token_file", not a role key)

@@ -56,7 +56,12 @@ int64_t numel(const std::vector<int64_t>& size) {
 }  // namespace
 
 Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::time_point now) {
-  if (sources_.count(m.rank)) return registered_again("register_source", sources_, Role::kSource, session, m, now);
+  if (auto it = sources_.find(m.rank); it != sources_.end()) {
+    if (it->second.session != 0 || to_json(it->second.info) == to_json(m)) {
+      return registered_again("register_source", sources_, Role::kSource, session, m, now);
+    }
+    remove_source(m.rank);  // its connection closed: a new process takes the rank (replaced())
+  }
   if (sources_.size() >= limits_.max_sources) {
     return Status::invalid("register_source: the coordinator already holds the limit of " +
                            std::to_string(limits_.max_sources) + " sources");
@@ -87,8 +92,12 @@ Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::
 }
 
 Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clock::time_point now) {
-  if (receivers_.count(m.rank)) {
-    return registered_again("register_receiver", receivers_, Role::kReceiver, session, m, now);
+  if (auto it = receivers_.find(m.rank); it != receivers_.end()) {
+    if (it->second.session != 0 || to_json(it->second.info) == to_json(m)) {
+      return registered_again("register_receiver", receivers_, Role::kReceiver, session, m, now);
+    }
+    // Its connection closed: a new process takes the rank.
+    remove_receiver(m.rank, "was replaced by a new registration after its connection closed");
   }
   if (receivers_.size() >= limits_.max_receivers) {
     return Status::invalid("register_receiver: the coordinator already holds the limit of " +
@@ -218,10 +227,6 @@ Status ControlState::registered_again(const char* message, std::map<int32_t, Mem
   Member<T>& held = members.at(m.rank);
   const std::string who = std::string(message) + ": " + role_name(role) + " rank " + std::to_string(m.rank);
   if (held.session != 0) return Status::invalid(who + " is already registered; unregister it first");
-  if (to_json(held.info) != to_json(m)) {
-    return Status::invalid(who + " is still held for a connection that closed, with another registration (buffers, "
-                           "tensors or worker address); it is removed once it misses the heartbeat timeout");
-  }
   // The same member on a new connection: its plan, leases and staged state
   // stay as they are.
   held.session = session;

@@ -223,9 +223,11 @@ class ControlState {
   Result<bool> wait_drained(uint64_t session, int64_t version);
   void set_lease_timeout(Clock::duration d) { lease_timeout_ = d; }
   // Forgets the session's subscription. Its members stay, with their
-  // leases, until they time out; until then one whose registration comes
-  // again, identical, on a new connection (a member whose connection broke)
-  // is owned by that connection from then on, and nothing else changes.
+  // leases, until they time out. Until then, the same registration of such
+  // a rank on a new connection (the member, its connection made again)
+  // takes it over: owned by that connection from then on, nothing else
+  // changed. Another registration of the rank (a new process) replaces it
+  // at once, as if it had timed out.
   void session_closed(uint64_t session);
   // Removes members silent for longer than the heartbeat timeout; returns one
   // line per member removed, naming it and its silence.
@@ -262,9 +264,9 @@ class ControlState {
     std::set<int32_t> staged;
   };
 
-  // A registration of a rank already held: taken over when its connection
-  // closed and `m` is the same registration; refused otherwise. OK when
-  // `session` now owns the member.
+  // The same registration of a rank already held: taken over when its
+  // connection closed, refused while it is open. OK when `session` now owns
+  // the member.
   template <typename T>
   Status registered_again(const char* message, std::map<int32_t, Member<T>>& members, Role role, uint64_t session,
                           const T& m, Clock::time_point now);
