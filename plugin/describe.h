@@ -28,6 +28,9 @@ struct BufferPart {
   std::string name;
   std::string dtype;
   int64_t bytes = 0;  // the least the buffer must hold
+  // A recipe's parameter: the buffer must hold exactly `bytes`, since the
+  // recipe describes the whole parameter the server allocated.
+  bool exact_bytes = false;
   std::vector<control::Segment> segments;
 };
 

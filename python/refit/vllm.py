@@ -27,14 +27,24 @@ Inference side (:class:`RefitWeightTransferEngine`, one per worker):
   stages version N (the server keeps serving the old weights meanwhile);
   ``finish_weight_update`` commits: the staged bytes are copied into the
   parameters. A refresh that failed on any rank of the instance raises from
-  ``update_weights`` and leaves every parameter at the old version. Call
-  finish between vLLM's pause and resume (``pause_generation`` /
-  ``resume_generation``): the commit is the only moment the weights change.
+  ``update_weights`` and leaves every parameter at the old version. The
+  commit is the only moment the weights change; the trainer engine pauses
+  the server around it (below).
+- A parameter whose size is not the recipe's for this rank (another tp,
+  head_dim or vocabulary padding than the recipe's) is refused at init,
+  naming the parameter, its shape and both sizes.
 
 Trainer side (:class:`RefitTrainerWeightTransferEngine`): every trainer rank
 registers its shards (DTensors as they are) with a refit source; each
 ``send_weights`` publishes the next version, and the sender (rank 0) drives
-the workers' start / update / finish through vLLM's client.
+the workers' start / update / finish through vLLM's client. vLLM 0.33 offers
+pause and resume on its engine client only (not to the workers), so the
+sender brackets ``finish_weight_update`` with them: ``/pause?mode=M`` and
+``/resume`` through ``HTTPVLLMWeightSyncClient``, ``pause_generation`` and
+``resume_generation`` of the actors through ``RayVLLMWeightSyncClient``, or
+of any client that has them. ``RefitTrainerInitInfo.pause_mode`` is vLLM's
+mode ("keep", the default: requests wait in the queue; "wait"; "abort"), or
+None for no pause. Resume follows a failed commit too.
 """
 
 from __future__ import annotations
