@@ -21,8 +21,10 @@ Inference side (:class:`RefitWeightTransferEngine`, one per worker):
   gate_up_proj / w13 / w2, padded vocabulary) as a receiver buffer, laid out
   by refit's vLLM recipe for the trainer's manifest and the model's Hugging
   Face config. A parameter the recipe does not know, a dtype that differs
-  from the trainer's, or a buffer smaller than the recipe's is refused before
-  any transfer.
+  from the trainer's, or a parameter whose size is not the recipe's for
+  this rank (another tp, head_dim or vocabulary padding than the recipe's;
+  the message names the parameter, its shape and both sizes) is refused
+  before any transfer.
 - ``start_weight_update`` opens a round; ``update_weights({"version": N})``
   stages version N (the server keeps serving the old weights meanwhile);
   ``finish_weight_update`` commits: the staged bytes are copied into the
@@ -30,9 +32,6 @@ Inference side (:class:`RefitWeightTransferEngine`, one per worker):
   ``update_weights`` and leaves every parameter at the old version. The
   commit is the only moment the weights change; the trainer engine pauses
   the server around it (below).
-- A parameter whose size is not the recipe's for this rank (another tp,
-  head_dim or vocabulary padding than the recipe's) is refused at init,
-  naming the parameter, its shape and both sizes.
 
 Trainer side (:class:`RefitTrainerWeightTransferEngine`): every trainer rank
 registers its shards (DTensors as they are) with a refit source; each

@@ -17,7 +17,8 @@ RMSNorm) and the VocabParallelEmbedding, with int32 parameters. Then:
     a zeroed parameter, and compared element by element with the same zeroed
     parameter filled through refit's segments for that tensor.
 
-    vllm_layers.py CONFIG.json LAYOUT.json TP
+    vllm_layers.py CONFIG.json LAYOUT.json TP [CONFIG.json LAYOUT.json TP ...]
+    vllm_layers.py --refuses CONFIG.json TP     (vLLM's own refusal)
 
 Prints one line per rank; exits non-zero at the first difference.
 """
@@ -129,6 +130,7 @@ def main(config_path, layout_path, tp):
     layout = json.load(open(layout_path))
     shapes_of = {t["name"]: t["shape"] for t in layout["tensors"]}
     buffers = [b for b in layout["buffers"] if b["side"] == "receiver"]
+    tagged = {}  # tensor -> its tags, made once for all ranks
     with set_current_vllm_config(VllmConfig()):
         for rank in range(tp):
             layers = build_layers(config, rank, tp)
@@ -148,7 +150,9 @@ def main(config_path, layout_path, tp):
             checked = 0
             for tensor, prefix, pname, shard in loads(config):
                 param = getattr(layers[prefix], pname)
-                source = tags(shapes_of[tensor])
+                if tensor not in tagged:
+                    tagged[tensor] = tags(shapes_of[tensor])
+                source = tagged[tensor]
                 with torch.no_grad():
                     param.data.zero_()
                     loader = param.weight_loader
@@ -165,25 +169,29 @@ def main(config_path, layout_path, tp):
                 checked += param.numel()
             print(f"rank {rank}/{tp}: {len(theirs)} parameters of equal size; "
                   f"{len(loads(config))} tensors loaded by vLLM equal refit's segments "
-                  f"({checked} elements)", flush=True)
+                  f"({checked} elements compared)", flush=True)
 
 
 def vllm_refuses(config_path, tp):
-    """Whether vLLM's QKVParallelLinear refuses this model at `tp` (its message)."""
+    """Says whether vLLM's QKVParallelLinear refuses this model at `tp` (its message)."""
     config = json.load(open(config_path))
     with set_current_vllm_config(VllmConfig()), as_rank(0, tp):
         try:
             linear.QKVParallelLinear(config["hidden_size"], config["head_dim"], config["num_attention_heads"],
                                      config["num_key_value_heads"], params_dtype=torch.int32)
         except (AssertionError, ValueError) as e:
-            print(f"vLLM refuses tp {tp}: {type(e).__name__}: {e}", flush=True)
+            print(f"{config_path} tp {tp}: vLLM refuses: {type(e).__name__}: {e}", flush=True)
             return
-    raise SystemExit(f"vLLM builds QKVParallelLinear at tp {tp}")
+    raise SystemExit(f"{config_path} tp {tp}: vLLM builds QKVParallelLinear")
 
 
 if __name__ == "__main__":
+    # Jobs: CONFIG LAYOUT TP (compare), or --refuses CONFIG TP; one vLLM import for all.
     a = sys.argv[1:]
-    if a[0] == "--refuses":
-        vllm_refuses(a[1], int(a[2]))
-    else:
-        main(a[0], a[1], int(a[2]))
+    while a:
+        if a[0] == "--refuses":
+            vllm_refuses(a[1], int(a[2]))
+        else:
+            print(f"{a[0]} tp {a[2]}:", flush=True)
+            main(a[0], a[1], int(a[2]))
+        a = a[3:]
