@@ -58,6 +58,18 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     version: int
 
 
+def _config_json(hf_config: Any) -> dict[str, Any]:
+    """A transformers config as its config.json spells it. transformers 5
+    writes some keys under their attribute names (Qwen3-MoE's "num_experts"
+    as "num_local_experts"); the recipes read the config.json names, which
+    the config's attribute_map gives back."""
+    out = hf_config.to_dict()
+    for spelled, stored in getattr(hf_config, "attribute_map", {}).items():
+        if spelled not in out and stored in out:
+            out[spelled] = out[stored]
+    return out
+
+
 def _expert_parallel(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
 
@@ -97,7 +109,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.rank, tp, pp = self._rank(instance)
         hf_config = init_info.hf_config
         if hf_config is None:
-            hf_config = self.model_config.hf_config.to_dict()
+            hf_config = _config_json(self.model_config.hf_config)
         params = list(self.model.named_parameters())
 
         self._files = tempfile.TemporaryDirectory(prefix="refit-vllm-")
