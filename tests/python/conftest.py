@@ -32,6 +32,10 @@ except ImportError:
     os.environ["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes of CPU on a 2-core machine (deselect with -m 'not slow')")
+
+
 class Coordinator:
     def __init__(self, tmp: Path, heartbeat_timeout_ms: int = 3000) -> None:
         if not COORDINATOR.exists():

@@ -64,7 +64,9 @@ def test_qwen2_fsdp2_refreshes_vllm_tp2_bit_exact(coordinator, tmp_path):
     refresh(coordinator, tmp_path, QWEN2, "fsdp", 2)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+# tp 4 runs four vLLM workers and two trainers on the CPU: the slowest case
+# of the suite (docs/testing.md, "The Python suite").
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_qwen3_moe_refreshes_vllm_bit_exact(coordinator, tmp_path, tp):
     logs = refresh(coordinator, tmp_path, QWEN3_MOE, "moe", tp)
     # The live model's names, not the recipe's spelling, were registered.
