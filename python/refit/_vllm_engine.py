@@ -251,6 +251,11 @@ class RefitTrainerInitInfo(TrainerInitInfo):
 PAUSE_MODES = ("keep", "wait", "abort")
 
 
+def _check_pause_mode(mode: str | None) -> None:
+    if mode is not None and mode not in PAUSE_MODES:
+        raise errors.invalid(f"refit: pause_mode must be one of {', '.join(PAUSE_MODES)} or None, got {mode!r}")
+
+
 def _pause(client: Any, mode: str | None) -> Callable[[], None] | None:
     """Pauses the server's generation through `client`; returns the call that
     resumes it, or None when there is no pause.
@@ -264,8 +269,7 @@ def _pause(client: Any, mode: str | None) -> Callable[[], None] | None:
     """
     if mode is None:
         return None
-    if mode not in PAUSE_MODES:
-        raise errors.invalid(f"refit: pause_mode must be one of {', '.join(PAUSE_MODES)} or None, got {mode!r}")
+    _check_pause_mode(mode)
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
     if isinstance(client, HTTPVLLMWeightSyncClient):
         client._post(f"pause?mode={mode}")
@@ -306,6 +310,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
                      source: WeightSource | None = None) -> "RefitTrainerWeightTransferEngine":
         if source is None:
             raise errors.invalid("refit: the trainer engine needs a WeightSource")
+        _check_pause_mode(init_info.pause_mode)
         src = Source({**init_info.source_config, "rank": init_info.rank})
         try:
             if isinstance(source, ModuleSource):

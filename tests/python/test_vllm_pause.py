@@ -106,3 +106,15 @@ def test_a_refused_update_is_not_paused_or_committed(coordinator):
         routes.shutdown()
     # finish only closes the round vLLM's workers already closed: no pause.
     assert routes.calls[1:] == ["start_weight_update", "update_weights", "finish_weight_update"], routes.calls
+
+
+def test_an_unknown_pause_mode_is_refused_before_anything(coordinator):
+    import refit
+    routes = Routes()
+    try:
+        with pytest.raises(refit.InvalidArgumentError, match="pause_mode must be one of keep, wait, abort or None, "
+                                                           "got 'later'"):
+            trainer(coordinator, routes, pause_mode="later")
+    finally:
+        routes.shutdown()
+    assert routes.calls == []
