@@ -309,7 +309,9 @@ Result<BufferPart> parse_receiver_buffer(std::string_view json_text, int32_t ran
                              param + "\"");
     }
     for (BufferPart& part : rank_buffers(recipe->layout, Side::kReceiver, rank)) {
-      if (part.name == param) return std::move(part);
+      if (part.name != param) continue;
+      part.exact_bytes = true;
+      return std::move(part);
     }
     return Status::not_found("buffer description: the recipe gives receiver rank " + std::to_string(rank) +
                              " no buffer \"" + param + "\"");

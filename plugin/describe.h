@@ -29,6 +29,9 @@ struct BufferPart {
   std::string dtype;
   int64_t bytes = 0;  // the least the buffer must hold
   std::vector<control::Segment> segments;
+  // A recipe's parameter: the buffer must hold exactly `bytes`, since the
+  // recipe describes the whole parameter the server allocated.
+  bool exact_bytes = false;
 };
 
 // A source's tensor: its declaration and where it lies in a buffer.

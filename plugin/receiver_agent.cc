@@ -67,6 +67,15 @@ Status ReceiverAgent::add_buffer(std::string_view description, void* data, uint6
   if (!part.is_ok()) return part.status();
   if (resources_->has_buffer(part->name)) return Status::invalid("buffer \"" + part->name + "\" was already added");
   if (data == nullptr || bytes == 0) return Status::invalid("buffer \"" + part->name + "\": data is NULL or bytes is 0");
+  if (part->exact_bytes && static_cast<uint64_t>(part->bytes) != bytes) {
+    // A parameter of another size than the recipe's is another layout: the
+    // server split or padded it otherwise (another tp, head_dim or padding).
+    return Status::invalid("buffer \"" + part->name + "\": the recipe lays out this parameter for receiver rank " +
+                           std::to_string(config_.rank) + " in " + std::to_string(part->bytes) +
+                           " bytes, the buffer given has " + std::to_string(bytes) +
+                           ": the server's parameter differs from the recipe's layout (check tp and the model's "
+                           "config)");
+  }
   if (part->bytes > 0 && static_cast<uint64_t>(part->bytes) > bytes) {
     return Status::invalid("buffer \"" + part->name + "\": its layout needs " + std::to_string(part->bytes) +
                            " bytes, the buffer given has " + std::to_string(bytes));

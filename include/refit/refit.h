@@ -449,10 +449,14 @@ REFIT_EXPORT refit_status_t refit_receiver_create(const char* config_json, refit
  * @param [in] buffer_json  The description, NUL-terminated.
  * @param [in] data         The buffer (host memory, or GPU memory with
  *                          CUDA and "local": {"fabric": "nccl"}).
- * @param [in] bytes        Its size: at least what the segments reach.
+ * @param [in] bytes        Its size: at least what the segments reach; for
+ *                          a recipe parameter, exactly the size the recipe
+ *                          gives that parameter at this rank (its shard,
+ *                          fused and padded as the framework allocates it).
  *
  * @return REFIT_OK; REFIT_INVALID_ARGUMENT for a bad description, a buffer
- *         too small, segments that share a byte (naming both), or a refresh
+ *         too small, a recipe parameter of another size than the recipe's
+ *         (naming both sizes), segments that share a byte (naming both), or a refresh
  *         running; REFIT_NOT_FOUND for a recipe name the recipe does not
  *         give this rank. Nothing is registered on failure. Bytes outside
  *         every segment are never written.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from . import errors
 from ._tensors import dtype_name
@@ -58,6 +58,18 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     version: int
 
 
+def _config_json(hf_config: Any) -> dict[str, Any]:
+    """A transformers config as its config.json spells it. transformers 5
+    writes some keys under their attribute names (Qwen3-MoE's "num_experts"
+    as "num_local_experts"); the recipes read the config.json names, which
+    the config's attribute_map gives back."""
+    out = hf_config.to_dict()
+    for spelled, stored in getattr(hf_config, "attribute_map", {}).items():
+        if spelled not in out and stored in out:
+            out[spelled] = out[stored]
+    return out
+
+
 def _expert_parallel(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
 
@@ -97,7 +109,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.rank, tp, pp = self._rank(instance)
         hf_config = init_info.hf_config
         if hf_config is None:
-            hf_config = self.model_config.hf_config.to_dict()
+            hf_config = _config_json(self.model_config.hf_config)
         params = list(self.model.named_parameters())
 
         self._files = tempfile.TemporaryDirectory(prefix="refit-vllm-")
@@ -166,6 +178,12 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 e.call, e.status, e.status_name,
                 f"vLLM parameter \"{name}\" has no counterpart in refit's vLLM recipe for this model "
                 f"(the names the trainer serves do not match the server's): {e.message}") from None
+        except errors.InvalidArgumentError as e:
+            # The library compares the parameter's bytes with the recipe's
+            # (refit.h, refit_receiver_add_buffer); say which vLLM shape it was.
+            raise errors.InvalidArgumentError(
+                e.call, e.status, e.status_name,
+                f"vLLM parameter \"{name}\" {list(param.shape)} {param.dtype}: {e.message}") from None
 
     # -- one round ----------------------------------------------------------
 
@@ -225,6 +243,46 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     source_config: dict[str, Any] = field(default_factory=dict)
     worker_init: dict[str, Any] = field(default_factory=dict)
     drain_timeout_s: float = 60.0
+    # vLLM's pause mode around the commit ("keep", "wait" or "abort"; see
+    # vLLM's pause_generation), or None for no pause.
+    pause_mode: str | None = "keep"
+
+
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+def _check_pause_mode(mode: str | None) -> None:
+    if mode is not None and mode not in PAUSE_MODES:
+        raise errors.invalid(f"refit: pause_mode must be one of {', '.join(PAUSE_MODES)} or None, got {mode!r}")
+
+
+def _pause(client: Any, mode: str | None) -> Callable[[], None] | None:
+    """Pauses the server's generation through `client`; returns the call that
+    resumes it, or None when there is no pause.
+
+    vLLM 0.33 offers pause and resume on its engine client (AsyncLLM's
+    pause_generation / resume_generation, the HTTP routes /pause and /resume,
+    Ray actors of AsyncLLM), not to the workers: so the trainer's sender,
+    which drives finish_weight_update, brackets it. A client that is none of
+    these and has no pause_generation is not paused (the commit still runs
+    between two of vLLM's steps, as every collective RPC does).
+    """
+    if mode is None:
+        return None
+    _check_pause_mode(mode)
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+    if isinstance(client, HTTPVLLMWeightSyncClient):
+        client._post(f"pause?mode={mode}")
+        return lambda: client._post("resume")
+    if isinstance(client, RayVLLMWeightSyncClient):
+        import ray
+        ray.get([h.pause_generation.remote(mode=mode) for h in client.handles])
+        return lambda: ray.get([h.resume_generation.remote() for h in client.handles])
+    pause, resume = getattr(client, "pause_generation", None), getattr(client, "resume_generation", None)
+    if callable(pause) and callable(resume):
+        pause(mode=mode)
+        return resume
+    return None
 
 
 def _manifest(source: WeightSource) -> dict[str, Any]:
@@ -252,6 +310,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
                      source: WeightSource | None = None) -> "RefitTrainerWeightTransferEngine":
         if source is None:
             raise errors.invalid("refit: the trainer engine needs a WeightSource")
+        _check_pause_mode(init_info.pause_mode)
         src = Source({**init_info.source_config, "rank": init_info.rank})
         try:
             if isinstance(source, ModuleSource):
@@ -277,14 +336,31 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         return engine
 
     def send_weights(self) -> None:
+        """Publishes the next version; the sender has the workers stage it
+        (the server serves on meanwhile), then pauses the server, commits
+        (finish_weight_update) and resumes it, also when the commit fails."""
         self.version += 1
         self._src.publish(self.version)
         if self.is_sender:
             self.client.start_weight_update()
             try:
                 self.client.update_weights({"version": self.version})
-            finally:
+            except BaseException:
+                # vLLM's workers close the round themselves when update
+                # fails, and a staged refresh that failed on one worker
+                # failed on every worker of the instance: nothing is staged
+                # anywhere, and this finish only closes a round left open.
+                try:
+                    self.client.finish_weight_update()
+                except Exception:
+                    pass
+                raise
+            resume = _pause(self.client, self._info.pause_mode)
+            try:
                 self.client.finish_weight_update()
+            finally:
+                if resume is not None:
+                    resume()
         self._src.wait_drained(self.version, self._info.drain_timeout_s)
 
     def shutdown(self) -> None:

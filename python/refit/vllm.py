@@ -21,20 +21,29 @@ Inference side (:class:`RefitWeightTransferEngine`, one per worker):
   gate_up_proj / w13 / w2, padded vocabulary) as a receiver buffer, laid out
   by refit's vLLM recipe for the trainer's manifest and the model's Hugging
   Face config. A parameter the recipe does not know, a dtype that differs
-  from the trainer's, or a buffer smaller than the recipe's is refused before
-  any transfer.
+  from the trainer's, or a parameter whose size is not the recipe's for
+  this rank (another tp, head_dim or vocabulary padding than the recipe's;
+  the message names the parameter, its shape and both sizes) is refused
+  before any transfer.
 - ``start_weight_update`` opens a round; ``update_weights({"version": N})``
   stages version N (the server keeps serving the old weights meanwhile);
   ``finish_weight_update`` commits: the staged bytes are copied into the
   parameters. A refresh that failed on any rank of the instance raises from
-  ``update_weights`` and leaves every parameter at the old version. Call
-  finish between vLLM's pause and resume (``pause_generation`` /
-  ``resume_generation``): the commit is the only moment the weights change.
+  ``update_weights`` and leaves every parameter at the old version. The
+  commit is the only moment the weights change; the trainer engine pauses
+  the server around it (below).
 
 Trainer side (:class:`RefitTrainerWeightTransferEngine`): every trainer rank
 registers its shards (DTensors as they are) with a refit source; each
 ``send_weights`` publishes the next version, and the sender (rank 0) drives
-the workers' start / update / finish through vLLM's client.
+the workers' start / update / finish through vLLM's client. vLLM 0.33 offers
+pause and resume on its engine client only (not to the workers), so the
+sender brackets ``finish_weight_update`` with them: ``/pause?mode=M`` and
+``/resume`` through ``HTTPVLLMWeightSyncClient``, ``pause_generation`` and
+``resume_generation`` of the actors through ``RayVLLMWeightSyncClient``, or
+of any client that has them. ``RefitTrainerInitInfo.pause_mode`` is vLLM's
+mode ("keep", the default: requests wait in the queue; "wait"; "abort"), or
+None for no pause. Resume follows a failed commit too.
 """
 
 from __future__ import annotations

@@ -165,6 +165,60 @@ TEST_F(Abi, DescriptionsAreCheckedBeforeAnythingIsRegistered) {
   refit_source_destroy(s);
 }
 
+// A buffer added by recipe name is the parameter the server allocated: a
+// size other than the recipe's for this rank (another tp, head_dim or vocab
+// padding on the server) is refused before anything is registered, whether
+// larger or smaller; the recipe's own size is taken.
+TEST_F(Abi, ARecipeParameterMustHaveTheRecipesSize) {
+  const std::string dir = "/tmp/refit-abi-test-recipe-" + std::to_string(::getpid());
+  ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
+  // One Llama layer: hidden 128, 4 heads and 2 KV heads of 32, vocab 100.
+  std::ofstream(dir + "/m.config.json")
+      << R"J({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+             "vocab_size": 100, "tie_word_embeddings": true})J";
+  std::ofstream(dir + "/m.json") << R"J({
+      "model.embed_tokens.weight": {"dtype": "BF16", "shape": [100, 128]},
+      "model.layers.0.input_layernorm.weight": {"dtype": "BF16", "shape": [128]},
+      "model.layers.0.self_attn.q_proj.weight": {"dtype": "BF16", "shape": [128, 128]},
+      "model.layers.0.self_attn.k_proj.weight": {"dtype": "BF16", "shape": [64, 128]},
+      "model.layers.0.self_attn.v_proj.weight": {"dtype": "BF16", "shape": [64, 128]},
+      "model.layers.0.self_attn.o_proj.weight": {"dtype": "BF16", "shape": [128, 128]},
+      "model.layers.0.post_attention_layernorm.weight": {"dtype": "BF16", "shape": [128]},
+      "model.layers.0.mlp.gate_proj.weight": {"dtype": "BF16", "shape": [256, 128]},
+      "model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [256, 128]},
+      "model.layers.0.mlp.down_proj.weight": {"dtype": "BF16", "shape": [128, 256]},
+      "model.norm.weight": {"dtype": "BF16", "shape": [128]}})J";
+  const std::string cfg = "{\"rank\": 0, \"coordinator\": {\"address\": \"127.0.0.1:0\", \"embedded\": true,"
+                          " \"token_file\": \"" + token_ + "\"}, \"recipe\": {\"model\": \"" + dir +
+                          "/m.json\", \"tp\": 2}}";
+  refit_receiver_t* r = nullptr;
+  ASSERT_EQ(refit_receiver_create(cfg.c_str(), &r), REFIT_OK) << refit_last_error();
+  // vLLM at tp 2, rank 0: qkv_proj [2*32 + 32 + 32, 128]; the vocabulary
+  // padded to 128 rows, 64 per rank.
+  const char* qkv = R"J({"recipe": "model.layers.0.self_attn.qkv_proj.weight"})J";
+  const char* embed = R"J({"recipe": "model.embed_tokens.weight"})J";
+  const uint64_t qkv_bytes = 128 * 128 * 2, embed_bytes = 64 * 128 * 2;
+  std::vector<uint8_t> memory(2 * qkv_bytes);
+  for (uint64_t bytes : {qkv_bytes - 2, qkv_bytes + 2, 2 * qkv_bytes}) {
+    EXPECT_EQ(refit_receiver_add_buffer(r, qkv, memory.data(), bytes), REFIT_INVALID_ARGUMENT) << bytes;
+    EXPECT_NE(std::string(refit_last_error())
+                  .find("lays out this parameter for receiver rank 0 in 32768 bytes, the buffer given has " +
+                        std::to_string(bytes)),
+              std::string::npos)
+        << refit_last_error();
+  }
+  // 100 rows unpadded is not the parameter vLLM allocates either.
+  EXPECT_EQ(refit_receiver_add_buffer(r, embed, memory.data(), 50 * 128 * 2), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("in 16384 bytes"), std::string::npos) << refit_last_error();
+  EXPECT_EQ(refit_receiver_add_buffer(r, qkv, memory.data(), qkv_bytes), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(refit_receiver_add_buffer(r, embed, memory.data() + qkv_bytes, embed_bytes), REFIT_OK)
+      << refit_last_error();
+  refit_receiver_destroy(r);
+  for (const char* f : {"/m.json", "/m.config.json"}) std::remove((dir + f).c_str());
+  ::rmdir(dir.c_str());
+}
+
 // The host's log callback gets refit's lines, with their level and the
 // agent's name and no newline; NULL sends them to stderr again, and the
 // callback is not called after that.

@@ -32,8 +32,12 @@ except ImportError:
     os.environ["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes of CPU on a 2-core machine (deselect with -m 'not slow')")
+
+
 class Coordinator:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, heartbeat_timeout_ms: int = 3000) -> None:
         if not COORDINATOR.exists():
             pytest.skip(f"no refit-coordinator at {COORDINATOR} (build the project first)")
         self.token_file = tmp / "token"
@@ -42,7 +46,7 @@ class Coordinator:
         self.log = tmp / "coordinator.log"
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen([str(COORDINATOR), "--listen", "127.0.0.1:0", "--token-file",
-                                      str(self.token_file), "--heartbeat-timeout-ms", "3000"],
+                                      str(self.token_file), "--heartbeat-timeout-ms", str(heartbeat_timeout_ms)],
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         self.address = None

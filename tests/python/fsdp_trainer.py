@@ -1,9 +1,9 @@
-"""One trainer rank of test_vllm_fsdp.py: a Llama built by transformers from
-a config (no download), sharded with FSDP2 (fully_shard on a CPU mesh; with
+"""One trainer rank of test_vllm_fsdp.py and test_vllm_models.py: a Llama or
+Qwen2 built by transformers from a config (no download), sharded with FSDP2 (fully_shard on a CPU mesh; with
 --tp 2, tensor parallel first, which gives _StridedShard), trained with
 AdamW, and published through refit.Source.add_module after each step.
 
-    fsdp_trainer.py RANK WORLD TP PORT DIR VERSIONS
+    fsdp_trainer.py RANK WORLD TP PORT DIR VERSIONS [RECEIVERS]
 
 DIR holds hf/config.json and coordinator.json; this script writes
 manifest.json and v<N>.pt (the full state dict of version N, from rank 0)
@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import refit
 
@@ -37,11 +37,11 @@ def wait_for(paths, seconds=600):
         time.sleep(0.05)
 
 
-def main(rank, world, tp, port, out, versions):
+def main(rank, world, tp, port, out, versions, receivers=2):
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     torch.manual_seed(0)
-    config = LlamaConfig.from_pretrained(out / "hf")
-    model = LlamaForCausalLM(config).to(torch.float32)
+    config = AutoConfig.from_pretrained(out / "hf")
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     if tp == 1:
         mesh = init_device_mesh("cpu", (world,))
         dp_mesh = mesh
@@ -89,18 +89,18 @@ def main(rank, world, tp, port, out, versions):
             torch.save(full, out / f"v{version}.tmp")
             os.replace(out / f"v{version}.tmp", out / f"v{version}.pt")
         src.publish(version)
-        wait_for([out / f"ack{version}.{r}" for r in range(2)])
+        wait_for([out / f"ack{version}.{r}" for r in range(receivers)])
         src.wait_drained(version, timeout=60)
         dist.barrier()
     # The fault: only rank 0 publishes the last version; the others leave.
     dist.barrier()
     if rank == 0:
         src.publish(versions + 1)
-        wait_for([out / f"ack{versions + 1}.{r}" for r in range(2)])
+        wait_for([out / f"ack{versions + 1}.{r}" for r in range(receivers)])
     src.close()
     print(f"trainer {rank}: published {versions} versions, then a partial one", flush=True)
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), int(a[5]))
+    main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), int(a[5]), *map(int, a[6:7]))

@@ -10,11 +10,6 @@ every parameter at the old one. The scripts say what each process does.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,16 +17,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
-from conftest import ROOT  # noqa: E402
+from processes import explain, free_port, start, wait_all  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 VERSIONS = 3
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def llama_config(tied: bool) -> dict:
@@ -49,41 +37,13 @@ def test_fsdp2_trainer_refreshes_vllm_bit_exact(coordinator, tmp_path, trainers,
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(llama_config(tied)))
     (tmp_path / "coordinator.json").write_text(json.dumps(coordinator.config()))
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HUMMING_DISABLE_PARALLEL_BUILD="1", OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     train_port, serve_port = free_port(), free_port()
-    procs = []
-    for r in range(trainers):
-        log = open(tmp_path / f"trainer{r}.log", "w")
-        procs.append((f"trainer{r}", log, subprocess.Popen(
-            [sys.executable, str(HERE / "fsdp_trainer.py"), str(r), str(trainers), str(tp), str(train_port),
-             str(tmp_path), str(VERSIONS)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)))
-    for r in range(2):
-        log = open(tmp_path / f"receiver{r}.log", "w")
-        procs.append((f"receiver{r}", log, subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_receiver.py"), str(r), str(serve_port), str(tmp_path),
-             str(VERSIONS)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)))
-    failed = []
-    try:
-        for name, log, p in procs:
-            try:
-                rc = p.wait(timeout=900)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if rc != 0:
-                failed.append(f"{name}: exit {rc}")
-    finally:
-        for name, log, p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    logs = {name: (tmp_path / f"{name}.log").read_text() for name, _, _ in procs}
-    for name, text in logs.items():
-        lines = [ln for ln in text.splitlines() if ln.startswith(("trainer", "receiver"))]
-        print(f"--- {name}\n" + "\n".join(lines))
-    assert not failed, "\n".join(failed) + "\n" + "\n".join(f"--- {n}\n{t[-4000:]}" for n, t in logs.items())
+    procs = [start(tmp_path, f"trainer{r}", "fsdp_trainer.py", r, trainers, tp, train_port, tmp_path, VERSIONS)
+             for r in range(trainers)]
+    procs += [start(tmp_path, f"receiver{r}", "vllm_receiver.py", r, serve_port, tmp_path, VERSIONS)
+              for r in range(2)]
+    logs, failed = wait_all(tmp_path, procs)
+    assert not failed, explain(logs, failed)
     if tp == 2:
         placements = json.loads((tmp_path / "placements.json").read_text())
         assert any("_StridedShard" in p for ps in placements.values() for p in ps), placements

@@ -1,11 +1,12 @@
-"""One vLLM worker of test_vllm_fsdp.py: vLLM's own LlamaForCausalLM on its
-CPU platform at tp 2 over gloo, refreshed by refit's engine created through
+"""One vLLM worker of test_vllm_fsdp.py and test_vllm_models.py: vLLM's own
+model class for DIR/hf/config.json (LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3MoeForCausalLM) on its CPU platform at tp TP (default 2) over gloo, refreshed by refit's engine created through
 vLLM's WeightTransferEngineFactory with backend "refit" (registered by the
 package's vllm.general_plugins entry point), then compared bit for bit with
 a second instance of the same model loaded by vLLM's own load_weights from
 the trainer's full state dict.
 
-    vllm_receiver.py RANK PORT DIR VERSIONS
+    vllm_receiver.py RANK PORT DIR VERSIONS [TP]
 """
 
 import os
@@ -28,8 +29,6 @@ from vllm.plugins import load_general_plugins  # noqa: E402
 
 import refit  # noqa: E402
 
-TP = 2
-
 
 def wait_for(path, seconds=600):
     deadline = time.monotonic() + seconds
@@ -46,24 +45,25 @@ def mismatches(model, reference):
     return [n for n in ours if not torch.equal(ours[n].data.view(torch.int32), theirs[n].data.view(torch.int32))]
 
 
-def vllm_config(out):
+def vllm_config(out, tp):
     return VllmConfig(model_config=ModelConfig(model=str(out / "hf"), dtype="float32", skip_tokenizer_init=True,
                                                enforce_eager=True),
                       load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"),
-                      parallel_config=ParallelConfig(tensor_parallel_size=TP),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp),
                       weight_transfer_config=WeightTransferConfig(backend="refit"))
 
 
-def main(rank, port, out, versions):
-    vc = vllm_config(out)
+def build(rank, port, out, tp):
+    """vLLM's model for this rank and a reference instance of it (zeroed, equal)."""
+    vc = vllm_config(out, tp)
     with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=TP, rank=rank, local_rank=rank,
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        initialize_model_parallel(TP, 1)
+        initialize_model_parallel(tp, 1)
         model = initialize_model(vllm_config=vc)
     # The reference: the same model class under a config of its own (vLLM
     # registers each attention layer's name once per config).
-    ref_config = vllm_config(out)
+    ref_config = vllm_config(out, tp)
     with set_current_vllm_config(ref_config):
         reference = initialize_model(vllm_config=ref_config)
     with set_current_vllm_config(vc):
@@ -71,16 +71,32 @@ def main(rank, port, out, versions):
             for p in model.parameters():
                 p.zero_()  # padding rows (vocabulary) are written by neither loader
             reference.load_state_dict(model.state_dict())
+    return vc, model, reference
 
-        load_general_plugins()  # the entry point registers backend "refit"
-        engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
-        assert type(engine).__module__ == "refit._vllm_engine", type(engine)
-        wait_for(out / "manifest.json")
-        init = {"coordinator": json.loads((out / "coordinator.json").read_text()),
-                "manifest": json.loads((out / "manifest.json").read_text()),
-                "config": {"network": {"transports": ["tcp"], "devices": ["lo"]}}, "timeout_s": 20.0}
-        engine.init_transfer_engine(engine.parse_init_info(init))
-        assert engine.rank == rank
+
+def make_engine(vc, model, out, rank, config=None):
+    """refit's engine, created by vLLM's factory (backend "refit", registered
+    by the package's entry point) and initialized for this worker."""
+    load_general_plugins()
+    engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
+    assert type(engine).__module__ == "refit._vllm_engine", type(engine)
+    wait_for(out / "manifest.json")
+    init = {"coordinator": json.loads((out / "coordinator.json").read_text()),
+            "manifest": json.loads((out / "manifest.json").read_text()),
+            "config": {"network": {"transports": ["tcp"], "devices": ["lo"]}, **(config or {})},
+            "timeout_s": 20.0}
+    engine.init_transfer_engine(engine.parse_init_info(init))
+    assert engine.rank == rank
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if n.startswith("model.layers.0.")}
+    print(f"receiver {rank}: registered {len(list(model.parameters()))} parameters; layer 0: {shapes}",
+          flush=True)
+    return engine
+
+
+def main(rank, port, out, versions, tp):
+    vc, model, reference = build(rank, port, out, tp)
+    with set_current_vllm_config(vc):
+        engine = make_engine(vc, model, out, rank)
 
         for version in range(1, versions + 1):
             engine.start_weight_update()
@@ -117,4 +133,4 @@ def main(rank, port, out, versions):
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), Path(a[2]), int(a[3]))
+    main(int(a[0]), int(a[1]), Path(a[2]), int(a[3]), int(a[4]) if len(a) > 4 else 2)
