@@ -60,8 +60,11 @@
  *                    naming the tensor and box; not retried) on a difference.
  *                    Boxes without a hash (a source without "verify", or a
  *                    receiver layout registered after the publish) are counted
- *                    in the report and logged, not failed. Host buffers only
- *                    (not with "local": {"fabric": "nccl"})
+ *                    in the report and logged, not failed. A box converted on
+ *                    the way is checked as converted; one that cuts a
+ *                    quantization block, and block scales, are unverified
+ *                    (docs/conversion.md). Host buffers only (not with
+ *                    "local": {"fabric": "nccl"})
  *
  *   Source only:
  *     "snapshot"     bool [false]: publish copies the shards into buffers of the
@@ -454,8 +457,9 @@ REFIT_EXPORT refit_status_t refit_receiver_create(const char* config_json, refit
  * scales to the other ranks of its domain; a block with NaN or infinity
  * fails the refresh, naming the tensor and the block (staged mode keeps the
  * old version; direct mode's buffers are torn, as on any failure: units
- * converted before the refused one hold the new version). Host buffers
- * only, for now. No two segments may share a byte.
+ * converted before the refused one hold the new version). GPU buffers
+ * take the CUDA kernel (a build with CUDA and nvcc). No two segments may
+ * share a byte.
  *
  * @param [in] receiver     The receiver.
  * @param [in] buffer_json  The description, NUL-terminated.

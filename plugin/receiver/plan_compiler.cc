@@ -245,10 +245,13 @@ class Compiler {
       cv.scale_strides = c.scale_strides;
       device = device || scale_device;
     }
+#ifndef REFIT_HAVE_CONVERT_KERNEL
     if (device) {
-      return Status::unsupported(name + ": converting into GPU memory is not wired into the receiver yet "
-                                 "(docs/conversion.md); register host buffers for converted tensors");
+      return Status::unsupported(name + ": converting into GPU memory needs the CUDA conversion kernel, which "
+                                 "this build does not have (docs/conversion.md)");
     }
+#endif
+    cv.device = device;
     out_->converts.push_back(std::move(cv));
     return Status::ok();
   }

@@ -71,6 +71,7 @@ struct CompiledPart {
     std::vector<int64_t> strides;
     float* scales = nullptr;  // null: a cast
     std::vector<int64_t> scale_strides;
+    bool device = false;  // `dst` and `scales` are GPU memory: the CUDA kernel
   };
   struct Get {
     int32_t source = 0;

@@ -4,6 +4,9 @@
 
 #include "planner/dtype.h"
 #include "transport/convert/convert.h"
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+#include "transport/convert/convert_cuda.h"
+#endif
 
 namespace refit::plugin::receiver {
 
@@ -234,7 +237,8 @@ bool TransferExecutor::release_locked(uint32_t get) {
 
 // One unit of a converted tensor, from its staged box into the buffer: per
 // index of the leading dims (stacked experts), one call of the CPU kernel
-// over the last two dims, or a cast per row. The kernel refuses a block
+// over the last two dims (the CUDA kernel into GPU memory, after a copy of
+// the staged rows to the device), or a cast per row. The kernel refuses a block
 // with NaN or infinity before writing it (docs/conversion.md).
 Status TransferExecutor::convert(uint32_t k) const {
   const CompiledPart::Convert& c = part_.converts[k];
@@ -267,7 +271,18 @@ Status TransferExecutor::convert(uint32_t k) const {
       a.tensor = c.tensor;
       a.block_row0 = c.start[n - 2] / c.block.rows;
       a.block_col0 = c.start[n - 1] / c.block.cols;
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+      if (c.device) {
+        REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks_cuda_from_host(a, nullptr));
+      } else {
+        REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
+      }
+    } else if (c.device) {
+      REFIT_RETURN_IF_ERROR(
+          convert::cast_to_device(c.from, c.to, src, c.dst + dst_off * out, c.size[n - 1], c.tensor, nullptr));
+#else
       REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
+#endif
     } else {
       REFIT_RETURN_IF_ERROR(convert::cast(c.from, c.to, src, c.dst + dst_off * out, c.size[n - 1], c.tensor));
     }

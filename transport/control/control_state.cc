@@ -51,6 +51,20 @@ std::string box_key(const std::string& tensor, const std::vector<int64_t>& start
   return key;
 }
 
+// Whether the box covers whole blocks of `block` in the last two dims (a
+// block at the tensor's edge may be partial).
+bool whole_blocks(const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                  const std::vector<int64_t>& shape, const std::array<int64_t, 2>& block) {
+  const size_t n = start.size();
+  if (n < 2 || shape.size() != n) return false;
+  for (size_t k = 0; k < 2; ++k) {
+    const size_t d = n - 2 + k;
+    const int64_t end = start[d] + size[d];
+    if (start[d] % block[k] != 0 || (end % block[k] != 0 && end != shape[d])) return false;
+  }
+  return true;
+}
+
 int64_t numel(const std::vector<int64_t>& size) {
   int64_t n = 1;
   for (int64_t v : size) n *= v;
@@ -384,7 +398,7 @@ Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxH
       for (const Segment& seg : b.segments) inside = inside || (seg.tensor == h.tensor && box_inside(seg, h.start, h.size));
     }
     if (!inside) return Status::invalid(where + " is not inside a segment of source rank " + std::to_string(h.rank));
-    const std::string key = box_key(h.tensor, h.start, h.size);
+    const std::string key = box_key(h.tensor, h.start, h.size) + (h.dtype.empty() ? "" : "@" + h.dtype);
     using Seen = const std::map<std::string, Hashed>*;
     for (Seen seen : {Seen{&known}, Seen{&incoming}}) {
       auto it = seen->find(key);
@@ -431,8 +445,21 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
           for (const MemberBuffer& rb : r.info.buffers) {
             for (const Segment& want : rb.segments) {
               if (want.tensor != seg.tensor || !intersect_box(seg, want, &start, &size)) continue;
-              if (!seen.insert(box_key(seg.tensor, start, size)).second) continue;
+              // A receiver of another dtype checks the converted bytes: the
+              // source converts the box before hashing it, which it can do
+              // for a quantized tensor only when the box holds whole blocks.
+              const std::string& to = segment_dtype(rb, want);
+              const bool convert = to != tensors_.at(seg.tensor).decl.dtype;
+              if (convert && to == "F8_E4M3" &&
+                  !whole_blocks(start, size, tensors_.at(seg.tensor).decl.shape, r.info.weight_block_size)) {
+                continue;
+              }
+              if (!seen.insert(box_key(seg.tensor, start, size) + (convert ? "@" + to : "")).second) continue;
               boxes.push_back({{"rank", rank}, {"tensor", seg.tensor}, {"start", start}, {"size", size}});
+              if (convert) {
+                boxes.back()["dtype"] = to;
+                boxes.back()["block"] = r.info.weight_block_size;
+              }
             }
           }
         }
@@ -467,16 +494,17 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
       const int64_t elem = dt ? dtype_bytes(*dt) : 1;
       auto h = held.find(want.tensor);
       if (h == held.end()) continue;
-      // The sources hash their own dtype; a box converted on the way is not
-      // verified yet (docs/conversion.md, "Verification").
+      // A box converted on the way has the hash of its converted bytes
+      // (verify_boxes), under its dtype.
       auto decl = tensors_.find(want.tensor);
       const bool converted = decl != tensors_.end() && decl->second.decl.dtype != segment_dtype(b, want);
+      const std::string suffix = converted ? "@" + segment_dtype(b, want) : "";
       std::set<std::string> seen;
       for (const Segment* seg : h->second) {
         if (!intersect_box(want, *seg, &start, &size)) continue;
         const std::string key = box_key(want.tensor, start, size);
         if (!seen.insert(key).second) continue;
-        auto it = converted ? known.end() : known.find(key);
+        auto it = known.find(key + suffix);
         if (it != known.end()) {
           hashes.push_back({{"buffer", bi}, {"segment", si}, {"start", start}, {"size", size},
                             {"hash", it->second.hash}, {"rank", it->second.rank}});

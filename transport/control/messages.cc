@@ -293,6 +293,7 @@ Result<PublishVersion> parse_publish_version(const Json& body, const char* messa
     r.dims(h, p, "size", lim.max_dims, 0, &bh.size);
     if (r.ok() && !h.contains("hash")) r.fail(p + ".hash", "is missing");
     r.uint64(h, p, "hash", &bh.hash);
+    if (h.contains("dtype")) r.str(h, p, "dtype", 16, &bh.dtype);
     if (r.ok() && bh.start.size() != bh.size.size()) {
       r.fail(p, "has " + std::to_string(bh.start.size()) + " start and " + std::to_string(bh.size.size()) +
                     " size dims; they must agree");
@@ -392,7 +393,9 @@ Json to_json(const RegisterReceiver& m) {
 Json to_json(const MemberRef& m) { return {{"role", role_name(m.role)}, {"rank", m.rank}}; }
 
 Json to_json(const BoxHash& h) {
-  return {{"rank", h.rank}, {"tensor", h.tensor}, {"start", h.start}, {"size", h.size}, {"hash", h.hash}};
+  Json j{{"rank", h.rank}, {"tensor", h.tensor}, {"start", h.start}, {"size", h.size}, {"hash", h.hash}};
+  if (!h.dtype.empty()) j["dtype"] = h.dtype;
+  return j;
 }
 
 // ---- Leases that live as long as the refresh holding them ----------------

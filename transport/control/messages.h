@@ -109,6 +109,9 @@ struct BoxHash {
   std::vector<int64_t> start;
   std::vector<int64_t> size;
   uint64_t hash = 0;
+  // "": the box as the sources hold it; else the dtype it was converted to
+  // before hashing, as receivers of that dtype hold it (docs/conversion.md).
+  std::string dtype;
 };
 
 struct PublishVersion {
@@ -219,11 +222,12 @@ struct ConvertSpec {
 // between two receivers of a domain ("kind": "local").
 struct PlanRun {
   bool network = false;
-  // "kind": "convert": a conversion step; from, to and bytes are unused.
-  std::shared_ptr<const ConvertSpec> convert;
   RunEnd from;
   RunEnd to;
   uint64_t bytes = 0;
+  // "kind": "convert": a conversion step; network, from, to and bytes are
+  // unused.
+  std::shared_ptr<const ConvertSpec> convert;
 };
 
 // A buffer of a peer that the runs name: where it is and its packed rkey
