@@ -108,6 +108,8 @@ Resources::~Resources() {
   buffers_.clear();   // memory before the context
   ring_region_.reset();
   ring_memory_.reset();
+  convert_region_.reset();
+  convert_memory_.reset();
   net_worker_.reset();
   net_context_.reset();
 }

@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -86,6 +87,7 @@ class Convert : public ::testing::Test {
       c["local"] = {{"transports", {"shm"}}};
       c["weight_block_size"] = {kBlock, kBlock};
     }
+    c["verify"] = true;
     return c;
   }
 
@@ -192,9 +194,11 @@ TEST_F(Convert, ReceiversOfADomainHoldTheReferenceQuantization) {
   ASSERT_EQ(refit_receiver_join(r0), REFIT_OK) << refit_last_error();
   ASSERT_EQ(refit_receiver_join(r1), REFIT_OK) << refit_last_error();
   for (int64_t version = 1; version <= 3; ++version) {
-    if (version > 1) {  // new weights for each version
-      w_ = weights(static_cast<uint32_t>(10 + version));
-      x_ = cast_source(static_cast<uint32_t>(20 + version));
+    if (version > 1) {  // new weights for each version, where the source serves them
+      const std::vector<uint16_t> w = weights(static_cast<uint32_t>(10 + version));
+      const std::vector<float> x = cast_source(static_cast<uint32_t>(20 + version));
+      std::copy(w.begin(), w.end(), w_.begin());
+      std::copy(x.begin(), x.end(), x_.begin());
     }
     ASSERT_EQ(refit_source_publish(source_, version), REFIT_OK) << refit_last_error();
     auto other = std::async(std::launch::async, [&] {
@@ -215,6 +219,12 @@ TEST_F(Convert, ReceiversOfADomainHoldTheReferenceQuantization) {
     const json rep1 = json::parse(refit_receiver_report(r1));
     EXPECT_EQ(rep0["converts"]["units"].get<int>() + rep1["converts"]["units"].get<int>(), 2)
         << rep0.dump() << "\n" << rep1.dump();
+    // "verify": the source hashed the converted bytes; each receiver checked
+    // all of "w" (FP8) and "x" (BF16) against them.
+    for (const json& rep : {rep0, rep1}) {
+      EXPECT_EQ(rep["verify"]["bytes"].get<int64_t>(), kRows * kCols + kXRows * kXCols * 2) << rep.dump();
+      EXPECT_EQ(rep["verify"]["unverified_bytes"].get<int64_t>(), 0) << rep.dump();
+    }
   }
 }
 
