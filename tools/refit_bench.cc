@@ -27,6 +27,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "planner/conversion.h"
 #include "planner/layout.h"
 #include "planner/manifest.h"
 #include "planner/plan.h"
