@@ -667,7 +667,10 @@ int main(int argc, char** argv) {
                  "write every receiver's refresh report (refit_receiver_report) of every version and strategy, "
                  "as {\"<strategy>\": [{\"version\", \"seconds\", \"cpu_seconds\", \"machine_cpu_seconds\", "
                  "\"reports\": [...]}]}, to this file");
-  app.add_option("--strategies", strategies_text, "comma-separated, run in this order (default refit,no-dedup,broadcast)");
+  CLI::Option* strategies_option = app.add_option(
+      "--strategies", strategies_text,
+      "comma-separated, run in this order (default refit,no-dedup,broadcast; refit alone for a scenario that "
+      "converts dtypes on the way)");
   app.add_option("--mode", mode, "direct or staged (default direct); see Modes above")
       ->check(CLI::IsMember({"direct", "staged"}));
   app.add_flag("--memory-table", memory_table,
@@ -754,6 +757,7 @@ int main(int argc, char** argv) {
 
   refit::bench::RunOptions options;
   if (converts) {
+    if (strategies_option->count() == 0) *strategies = {refit::Strategy::kRefit};
     for (refit::Strategy st : *strategies)
       if (st != refit::Strategy::kRefit)
         return usage_error(std::string("--strategies ") + refit::strategy_name(st) +

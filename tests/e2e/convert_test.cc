@@ -6,12 +6,19 @@
 // run in this one process against a coordinator embedded in it; the two
 // receivers of one domain refresh on threads of their own.
 
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <future>
 #include <memory>
 #include <random>
@@ -24,6 +31,8 @@
 #include "refit/refit.h"
 #include "tools/bench/local_coordinator.h"
 #include "transport/convert/convert.h"
+
+extern char** environ;
 
 namespace {
 
@@ -284,6 +293,53 @@ TEST_F(Convert, UnsupportedConversionIsRefused) {
   const std::string error = refit_last_error();
   EXPECT_NE(error.find("\"w\""), std::string::npos) << error;
   EXPECT_NE(error.find("I32"), std::string::npos) << error;
+}
+
+// refit-bench on the shipped FP8 scenario (small-moe BF16 to small-moe-fp8):
+// every receiver byte, FP8 values and block scales, checked against the CPU
+// kernels applied to the sources' pattern, for 2 versions.
+TEST_F(Convert, RefitBenchVerifiesTheFp8Scenario) {
+  std::string dir = (std::filesystem::temp_directory_path() / "refit-convert-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string out_json = dir + "/out.json", log = dir + "/log.txt";
+  const std::string root = REFIT_SOURCE_ROOT;
+  std::vector<std::string> argv = {REFIT_BENCH, "--scenario", root + "/examples/scenarios/moe-bf16-to-fp8.json",
+                                   "--models", root + "/examples/models", "--versions", "2", "--timeout", "20",
+                                   "--json", out_json};
+  std::vector<char*> args;
+  for (std::string& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ), 0) << argv[0];
+  posix_spawn_file_actions_destroy(&fa);
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(45);
+  while (::waitpid(pid, &status, WNOHANG) != pid) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      break;
+    }
+    ::usleep(10000);
+  }
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << text;
+  std::ifstream j(out_json);
+  const json doc = json::parse(j, nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << text;
+  ASSERT_EQ(doc["results"].size(), 1u) << doc.dump();  // refit alone: the baselines do not convert
+  const json& row = doc["results"][0];
+  EXPECT_EQ(row["strategy"], "refit");
+  EXPECT_EQ(row["verified"], true) << row.dump();
+  EXPECT_EQ(row["completed"], 2) << row.dump();
+  // The fan-out carries FP8: less than the BF16 the network brings.
+  EXPECT_LT(row["local_bytes"].get<int64_t>(), row["network_bytes"].get<int64_t>()) << row.dump();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
