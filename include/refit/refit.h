@@ -532,9 +532,10 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
  *         REFIT_IO_ERROR when a peer or the coordinator failed, the lease
  *         was lost, verification found other bytes, or the instance
  *         aborted the version; REFIT_INVALID_ARGUMENT for a bad version, a
- *         started refresh still running, or a registration the coordinator
- *         refuses. A failure a new attempt can fix (a peer that died) is
- *         retried within the deadline.
+ *         started refresh still running, a registration the coordinator
+ *         refuses, or a source block the conversion on the way refuses (NaN
+ *         or infinity; not retried). A failure a new attempt can fix (a
+ *         peer that died) is retried within the deadline.
  * @note The thread that owns the handle. Blocks on the coordinator (the
  *       version, the lease, the plan, the commit decision), on the
  *       transfers and on the other ranks of the domain and instance; all

@@ -254,7 +254,7 @@ TEST_F(Convert, NaNInASourceBlockFailsAndStagedKeepsTheOldVersion) {
   ASSERT_EQ(refit_source_publish(source_, 2), REFIT_OK) << refit_last_error();
   const refit_status_t s = refit_receiver_refresh(r, 2, 5000);
   const std::string error = refit_last_error();
-  EXPECT_NE(s, REFIT_OK);
+  EXPECT_EQ(s, REFIT_INVALID_ARGUMENT) << refit_status_name(s);
   EXPECT_NE(error.find("\"w\""), std::string::npos) << error;
   EXPECT_NE(error.find("(1, 2)"), std::string::npos) << error;
   EXPECT_EQ(refit_receiver_version(r), 1);
