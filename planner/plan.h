@@ -166,6 +166,42 @@ struct Run {
 // consumers. Adjacent runs that continue each other are merged.
 void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn);
 
+// A unit of a tensor whose receivers hold another dtype (docs/conversion.md,
+// "At the receiver"): its puller lands the unit's box, row-major in the
+// sources' dtype, at `stage_offset` of its conversion staging area, then
+// converts it into its own region (receivers' dtype) and, for F8_E4M3,
+// computes the box's block scales into its region of the scale tensor. The
+// fan-out to the unit's other consumers carries the converted bytes and the
+// scales.
+struct ConvertStep {
+  int32_t rank = 0;  // the puller, a receiver rank
+  uint32_t tensor = 0;
+  Box box;                   // the unit, in the tensor's index space
+  int64_t stage_offset = 0;  // bytes into the rank's staging area
+  uint32_t buffer = 0;       // Layout::buffers index of the puller's region
+  int64_t offset = 0;        // element (receivers' dtype) of box.start in it
+  Index strides{};
+  int64_t scale_tensor = -1;  // F8_E4M3: the derived scale tensor, else -1
+  uint32_t scale_buffer = 0;
+  int64_t scale_offset = 0;   // element of the box's first block's scale
+  Index scale_strides{};
+};
+
+// A network run into a puller's conversion staging area names this buffer.
+inline constexpr uint32_t kStagingBuffer = UINT32_MAX;
+
+// for_each_run, with the units of converted tensors done the receiver's
+// way: their network runs land in the puller's staging area (to.buffer is
+// kStagingBuffer, to.offset a byte offset there), `on_convert` is called
+// once the unit's network runs are out, and the local runs that follow
+// carry the receivers' dtype from the puller's region, then the scales of
+// the unit's blocks. Each puller's staging offsets start at 0 and are
+// 64-byte aligned; *staging_bytes (optional) gets each rank's total.
+// Fails, naming the tensor, when a converted unit is not block aligned or a
+// consumer lacks the scales of its blocks.
+Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
+                    const std::function<void(const ConvertStep&)>& on_convert);
+
 // The contiguous runs that copy `box` from region `from` to region `to` (both
 // of a tensor with elements of `elem_bytes`), as byte offsets within their
 // buffers, in row-major order of the box, merged where contiguous in both.

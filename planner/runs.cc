@@ -1,4 +1,6 @@
 #include <algorithm>
+#include <map>
+#include <string>
 
 #include "planner/box.h"
 #include "planner/plan.h"
@@ -43,7 +45,48 @@ void for_each_copy(const Box& box, const Region& from, const Region& to, int ele
   }
 }
 
-void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
+namespace {
+
+bool holds(const Layout& L, const Region& r, int32_t rank) {
+  for (int32_t x : L.receiver_sets.get(r.ranks))
+    if (x == rank) return true;
+  return false;
+}
+
+// The region of tensor `ti` that receiver `rank` holds `box` in, or null.
+const Region* region_holding(const Layout& L, uint32_t ti, int32_t rank, const Box& box) {
+  for (const Region& r : L.tensors[ti].receivers)
+    if (contains(r.box, box) && holds(L, r, rank)) return &r;
+  return nullptr;
+}
+
+int64_t element_of(const Region& r, const Box& box) {
+  int64_t off = r.offset;
+  for (int d = 0; d < box.ndim; ++d) off += (box.start[d] - r.box.start[d]) * r.strides[d];
+  return off;
+}
+
+// The box of the scale tensor whose blocks cover `box` (block aligned).
+Box block_box(const Box& box, const std::array<int64_t, 2>& block) {
+  Box b = box;
+  for (int k = 0; k < 2; ++k) {
+    const int d = box.ndim - 2 + k;
+    b.start[d] = box.start[d] / block[k];
+    b.size[d] = (box.start[d] + box.size[d] + block[k] - 1) / block[k] - b.start[d];
+  }
+  return b;
+}
+
+std::string box_text(const Box& b) {
+  std::string s = "start [";
+  for (int d = 0; d < b.ndim; ++d) s += (d ? ", " : "") + std::to_string(b.start[d]);
+  s += "] size [";
+  for (int d = 0; d < b.ndim; ++d) s += (d ? ", " : "") + std::to_string(b.size[d]);
+  return s + "]";
+}
+
+Status run_all(const Plan& plan, const std::function<void(const Run&)>& fn,
+               const std::function<void(const ConvertStep&)>* on_convert) {
   const Layout& L = plan.layout();
   bool have = false;
   Run pending;
@@ -58,6 +101,7 @@ void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
     pending = r;
     have = true;
   };
+  std::map<int32_t, int64_t> staged;  // per puller: its staging area's end
   for (const Unit& u : plan.units()) {
     const Tensor& t = L.tensors[u.tensor];
     const int eb = dtype_bytes(t.dtype);
@@ -66,6 +110,94 @@ void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
     const Region& dst = t.receivers[p.region];
     const uint32_t dst_buf = t.buffer_of(Side::kReceiver, dst);
     const PullSet& ps = plan.pull_set(u);
+    if (on_convert && t.dtype_on(Side::kReceiver) != t.dtype) {
+      // Land in the staging area, convert, then fan out the converted bytes.
+      const Box& box = ps.box;
+      const int n = box.ndim;
+      if (n < 1) return Status::invalid("tensor \"" + t.name + "\": a scalar cannot be converted on the way");
+      ConvertStep step;
+      step.rank = p.rank;
+      step.tensor = u.tensor;
+      step.box = box;
+      int64_t& end = staged[p.rank];
+      step.stage_offset = end;
+      end += (box.numel() * eb + 63) / 64 * 64;
+      step.buffer = dst_buf;
+      step.offset = element_of(dst, box);
+      step.strides = dst.strides;
+      Region stage;
+      stage.box = box;
+      stage.offset = step.stage_offset / eb;
+      int64_t stride = 1;
+      for (int d = n - 1; d >= 0; --d) {
+        stage.strides[d] = stride;
+        stride *= box.size[d];
+      }
+      const Tensor* scale = nullptr;
+      Box blocks;
+      if (t.dtype_on(Side::kReceiver) == DType::kF8E4M3) {
+        const int64_t si = L.find_tensor(t.name + "_scale_inv");
+        if (si < 0 || n < 2) {
+          return Status::invalid("tensor \"" + t.name + "\" is quantized to F8_E4M3 but the receivers hold no \"" +
+                                 t.name + "_scale_inv\"");
+        }
+        for (int k = 0; k < 2; ++k) {
+          const int d = n - 2 + k;
+          const int64_t b = L.weight_block_size[k];
+          if (box.start[d] % b != 0 || ((box.start[d] + box.size[d]) % b != 0 && box.start[d] + box.size[d] != t.shape[d])) {
+            return Status::invalid("tensor \"" + t.name + "\": the unit " + box_text(box) + " cuts a block of " +
+                                   std::to_string(L.weight_block_size[0]) + "x" + std::to_string(L.weight_block_size[1]) +
+                                   " in dim " + std::to_string(d));
+          }
+        }
+        scale = &L.tensors[si];
+        step.scale_tensor = si;
+        blocks = block_box(box, L.weight_block_size);
+        const Region* sr = region_holding(L, static_cast<uint32_t>(si), p.rank, blocks);
+        if (!sr) {
+          return Status::invalid("receiver rank " + std::to_string(p.rank) + " holds blocks " + box_text(blocks) +
+                                 " of tensor \"" + t.name + "\" but not their scales in \"" + scale->name + "\"");
+        }
+        step.scale_buffer = scale->buffer_of(Side::kReceiver, *sr);
+        step.scale_offset = element_of(*sr, blocks);
+        step.scale_strides = sr->strides;
+      }
+      for (size_t i = 0; i < ps.pieces.size(); ++i) {
+        const SourcePick src = plan.source(u, i);
+        const Region& sr = t.sources[src.region];
+        const uint32_t src_buf = t.buffer_of(Side::kSource, sr);
+        for (const Box& c : split_row_major(ps.pieces[i].box, chunk_elems)) {
+          for_each_copy(c, sr, stage, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
+            push(Run{false, {Side::kSource, src.rank, src_buf, fo}, {Side::kReceiver, p.rank, kStagingBuffer, to}, bytes});
+          });
+        }
+      }
+      if (have) fn(pending);
+      have = false;
+      (*on_convert)(step);
+      const int reb = dtype_bytes(t.dtype_on(Side::kReceiver));
+      for (const Consumer& k : plan.consumers(u)) {
+        if (k.rank == p.rank && k.region == p.region) continue;
+        const Region& kr = t.receivers[k.region];
+        for_each_copy(box, dst, kr, reb, [&](int64_t fo, int64_t to, int64_t bytes) {
+          push(Run{true, {Side::kReceiver, p.rank, dst_buf, fo},
+                   {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), to}, bytes});
+        });
+        if (!scale) continue;
+        const Region* from = region_holding(L, static_cast<uint32_t>(step.scale_tensor), p.rank, blocks);
+        const Region* to = region_holding(L, static_cast<uint32_t>(step.scale_tensor), k.rank, blocks);
+        if (!to) {
+          return Status::invalid("receiver rank " + std::to_string(k.rank) + " holds blocks " + box_text(blocks) +
+                                 " of tensor \"" + t.name + "\" but not their scales in \"" + scale->name + "\"");
+        }
+        if (k.rank == p.rank && to == from) continue;
+        for_each_copy(blocks, *from, *to, 4, [&](int64_t fo, int64_t to_off, int64_t bytes) {
+          push(Run{true, {Side::kReceiver, p.rank, scale->buffer_of(Side::kReceiver, *from), fo},
+                   {Side::kReceiver, k.rank, scale->buffer_of(Side::kReceiver, *to), to_off}, bytes});
+        });
+      }
+      continue;
+    }
     for (size_t i = 0; i < ps.pieces.size(); ++i) {
       const SourcePick src = plan.source(u, i);
       const Region& sr = t.sources[src.region];
@@ -86,6 +218,18 @@ void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
     }
   }
   if (have) fn(pending);
+  return Status::ok();
+}
+
+}  // namespace
+
+void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
+  (void)run_all(plan, fn, nullptr);
+}
+
+Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
+                    const std::function<void(const ConvertStep&)>& on_convert) {
+  return run_all(plan, fn, &on_convert);
 }
 
 }  // namespace refit

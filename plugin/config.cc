@@ -67,7 +67,8 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "instance_ranks", "coordinator", "network", "local",
                        "window_bytes", "chunk_bytes", "landing_bytes", "gather_below_bytes", "gather_bytes",
-                       "gather_entries", "heartbeat_ms", "log_level", "recipe", "mode", "verify", "test"});
+                       "gather_entries", "heartbeat_ms", "log_level", "recipe", "mode", "verify", "weight_block_size",
+                       "test"});
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
@@ -83,6 +84,15 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   c.domain = static_cast<int32_t>(r.integer(doc, "", "domain", 0, 0, kMaxRank));
   if (receiver) c.instance = static_cast<int32_t>(r.integer(doc, "", "instance", 0, 0, kMaxRank));
   if (receiver) c.instance_ranks = static_cast<int32_t>(r.integer(doc, "", "instance_ranks", 0, 1, kMaxRank + 1));
+  if (const Json* wb = receiver ? r.member(doc, "", "weight_block_size", false) : nullptr) {
+    if (wb->is_array() && wb->size() == 2 && (*wb)[0].is_number_integer() && (*wb)[1].is_number_integer() &&
+        (*wb)[0].get<int64_t>() >= 1 && (*wb)[1].get<int64_t>() >= 1 && (*wb)[0].get<int64_t>() <= (1 << 20) &&
+        (*wb)[1].get<int64_t>() <= (1 << 20)) {
+      c.weight_block_size = {(*wb)[0].get<int64_t>(), (*wb)[1].get<int64_t>()};
+    } else {
+      r.fail("weight_block_size", "must be [rows, cols], two integers from 1 to 1048576, got " + wb->dump());
+    }
+  }
 
   if (const Json* co = r.member(doc, "", "coordinator", true)) {
     r.object(*co, "coordinator", {"address", "token_file", "embedded", "timeout_ms"});

@@ -5,6 +5,7 @@
 // `config: "coordinator.timeout_ms" must be an integer >= 1, got "5s"`.
 
 #include <chrono>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -52,6 +53,9 @@ struct AgentConfig {
   int32_t domain = 0;
   int32_t instance = 0;  // receivers
   int32_t instance_ranks = 0;  // receivers: the instance's declared size; 0: not declared
+  // Receivers: the F8_E4M3 block of the model's quantization_config
+  // (docs/conversion.md); every receiver of the membership must agree.
+  std::array<int64_t, 2> weight_block_size{128, 128};
   CoordinatorEndpoint coordinator;
   TransportConfig network{{"tcp"}, {}};
   TransportConfig local{{"shm"}, {}};  // receivers: the UCX fabric's transports

@@ -1,6 +1,8 @@
 #include "plugin/source_agent.h"
 
 #include <algorithm>
+#include <array>
+#include <optional>
 #include <cstring>
 
 #include "planner/dtype.h"
@@ -249,15 +251,30 @@ Result<control::Json> SourceAgent::hash_served() {
     const std::string tensor = box.value("tensor", std::string());
     const std::vector<int64_t> start = box.value("start", std::vector<int64_t>());
     const std::vector<int64_t> size = box.value("size", std::vector<int64_t>());
+    // A receiver of another dtype checks the converted bytes (docs/conversion.md).
+    const std::string to_name = box.value("dtype", std::string());
+    const std::optional<DType> to = to_name.empty() ? std::nullopt : parse_dtype(to_name);
+    if (!to_name.empty() && !to) return Status::internal("verify_boxes: unknown dtype \"" + to_name + "\"");
+    const std::array<int64_t, 2> block = box.value("block", std::array<int64_t, 2>{128, 128});
     bool done = false;
     for (const Buf& b : buffers_) {
       for (const control::Segment& seg : b.segments) {
         if (done || seg.tensor != tensor) continue;
         const std::optional<DType> dt = parse_dtype(seg.dtype.empty() ? b.dtype : seg.dtype);
         const int elem = dt ? dtype_bytes(*dt) : 1;
-        Result<uint64_t> h = hash_box(b.served(), b.bytes, seg, elem, start, size);
+        bool refused = false;
+        Result<uint64_t> h = to && dt ? hash_converted_box(b.served(), b.bytes, seg, *dt, *to, block, start, size,
+                                                           &refused)
+                                      : hash_box(b.served(), b.bytes, seg, elem, start, size);
+        // NaN or infinity in a block: the receivers refuse it at their
+        // conversion; the publish goes on, and the box has no hash.
+        if (refused) {
+          log_.warn("verify: " + h.status().message());
+          done = true;
+          continue;
+        }
         if (!h.is_ok()) continue;  // another segment of the tensor may hold it
-        hashes.push_back(control::to_json(control::BoxHash{config_.rank, tensor, start, size, *h}));
+        hashes.push_back(control::to_json(control::BoxHash{config_.rank, tensor, start, size, *h, to_name}));
         uint64_t n = static_cast<uint64_t>(elem);
         for (int64_t s : size) n *= static_cast<uint64_t>(s);
         bytes += n;

@@ -4,6 +4,9 @@
 
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "transport/convert/convert.h"
 
 namespace refit::plugin {
 
@@ -17,8 +20,15 @@ struct StateDeleter {
 
 }  // namespace
 
-Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
-                          int elem_bytes, const std::vector<int64_t>& start, const std::vector<int64_t>& size) {
+namespace {
+
+// Calls fn(pointer, bytes) for the box's elements of `seg` in `buffer`, in
+// row-major order of the box, a contiguous run at a time; fails, naming the
+// box, when it is not inside the segment or the segment reaches past the
+// buffer.
+template <typename Fn>
+Status for_each_run(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg, int elem_bytes,
+                    const std::vector<int64_t>& start, const std::vector<int64_t>& size, Fn&& fn) {
   const size_t n = seg.size.size();
   const std::string what = "tensor \"" + seg.tensor + "\" box start " + dims(start) + " size " + dims(size);
   if (start.size() != n || size.size() != n || seg.start.size() != n || seg.strides.size() != n) {
@@ -45,8 +55,6 @@ Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const co
     run *= size[k - 1];
     --k;
   }
-  std::unique_ptr<XXH3_state_t, StateDeleter> state(XXH3_createState());
-  if (!state || XXH3_64bits_reset(state.get()) != XXH_OK) return Status::internal("hash_box: XXH3 state");
   std::vector<int64_t> idx(k, 0);  // over the outer dims of the box
   int64_t base = seg.offset;
   for (size_t d = 0; d < n; ++d) base += (start[d] - seg.start[d]) * seg.strides[d];
@@ -54,12 +62,70 @@ Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const co
   while (true) {
     int64_t off = base;
     for (size_t d = 0; d < k; ++d) off += idx[d] * seg.strides[d];
-    (void)XXH3_64bits_update(state.get(), buffer + off * elem_bytes, run_bytes);
+    fn(buffer + off * elem_bytes, run_bytes);
     size_t d = k;
     while (d > 0 && ++idx[d - 1] == size[d - 1]) idx[--d] = 0;
     if (d == 0) break;
   }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
+                          int elem_bytes, const std::vector<int64_t>& start, const std::vector<int64_t>& size) {
+  std::unique_ptr<XXH3_state_t, StateDeleter> state(XXH3_createState());
+  if (!state || XXH3_64bits_reset(state.get()) != XXH_OK) return Status::internal("hash_box: XXH3 state");
+  REFIT_RETURN_IF_ERROR(for_each_run(buffer, buffer_bytes, seg, elem_bytes, start, size,
+                                     [&](const uint8_t* p, size_t n) { (void)XXH3_64bits_update(state.get(), p, n); }));
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
+}
+
+Result<uint64_t> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
+                                    DType from, DType to, const std::array<int64_t, 2>& block,
+                                    const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                                    bool* refused) {
+  *refused = false;
+  // The box row-major in the sources' dtype, then converted as a receiver
+  // converts it (transport/convert).
+  std::vector<uint8_t> box;
+  REFIT_RETURN_IF_ERROR(for_each_run(buffer, buffer_bytes, seg, dtype_bytes(from), start, size,
+                                     [&](const uint8_t* p, size_t n) { box.insert(box.end(), p, p + n); }));
+  const int64_t numel = static_cast<int64_t>(box.size()) / dtype_bytes(from);
+  std::vector<uint8_t> out(static_cast<size_t>(numel * dtype_bytes(to)));
+  if (to != DType::kF8E4M3) {
+    if (Status st = convert::cast(from, to, box.data(), out.data(), numel, seg.tensor); !st.is_ok()) {
+      *refused = true;
+      return st;
+    }
+  } else {
+    const size_t n = size.size();
+    if (n < 2) return Status::invalid("tensor \"" + seg.tensor + "\": F8_E4M3 needs 2 dims or more");
+    const int64_t rows = size[n - 2], cols = size[n - 1];
+    const int64_t brows = (rows + block[0] - 1) / block[0], bcols = (cols + block[1] - 1) / block[1];
+    std::vector<float> scales(static_cast<size_t>(brows * bcols));
+    for (int64_t l = 0; l < numel / (rows * cols); ++l) {
+      convert::QuantizeArgs a;
+      a.src_dtype = from;
+      a.src = box.data() + l * rows * cols * dtype_bytes(from);
+      a.src_stride = cols;
+      a.rows = rows;
+      a.cols = cols;
+      a.dst = out.data() + l * rows * cols;
+      a.dst_stride = cols;
+      a.scales = scales.data();
+      a.scale_stride = bcols;
+      a.block = {block[0], block[1]};
+      a.tensor = seg.tensor;
+      a.block_row0 = start[n - 2] / block[0];
+      a.block_col0 = start[n - 1] / block[1];
+      if (Status st = convert::quantize_e4m3_blocks(a); !st.is_ok()) {
+        *refused = true;
+        return st;
+      }
+    }
+  }
+  return static_cast<uint64_t>(XXH3_64bits(out.data(), out.size()));
 }
 
 }  // namespace refit::plugin

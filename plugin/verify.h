@@ -15,9 +15,11 @@
 // version_hashes), so a receiver checks each part of each of its segments
 // against the one source segment it came from.
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
+#include "planner/dtype.h"
 #include "planner/status.h"
 #include "transport/control/messages.h"
 
@@ -29,5 +31,16 @@ namespace refit::plugin {
 // elements lie outside the buffer.
 Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
                           int elem_bytes, const std::vector<int64_t>& start, const std::vector<int64_t>& size);
+
+// The hash of the same box converted to `to` first (docs/conversion.md),
+// what a receiver holding the box as `to` hashes: a cast, or F8_E4M3 block
+// quantization with `block` (the box must hold whole blocks; its scales are
+// not part of the hash). The source's elements are `from`. Fails as
+// hash_box does, or with the conversion's refusal (NaN or infinity in a
+// block, naming the tensor and the block), and then sets *refused.
+Result<uint64_t> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
+                                    DType from, DType to, const std::array<int64_t, 2>& block,
+                                    const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                                    bool* refused);
 
 }  // namespace refit::plugin

@@ -27,6 +27,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "planner/conversion.h"
 #include "planner/layout.h"
 #include "planner/manifest.h"
 #include "planner/plan.h"
@@ -675,7 +676,10 @@ int main(int argc, char** argv) {
                  "write every receiver's refresh report (refit_receiver_report) of every version and strategy, "
                  "as {\"<strategy>\": [{\"version\", \"seconds\", \"cpu_seconds\", \"machine_cpu_seconds\", "
                  "\"reports\": [...]}]}, to this file");
-  app.add_option("--strategies", strategies_text, "comma-separated, run in this order (default refit,no-dedup,broadcast)");
+  CLI::Option* strategies_option = app.add_option(
+      "--strategies", strategies_text,
+      "comma-separated, run in this order (default refit,no-dedup,broadcast; refit alone for a scenario that "
+      "converts dtypes on the way)");
   app.add_option("--mode", mode, "direct or staged (default direct); see Modes above")
       ->check(CLI::IsMember({"direct", "staged"}));
   app.add_flag("--memory-table", memory_table,
@@ -739,14 +743,25 @@ int main(int argc, char** argv) {
   if (!scenario_text) return usage_error(scenario_text.status().message());
   auto scenario = refit::parse_scenario(*scenario_text, scenario_path);
   if (!scenario) return usage_error(scenario.status().message());
-  // The agents do not convert dtypes yet (docs/conversion.md): a scenario
-  // whose sides hold different models is planned by refit-plan only.
-  if (scenario->train.model != scenario->infer.model)
-    return usage_error(scenario_path + ": train.model (\"" + scenario->train.model + "\") and infer.model (\"" +
-                       scenario->infer.model + "\") differ; refit-bench cannot convert dtypes yet (docs/conversion.md)");
   auto model = read_model(models_dir, scenario->model, scenario_path);
   if (!model) return usage_error(model.status().message());
-  auto layout = refit::layout_from_scenario(*scenario, *model);
+  // A scenario whose sides hold different models (a BF16 trainer, an FP8
+  // server) converts on the way (docs/conversion.md): each side laid out
+  // from its own model, the block from the server's quantization_config.
+  const bool converts = scenario->train.model != scenario->infer.model;
+  refit::Result<refit::Layout> layout = refit::Status::internal("unset");
+  if (converts) {
+    auto train = read_model(models_dir, scenario->train.model, scenario_path);
+    if (!train) return usage_error(train.status().message());
+    auto infer = read_model(models_dir, scenario->infer.model, scenario_path);
+    if (!infer) return usage_error(infer.status().message());
+    std::array<int64_t, 2> block{128, 128};
+    if (infer->config.weight_block_size) block = *infer->config.weight_block_size;
+    layout = refit::layout_from_scenario_models(*scenario, *train, *infer, block);
+    if (serve_check) return usage_error("--serve-check does not check tensors converted on the way yet");
+  } else {
+    layout = refit::layout_from_scenario(*scenario, *model);
+  }
   if (!layout) return usage_error(layout.status().message());
   auto plan = refit::make_plan(*layout);
   if (!plan) return usage_error(plan.status().message());
@@ -760,6 +775,15 @@ int main(int argc, char** argv) {
   }
 
   refit::bench::RunOptions options;
+  if (converts) {
+    if (strategies_option->count() == 0) *strategies = {refit::Strategy::kRefit};
+    for (refit::Strategy st : *strategies)
+      if (st != refit::Strategy::kRefit)
+        return usage_error(std::string("--strategies ") + refit::strategy_name(st) +
+                           ": a scenario that converts on the way runs the refit strategy only");
+    options.weight_block_size = layout->weight_block_size;
+    options.converts = true;
+  }
   options.versions = versions;
   options.step_timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.refresh_timeout = options.step_timeout;

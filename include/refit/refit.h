@@ -66,8 +66,11 @@
  *                    naming the tensor and box; not retried) on a difference.
  *                    Boxes without a hash (a source without "verify", or a
  *                    receiver layout registered after the publish) are counted
- *                    in the report and logged, not failed. Host buffers only
- *                    (not with "local": {"fabric": "nccl"})
+ *                    in the report and logged, not failed. A box converted on
+ *                    the way is checked as converted; one that cuts a
+ *                    quantization block, and block scales, are unverified
+ *                    (docs/conversion.md). Host buffers only (not with
+ *                    "local": {"fabric": "nccl"})
  *
  *   Source only:
  *     "snapshot"     bool [false]: publish copies the shards into buffers of the
@@ -84,6 +87,12 @@
  *                    and a rank missing aborts the version for this instance
  *                    only. Not declared: the ranks registered at the time are
  *                    the instance
+ *     "weight_block_size" [rows, cols] [[128, 128]]: the F8_E4M3 quantization
+ *                    block of the server's model (its quantization_config's
+ *                    weight_block_size), used when a buffer holds a tensor as
+ *                    F8_E4M3 that the sources serve as BF16 or F32
+ *                    (refit_receiver_add_buffer()). Every receiver of the
+ *                    membership must declare the same
  *     "mode"         "direct" | "staged" ["direct"]: direct refreshes write the
  *                    server's buffers (pause for the whole refresh); staged ones
  *                    write staging copies while the server goes on, and
@@ -442,8 +451,21 @@ REFIT_EXPORT refit_status_t refit_receiver_create(const char* config_json, refit
  *     {"name": "fused", "segments": [
  *        {"tensor": "w", "dtype": "BF16", "start": [0, 0], "size": [16, 8], "offset": 0},
  *        {"tensor": "w_scale", "dtype": "F32", "start": [0], "size": [4], "offset": 64}]}
- * A segment's dtype must be the one the sources declare for its tensor
- * (checked at join). No two segments may share a byte.
+ * A segment's dtype is the one the sources declare for its tensor, or one
+ * refit converts it to on the way (docs/conversion.md): F32 to BF16 or F16,
+ * BF16 to F16 (round to nearest even), BF16 or F32 to F8_E4M3 with one F32
+ * scale per block of "weight_block_size", which the receivers compute into
+ * the tensor "<name>_scale_inv" (F32, the weight's last two dims divided by
+ * the block, rounded up) that some buffer of theirs must hold wherever they
+ * hold blocks of the weight, each box covering whole blocks. Any other pair
+ * is refused at join, naming the tensor and both dtypes. The rank that
+ * pulls a unit converts it after it lands and passes the converted bytes and
+ * scales to the other ranks of its domain; a block with NaN or infinity
+ * fails the refresh, naming the tensor and the block (staged mode keeps the
+ * old version; direct mode's buffers are torn, as on any failure: units
+ * converted before the refused one hold the new version). GPU buffers
+ * take the CUDA kernel (a build with CUDA and nvcc). No two segments may
+ * share a byte.
  *
  * @param [in] receiver     The receiver.
  * @param [in] buffer_json  The description, NUL-terminated.
@@ -520,9 +542,10 @@ REFIT_EXPORT refit_status_t refit_receiver_join(refit_receiver_t* receiver);
  *         REFIT_IO_ERROR when a peer or the coordinator failed, the lease
  *         was lost, verification found other bytes, or the instance
  *         aborted the version; REFIT_INVALID_ARGUMENT for a bad version, a
- *         started refresh still running, or a registration the coordinator
- *         refuses. A failure a new attempt can fix (a peer that died) is
- *         retried within the deadline.
+ *         started refresh still running, a registration the coordinator
+ *         refuses, or a source block the conversion on the way refuses (NaN
+ *         or infinity; not retried). A failure a new attempt can fix (a
+ *         peer that died) is retried within the deadline.
  * @note The thread that owns the handle. Blocks on the coordinator (the
  *       version, the lease, the plan, the commit decision), on the
  *       transfers and on the other ranks of the domain and instance; all
@@ -587,7 +610,9 @@ REFIT_EXPORT refit_status_t refit_receiver_refresh_wait(refit_receiver_t* receiv
  * the coordinator had this rank pull everything itself (a retry after the
  * membership changed during the version, or another instance aborted it;
  * "minimum_network_bytes" is then that plan's), and with "verify"
- * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"}, and
+ * "verify": {"boxes", "bytes" (checked), "unverified_bytes", "seconds"},
+ * "converts": {"units" (this rank converted after landing them), "seconds"
+ * (its conversion kernels took)}, and
  * when GETs went through the landing ring "landing": {"slots", "chunks",
  * "copies", "held" (chunks whose GET waited for a slot)}}. "{}" before
  * the first, and while a started refresh runs.

@@ -1,6 +1,9 @@
 #include "plugin/receiver/plan_compiler.h"
 
 #include <algorithm>
+#include <optional>
+
+#include "planner/conversion.h"
 
 namespace refit::plugin::receiver {
 
@@ -15,8 +18,10 @@ Status bad(const std::string& why) { return Status::invalid("plan from the coord
 // One compilation: the part's peers indexed, then each run in turn.
 class Compiler {
  public:
-  Compiler(const PlanPart& plan, int32_t rank, std::span<const LocalBuffer> buffers, const RkeyIds& rkey_ids)
-      : plan_(plan), me_(rank), buffers_(buffers), rkey_ids_(rkey_ids), out_(std::make_shared<CompiledPart>()) {}
+  Compiler(const PlanPart& plan, int32_t rank, std::span<const LocalBuffer> buffers, const RkeyIds& rkey_ids,
+           const StagingArea& staging)
+      : plan_(plan), me_(rank), buffers_(buffers), rkey_ids_(rkey_ids), staging_(staging),
+        out_(std::make_shared<CompiledPart>()) {}
 
   Result<std::shared_ptr<const CompiledPart>> run() {
     out_->epoch = plan_.epoch;
@@ -26,11 +31,17 @@ class Compiler {
     out_->written.assign(buffers_.size(), {});
     for (size_t i = 0; i < buffers_.size(); ++i) mine_[buffers_[i].name] = i;
     index_peers();
+    REFIT_RETURN_IF_ERROR(make_staging());
     for (size_t i = 0; i < plan_.runs.size(); ++i) {
       const PlanRun& run = plan_.runs[i];
       const std::string what = "run " + std::to_string(i);
+      if (run.convert) {
+        REFIT_RETURN_IF_ERROR(add_convert(*run.convert, what));
+        continue;
+      }
       REFIT_RETURN_IF_ERROR(run.network ? add_get(run, what) : add_local(run, what));
     }
+    link_converts();
     REFIT_RETURN_IF_ERROR(link_sends());
     for (Ranges& r : out_->written) r = merge_ranges(std::move(r));
     return std::shared_ptr<const CompiledPart>(std::move(out_));
@@ -93,7 +104,8 @@ class Compiler {
   Status add_get(const PlanRun& run, const std::string& what) {
     if (run.to.rank != me_) return bad(what + " is a network run for another rank");
     const LocalBuffer* target = nullptr;
-    Result<uint8_t*> place = mine(run.to, run.bytes, what, /*writes=*/true, &target);
+    Result<uint8_t*> place = run.to.stage ? staged(run.to.offset, run.bytes, what)
+                                          : mine(run.to, run.bytes, what, /*writes=*/true, &target);
     if (!place.is_ok()) return place.status();
     auto sb = source_bufs_.find({run.from.rank, run.from.buffer});
     if (sb == source_bufs_.end()) {
@@ -106,13 +118,16 @@ class Compiler {
     g.rkey_id = sb->second.rkey_id;
     g.remote = sb->second.address + run.from.offset;
     g.bytes = run.bytes;
-    if (target->through_slot) {
+    if (run.to.stage) {
+      staged_gets_.push_back({*place, *place + run.bytes, static_cast<uint32_t>(out_->gets.size())});
+      g.local = *place;
+    } else if (target->through_slot) {
       g.device = *place;
       out_->through_slots = true;
     } else {
       g.local = *place;
     }
-    landed_.push_back({*place, *place + run.bytes, static_cast<uint32_t>(out_->gets.size())});
+    if (!run.to.stage) landed_.push_back({*place, *place + run.bytes, static_cast<uint32_t>(out_->gets.size())});
     out_->gets.push_back(g);
     out_->network_bytes += run.bytes;
     return Status::ok();
@@ -156,10 +171,170 @@ class Compiler {
     return Status::ok();
   }
 
+  // The staging area: as large as the furthest staged byte of the part.
+  Status make_staging() {
+    uint64_t need = 0;
+    for (size_t i = 0; i < plan_.runs.size(); ++i) {
+      const PlanRun& run = plan_.runs[i];
+      if (run.network && run.to.stage) {
+        if (run.to.offset > UINT64_MAX - run.bytes) return bad("run " + std::to_string(i) + " stages past the end of memory");
+        need = std::max(need, run.to.offset + run.bytes);
+      }
+    }
+    if (need == 0) return Status::ok();
+    if (!staging_) return Status::unsupported("this receiver has no staging area for tensors converted on the way");
+    Result<uint8_t*> area = staging_(need);
+    if (!area.is_ok()) return area.status().with_context("the staging area for conversions");
+    staging_base_ = *area;
+    out_->staging_bytes = need;
+    return Status::ok();
+  }
+
+  Result<uint8_t*> staged(uint64_t offset, uint64_t bytes, const std::string& what) const {
+    if (offset > out_->staging_bytes || bytes > out_->staging_bytes - offset) {
+      return bad(what + " lies outside the staging area");
+    }
+    return staging_base_ + offset;
+  }
+
+  // A conversion step: the box's pointers, checked against the buffers; the
+  // bytes it writes count as written, and as landed for the sends that read
+  // them (row by row: a box of a strided region is not contiguous).
+  Status add_convert(const control::ConvertSpec& c, const std::string& what) {
+    const std::string name = what + " (converts tensor \"" + c.tensor + "\")";
+    const std::optional<DType> from = parse_dtype(c.from_dtype);
+    const std::optional<DType> to = parse_dtype(c.to_dtype);
+    if (!from || !to) return bad(name + " names an unknown dtype");
+    Result<ConversionKind> kind = conversion_for(c.tensor, *from, *to);
+    if (!kind.is_ok()) return kind.status();
+    const bool quantize = *kind == ConversionKind::kQuantizeE4M3;
+    const size_t n = c.size.size();
+    if (n == 0 || c.strides.back() != 1 || (quantize && (n < 2 || c.scale_buffer.empty() || c.scale_strides.back() != 1))) {
+      return bad(name + ": the box needs contiguous rows" + std::string(quantize ? ", 2 dims and a scale buffer" : ""));
+    }
+    CompiledPart::Convert cv;
+    cv.tensor = c.tensor;
+    cv.from = *from;
+    cv.to = *to;
+    cv.block = convert::BlockSize{c.block[0], c.block[1]};
+    cv.start = c.start;
+    cv.size = c.size;
+    cv.strides = c.strides;
+    uint64_t numel = 1;
+    for (int64_t s : c.size) numel *= static_cast<uint64_t>(s);
+    Result<uint8_t*> src = staged(c.stage, numel * dtype_bytes(*from), name);
+    if (!src.is_ok()) return src.status();
+    cv.staged = *src;
+    const uint32_t index = static_cast<uint32_t>(out_->converts.size());  // gets.size() is added once all are in
+    bool device = false;
+    // The rows it writes.
+    const std::vector<int64_t> sizes = c.size;
+    const int eb = dtype_bytes(*to);
+    Result<uint8_t*> dst = rows(c.buffer, c.offset, c.strides, sizes, eb, name, index, &device);
+    if (!dst.is_ok()) return dst.status();
+    cv.dst = *dst;
+    if (quantize) {
+      std::vector<int64_t> blocks = c.size;
+      blocks[n - 2] = (c.start[n - 2] + c.size[n - 2] + c.block[0] - 1) / c.block[0] - c.start[n - 2] / c.block[0];
+      blocks[n - 1] = (c.start[n - 1] + c.size[n - 1] + c.block[1] - 1) / c.block[1] - c.start[n - 1] / c.block[1];
+      bool scale_device = false;
+      Result<uint8_t*> sc = rows(c.scale_buffer, c.scale_offset, c.scale_strides, blocks, 4, name, index, &scale_device);
+      if (!sc.is_ok()) return sc.status();
+      if (reinterpret_cast<uintptr_t>(*sc) % alignof(float) != 0) return bad(name + ": its scales are not 4-byte aligned");
+      cv.scales = reinterpret_cast<float*>(*sc);
+      cv.scale_strides = c.scale_strides;
+      device = device || scale_device;
+    }
+#ifndef REFIT_HAVE_CONVERT_KERNEL
+    if (device) {
+      return Status::unsupported(name + ": converting into GPU memory needs the CUDA conversion kernel, which "
+                                 "this build does not have (docs/conversion.md)");
+    }
+#endif
+    cv.device = device;
+    out_->converts.push_back(std::move(cv));
+    return Status::ok();
+  }
+
+  // Every row (last dim) of the box `sizes` at element `offset` of `buffer`,
+  // recorded as written and as landed by conversion `index`; returns the
+  // box's first byte.
+  Result<uint8_t*> rows(const std::string& buffer, uint64_t offset, const std::vector<int64_t>& strides,
+                        const std::vector<int64_t>& sizes, int eb, const std::string& what, uint32_t index,
+                        bool* device) {
+    auto it = mine_.find(buffer);
+    if (it == mine_.end()) return bad(what + " names buffer \"" + buffer + "\", which this rank does not have");
+    const LocalBuffer& b = buffers_[it->second];
+    *device = b.device || b.through_slot;
+    const size_t n = sizes.size();
+    uint64_t last = offset;  // the last element the box touches
+    for (size_t d = 0; d < n; ++d) last += static_cast<uint64_t>(sizes[d] - 1) * static_cast<uint64_t>(strides[d]);
+    if ((last + 1) > b.bytes / eb) {
+      return bad(what + " writes past the end of buffer \"" + buffer + "\" (" + std::to_string(b.bytes) + " bytes)");
+    }
+    const uint64_t row = static_cast<uint64_t>(sizes[n - 1]) * eb;
+    std::vector<int64_t> idx(n, 0);
+    uint64_t run_begin = 0, run_end = 0;
+    bool have = false;
+    auto flush = [&] {
+      if (!have) return;
+      out_->written[it->second].emplace_back(run_begin, run_end - run_begin);
+      converted_.push_back({b.data + run_begin, b.data + run_end, index});
+    };
+    for (;;) {
+      uint64_t e = offset;
+      for (size_t d = 0; d + 1 < n; ++d) e += static_cast<uint64_t>(idx[d]) * static_cast<uint64_t>(strides[d]);
+      const uint64_t begin = e * eb;
+      if (have && begin == run_end) {
+        run_end += row;
+      } else {
+        flush();
+        run_begin = begin;
+        run_end = begin + row;
+        have = true;
+      }
+      size_t d = n - 1;
+      while (d > 0) {
+        if (++idx[d - 1] < sizes[d - 1]) break;
+        idx[d - 1] = 0;
+        --d;
+      }
+      if (d == 0) break;
+    }
+    flush();
+    return b.data + offset * eb;
+  }
+
+  // Each conversion waits for the GETs that stage its box.
+  void link_converts() {
+    out_->get_converts.assign(out_->gets.size(), {});
+    out_->convert_deps.assign(out_->converts.size(), 0);
+    for (uint32_t k = 0; k < out_->converts.size(); ++k) {
+      const CompiledPart::Convert& c = out_->converts[k];
+      uint64_t numel = 1;
+      for (int64_t s : c.size) numel *= static_cast<uint64_t>(s);
+      const uint8_t* begin = c.staged;
+      const uint8_t* end = begin + numel * dtype_bytes(c.from);
+      for (const Landed& g : staged_gets_) {
+        if (g.begin < end && begin < g.end) {
+          out_->get_converts[g.get].push_back(k);
+          ++out_->convert_deps[k];
+        }
+      }
+    }
+    // A conversion's outputs are landed bytes for the sends, as conversion
+    // gets.size() + k.
+    const uint32_t base = static_cast<uint32_t>(out_->gets.size());
+    for (Landed l : converted_) {
+      l.get += base;
+      landed_.push_back(l);
+    }
+  }
+
   // Each send waits for the GETs that bring the bytes it reads.
   Status link_sends() {
     std::sort(landed_.begin(), landed_.end(), [](const Landed& a, const Landed& b) { return a.begin < b.begin; });
-    out_->dependents.assign(out_->gets.size(), {});
+    out_->dependents.assign(out_->gets.size() + out_->converts.size(), {});
     out_->send_deps.assign(reads_.size(), 0);
     for (uint32_t op = 0; op < reads_.size(); ++op) {
       const auto [begin, end] = reads_[op];
@@ -183,7 +358,11 @@ class Compiler {
   const int32_t me_;
   std::span<const LocalBuffer> buffers_;
   const RkeyIds& rkey_ids_;
+  const StagingArea& staging_;
   std::shared_ptr<CompiledPart> out_;
+  uint8_t* staging_base_ = nullptr;
+  std::vector<Landed> staged_gets_;  // GETs into the staging area
+  std::vector<Landed> converted_;    // the rows conversions write; `get` is the conversion's index
   std::map<std::string, size_t> mine_;
   std::map<std::pair<int32_t, std::string>, SourceBuf> source_bufs_;
   std::map<int32_t, uint32_t> fabric_peer_;                         // receiver rank -> schedule peer
@@ -209,9 +388,9 @@ Ranges merge_ranges(Ranges ranges) {
 
 Result<std::shared_ptr<const CompiledPart>> compile_plan(const control::PlanPart& part, int32_t rank,
                                                          std::span<const LocalBuffer> buffers,
-                                                         const RkeyIds& rkey_ids) {
+                                                         const RkeyIds& rkey_ids, const StagingArea& staging) {
   if (part.unchanged) return Status::internal("compile_plan: an \"unchanged\" reply carries no part to compile");
-  return Compiler(part, rank, buffers, rkey_ids).run();
+  return Compiler(part, rank, buffers, rkey_ids, staging).run();
 }
 
 }  // namespace refit::plugin::receiver

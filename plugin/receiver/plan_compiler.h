@@ -24,9 +24,11 @@
 #include <utility>
 #include <vector>
 
+#include "planner/dtype.h"
 #include "planner/plan_epoch.h"
 #include "planner/status.h"
 #include "transport/control/messages.h"
+#include "transport/convert/convert.h"
 #include "transport/fabric/local_fabric.h"
 
 namespace refit::plugin::receiver {
@@ -39,7 +41,12 @@ struct LocalBuffer {
   // Its GETs land in a landing slot and are copied on from there (GPU
   // memory that the network cannot write).
   bool through_slot = false;
+  bool device = false;  // GPU memory
 };
+
+// Where a part's GETs of tensors converted on the way land: `bytes` of host
+// memory the network can write, kept by the caller while the part lives.
+using StagingArea = std::function<Result<uint8_t*>(uint64_t bytes)>;
 
 // The id a source's packed rkey is imported under on its endpoint: the same
 // (rank, buffer, rkey) always gets the same id.
@@ -49,6 +56,23 @@ using RkeyIds = std::function<uint64_t(int32_t rank, const std::string& buffer, 
 using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
 
 struct CompiledPart {
+  // A unit of a tensor converted on the way (docs/conversion.md, "At the
+  // receiver"): its box, staged row-major in `from`, becomes `to` at `dst`
+  // (element strides `strides`, the last one 1) and, to F8_E4M3, one F32
+  // scale per block at `scales` (`scale_strides`, the last one 1).
+  struct Convert {
+    std::string tensor;
+    DType from = DType::kBF16;
+    DType to = DType::kF8E4M3;
+    convert::BlockSize block;
+    const uint8_t* staged = nullptr;
+    std::vector<int64_t> start, size;
+    uint8_t* dst = nullptr;
+    std::vector<int64_t> strides;
+    float* scales = nullptr;  // null: a cast
+    std::vector<int64_t> scale_strides;
+    bool device = false;  // `dst` and `scales` are GPU memory: the CUDA kernel
+  };
   struct Get {
     int32_t source = 0;
     uint64_t rkey_id = 0;
@@ -63,8 +87,14 @@ struct CompiledPart {
   std::map<int32_t, std::vector<std::pair<uint64_t, std::vector<uint8_t>>>> source_keys;  // rank -> (id, packed)
   std::map<int32_t, std::vector<uint8_t>> source_addresses;                               // rank -> worker address
   fabric::Schedule schedule;                      // its version is set per refresh
-  std::vector<uint32_t> send_deps;                // per send: the GETs it waits for
-  std::vector<std::vector<uint32_t>> dependents;  // per GET: the sends that read its bytes
+  std::vector<uint32_t> send_deps;                // per send: the GETs and conversions it waits for
+  // Per GET, then per conversion (index gets.size() + k): the sends that
+  // read its bytes.
+  std::vector<std::vector<uint32_t>> dependents;
+  std::vector<Convert> converts;
+  std::vector<uint32_t> convert_deps;                     // per conversion: the GETs it waits for
+  std::vector<std::vector<uint32_t>> get_converts;        // per GET: the conversions that read its bytes
+  uint64_t staging_bytes = 0;
   uint64_t network_bytes = 0;
   uint64_t local_bytes = 0;
   int64_t minimum_network_bytes = -1;
@@ -77,7 +107,8 @@ struct CompiledPart {
 // Compiles the part of receiver `rank`. `part` must not be `unchanged`.
 Result<std::shared_ptr<const CompiledPart>> compile_plan(const control::PlanPart& part, int32_t rank,
                                                          std::span<const LocalBuffer> buffers,
-                                                         const RkeyIds& rkey_ids);
+                                                         const RkeyIds& rkey_ids,
+                                                         const StagingArea& staging = nullptr);
 
 // Sorts and merges byte ranges (touching ones merge too).
 Ranges merge_ranges(Ranges ranges);

@@ -227,7 +227,8 @@ Status RefreshSession::fetch_plan(Clock::time_point deadline, std::shared_ptr<co
       *part, config_.rank, buffers,
       [this](int32_t rank, const std::string& buffer, const std::vector<uint8_t>& rkey) {
         return resources_.rkey_id(rank, buffer, rkey);
-      });
+      },
+      [this](uint64_t bytes) { return resources_.conversion_staging(bytes); });
   if (!c.is_ok()) return c.status();
   *compiled = std::move(c).value();
   return Status::ok();
@@ -415,6 +416,9 @@ std::string report_json(const RefreshReport& r, const Status& status, const Agen
   if (t.gathers > 0 || t.gather_unpacked > 0) {
     j["gathers"] = {{"ops", t.gathers}, {"runs", t.gathered_runs}, {"unpacked", t.gather_unpacked}};
   }
+  // Conversions on the way (docs/conversion.md): the units this rank
+  // converted after landing them, and the seconds its kernels took.
+  j["converts"] = {{"units", t.converts}, {"seconds", t.convert_s}};
   if (t.landing) {
     j["landing"] = {{"slots", t.landing_slots}, {"chunks", t.landing_chunks}, {"copies", t.landing_copies},
                     {"held", t.landing_held}};

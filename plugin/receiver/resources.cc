@@ -108,6 +108,8 @@ Resources::~Resources() {
   buffers_.clear();   // memory before the context
   ring_region_.reset();
   ring_memory_.reset();
+  convert_region_.reset();
+  convert_memory_.reset();
   net_worker_.reset();
   net_context_.reset();
 }
@@ -240,7 +242,7 @@ Status Resources::make_landing_ring(bool pinned) {
 std::vector<LocalBuffer> Resources::local_buffers() const {
   std::vector<LocalBuffer> out;
   out.reserve(buffers_.size());
-  for (const Buffer& b : buffers_) out.push_back(LocalBuffer{b.part.name, b.data, b.bytes, b.through_slot});
+  for (const Buffer& b : buffers_) out.push_back(LocalBuffer{b.part.name, b.data, b.bytes, b.through_slot, b.device});
   return out;
 }
 
@@ -250,6 +252,7 @@ control::RegisterReceiver Resources::registration(const AgentConfig& config) con
   m.instance = config.instance;
   m.domain = config.domain;
   m.instance_ranks = config.instance_ranks;
+  m.weight_block_size = config.weight_block_size;
   m.worker_address = fabric_->contact();
   for (const Buffer& b : buffers_) {
     control::MemberBuffer mb;
@@ -306,6 +309,7 @@ Result<TransferSetup> Resources::transfer_setup(const CompiledPart& part) {
     if (b.net_region) s.regions.push_back(&*b.net_region);
   }
   if (ring_region_) s.regions.push_back(&*ring_region_);
+  if (convert_region_ && part.staging_bytes > 0) s.regions.push_back(&*convert_region_);
   s.transfer_chunk_bytes = config_.chunk_bytes;
   s.gather = config_.gather;
   s.window_bytes = config_.window_bytes;
@@ -313,6 +317,23 @@ Result<TransferSetup> Resources::transfer_setup(const CompiledPart& part) {
   if (ring_memory_) s.landing_ring = std::span<uint8_t>(ring_memory_.get(), config_.landing_bytes);
   s.fabric_waits_for_copies = config_.local_fabric == "nccl";
   return s;
+}
+
+Result<uint8_t*> Resources::conversion_staging(uint64_t bytes) {
+  if (convert_memory_ && convert_bytes_ >= bytes) return convert_memory_.get();
+  convert_region_.reset();
+  convert_memory_.reset();
+  convert_bytes_ = 0;
+  std::shared_ptr<uint8_t> memory = map_host_memory(bytes);
+  if (!memory) {
+    return Status::io_error("cannot allocate " + std::to_string(bytes) + " bytes of host memory for conversion staging");
+  }
+  Result<ucx::MemoryRegion> region = ucx::MemoryRegion::map(*net_context_, memory.get(), bytes, "conversion staging");
+  if (!region.is_ok()) return region.status();
+  convert_region_.emplace(std::move(region).value());
+  convert_memory_ = std::move(memory);
+  convert_bytes_ = bytes;
+  return convert_memory_.get();
 }
 
 Status Resources::commit(const std::vector<Ranges>& ranges) {

@@ -77,6 +77,11 @@ class Resources {
   // attempt runs on. Only while no attempt runs.
   Result<TransferSetup> transfer_setup(const CompiledPart& part);
 
+  // Host memory the network writes, of `bytes` at least, where the GETs of
+  // tensors converted on the way land (docs/conversion.md); kept and
+  // reused while large enough. Only while no attempt runs.
+  Result<uint8_t*> conversion_staging(uint64_t bytes);
+
   fabric::LocalFabric& fabric() { return *fabric_; }
   // Staged mode: copies `ranges` of every buffer from its staging copy into
   // the live buffer.
@@ -104,6 +109,9 @@ class Resources {
   std::optional<ucx::Worker> net_worker_;
   std::shared_ptr<uint8_t> ring_memory_;  // config_.landing_bytes
   std::optional<ucx::MemoryRegion> ring_region_;
+  std::shared_ptr<uint8_t> convert_memory_;
+  std::optional<ucx::MemoryRegion> convert_region_;  // released before its memory
+  uint64_t convert_bytes_ = 0;
   std::vector<Buffer> buffers_;
   std::map<int32_t, Peer> sources_;  // network endpoints, kept across refreshes
   uint64_t next_rkey_id_ = 1;

@@ -2,6 +2,12 @@
 
 #include <algorithm>
 
+#include "planner/dtype.h"
+#include "transport/convert/convert.h"
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+#include "transport/convert/convert_cuda.h"
+#endif
+
 namespace refit::plugin::receiver {
 
 namespace {
@@ -124,6 +130,10 @@ Status TransferExecutor::start_threads() {
   for (uint32_t i = 0; i < deps_.size(); ++i) {
     if (deps_[i] == 0) ready_.push_back(i);
   }
+  convert_deps_ = part_.convert_deps;
+  for (uint32_t k = 0; k < convert_deps_.size(); ++k) {
+    if (convert_deps_[k] == 0) convert_ready_.push_back(k);
+  }
   landing_done_ = !ring_;
   watching_ = true;
   Result<std::thread> watcher = threads_.start("transfer watcher", [this] { watch(); });
@@ -214,7 +224,78 @@ bool TransferExecutor::release_locked(uint32_t get) {
       any = true;
     }
   }
+  if (get < part_.get_converts.size()) {
+    for (uint32_t k : part_.get_converts[get]) {
+      if (--convert_deps_[k] == 0) {
+        convert_ready_.push_back(k);
+        any = true;
+      }
+    }
+  }
   return any;
+}
+
+// One unit of a converted tensor, from its staged box into the buffer: per
+// index of the leading dims (stacked experts), one call of the CPU kernel
+// over the last two dims (the CUDA kernel into GPU memory, after a copy of
+// the staged rows to the device), or a cast per row. The kernel refuses a block
+// with NaN or infinity before writing it (docs/conversion.md).
+Status TransferExecutor::convert(uint32_t k) const {
+  const CompiledPart::Convert& c = part_.converts[k];
+  const size_t n = c.size.size();
+  const int in = dtype_bytes(c.from), out = dtype_bytes(c.to);
+  const bool quantize = c.scales != nullptr;
+  const size_t inner = quantize ? 2 : 1;  // dims each call covers
+  int64_t inner_elems = 1;
+  for (size_t d = n - inner; d < n; ++d) inner_elems *= c.size[d];
+  std::vector<int64_t> idx(n - inner, 0);
+  const uint8_t* src = c.staged;
+  for (;;) {
+    int64_t dst_off = 0, scale_off = 0;
+    for (size_t d = 0; d < n - inner; ++d) {
+      dst_off += idx[d] * c.strides[d];
+      if (quantize) scale_off += idx[d] * c.scale_strides[d];
+    }
+    if (quantize) {
+      convert::QuantizeArgs a;
+      a.src_dtype = c.from;
+      a.src = src;
+      a.src_stride = c.size[n - 1];
+      a.rows = c.size[n - 2];
+      a.cols = c.size[n - 1];
+      a.dst = c.dst + dst_off;
+      a.dst_stride = c.strides[n - 2];
+      a.scales = c.scales + scale_off;
+      a.scale_stride = c.scale_strides[n - 2];
+      a.block = c.block;
+      a.tensor = c.tensor;
+      a.block_row0 = c.start[n - 2] / c.block.rows;
+      a.block_col0 = c.start[n - 1] / c.block.cols;
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+      if (c.device) {
+        REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks_cuda_from_host(a, nullptr));
+      } else {
+        REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
+      }
+    } else if (c.device) {
+      REFIT_RETURN_IF_ERROR(
+          convert::cast_to_device(c.from, c.to, src, c.dst + dst_off * out, c.size[n - 1], c.tensor, nullptr));
+#else
+      REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
+#endif
+    } else {
+      REFIT_RETURN_IF_ERROR(convert::cast(c.from, c.to, src, c.dst + dst_off * out, c.size[n - 1], c.tensor));
+    }
+    src += inner_elems * in;
+    size_t d = n - inner;
+    while (d > 0) {
+      if (++idx[d - 1] < c.size[d - 1]) break;
+      idx[d - 1] = 0;
+      --d;
+    }
+    if (d == 0) break;
+  }
+  return Status::ok();
 }
 
 void TransferExecutor::fan_out() {
@@ -223,17 +304,33 @@ void TransferExecutor::fan_out() {
   bool net_ok = false;
   Status landing;
   while (fan_status_.is_ok() && !finished) {
-    std::vector<uint32_t> take;
+    std::vector<uint32_t> take, converts;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !ready_.empty() || (net_done_ && landing_done_); });
+      cv_.wait(lock, [&] { return !ready_.empty() || !convert_ready_.empty() || (net_done_ && landing_done_); });
       take.swap(ready_);
-      finished = net_done_ && landing_done_;
+      converts.swap(convert_ready_);
+      finished = net_done_ && landing_done_ && converts.empty();
       net_ok = net_ok_;
       landing = landing_status_;
     }
     if (!take.empty()) fan_status_ = setup_.fabric->send(take);
     done += take.size();
+    // Conversions run here, between sends: the bytes they write are what
+    // the sends after them carry.
+    for (uint32_t k : converts) {
+      if (!fan_status_.is_ok()) break;
+      const Clock::time_point t0 = Clock::now();
+      Status st = convert(k);
+      convert_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+      if (!st.is_ok()) {
+        convert_status_ = st;
+        fan_status_ = st;
+        break;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      release_locked(static_cast<uint32_t>(part_.gets.size()) + k);
+    }
   }
   if (!fan_status_.is_ok()) {  // the fabric failed: the peers are told at once
     (void)setup_.fabric->finish(/*failed=*/true);
@@ -302,6 +399,9 @@ Status TransferExecutor::outcome(const Status& started) const {
   // An abort of the instance ends the attempt whatever else happened; a
   // change of membership explains a failed wait for the peers.
   if (watch_status_.reason() == Reason::kInstanceAborted) return watch_status_;
+  // A refused conversion (NaN or infinity in a block) is the cause of
+  // whatever failed after it.
+  if (!convert_status_.is_ok()) return convert_status_;
   if (!watch_status_.is_ok() && !fan_status_.is_ok()) {
     return Status::io_error(watch_status_.message() + ": " + fan_status_.message()).with_reason(watch_status_.reason());
   }
@@ -323,6 +423,8 @@ void TransferExecutor::fill(TransferReport* report) const {
   report->gathered_runs = gathers_.gathered_runs;
   report->gather_unpacked = gathers_.unpacked;
   report->sends = schedule_.sends.size();
+  report->converts = part_.converts.size();
+  report->convert_s = convert_s_;
   report->network_bytes = batch_.bytes_done;
   if (!ring_) return;
   report->landing = true;

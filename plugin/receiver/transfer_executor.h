@@ -7,9 +7,12 @@
 //
 //   the caller's thread  the GETs (GetEngine::run_batch; the engine has a
 //                        progress thread of its own);
-//   fan-out              passes each send to the local fabric as soon as
-//                        the GETs it reads have landed, then finishes the
-//                        fabric (the peers are told, failed or not);
+//   fan-out              converts each unit of a tensor converted on the
+//                        way once the GETs that stage it have landed
+//                        (docs/conversion.md), passes each send to the
+//                        local fabric as soon as the GETs and conversions
+//                        it reads are done, then finishes the fabric (the
+//                        peers are told, failed or not);
 //   lander               (GETs through the landing ring) copies each
 //                        landing slot on to its places in device memory
 //                        and releases a GET's sends once all of it is there;
@@ -86,6 +89,10 @@ struct TransferReport {
   // Gathers (docs/refresh.md, "Gathers"): requests, the runs they carried,
   // and small runs that travelled alone because they exceed "gather_bytes".
   uint64_t gathers = 0, gathered_runs = 0, gather_unpacked = 0;
+  // Conversions on the way (docs/conversion.md): units converted and the
+  // seconds the fan-out spent in the kernels.
+  uint64_t converts = 0;
+  double convert_s = 0;
 };
 
 class TransferExecutor {
@@ -123,6 +130,8 @@ class TransferExecutor {
   // Releases the sends that read GET `get` once nothing else holds them
   // back. REQUIRES mu_. Returns whether any became ready.
   bool release_locked(uint32_t get);
+  // Runs conversion `k` of the part (the fan-out's thread).
+  Status convert(uint32_t k) const;
 
   const TransferSetup setup_;
   const CompiledPart& part_;
@@ -145,13 +154,17 @@ class TransferExecutor {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint32_t> ready_;      // mu_: sends ready to go
-  std::vector<uint32_t> deps_;       // mu_: per send, the GETs still to land
+  std::vector<uint32_t> deps_;       // mu_: per send, the GETs and conversions still to finish
+  std::vector<uint32_t> convert_ready_;  // mu_: conversions whose GETs have all landed
+  std::vector<uint32_t> convert_deps_;   // mu_: per conversion, the GETs still to land
+  Status convert_status_;            // the fan-out's; read after it is joined
   bool net_done_ = false;            // mu_
   bool net_ok_ = false;              // mu_
   bool landing_done_ = true;         // mu_; false while the lander runs
   Status landing_status_;            // the lander's; read by others after landing_done_
   Status fan_status_;                // the fan-out's; read after it is joined
   Clock::time_point fan_end_;        // the fan-out's; read after it is joined
+  double convert_s_ = 0;             // the fan-out's; read after it is joined
   ucx::BatchReport batch_;           // the caller's thread's
   Clock::time_point start_, net_end_;
   bool inputs_over_ = false;         // the caller's thread's

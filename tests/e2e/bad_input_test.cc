@@ -198,8 +198,9 @@ TEST_F(BadInput, ReceiverDtypeDiffersFromSources) {
   start_coordinator();
   start_source();
   ASSERT_EQ(refit_receiver_create(config(0, true).dump().c_str(), &receiver_), REFIT_OK) << refit_last_error();
-  std::vector<uint8_t> data(8 * 4 * 2);
-  const json b = {{"name", "wbuf"}, {"dtype", "BF16"},
+  // F32 to I32 is no conversion refit does (docs/conversion.md).
+  std::vector<uint8_t> data(8 * 4 * 4);
+  const json b = {{"name", "wbuf"}, {"dtype", "I32"},
                   {"segments", {{{"tensor", "w"}, {"start", {0, 0}}, {"size", {8, 4}}, {"offset", 0}, {"strides", {4, 1}}}}}};
   refit_status_t s = refit_receiver_add_buffer(receiver_, b.dump().c_str(), data.data(), data.size());
   if (s != REFIT_OK) {  // refused at once: as good, if it names the problem

@@ -181,5 +181,114 @@ TEST(PlanMessages, AnAbortNoticeCarriesItsVersionAndReason) {
   EXPECT_FALSE(control::parse_notice(control::MsgType::kCommit, Json{{"version", "9"}}).is_ok());
 }
 
+// A tensor converted on the way (docs/conversion.md): rank 0 holds "w" as
+// F8_E4M3 [16, 16] in "q" and its 8 x 8 block scales [2, 2] in "qs"; the
+// source serves it in BF16. The GET lands in the staging area, the
+// conversion waits for it, and the sends of the converted bytes and of the
+// scales wait for the conversion.
+class PlanCompilerConvert : public PlanCompiler {
+ protected:
+  PlanCompilerConvert() : q_(256, 0), qs_(16, 0), staging_(1024, 0) {
+    buffers_.push_back(LocalBuffer{"q", q_.data(), q_.size(), false});
+    buffers_.push_back(LocalBuffer{"qs", qs_.data(), qs_.size(), false});
+    part_.peers.receivers[0].buffers.push_back({"q", 0x30000, {7}});
+    part_.peers.receivers[0].buffers.push_back({"qs", 0x40000, {7}});
+  }
+  PlanRun staged_get(uint64_t from, uint64_t stage, uint64_t bytes) const {
+    PlanRun r{true, {Role::kSource, 5, "s", from}, {Role::kReceiver, kMe, "", stage}, bytes};
+    r.to.stage = true;
+    return r;
+  }
+  static PlanRun convert_step() {
+    auto c = std::make_shared<control::ConvertSpec>();
+    c->tensor = "w";
+    c->from_dtype = "BF16";
+    c->to_dtype = "F8_E4M3";
+    c->block = {8, 8};
+    c->stage = 0;
+    c->start = {0, 0};
+    c->size = {16, 16};
+    c->buffer = "q";
+    c->offset = 0;
+    c->strides = {16, 1};
+    c->scale_buffer = "qs";
+    c->scale_offset = 0;
+    c->scale_strides = {2, 1};
+    PlanRun r;
+    r.convert = std::move(c);
+    return r;
+  }
+  static PlanRun send_of(const std::string& buffer, uint64_t from, uint64_t bytes) {
+    return PlanRun{false, {Role::kReceiver, kMe, buffer, from}, {Role::kReceiver, 1, buffer, from}, bytes};
+  }
+  Result<std::shared_ptr<const CompiledPart>> compile_staged() {
+    return compile_plan(
+        part_, kMe, buffers_, [](int32_t, const std::string&, const std::vector<uint8_t>&) { return uint64_t{42}; },
+        [this](uint64_t bytes) -> Result<uint8_t*> {
+          staging_asked_ = bytes;
+          return staging_.data();
+        });
+  }
+  std::vector<uint8_t> q_, qs_, staging_;
+  uint64_t staging_asked_ = 0;
+};
+
+TEST_F(PlanCompilerConvert, ConversionWaitsForItsGetsAndItsSendsWaitForIt) {
+  part_.runs = {staged_get(0, 0, 256), staged_get(256, 256, 256), convert_step(), send_of("q", 0, 256),
+                send_of("qs", 0, 16)};
+  auto c = compile_staged();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  const CompiledPart& p = **c;
+  EXPECT_EQ(staging_asked_, 512u);
+  EXPECT_EQ(p.staging_bytes, 512u);
+  ASSERT_EQ(p.gets.size(), 2u);
+  EXPECT_EQ(p.gets[0].local, staging_.data());
+  EXPECT_EQ(p.gets[1].local, staging_.data() + 256);
+  ASSERT_EQ(p.converts.size(), 1u);
+  EXPECT_EQ(p.converts[0].staged, staging_.data());
+  EXPECT_EQ(p.converts[0].dst, q_.data());
+  EXPECT_EQ(p.converts[0].scales, reinterpret_cast<float*>(qs_.data()));
+  EXPECT_EQ(p.convert_deps, std::vector<uint32_t>{2});
+  EXPECT_EQ(p.get_converts, (std::vector<std::vector<uint32_t>>{{0}, {0}}));
+  // The GETs release no send; the conversion (index 2) releases both.
+  EXPECT_EQ(p.send_deps, (std::vector<uint32_t>{1, 1}));
+  EXPECT_EQ(p.dependents, (std::vector<std::vector<uint32_t>>{{}, {}, {0, 1}}));
+  // Staged mode commits what the conversion wrote; the staging area is not a buffer.
+  EXPECT_EQ(p.written[0], Ranges{});
+  EXPECT_EQ(p.written[1], (Ranges{{0, 256}}));
+  EXPECT_EQ(p.written[2], (Ranges{{0, 16}}));
+}
+
+// Into GPU memory: the CUDA kernel where the build has it, else refused
+// naming the tensor.
+TEST_F(PlanCompilerConvert, AConversionIntoGpuMemoryTakesTheCudaKernel) {
+  buffers_[1].device = true;
+  part_.runs = {staged_get(0, 0, 512), convert_step()};
+  auto c = compile_staged();
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_EQ((*c)->converts.size(), 1u);
+  EXPECT_TRUE((*c)->converts[0].device);
+#else
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("\"w\""), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("GPU"), std::string::npos) << c.status().message();
+#endif
+}
+
+TEST_F(PlanCompilerConvert, AStagedBoxBeyondTheStagingAreaIsRefused) {
+  part_.runs = {staged_get(0, 0, 256), convert_step()};  // the box needs 512 staged bytes
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("staging area"), std::string::npos) << c.status().message();
+}
+
+TEST_F(PlanCompilerConvert, WithoutAStagingAreaStagedGetsAreRefused) {
+  part_.runs = {staged_get(0, 0, 512), convert_step()};
+  auto c = compile();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("staging"), std::string::npos) << c.status().message();
+}
+
 }  // namespace
 }  // namespace refit::plugin::receiver

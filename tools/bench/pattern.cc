@@ -1,10 +1,13 @@
 #include "tools/bench/pattern.h"
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "transport/convert/convert.h"
 
 namespace refit::bench {
 
@@ -62,11 +65,21 @@ void for_each_element(const Tensor& t, const Region& r, Fn&& fn) {
   }
 }
 
+// A tensor converted on the way (docs/conversion.md) holds finite values at
+// its sources: the quantizer refuses NaN and infinity. Clearing the top
+// exponent bit (bit 14 of a BF16, bit 30 of an F32) keeps |x| below 2.
+uint64_t finite_mask(const Tensor& t) {
+  if (t.dtype_on(Side::kReceiver) == t.dtype) return ~uint64_t{0};
+  if (t.dtype == DType::kBF16) return ~(uint64_t{1} << 14);
+  if (t.dtype == DType::kF32) return ~(uint64_t{1} << 30);
+  return ~uint64_t{0};
+}
+
 template <int kBytes>
 void fill_row(uint8_t* data, uint64_t seed, int64_t flat, int64_t off, int64_t count, int64_t stride,
-              int64_t version) {
+              int64_t version, uint64_t mask) {
   for (int64_t i = 0; i < count; ++i) {
-    const uint64_t v = pattern_of(seed, flat + i, version);
+    const uint64_t v = pattern_of(seed, flat + i, version) & mask;
     std::memcpy(data + (off + i * stride) * kBytes, &v, kBytes);
   }
 }
@@ -111,6 +124,110 @@ std::string element_index(const Tensor& t, int64_t flat) {
   return s + "]";
 }
 
+
+// What a receiver region of a tensor converted on the way (or of a derived
+// scale tensor) should hold at `version`: the CPU kernels applied to the
+// sources' (finite) pattern, the reference the receivers are checked
+// against. Row-major over the region's box, in the receivers' dtype.
+Result<std::vector<uint8_t>> converted_box(const Layout& L, uint32_t ti, const Box& box, int64_t version) {
+  const Tensor& t = L.tensors[ti];
+  const bool scales = t.derived_from >= 0;
+  const Tensor& w = scales ? L.tensors[static_cast<size_t>(t.derived_from)] : t;
+  const int n = box.ndim;
+  const std::array<int64_t, 2> blk = L.weight_block_size;
+  Box wb = box;  // the weight's box whose conversion gives `box`
+  if (scales) {
+    for (int k = 0; k < 2; ++k) {
+      const int d = n - 2 + k;
+      wb.start[d] = box.start[d] * blk[k];
+      wb.size[d] = std::min((box.start[d] + box.size[d]) * blk[k], w.shape[d]) - wb.start[d];
+    }
+  }
+  const int in = dtype_bytes(w.dtype);
+  const DType to = w.dtype_on(Side::kReceiver);
+  const uint64_t seed = name_seed(w.name), mask = finite_mask(w);
+  const Index g = row_major_strides(w.shape);
+  // The weight's box, row-major, in the sources' dtype.
+  std::vector<uint8_t> src(static_cast<size_t>(wb.numel() * in));
+  {
+    Index idx{};
+    for (int64_t e = 0; e < wb.numel(); ++e) {
+      int64_t flat = 0, rem = e;
+      for (int d = n - 1; d >= 0; --d) {
+        idx[d] = rem % wb.size[d];
+        rem /= wb.size[d];
+      }
+      for (int d = 0; d < n; ++d) flat += (wb.start[d] + idx[d]) * g[d];
+      const uint64_t v = pattern_of(seed, flat, version) & mask;
+      std::memcpy(src.data() + e * in, &v, static_cast<size_t>(in));
+    }
+  }
+  if (to != DType::kF8E4M3) {
+    std::vector<uint8_t> out(static_cast<size_t>(wb.numel() * dtype_bytes(to)));
+    REFIT_RETURN_IF_ERROR(convert::cast(w.dtype, to, src.data(), out.data(), wb.numel(), w.name));
+    return out;
+  }
+  const int64_t rows = wb.size[n - 2], cols = wb.size[n - 1];
+  const int64_t brows = (rows + blk[0] - 1) / blk[0], bcols = (cols + blk[1] - 1) / blk[1];
+  const int64_t lead = wb.numel() / (rows * cols);
+  std::vector<uint8_t> values(static_cast<size_t>(wb.numel()));
+  std::vector<float> sc(static_cast<size_t>(lead * brows * bcols));
+  for (int64_t l = 0; l < lead; ++l) {
+    convert::QuantizeArgs a;
+    a.src_dtype = w.dtype;
+    a.src = src.data() + l * rows * cols * in;
+    a.src_stride = cols;
+    a.rows = rows;
+    a.cols = cols;
+    a.dst = values.data() + l * rows * cols;
+    a.dst_stride = cols;
+    a.scales = sc.data() + l * brows * bcols;
+    a.scale_stride = bcols;
+    a.block = {blk[0], blk[1]};
+    a.tensor = w.name;
+    REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
+  }
+  if (!scales) return values;
+  std::vector<uint8_t> out(sc.size() * 4);
+  std::memcpy(out.data(), sc.data(), out.size());
+  return out;
+}
+
+bool converted(const Tensor& t) { return t.derived_from >= 0 || t.dtype_on(Side::kReceiver) != t.dtype; }
+
+// Checks a receiver region of a converted or derived tensor against
+// converted_box, marking its bytes covered.
+Status verify_converted(const Layout& L, const RankBuffer& buffer, const Placed& p, const uint8_t* data,
+                        uint8_t* covered, int64_t version) {
+  const Tensor& t = L.tensors[p.tensor];
+  const Region& r = *p.region;
+  Result<std::vector<uint8_t>> want = converted_box(L, p.tensor, r.box, version);
+  if (!want.is_ok()) return want.status();
+  const int es = dtype_bytes(t.dtype_on(Side::kReceiver));
+  const int n = r.box.ndim;
+  Index idx{};
+  for (int64_t e = 0; e < r.box.numel(); ++e) {
+    int64_t rem = e, off = r.offset;
+    for (int d = n - 1; d >= 0; --d) {
+      idx[d] = rem % r.box.size[d];
+      rem /= r.box.size[d];
+    }
+    for (int d = 0; d < n; ++d) off += idx[d] * r.strides[d];
+    const int64_t byte = off * es;
+    if (std::memcmp(data + byte, want->data() + e * es, static_cast<size_t>(es)) != 0) {
+      int64_t flat = 0;
+      const Index g = row_major_strides(t.shape);
+      for (int d = 0; d < n; ++d) flat += (r.box.start[d] + idx[d]) * g[d];
+      return Status::internal("buffer \"" + buffer.name + "\" byte offset " + std::to_string(byte) + ": tensor \"" +
+                              t.name + "\" element " + element_index(t, flat) + " of version " +
+                              std::to_string(version) + " should be " + hex(want->data() + e * es, es) +
+                              " (the reference conversion), got " + hex(data + byte, es));
+    }
+    if (covered != nullptr) std::memset(covered + byte, 1, static_cast<size_t>(es));
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 uint64_t name_seed(std::string_view name) {
@@ -129,12 +246,13 @@ void fill(const Layout& layout, const RankBuffer& buffer, uint8_t* data, int64_t
     const Tensor& t = layout.tensors[p.tensor];
     const uint64_t seed = name_seed(t.name);
     const int es = dtype_bytes(t.dtype);
+    const uint64_t mask = finite_mask(t);
     for_each_element(t, *p.region, [&](int64_t flat, int64_t off, int64_t count, int64_t stride) {
       switch (es) {
-        case 1: fill_row<1>(data, seed, flat, off, count, stride, version); break;
-        case 2: fill_row<2>(data, seed, flat, off, count, stride, version); break;
-        case 4: fill_row<4>(data, seed, flat, off, count, stride, version); break;
-        default: fill_row<8>(data, seed, flat, off, count, stride, version); break;
+        case 1: fill_row<1>(data, seed, flat, off, count, stride, version, mask); break;
+        case 2: fill_row<2>(data, seed, flat, off, count, stride, version, mask); break;
+        case 4: fill_row<4>(data, seed, flat, off, count, stride, version, mask); break;
+        default: fill_row<8>(data, seed, flat, off, count, stride, version, mask); break;
       }
     });
   }
@@ -150,6 +268,10 @@ Status verify(const Layout& layout, const RankBuffer& buffer, const uint8_t* dat
     const uint64_t seed = name_seed(t.name);
     const int es = dtype_bytes(t.dtype);
     uint8_t* mark = check_guard ? covered.data() : nullptr;
+    if (converted(t)) {
+      REFIT_RETURN_IF_ERROR(verify_converted(layout, buffer, p, data, mark, version));
+      continue;
+    }
     for_each_element(t, *p.region, [&](int64_t flat, int64_t off, int64_t count, int64_t stride) {
       if (!bad.is_ok()) return;
       int64_t i = 0;

@@ -37,7 +37,8 @@ Json segment_json(const Region& r, const std::string* tensor) {
 
 int64_t RankBuffer::covered_bytes(const Layout& layout) const {
   int64_t n = 0;
-  for (const Placed& p : placed) n += p.region->box.numel() * dtype_bytes(layout.tensors[p.tensor].dtype);
+  const Side side = layout.buffers[index].side;  // a receiver may hold another dtype (docs/conversion.md)
+  for (const Placed& p : placed) n += p.region->box.numel() * dtype_bytes(layout.tensors[p.tensor].dtype_on(side));
   return n;
 }
 
@@ -107,7 +108,8 @@ int64_t receiver_payload_bytes(const Layout& layout) {
   int64_t n = 0;
   for (const Tensor& t : layout.tensors)
     for (const Region& r : t.receivers)
-      n += r.box.numel() * dtype_bytes(t.dtype) * static_cast<int64_t>(layout.receiver_sets.get(r.ranks).size());
+      n += r.box.numel() * dtype_bytes(t.dtype_on(Side::kReceiver)) *
+           static_cast<int64_t>(layout.receiver_sets.get(r.ranks).size());
   return n;
 }
 

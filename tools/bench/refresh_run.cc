@@ -1095,6 +1095,7 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
   }
   if (place.receiver && options.staged) c["mode"] = "staged";
   if (place.receiver && !options.gather) c["gather_below_bytes"] = 0;
+  if (place.receiver && options.converts) c["weight_block_size"] = options.weight_block_size;
   if (options.heartbeat_timeout.count() > 0)
     c["heartbeat_ms"] = std::max<int64_t>(100, options.heartbeat_timeout.count() / 4);
   c["log_level"] = options.log_level;

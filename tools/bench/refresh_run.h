@@ -38,6 +38,7 @@
 // again when it returns. Nothing is left running: on any failure every
 // child is killed, and the result says what failed.
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -65,6 +66,10 @@ struct RunOptions {
   // The receivers group small runs into gathers (docs/refresh.md,
   // "Gathers"); false: "gather_below_bytes": 0, every run its own GET.
   bool gather = true;
+  // Some tensor converts on the way (docs/conversion.md): the receivers
+  // declare the layout's F8_E4M3 block ("weight_block_size").
+  bool converts = false;
+  std::array<int64_t, 2> weight_block_size{128, 128};
   // Deadline of each step (every child's answer to one command).
   std::chrono::milliseconds step_timeout{60000};
   // Passed to refit_receiver_refresh and refit_source_wait_drained.

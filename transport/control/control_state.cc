@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "planner/conversion.h"
 #include "planner/dtype.h"
 #include "planner/layout_json.h"
 #include "planner/plan.h"
@@ -15,6 +16,8 @@ ControlState::~ControlState() = default;
 
 namespace {
 std::string dims(const std::vector<int64_t>& v) { return Json(v).dump(); }
+
+const std::string kScaleSuffix = "_scale_inv";
 
 // The intersection of two boxes of one tensor; false when it is empty or
 // their ranks differ.
@@ -46,6 +49,20 @@ std::string box_key(const std::string& tensor, const std::vector<int64_t>& start
   for (int64_t v : start) key.append(reinterpret_cast<const char*>(&v), sizeof v);
   for (int64_t v : size) key.append(reinterpret_cast<const char*>(&v), sizeof v);
   return key;
+}
+
+// Whether the box covers whole blocks of `block` in the last two dims (a
+// block at the tensor's edge may be partial).
+bool whole_blocks(const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                  const std::vector<int64_t>& shape, const std::array<int64_t, 2>& block) {
+  const size_t n = start.size();
+  if (n < 2 || shape.size() != n) return false;
+  for (size_t k = 0; k < 2; ++k) {
+    const size_t d = n - 2 + k;
+    const int64_t end = start[d] + size[d];
+    if (start[d] % block[k] != 0 || (end % block[k] != 0 && end != shape[d])) return false;
+  }
+  return true;
 }
 
 int64_t numel(const std::vector<int64_t>& size) {
@@ -128,15 +145,36 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
   return Status::ok();
 }
 
+std::optional<TensorDecl> ControlState::decl_of(const std::string& tensor, const std::array<int64_t, 2>& block) const {
+  if (auto t = tensors_.find(tensor); t != tensors_.end()) return t->second.decl;
+  // A block scale tensor of a declared weight: derived by the receivers
+  // that quantize it (docs/conversion.md).
+  if (tensor.size() <= kScaleSuffix.size() ||
+      tensor.compare(tensor.size() - kScaleSuffix.size(), kScaleSuffix.size(), kScaleSuffix) != 0) {
+    return std::nullopt;
+  }
+  auto w = tensors_.find(tensor.substr(0, tensor.size() - kScaleSuffix.size()));
+  if (w == tensors_.end() || w->second.decl.shape.size() < 2) return std::nullopt;
+  return TensorDecl{tensor, "F32", scale_shape(w->second.decl.shape, block)};
+}
+
 Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool full) const {
+  for (const auto& [other, r] : receivers_) {
+    if (full && other != rank && r.info.weight_block_size != m.weight_block_size) {
+      return Status::invalid("receiver rank " + std::to_string(rank) + " declares \"weight_block_size\" " +
+                             dims({m.weight_block_size[0], m.weight_block_size[1]}) + ", receiver rank " +
+                             std::to_string(other) + " declared " +
+                             dims({r.info.weight_block_size[0], r.info.weight_block_size[1]}));
+    }
+  }
   for (const MemberBuffer& b : m.buffers) {
     for (size_t i = 0; i < b.segments.size(); ++i) {
       const Segment& seg = b.segments[i];
       const std::string where = "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
                                 std::to_string(i) + "] (tensor \"" + seg.tensor + "\")";
-      auto t = tensors_.find(seg.tensor);
-      if (t == tensors_.end()) return Status::invalid(where + ": no registered source declares this tensor");
-      const TensorDecl& decl = t->second.decl;
+      const std::optional<TensorDecl> found = decl_of(seg.tensor, m.weight_block_size);
+      if (!found) return Status::invalid(where + ": no registered source declares this tensor");
+      const TensorDecl& decl = *found;
       if (seg.start.size() != decl.shape.size() || seg.size.size() != decl.shape.size()) {
         return Status::invalid(where + ": start " + dims(seg.start) + " size " + dims(seg.size) + " do not have the " +
                                std::to_string(decl.shape.size()) + " dims of the tensor, " + decl.dtype +
@@ -150,15 +188,24 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
         }
       }
       if (segment_dtype(b, seg) != decl.dtype) {
-        return Status::invalid(where + ": the " + (seg.dtype.empty() ? "buffer" : "segment") + "'s dtype is " +
-                               segment_dtype(b, seg) + ", the sources declare the tensor as " + decl.dtype);
+        // Another dtype is a conversion on the way, if refit does it.
+        const std::optional<DType> from = parse_dtype(decl.dtype);
+        const std::optional<DType> to = parse_dtype(segment_dtype(b, seg));
+        Result<ConversionKind> kind = from && to ? conversion_for(seg.tensor, *from, *to)
+                                                 : Result<ConversionKind>(Status::invalid("unknown dtype"));
+        if (!kind.is_ok()) {
+          return Status::invalid(where + ": the " + (seg.dtype.empty() ? "buffer" : "segment") + "'s dtype is " +
+                                 segment_dtype(b, seg) + ", the sources declare the tensor as " + decl.dtype +
+                                 ": " + kind.status().message());
+        }
       }
     }
   }
   if (!full) return Status::ok();
   // The rest of what the planner checks of a receiver (every element inside
-  // its buffer, no two segments overlapping), by the planner itself: a
-  // layout of this receiver alone, with the tensors it names.
+  // its buffer, no two segments overlapping, whole blocks and their scales),
+  // by the planner itself: a layout of this receiver alone, with the
+  // tensors it names.
   Json tensors = Json::array(), buffers = Json::array();
   std::set<std::string> named;
   for (const MemberBuffer& b : m.buffers) {
@@ -168,7 +215,7 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
                       {"strides", seg.strides}});
       if (!seg.dtype.empty()) segs.back()["dtype"] = seg.dtype;
       if (named.insert(seg.tensor).second) {
-        const TensorDecl& d = tensors_.at(seg.tensor).decl;
+        const TensorDecl d = *decl_of(seg.tensor, m.weight_block_size);
         tensors.push_back({{"name", d.name}, {"dtype", d.dtype}, {"shape", d.shape}});
       }
     }
@@ -177,9 +224,11 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
   }
   const Json doc{{"format", "refit-layout/1"}, {"sources", Json::array({{{"rank", 0}, {"domain", 0}}})},
                  {"receivers", Json::array({{{"rank", 0}, {"domain", 0}, {"instance", 0}}})},
-                 {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}};
+                 {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)},
+                 {"weight_block_size", m.weight_block_size}};
   Result<Layout> alone = parse_layout_json(doc.dump(), "receiver rank " + std::to_string(rank) + " alone");
-  return alone.status();
+  if (!alone.is_ok()) return alone.status();
+  return resolve_conversions(*alone);
 }
 
 std::vector<int32_t> ControlState::planned_receivers() const {
@@ -367,7 +416,7 @@ Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxH
       for (const Segment& seg : b.segments) inside = inside || (seg.tensor == h.tensor && box_inside(seg, h.start, h.size));
     }
     if (!inside) return Status::invalid(where + " is not inside a segment of source rank " + std::to_string(h.rank));
-    const std::string key = box_key(h.tensor, h.start, h.size);
+    const std::string key = box_key(h.tensor, h.start, h.size) + (h.dtype.empty() ? "" : "@" + h.dtype);
     using Seen = const std::map<std::string, Hashed>*;
     for (Seen seen : {Seen{&known}, Seen{&incoming}}) {
       auto it = seen->find(key);
@@ -414,8 +463,21 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
           for (const MemberBuffer& rb : r.info.buffers) {
             for (const Segment& want : rb.segments) {
               if (want.tensor != seg.tensor || !intersect_box(seg, want, &start, &size)) continue;
-              if (!seen.insert(box_key(seg.tensor, start, size)).second) continue;
+              // A receiver of another dtype checks the converted bytes: the
+              // source converts the box before hashing it, which it can do
+              // for a quantized tensor only when the box holds whole blocks.
+              const std::string& to = segment_dtype(rb, want);
+              const bool convert = to != tensors_.at(seg.tensor).decl.dtype;
+              if (convert && to == "F8_E4M3" &&
+                  !whole_blocks(start, size, tensors_.at(seg.tensor).decl.shape, r.info.weight_block_size)) {
+                continue;
+              }
+              if (!seen.insert(box_key(seg.tensor, start, size) + (convert ? "@" + to : "")).second) continue;
               boxes.push_back({{"rank", rank}, {"tensor", seg.tensor}, {"start", start}, {"size", size}});
+              if (convert) {
+                boxes.back()["dtype"] = to;
+                boxes.back()["block"] = r.info.weight_block_size;
+              }
             }
           }
         }
@@ -450,12 +512,17 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
       const int64_t elem = dt ? dtype_bytes(*dt) : 1;
       auto h = held.find(want.tensor);
       if (h == held.end()) continue;
+      // A box converted on the way has the hash of its converted bytes
+      // (verify_boxes), under its dtype.
+      auto decl = tensors_.find(want.tensor);
+      const bool converted = decl != tensors_.end() && decl->second.decl.dtype != segment_dtype(b, want);
+      const std::string suffix = converted ? "@" + segment_dtype(b, want) : "";
       std::set<std::string> seen;
       for (const Segment* seg : h->second) {
         if (!intersect_box(want, *seg, &start, &size)) continue;
         const std::string key = box_key(want.tensor, start, size);
         if (!seen.insert(key).second) continue;
-        auto it = known.find(key);
+        auto it = known.find(key + suffix);
         if (it != known.end()) {
           hashes.push_back({{"buffer", bi}, {"segment", si}, {"start", start}, {"size", size},
                             {"hash", it->second.hash}, {"rank", it->second.rank}});
@@ -523,8 +590,23 @@ Json ControlState::layout_document(bool solo) const {
   for (const Declared* d : ordered) {
     tensors.push_back({{"name", d->decl.name}, {"dtype", d->decl.dtype}, {"shape", d->decl.shape}});
   }
+  // The block scale tensors the planned receivers hold: derived, not declared.
+  std::array<int64_t, 2> block{128, 128};
+  std::set<std::string> derived;
+  for (int32_t rank : planned_receivers()) {
+    const RegisterReceiver& r = receivers_.at(rank).info;
+    block = r.weight_block_size;
+    for (const MemberBuffer& b : r.buffers) {
+      for (const Segment& s : b.segments) {
+        if (tensors_.count(s.tensor) || !derived.insert(s.tensor).second) continue;
+        if (std::optional<TensorDecl> d = decl_of(s.tensor, block)) {
+          tensors.push_back({{"name", d->name}, {"dtype", d->dtype}, {"shape", d->shape}});
+        }
+      }
+    }
+  }
   return Json{{"format", "refit-layout/1"}, {"sources", std::move(sources)}, {"receivers", std::move(receivers)},
-              {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}};
+              {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}, {"weight_block_size", block}};
 }
 
 PlanInput ControlState::plan_input(bool solo) const {
@@ -565,15 +647,8 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
   };
   Result<Layout> layout = parse_layout_json(input.layout_json, "membership");
   if (!layout.is_ok()) return failed(layout.status());
-  const Layout& L = *layout;
-  // The agents do not convert dtypes yet (docs/conversion.md): a receiver
-  // buffer of another dtype than its tensor's sources would be written in
-  // the sources' element size.
-  for (const Tensor& t : L.tensors)
-    if (t.dtype_on(Side::kReceiver) != t.dtype)
-      return failed(Status::unsupported("tensor \"" + t.name + "\" is " + std::string(dtype_name(t.dtype)) +
-                                        " on the sources and " + std::string(dtype_name(t.dtype_on(Side::kReceiver))) +
-                                        " on the receivers; the agents do not convert dtypes yet"));
+  Layout& L = *layout;
+  if (Status st = resolve_conversions(L); !st.is_ok()) return failed(st);
   Result<Plan> plan = make_plan(L);
   if (!plan.is_ok()) return failed(plan.status());
   out->network_bytes = plan->summary().network_bytes;
@@ -589,17 +664,37 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
     if (list.is_null()) list = Json::array();
     list.push_back(run);
   };
-  for_each_run(*plan, [&](const Run& run) {
+  auto on_run = [&](const Run& run) {
     const int32_t from = real(run.from.side == Side::kSource, run.from.rank);
     const int32_t to = real(false, run.to.rank);
     Json j = {{"kind", run.local ? "local" : "net"},
               {"from", {{"side", side_name(run.from.side)}, {"rank", from},
                         {"buffer", L.buffers[run.from.buffer].name}, {"offset", run.from.offset}}},
-              {"to", {{"rank", to}, {"buffer", L.buffers[run.to.buffer].name}, {"offset", run.to.offset}}},
               {"bytes", run.bytes}};
+    if (run.to.buffer == kStagingBuffer) {
+      j["to"] = {{"rank", to}, {"stage", true}, {"offset", run.to.offset}};
+    } else {
+      j["to"] = {{"rank", to}, {"buffer", L.buffers[run.to.buffer].name}, {"offset", run.to.offset}};
+    }
     if (run.local && from != to) append(from, j);
     append(to, j);
-  });
+  };
+  // A converted tensor's puller converts what it pulled before the fan-out
+  // (docs/conversion.md, "At the receiver").
+  auto on_convert = [&](const ConvertStep& c) {
+    const Tensor& t = L.tensors[c.tensor];
+    auto list = [&c](const Index& v) { return std::vector<int64_t>(v.begin(), v.begin() + c.box.ndim); };
+    Json j = {{"kind", "convert"}, {"tensor", t.name}, {"from_dtype", dtype_name(t.dtype)},
+              {"to_dtype", dtype_name(t.dtype_on(Side::kReceiver))}, {"block", L.weight_block_size},
+              {"stage", c.stage_offset}, {"start", list(c.box.start)}, {"size", list(c.box.size)},
+              {"dst", {{"buffer", L.buffers[c.buffer].name}, {"offset", c.offset}, {"strides", list(c.strides)}}}};
+    if (c.scale_tensor >= 0) {
+      j["scales"] = {{"buffer", L.buffers[c.scale_buffer].name}, {"offset", c.scale_offset},
+                     {"strides", list(c.scale_strides)}};
+    }
+    append(real(false, c.rank), j);
+  };
+  if (Status st = for_each_run(*plan, on_run, on_convert); !st.is_ok()) return failed(st);
   return out;
 }
 
@@ -647,11 +742,12 @@ Json ControlState::peers_of(int32_t rank, const Json& runs) const {
   // (side, rank) -> buffer names the runs use there.
   std::map<std::pair<bool, int32_t>, std::set<std::string>> used;
   for (const Json& run : runs) {
+    if (run["kind"] == "convert") continue;  // names this rank's own buffers only
     const bool from_source = run["from"]["side"] == "source";
     const int32_t from = run["from"]["rank"].get<int32_t>();
     const int32_t to = run["to"]["rank"].get<int32_t>();
     if (from_source || from != rank) used[{from_source, from}].insert(run["from"]["buffer"].get<std::string>());
-    if (to != rank) used[{false, to}].insert(run["to"]["buffer"].get<std::string>());
+    if (to != rank && run["to"].contains("buffer")) used[{false, to}].insert(run["to"]["buffer"].get<std::string>());
   }
   Json sources = Json::array(), receivers = Json::array();
   auto describe = [](int32_t r, const std::vector<uint8_t>& worker, const std::vector<MemberBuffer>& buffers,

@@ -52,10 +52,12 @@
 //
 // Thread safety: none; one thread (the coordinator's I/O thread) owns it.
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <utility>
 #include <string>
@@ -282,6 +284,9 @@ class ControlState {
   // Whether receiver `rank` can be planned against the declared tensors;
   // `full` adds the planner's own checks of its buffers (at registration).
   Status plannable(int32_t rank, const RegisterReceiver& m, bool full) const;
+  // The declaration of `tensor`: a source's, or a block scale tensor
+  // "<W>_scale_inv" of a declared weight W, F32 with one value per block.
+  std::optional<TensorDecl> decl_of(const std::string& tensor, const std::array<int64_t, 2>& block) const;
   // The receivers the plan includes: the plannable ones, in rank order.
   std::vector<int32_t> planned_receivers() const;
   std::string instance_shortfall(int32_t instance) const;

@@ -240,6 +240,15 @@ Result<RegisterReceiver> parse_register_receiver(const Json& body, const Message
   if (r.int_in(body, "", "instance_ranks", 1, lim.max_rank, &v, /*required=*/false)) {
     m.instance_ranks = static_cast<int32_t>(v);
   }
+  if (auto wb = body.find("weight_block_size"); wb != body.end()) {
+    if (!wb->is_array() || wb->size() != 2 || !(*wb)[0].is_number_integer() || !(*wb)[1].is_number_integer() ||
+        (*wb)[0].get<int64_t>() < 1 || (*wb)[1].get<int64_t>() < 1 || (*wb)[0].get<int64_t>() > (1 << 20) ||
+        (*wb)[1].get<int64_t>() > (1 << 20)) {
+      r.fail("weight_block_size", "must be [rows, cols], two positive integers, got " + Reader::shown(*wb));
+    } else {
+      m.weight_block_size = {(*wb)[0].get<int64_t>(), (*wb)[1].get<int64_t>()};
+    }
+  }
   r.bytes(body, "", "worker_address", lim.max_address_bytes, &m.worker_address);
   if (r.ok() && m.worker_address.empty()) r.fail("worker_address", "must not be empty");
   if (!r.ok()) return r.status();
@@ -284,6 +293,7 @@ Result<PublishVersion> parse_publish_version(const Json& body, const char* messa
     r.dims(h, p, "size", lim.max_dims, 0, &bh.size);
     if (r.ok() && !h.contains("hash")) r.fail(p + ".hash", "is missing");
     r.uint64(h, p, "hash", &bh.hash);
+    if (h.contains("dtype")) r.str(h, p, "dtype", 16, &bh.dtype);
     if (r.ok() && bh.start.size() != bh.size.size()) {
       r.fail(p, "has " + std::to_string(bh.start.size()) + " start and " + std::to_string(bh.size.size()) +
                     " size dims; they must agree");
@@ -376,13 +386,16 @@ Json to_json(const RegisterReceiver& m) {
   Json j{{"rank", m.rank}, {"instance", m.instance}, {"domain", m.domain},
          {"worker_address", Json::binary(m.worker_address)}, {"buffers", buffers_json(m.buffers)}};
   if (m.instance_ranks > 0) j["instance_ranks"] = m.instance_ranks;
+  if (m.weight_block_size != std::array<int64_t, 2>{128, 128}) j["weight_block_size"] = m.weight_block_size;
   return j;
 }
 
 Json to_json(const MemberRef& m) { return {{"role", role_name(m.role)}, {"rank", m.rank}}; }
 
 Json to_json(const BoxHash& h) {
-  return {{"rank", h.rank}, {"tensor", h.tensor}, {"start", h.start}, {"size", h.size}, {"hash", h.hash}};
+  Json j{{"rank", h.rank}, {"tensor", h.tensor}, {"start", h.start}, {"size", h.size}, {"hash", h.hash}};
+  if (!h.dtype.empty()) j["dtype"] = h.dtype;
+  return j;
 }
 
 // ---- Leases that live as long as the refresh holding them ----------------
@@ -418,7 +431,8 @@ bool parse_end(Reader& r, const Json& end, const std::string& path, bool to, con
     }
   }
   if (r.int_in(end, path, "rank", 0, lim.max_rank - 1, &rank)) out->rank = static_cast<int32_t>(rank);
-  r.str(end, path, "buffer", lim.max_name_bytes, &out->buffer);
+  if (to) r.boolean(end, path, "stage", &out->stage);
+  if (!out->stage) r.str(end, path, "buffer", lim.max_name_bytes, &out->buffer);
   r.uint64(end, path, "offset", &out->offset, /*required=*/true);
   return r.ok();
 }
@@ -436,8 +450,39 @@ bool parse_runs(Reader& r, const Json& runs, const std::string& path, const Mess
     const std::string p = path + "[" + std::to_string(i) + "]";
     PlanRun pr;
     std::string kind;
-    if (r.str(run, p, "kind", 16, &kind) && kind != "net" && kind != "local") {
-      r.fail(p + ".kind", "must be \"net\" or \"local\", got \"" + kind.substr(0, 40) + "\"");
+    if (r.str(run, p, "kind", 16, &kind) && kind != "net" && kind != "local" && kind != "convert") {
+      r.fail(p + ".kind", "must be \"net\", \"local\" or \"convert\", got \"" + kind.substr(0, 40) + "\"");
+    }
+    if (kind == "convert") {
+      auto c = std::make_shared<ConvertSpec>();
+      r.str(run, p, "tensor", lim.max_name_bytes, &c->tensor);
+      r.str(run, p, "from_dtype", 16, &c->from_dtype);
+      r.str(run, p, "to_dtype", 16, &c->to_dtype);
+      std::vector<int64_t> block;
+      if (r.dims(run, p, "block", 2, 1, &block) && (block.size() != 2 || block[0] < 1 || block[1] < 1)) {
+        r.fail(p + ".block", "must be [rows, cols], two positive integers");
+      }
+      if (r.ok()) c->block = {block[0], block[1]};
+      r.uint64(run, p, "stage", &c->stage, /*required=*/true);
+      r.dims(run, p, "start", lim.max_dims, 0, &c->start);
+      r.dims(run, p, "size", lim.max_dims, 1, &c->size);
+      if (const Json* dst = r.field(run, p, "dst")) {
+        r.str(*dst, p + ".dst", "buffer", lim.max_name_bytes, &c->buffer);
+        r.uint64(*dst, p + ".dst", "offset", &c->offset, /*required=*/true);
+        r.dims(*dst, p + ".dst", "strides", lim.max_dims, 0, &c->strides);
+      }
+      if (const Json* sc = r.field(run, p, "scales", /*required=*/false)) {
+        r.str(*sc, p + ".scales", "buffer", lim.max_name_bytes, &c->scale_buffer);
+        r.uint64(*sc, p + ".scales", "offset", &c->scale_offset, /*required=*/true);
+        r.dims(*sc, p + ".scales", "strides", lim.max_dims, 0, &c->scale_strides);
+      }
+      if (r.ok() && (c->start.size() != c->size.size() || c->strides.size() != c->size.size() ||
+                     (!c->scale_buffer.empty() && c->scale_strides.size() != c->size.size()))) {
+        r.fail(p, "start, size and strides must have the same dims");
+      }
+      pr.convert = std::move(c);
+      out->push_back(std::move(pr));
+      continue;
     }
     pr.network = kind == "net";
     const Json* from = r.field(run, p, "from");
@@ -550,6 +595,23 @@ Result<PlanTotals> parse_plan_totals(const Json& totals) {
 }
 
 Json to_json(const PlanRun& run) {
+  if (run.convert) {
+    const ConvertSpec& c = *run.convert;
+    Json j{{"kind", "convert"}, {"tensor", c.tensor}, {"from_dtype", c.from_dtype}, {"to_dtype", c.to_dtype},
+           {"block", c.block}, {"stage", c.stage}, {"start", c.start}, {"size", c.size},
+           {"dst", {{"buffer", c.buffer}, {"offset", c.offset}, {"strides", c.strides}}}};
+    if (!c.scale_buffer.empty()) {
+      j["scales"] = {{"buffer", c.scale_buffer}, {"offset", c.scale_offset}, {"strides", c.scale_strides}};
+    }
+    return j;
+  }
+  if (run.to.stage) {
+    return Json{{"kind", "net"},
+                {"from", {{"side", "source"}, {"rank", run.from.rank}, {"buffer", run.from.buffer},
+                          {"offset", run.from.offset}}},
+                {"to", {{"rank", run.to.rank}, {"stage", true}, {"offset", run.to.offset}}},
+                {"bytes", run.bytes}};
+  }
   return Json{{"kind", run.network ? "net" : "local"},
               {"from", {{"side", run.from.side == Role::kSource ? "source" : "receiver"}, {"rank", run.from.rank},
                         {"buffer", run.from.buffer}, {"offset", run.from.offset}}},

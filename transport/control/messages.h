@@ -6,7 +6,9 @@
 // the problem: `register_source: tensors[2].size must be a non-negative
 // integer, got "x"`. Nesting depth is bounded earlier, by the frame decoder.
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -88,6 +90,9 @@ struct RegisterReceiver {
   // The declared number of ranks of the instance ("instance_ranks"); 0: not
   // declared (the registered ranks are the instance).
   int32_t instance_ranks = 0;
+  // The F8_E4M3 quantization block (rows, cols) of the receiver's model
+  // ("weight_block_size", docs/conversion.md); every receiver must agree.
+  std::array<int64_t, 2> weight_block_size{128, 128};
 };
 
 struct MemberRef {  // unregister and heartbeat
@@ -104,6 +109,9 @@ struct BoxHash {
   std::vector<int64_t> start;
   std::vector<int64_t> size;
   uint64_t hash = 0;
+  // "": the box as the sources hold it; else the dtype it was converted to
+  // before hashing, as receivers of that dtype hold it (docs/conversion.md).
+  std::string dtype;
 };
 
 struct PublishVersion {
@@ -182,6 +190,31 @@ struct RunEnd {
   int32_t rank = 0;
   std::string buffer;
   uint64_t offset = 0;
+  // "to" only: the receiver's conversion staging area instead of a buffer
+  // ("stage": true, no "buffer"); `offset` is a byte offset there.
+  bool stage = false;
+};
+
+// A conversion step of a receiver's part ("kind": "convert",
+// docs/conversion.md): the box of `tensor` staged row-major in `from_dtype`
+// at byte `stage` of the staging area is converted to `to_dtype` into
+// `buffer` (element `offset` of box.start, element `strides` per dim) and,
+// to F8_E4M3, its block scales go to `scale_buffer` (element
+// `scale_offset` of the box's first block, `scale_strides`).
+struct ConvertSpec {
+  std::string tensor;
+  std::string from_dtype;
+  std::string to_dtype;
+  std::array<int64_t, 2> block{128, 128};
+  uint64_t stage = 0;
+  std::vector<int64_t> start;
+  std::vector<int64_t> size;
+  std::string buffer;
+  uint64_t offset = 0;
+  std::vector<int64_t> strides;
+  std::string scale_buffer;  // "": no scales (a cast)
+  uint64_t scale_offset = 0;
+  std::vector<int64_t> scale_strides;
 };
 
 // One run of the plan (refit-runs/1): a network GET of `bytes` from a
@@ -192,6 +225,9 @@ struct PlanRun {
   RunEnd from;
   RunEnd to;
   uint64_t bytes = 0;
+  // "kind": "convert": a conversion step; network, from, to and bytes are
+  // unused.
+  std::shared_ptr<const ConvertSpec> convert;
 };
 
 // A buffer of a peer that the runs name: where it is and its packed rkey

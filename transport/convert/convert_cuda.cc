@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <vector>
 
 #include "transport/convert/convert_kernel.h"
 #include "transport/cuda/cuda_status.h"
@@ -56,6 +57,40 @@ Status quantize_e4m3_blocks_cuda(const QuantizeArgs& a, void* stream) {
                            ") holds NaN or an infinity; refusing to quantize it (nothing written)");
   }
   return Status::ok();
+}
+
+Status quantize_e4m3_blocks_cuda_from_host(const QuantizeArgs& a, void* stream) {
+  REFIT_RETURN_IF_ERROR(check_quantize_args(a));
+  if (a.rows == 0 || a.cols == 0) return Status::ok();
+  const std::string where = "quantize to F8_E4M3 on the GPU: tensor \"" + std::string(a.tensor) + "\"";
+  const size_t bytes = static_cast<size_t>(((a.rows - 1) * a.src_stride + a.cols) * dtype_bytes(a.src_dtype));
+  void* src = nullptr;
+  REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMalloc(&src, bytes), "cudaMalloc(" + std::to_string(bytes) + " bytes)")
+                            .with_context(where));
+  auto s = static_cast<cudaStream_t>(stream);
+  Status st = ::refit::cuda::from_cuda(cudaMemcpyAsync(src, a.src, bytes, cudaMemcpyHostToDevice, s),
+                                       "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes to the device)")
+                  .with_context(where);
+  if (st.is_ok()) {
+    QuantizeArgs d = a;
+    d.src = src;
+    st = quantize_e4m3_blocks_cuda(d, stream);  // waits for the stream, the copy included
+  }
+  const Status freed = ::refit::cuda::from_cuda(cudaFree(src), "cudaFree(source rows)");
+  REFIT_RETURN_IF_ERROR(st);
+  return freed.with_context(where);
+}
+
+Status cast_to_device(DType from, DType to, const void* src, void* dst, int64_t n, std::string_view tensor,
+                      void* stream) {
+  std::vector<uint8_t> host(static_cast<size_t>(n * dtype_bytes(to)));
+  REFIT_RETURN_IF_ERROR(cast(from, to, src, host.data(), n, tensor));
+  auto s = static_cast<cudaStream_t>(stream);
+  const std::string where = "cast to " + std::string(dtype_name(to)) + " on the GPU: tensor \"" + std::string(tensor) + "\"";
+  REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMemcpyAsync(dst, host.data(), host.size(), cudaMemcpyHostToDevice, s),
+                                                 "cudaMemcpyAsync(" + std::to_string(host.size()) + " bytes to the device)")
+                            .with_context(where));
+  return ::refit::cuda::from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize").with_context(where);
 }
 
 }  // namespace refit::convert

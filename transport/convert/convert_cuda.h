@@ -4,6 +4,8 @@
 // refusals (NaN or infinity in a block: nothing written). Built when CUDA,
 // NCCL and nvcc are found (REFIT_HAVE_CONVERT_KERNEL).
 
+#include <string_view>
+
 #include "planner/status.h"
 #include "transport/convert/convert.h"
 
@@ -13,5 +15,16 @@ namespace refit::convert {
 // default stream) and waits for them. Uses a scratch allocation of 8 bytes
 // plus 4 per block, freed before it returns.
 Status quantize_e4m3_blocks_cuda(const QuantizeArgs& args, void* stream);
+
+// quantize_e4m3_blocks_cuda with `args.src` in host memory (a receiver's
+// conversion staging area, docs/conversion.md) and `dst` and `scales` on the
+// device: the source rows (rows x src_stride elements) are copied to a
+// device scratch first, freed before it returns.
+Status quantize_e4m3_blocks_cuda_from_host(const QuantizeArgs& args, void* stream);
+
+// cast() of `n` host elements at `src` into device memory at `dst`: cast
+// on the host, then one copy.
+Status cast_to_device(DType from, DType to, const void* src, void* dst, int64_t n, std::string_view tensor,
+                      void* stream);
 
 }  // namespace refit::convert

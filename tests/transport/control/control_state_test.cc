@@ -17,24 +17,90 @@ RegisterSource source(int32_t rank) {
   return m;
 }
 
-// A receiver that registers a buffer of another dtype than its tensor's
-// sources (an FP8 server fed by a BF16 trainer) gets a clear refusal: the
-// agents do not convert yet, and would write BF16-sized runs into it.
-TEST(ComputePlan, RefusesADtypeConversionTheAgentsCannotDo) {
+// One source holding "w" whole in `from`; receivers 0 and 1 of one domain
+// holding it whole in `to` (and, when `scales`, its block scales, block 2x2).
+PlanInput conversion_input(const std::string& from, const std::string& to, bool scales) {
   PlanInput in;
   in.epoch = 1;
   in.source_ranks = {0};
-  in.receiver_ranks = {0};
-  in.layout_json = R"J({"format": "refit-layout/1",
-     "sources": [{"rank": 0, "domain": 0}], "receivers": [{"rank": 0, "domain": 0, "instance": 0}],
-     "tensors": [{"name": "w", "dtype": "F32", "shape": [4, 4],
-                  "source": {"mesh": [1], "ranks": [0], "placements": ["R"]}}],
-     "buffers": [{"side": "receiver", "rank": 0, "name": "w", "dtype": "BF16", "bytes": 32,
-                  "segments": [{"tensor": "w", "start": [0, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]}]}]})J";
-  auto parts = compute_plan(in);
+  in.receiver_ranks = {0, 1};
+  std::string buffers;
+  for (int r = 0; r < 2; ++r) {
+    buffers += std::string(r ? "," : "") + R"({"side": "receiver", "rank": )" + std::to_string(r) +
+               R"(, "name": "w", "dtype": ")" + to + R"(", "bytes": 64,
+                  "segments": [{"tensor": "w", "start": [0, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]}]})";
+    if (scales) {
+      buffers += R"(, {"side": "receiver", "rank": )" + std::to_string(r) + R"(, "name": "s", "dtype": "F32", "bytes": 16,
+                  "segments": [{"tensor": "w_scale_inv", "start": [0, 0], "size": [2, 2], "offset": 0, "strides": [2, 1]}]})";
+    }
+  }
+  in.layout_json = R"({"format": "refit-layout/1", "weight_block_size": [2, 2],
+     "sources": [{"rank": 0, "domain": 0}],
+     "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 1}],
+     "tensors": [{"name": "w", "dtype": ")" + from + R"(", "shape": [4, 4]})" +
+                   std::string(scales ? R"(, {"name": "w_scale_inv", "dtype": "F32", "shape": [2, 2]})" : "") + R"(],
+     "buffers": [{"side": "source", "rank": 0, "name": "w", "dtype": ")" + from + R"(", "bytes": 64,
+                  "segments": [{"tensor": "w", "start": [0, 0], "size": [4, 4], "offset": 0, "strides": [4, 1]}]}, )" +
+                   buffers + "]}";
+  return in;
+}
+
+// A tensor converted on the way (docs/conversion.md): the puller GETs the
+// sources' dtype into its staging area, converts, and passes the converted
+// bytes and the block scales to the other rank of its domain.
+TEST(ComputePlan, QuantizesAtThePullerAndFansOutTheConvertedBytes) {
+  auto parts = compute_plan(conversion_input("BF16", "F8_E4M3", true));
+  ASSERT_TRUE(parts->status.is_ok()) << parts->status.message();
+  int pullers = 0;
+  for (const auto& [rank, runs] : parts->parts) {
+    bool converts = false;
+    uint64_t staged = 0, local_w = 0, local_s = 0;
+    for (const Json& run : runs) {
+      if (run["kind"] == "convert") {
+        converts = true;
+        EXPECT_EQ(run["from_dtype"], "BF16");
+        EXPECT_EQ(run["to_dtype"], "F8_E4M3");
+        EXPECT_EQ(run["scales"]["buffer"], "s");
+      } else if (run["kind"] == "net") {
+        EXPECT_TRUE(run["to"]["stage"].get<bool>()) << run.dump();
+        staged += run["bytes"].get<uint64_t>();
+      } else if (run["from"]["rank"] == rank) {
+        (run["from"]["buffer"] == "w" ? local_w : local_s) += run["bytes"].get<uint64_t>();
+      }
+    }
+    if (!converts) continue;
+    ++pullers;
+    EXPECT_EQ(staged, 32u);   // 16 BF16 elements
+    EXPECT_EQ(local_w, 16u);  // 16 E4M3 bytes
+    EXPECT_EQ(local_s, 16u);  // 4 F32 scales
+  }
+  EXPECT_EQ(pullers, 1);
+}
+
+TEST(ComputePlan, CastsWithoutScales) {
+  auto parts = compute_plan(conversion_input("F32", "BF16", false));
+  ASSERT_TRUE(parts->status.is_ok()) << parts->status.message();
+  int converts = 0;
+  for (const auto& [rank, runs] : parts->parts)
+    for (const Json& run : runs)
+      if (run["kind"] == "convert") {
+        ++converts;
+        EXPECT_FALSE(run.contains("scales"));
+      }
+  EXPECT_EQ(converts, 1);
+}
+
+TEST(ComputePlan, RefusesAConversionRefitDoesNotDo) {
+  auto parts = compute_plan(conversion_input("F32", "I32", false));
   ASSERT_FALSE(parts->status.is_ok());
-  EXPECT_EQ(parts->status.message(),
-            "tensor \"w\" is F32 on the sources and BF16 on the receivers; the agents do not convert dtypes yet");
+  EXPECT_NE(parts->status.message().find("\"w\""), std::string::npos) << parts->status.message();
+  EXPECT_NE(parts->status.message().find("I32"), std::string::npos) << parts->status.message();
+}
+
+TEST(ComputePlan, RefusesAQuantizedTensorWithoutItsScales) {
+  auto parts = compute_plan(conversion_input("BF16", "F8_E4M3", false));
+  ASSERT_FALSE(parts->status.is_ok());
+  EXPECT_NE(parts->status.message().find("w_scale_inv"), std::string::npos) << parts->status.message();
 }
 
 TEST(ControlState, RefusesDuplicateRegistration) {

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+
 namespace refit::control {
 namespace {
 
@@ -32,10 +34,12 @@ TEST(Messages, RegisterReceiverRoundTrips) {
   m.instance = 1;
   m.domain = 3;
   m.worker_address = {7};
+  m.weight_block_size = {64, 32};
   m.buffers.push_back(MemberBuffer{"buf", "BF16", 128, 0, {}, {Segment{"w", {0, 0}, {4, 8}, 0, {8, 1}}}});
   auto r = parse_register_receiver(to_json(m), MessageLimits{});
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   EXPECT_EQ(r->buffers[0].segments[0].size, (std::vector<int64_t>{4, 8}));
+  EXPECT_EQ(r->weight_block_size, (std::array<int64_t, 2>{64, 32}));
   Json bad = to_json(m);
   bad["buffers"][0]["segments"][0]["strides"] = Json::array({1});
   auto b = parse_register_receiver(bad, MessageLimits{});
@@ -122,6 +126,53 @@ TEST(Messages, PublishWithHashes) {
   auto vh = parse_version_hashes(Json{{"rank", 3}, {"version", 0}}, MessageLimits{});
   EXPECT_EQ(vh.status().message(),
             "version_hashes: version must be an integer in [1, 9223372036854775807], got 0");
+}
+
+// A plan part with a tensor converted on the way (docs/conversion.md): a GET
+// into the staging area and the conversion step survive the wire.
+TEST(Messages, PlanRunsWithAConversionRoundTrip) {
+  PlanRun get{true, {Role::kSource, 3, "w", 64}, {Role::kReceiver, 0, "", 128}, 512};
+  get.to.stage = true;
+  auto c = std::make_shared<ConvertSpec>();
+  c->tensor = "w";
+  c->from_dtype = "BF16";
+  c->to_dtype = "F8_E4M3";
+  c->block = {64, 32};
+  c->stage = 128;
+  c->size = {2, 128, 64};
+  c->start = {1, 128, 64};
+  c->buffer = "q";
+  c->offset = 4096;
+  c->strides = {16384, 128, 1};
+  c->scale_buffer = "qs";
+  c->scale_offset = 8;
+  c->scale_strides = {8, 4, 1};
+  PlanRun conv;
+  conv.convert = c;
+  Json runs = Json::array({to_json(get), to_json(conv)});
+  auto parsed = parse_plan_runs(runs);
+  ASSERT_TRUE(parsed.is_ok()) << parsed.status().message();
+  ASSERT_EQ(parsed->size(), 2u);
+  EXPECT_TRUE((*parsed)[0].to.stage);
+  EXPECT_EQ((*parsed)[0].to.offset, 128u);
+  EXPECT_EQ((*parsed)[0].convert, nullptr);
+  ASSERT_NE((*parsed)[1].convert, nullptr);
+  const ConvertSpec& p = *(*parsed)[1].convert;
+  EXPECT_EQ(p.tensor, "w");
+  EXPECT_EQ(p.to_dtype, "F8_E4M3");
+  EXPECT_EQ(p.block, (std::array<int64_t, 2>{64, 32}));
+  EXPECT_EQ(p.start, c->start);
+  EXPECT_EQ(p.size, c->size);
+  EXPECT_EQ(p.strides, c->strides);
+  EXPECT_EQ(p.scale_buffer, "qs");
+  EXPECT_EQ(p.scale_offset, 8u);
+  EXPECT_EQ(p.scale_strides, c->scale_strides);
+  // A conversion without its box is refused, naming the field.
+  Json bad = runs;
+  bad[1].erase("size");
+  auto refused = parse_plan_runs(bad);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("runs[1].size"), std::string::npos) << refused.status().message();
 }
 
 }  // namespace
