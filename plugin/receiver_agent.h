@@ -65,6 +65,7 @@
 #include "plugin/receiver/resources.h"
 #include "plugin/receiver/state.h"
 #include "plugin/receiver/threads.h"
+#include "plugin/trace.h"
 
 namespace refit::plugin {
 
@@ -98,6 +99,10 @@ class ReceiverAgent {
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
   Status attempts(int64_t version, std::chrono::steady_clock::time_point deadline, receiver::RefreshReport* report);
   void finish(const Status& status, const receiver::RefreshReport& report);
+  // Tells the coordinator what a refresh or commit did, for its metrics
+  // (transport/control/fleet_metrics.h): one request bounded by
+  // kSummaryBound whose failure is logged, never returned.
+  void send_summary(const control::RefreshSummary& summary);
 
   AgentConfig config_;
   Log log_;
@@ -105,6 +110,7 @@ class ReceiverAgent {
   receiver::ThreadFactory threads_;
   std::unique_ptr<receiver::Resources> resources_;
   std::unique_ptr<CoordinatorLink> link_;
+  std::unique_ptr<Trace> trace_;  // "trace"; null: none
   std::shared_ptr<const receiver::CompiledPart> compiled_;  // the part of compiled_->epoch
   bool joined_ = false;
   bool changed_ = false;  // buffers or the fabric's contact changed since the registration
