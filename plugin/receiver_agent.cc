@@ -1,6 +1,7 @@
 #include "plugin/receiver_agent.h"
 
 #include <algorithm>
+#include <system_error>
 
 #include "plugin/receiver/refresh_session.h"
 
@@ -19,6 +20,7 @@ constexpr std::chrono::milliseconds kRetryPause{200};
 // request on the open connection takes well under a millisecond; a
 // coordinator that does not answer in this time loses the summary.
 constexpr std::chrono::milliseconds kSummaryBound{250};
+constexpr size_t kMaxQueuedSummaries = 64;
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -59,6 +61,7 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
 
 ReceiverAgent::~ReceiverAgent() {
   if (async_.joinable()) async_.join();
+  stop_summaries();  // before leaving: the coordinator counts only members' summaries
   if (link_ && joined_) {
     link_->stop_heartbeat();
     Result<Json> r = link_->request(MsgType::kUnregister,
@@ -118,11 +121,12 @@ Status ReceiverAgent::commit() {
   if (refresh_running()) return Status::invalid("commit: a refresh is running");
   if (!config_.staged) return Status::invalid("commit: this receiver refreshes in \"direct\" mode");
   if (staged_version_ == 0) return Status::invalid("commit: no version is staged");
-  const Clock::time_point t0 = Clock::now();
   log_.set_version(staged_version_);
+  const Clock::time_point t0 = Clock::now();
   TraceSpan span(trace_.get(), "commit");
   span.arg("version", staged_version_);
   Status committed = resources_->commit(staged_ranges_);
+  const double pause = seconds_between(t0, Clock::now());
   span.arg("ok", committed.is_ok());
   span.end();
   if (trace_) trace_->flush();
@@ -141,7 +145,6 @@ Status ReceiverAgent::commit() {
     log_.error("commit failed part way; the live buffers are torn: " + st.message());
     return st.with_context("commit (the live buffers are torn)");
   }
-  const double pause = seconds_between(t0, Clock::now());
   control::RefreshSummary summary;
   summary.rank = config_.rank;
   summary.version = staged_version_;
@@ -275,8 +278,46 @@ Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds tim
 
 void ReceiverAgent::send_summary(const control::RefreshSummary& summary) {
   if (!link_ || !joined_) return;  // the coordinator counts only registered ranks' summaries
-  Result<Json> r = link_->request(MsgType::kRefreshSummary, control::to_json(summary), Clock::now() + kSummaryBound);
-  if (!r.is_ok()) log_.info("the refresh's summary for the metrics was not counted: " + r.status().message());
+  std::lock_guard<std::mutex> lock(summary_mu_);
+  if (summary_stop_) return;
+  if (summaries_.size() >= kMaxQueuedSummaries) {
+    log_.info("the coordinator is slow to take refresh summaries for its metrics; one was dropped");
+    return;
+  }
+  summaries_.push_back(summary);
+  if (!summary_thread_.joinable()) {
+    try {
+      summary_thread_ = std::thread([this] { summary_loop(); });
+    } catch (const std::system_error& e) {  // no thread: the metrics lose the summary, nothing else
+      summaries_.clear();
+      log_.info(std::string("no thread to send refresh summaries for the metrics: ") + e.what());
+      return;
+    }
+  }
+  summary_cv_.notify_one();
+}
+
+void ReceiverAgent::summary_loop() {
+  std::unique_lock<std::mutex> lock(summary_mu_);
+  while (true) {
+    summary_cv_.wait(lock, [this] { return summary_stop_ || !summaries_.empty(); });
+    if (summaries_.empty()) return;  // stopping, and everything was sent
+    const control::RefreshSummary s = summaries_.front();
+    summaries_.pop_front();
+    lock.unlock();
+    Result<Json> r = link_->request(MsgType::kRefreshSummary, control::to_json(s), Clock::now() + kSummaryBound);
+    if (!r.is_ok()) log_.info("a refresh's summary for the metrics was not counted: " + r.status().message());
+    lock.lock();
+  }
+}
+
+void ReceiverAgent::stop_summaries() {
+  {
+    std::lock_guard<std::mutex> lock(summary_mu_);
+    summary_stop_ = true;
+  }
+  summary_cv_.notify_one();
+  if (summary_thread_.joinable()) summary_thread_.join();
 }
 
 bool ReceiverAgent::refresh_running() const {
