@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -277,6 +278,10 @@ TEST_F(PrometheusScrape, CountsEveryRefreshOfARefitBenchRun) {
     if (count == std::to_string(refreshes) && version == std::to_string(last_version)) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
   }
+  std::printf("refit-bench reports: %d refreshes, %d commits, last version %lld; Prometheus: "
+              "refit_refresh_seconds_count %s, refit_pause_seconds_count %s, refit_published_version %s\n",
+              refreshes, committed, static_cast<long long>(last_version), count.c_str(), pauses.c_str(),
+              version.c_str());
   EXPECT_EQ(up, "1") << slurp(dir_ / "prometheus.log");
   EXPECT_EQ(count, std::to_string(refreshes)) << bench_log;
   EXPECT_EQ(ok_count, std::to_string(refreshes));
