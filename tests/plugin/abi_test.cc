@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -252,6 +253,81 @@ TEST_F(Abi, JsonLogLinesNameRoleRankAndVersion) {
   }
   EXPECT_TRUE(before) << "no line before the first publish";
   EXPECT_TRUE(published) << logged.lines.size() << " lines, none about version 3's publish";
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// GET /metrics from 127.0.0.1:port: the whole answer, "" when it cannot connect.
+std::string scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{5, 0};  // bounded: the server answers at once or not at all
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    const std::string req = "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n";
+    if (send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+// "coordinator.metrics": the embedded coordinator serves the metrics; an
+// address that is malformed or taken, or metrics without an embedded
+// coordinator, fail create naming the key.
+TEST_F(Abi, EmbeddedCoordinatorServesMetrics) {
+  const int port = free_port();
+  auto config = [&](const std::string& metrics, bool embedded = true) {
+    return "{\"rank\": 0, \"coordinator\": {\"address\": \"127.0.0.1:" + std::to_string(embedded ? 0 : 1) +
+           "\", \"embedded\": " + (embedded ? "true" : "false") + ", \"token_file\": \"" + token_ +
+           "\", \"timeout_ms\": 2000, \"metrics\": " + metrics + "}}";
+  };
+  refit_source_t* s = nullptr;
+  ASSERT_EQ(refit_source_create(config("{\"address\": \"127.0.0.1:" + std::to_string(port) + "\"}").c_str(), &s),
+            REFIT_OK)
+      << refit_last_error();
+  float w[4] = {};
+  const char* desc = R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J";
+  ASSERT_EQ(refit_source_add_tensor(s, desc, w, sizeof w), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_source_publish(s, 4), REFIT_OK) << refit_last_error();
+  const std::string page = scrape(port);
+  EXPECT_NE(page.find(" 200 "), std::string::npos) << page;
+  EXPECT_NE(page.find("\nrefit_published_version 4\n"), std::string::npos) << page;
+  EXPECT_NE(page.find("\nrefit_members{role=\"source\"} 1\n"), std::string::npos) << page;
+  EXPECT_NE(page.find("# TYPE refit_refresh_seconds histogram\n"), std::string::npos) << page;
+
+  // The port is taken now: a second agent's embedded coordinator cannot serve there.
+  refit_source_t* s2 = nullptr;
+  EXPECT_NE(refit_source_create(config("{\"address\": \"127.0.0.1:" + std::to_string(port) + "\"}").c_str(), &s2),
+            REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("coordinator.metrics.address"), std::string::npos)
+      << refit_last_error();
+  refit_source_destroy(s);
+  EXPECT_NE(refit_source_create(config("{\"address\": \"no-port-here\"}").c_str(), &s2), REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("coordinator.metrics.address"), std::string::npos)
+      << refit_last_error();
+  EXPECT_NE(refit_source_create(config("{\"address\": \"127.0.0.1:0\"}", /*embedded=*/false).c_str(), &s2),
+            REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("needs \"coordinator.embedded\": true"), std::string::npos)
+      << refit_last_error();
+  EXPECT_NE(refit_source_create(config("{\"address\": \"127.0.0.1:0\", \"token\": 1}").c_str(), &s2), REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("token"), std::string::npos) << refit_last_error();
 }
 
 // A trace file that cannot be written fails create, naming the path and

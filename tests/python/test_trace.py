@@ -84,8 +84,9 @@ def trace_processor(trace: Path):
     try:
         return tp_module.TraceProcessor(trace=str(trace), config=config)
     except Exception as e:  # the package's binary could not be fetched (no network) or started
-        pytest.skip(f"Perfetto's trace processor could not start ({type(e).__name__}: {str(e)[:200]}); "
-                    "set REFIT_TRACE_PROCESSOR to a trace_processor_shell binary")
+        pytest.skip(f"Perfetto's trace processor could not start ({type(e).__name__}: the package fetches its "
+                    "binary on first use, which needs the network); set REFIT_TRACE_PROCESSOR to a "
+                    "trace_processor_shell binary")
 
 
 def test_perfetto_counts_get_batches_and_commits_per_rank(bench_run):
