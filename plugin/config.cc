@@ -67,15 +67,17 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "instance_ranks", "coordinator", "network", "local",
                        "window_bytes", "chunk_bytes", "landing_bytes", "gather_below_bytes", "gather_bytes",
-                       "gather_entries", "heartbeat_ms", "log_level", "recipe", "mode", "verify", "weight_block_size",
-                       "test"});
+                       "gather_entries", "heartbeat_ms", "log_level", "log_format", "recipe", "mode", "verify",
+                       "weight_block_size", "test", "trace"});
+    c.trace = r.string(doc, "", "trace", std::string());
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
     if (r.ok() && mode != "direct" && mode != "staged") {
       r.fail("mode", "must be \"direct\" or \"staged\", got \"" + mode + "\"");
     }
     c.staged = mode == "staged";
   } else {
-    r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "snapshot", "verify"});
+    r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "log_format",
+                       "snapshot", "verify"});
     c.snapshot = r.boolean(doc, "", "snapshot", false);
   }
   c.verify = r.boolean(doc, "", "verify", false);
@@ -95,7 +97,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   }
 
   if (const Json* co = r.member(doc, "", "coordinator", true)) {
-    r.object(*co, "coordinator", {"address", "token_file", "embedded", "timeout_ms"});
+    r.object(*co, "coordinator", {"address", "token_file", "embedded", "timeout_ms", "metrics"});
     const std::string address = r.string(*co, "coordinator", "address", std::nullopt);
     c.coordinator.token_file = r.string(*co, "coordinator", "token_file", std::nullopt);
     c.coordinator.embedded = r.boolean(*co, "coordinator", "embedded", false);
@@ -106,6 +108,20 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
           parse_host_port(address, "coordinator.address", &c.coordinator.host, &c.coordinator.port));
       if (c.coordinator.port == 0 && !c.coordinator.embedded) {
         return Status::invalid("config: \"coordinator.address\" needs a port other than 0 to connect to");
+      }
+    }
+    if (const Json* m = r.member(*co, "coordinator", "metrics", false)) {
+      r.object(*m, "coordinator.metrics", {"address", "token_file"});
+      const std::string address = r.string(*m, "coordinator.metrics", "address", std::nullopt);
+      c.coordinator.metrics_token_file = r.string(*m, "coordinator.metrics", "token_file", "");
+      if (r.ok()) {
+        if (!c.coordinator.embedded) {
+          return Status::invalid(
+              "config: \"coordinator.metrics\" serves the embedded coordinator's metrics; it needs "
+              "\"coordinator.embedded\": true (a standalone coordinator takes refit-coordinator --metrics)");
+        }
+        REFIT_RETURN_IF_ERROR(parse_host_port(address, "coordinator.metrics.address", &c.coordinator.metrics_host,
+                                              &c.coordinator.metrics_port));
       }
     }
   }
@@ -156,6 +172,11 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     }
   }
   c.heartbeat = std::chrono::milliseconds(r.integer(doc, "", "heartbeat_ms", 1000, 10, 3600 * 1000));
+  const std::string log_format = r.string(doc, "", "log_format", std::string("text"));
+  if (r.ok() && log_format != "text" && log_format != "json") {
+    r.fail("log_format", "must be \"text\" or \"json\", got \"" + log_format + "\"");
+  }
+  c.log_format = log_format == "json" ? LogFormat::kJson : LogFormat::kText;
   if (r.member(doc, "", "log_level", false)) {
     c.log_level = level_from(r, r.string(doc, "", "log_level", std::nullopt), "log_level");
   }

@@ -18,6 +18,7 @@
 namespace refit::plugin {
 
 enum class LogLevel { kError, kWarn, kInfo, kDebug };
+enum class LogFormat { kText, kJson };
 
 struct CoordinatorEndpoint {
   std::string host;
@@ -25,6 +26,11 @@ struct CoordinatorEndpoint {
   std::string token_file;
   bool embedded = false;
   std::chrono::milliseconds timeout{10000};
+  // The embedded coordinator's Prometheus endpoint ("coordinator.metrics",
+  // docs/operations.md): empty metrics_host: none. metrics_port 0: any free port.
+  std::string metrics_host;
+  uint16_t metrics_port = 0;
+  std::string metrics_token_file;  // empty: scrapes need no bearer token
 };
 
 struct TransportConfig {
@@ -67,11 +73,13 @@ struct AgentConfig {
   GatherOptions gather;                  // receivers: small runs in gathers (planner/gather.h)
   std::chrono::milliseconds heartbeat{1000};
   LogLevel log_level = LogLevel::kWarn;
+  LogFormat log_format = LogFormat::kText;
   std::optional<RecipeConfig> recipe;
   bool staged = false;    // receivers: "mode": "staged" (else "direct")
   bool snapshot = false;  // sources: copy the shards at publish
   bool verify = false;    // sources: hash at publish; receivers: check after each refresh (plugin/verify.h)
   TestSwitches test;      // receivers
+  std::string trace;      // receivers: the Chrome trace file (plugin/trace.h); empty: none
 };
 
 // Parses a source's (receiver = false) or a receiver's config document.

@@ -72,6 +72,19 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentCon
     cc.token = link->credential_.token;
     const Log* lp = &log;
     cc.log = [lp](const std::string& line) { lp->info("coordinator: " + line); };
+    control::MetricsServerOptions metrics_options;
+    auto fleet = std::make_shared<control::FleetMetrics>();
+    if (!config.coordinator.metrics_host.empty()) {
+      metrics_options.host = config.coordinator.metrics_host;
+      metrics_options.port = config.coordinator.metrics_port;
+      metrics_options.log = [lp](const std::string& line) { lp->info("coordinator: " + line); };
+      if (!config.coordinator.metrics_token_file.empty()) {
+        Result<std::string> bearer = control::read_token_file(config.coordinator.metrics_token_file);
+        if (!bearer.is_ok()) return bearer.status().with_context("config: \"coordinator.metrics.token_file\"");
+        metrics_options.bearer_token = std::move(bearer).value();
+      }
+      cc.metrics = fleet;
+    }
     Result<std::unique_ptr<control::Coordinator>> started = control::Coordinator::start(std::move(cc));
     if (!started.is_ok()) {
       return started.status().with_context("config: \"coordinator.embedded\": cannot start the coordinator on " +
@@ -79,6 +92,17 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentCon
     }
     link->embedded_ = std::move(started).value();
     link->port_ = link->embedded_->port();
+    if (!config.coordinator.metrics_host.empty()) {
+      Result<std::unique_ptr<control::MetricsServer>> server =
+          control::serve_metrics(*link->embedded_, fleet, std::move(metrics_options));
+      if (!server.is_ok()) {
+        link->embedded_->stop();
+        return server.status().with_context("config: \"coordinator.metrics.address\"");
+      }
+      link->metrics_server_ = std::move(server).value();
+      log.info("coordinator: metrics on http://" + config.coordinator.metrics_host + ":" +
+               std::to_string(link->metrics_server_->port()) + "/metrics");
+    }
   }
   std::unique_lock<std::mutex> lock(link->mu_);
   Status st = link->reconnect(lock, Clock::now() + config.coordinator.timeout);
@@ -102,6 +126,7 @@ CoordinatorLink::~CoordinatorLink() {
       if (fd >= 0) ::close(fd);
     }
   }
+  if (metrics_server_) metrics_server_->stop();
   if (embedded_) embedded_->stop();
 }
 

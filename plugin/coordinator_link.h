@@ -43,6 +43,7 @@
 #include "transport/control/auth.h"
 #include "transport/control/client.h"
 #include "transport/control/coordinator.h"
+#include "transport/control/fleet_metrics.h"
 #include "transport/control/messages.h"
 
 namespace refit::plugin {
@@ -78,6 +79,8 @@ class CoordinatorLink {
 
   // The embedded coordinator's port (0 when not embedded).
   uint16_t embedded_port() const;
+  // The embedded coordinator's metrics endpoint's port (0: none).
+  uint16_t metrics_port() const { return metrics_server_ ? metrics_server_->port() : 0; }
   // Connections made so far (1 after connect(); one more per reconnection).
   uint64_t connections() const { return connections_.load(); }
 
@@ -114,6 +117,7 @@ class CoordinatorLink {
   control::AuthRole role_ = control::AuthRole::kAny;
   uint16_t port_ = 0;
   std::unique_ptr<control::Coordinator> embedded_;
+  std::unique_ptr<control::MetricsServer> metrics_server_;  // of embedded_; stopped before it
 
   // Guards everything below, up to hb_mutex_.
   std::mutex mu_;

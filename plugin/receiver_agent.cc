@@ -1,6 +1,7 @@
 #include "plugin/receiver_agent.h"
 
 #include <algorithm>
+#include <system_error>
 
 #include "plugin/receiver/refresh_session.h"
 
@@ -15,6 +16,11 @@ namespace {
 
 // Between attempts of a refresh that failed in a way a new attempt can fix.
 constexpr std::chrono::milliseconds kRetryPause{200};
+// The most a refresh's summary for the metrics may add to the refresh: one
+// request on the open connection takes well under a millisecond; a
+// coordinator that does not answer in this time loses the summary.
+constexpr std::chrono::milliseconds kSummaryBound{250};
+constexpr size_t kMaxQueuedSummaries = 64;
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -23,7 +29,7 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 }  // namespace
 
 ReceiverAgent::ReceiverAgent(AgentConfig config)
-    : config_(std::move(config)), log_("receiver " + std::to_string(config_.rank), config_.log_level) {
+    : config_(std::move(config)), log_("receiver", config_.rank, config_.log_level, config_.log_format) {
   if (config_.test.refuse_threads_after >= 0) {
     threads_ = receiver::ThreadFactory::refusing_after(config_.test.refuse_threads_after);
   }
@@ -38,6 +44,11 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
     if (!recipe.is_ok()) return recipe.status();
     a->recipe_ = std::move(recipe).value();
   }
+  if (!a->config_.trace.empty()) {
+    Result<std::unique_ptr<Trace>> trace = Trace::open(a->config_.trace, "receiver", a->config_.rank, a->log_);
+    if (!trace.is_ok()) return trace.status();
+    a->trace_ = std::move(trace).value();
+  }
   Result<std::unique_ptr<receiver::Resources>> resources =
       receiver::Resources::create(a->config_, a->log_, a->config_.test.force_landing_ring);
   if (!resources.is_ok()) return resources.status();
@@ -50,6 +61,7 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
 
 ReceiverAgent::~ReceiverAgent() {
   if (async_.joinable()) async_.join();
+  stop_summaries();  // before leaving: the coordinator counts only members' summaries
   if (link_ && joined_) {
     link_->stop_heartbeat();
     Result<Json> r = link_->request(MsgType::kUnregister,
@@ -118,15 +130,37 @@ Status ReceiverAgent::commit() {
   if (refresh_running()) return Status::invalid("commit: a refresh is running");
   if (!config_.staged) return Status::invalid("commit: this receiver refreshes in \"direct\" mode");
   if (staged_version_ == 0) return Status::invalid("commit: no version is staged");
+  log_.set_version(staged_version_);
   const Clock::time_point t0 = Clock::now();
-  if (Status st = resources_->commit(staged_ranges_); !st.is_ok()) {
+  TraceSpan span(trace_.get(), "commit");
+  span.arg("version", staged_version_);
+  Status committed = resources_->commit(staged_ranges_);
+  const double pause = seconds_between(t0, Clock::now());
+  span.arg("ok", committed.is_ok());
+  span.end();
+  if (trace_) trace_->flush();
+  if (Status st = committed; !st.is_ok()) {
+    control::RefreshSummary summary;
+    summary.rank = config_.rank;
+    summary.version = staged_version_;
+    summary.event = control::RefreshSummary::Event::kCommit;
+    summary.staged = true;
+    summary.outcome = control::RefreshSummary::Outcome::kFailed;
+    summary.reason = st.reason();
+    send_summary(summary);
     version_.store(0);
     staged_version_ = 0;
     enter(ReceiverState::kFailed);
     log_.error("commit failed part way; the live buffers are torn: " + st.message());
     return st.with_context("commit (the live buffers are torn)");
   }
-  const double pause = seconds_between(t0, Clock::now());
+  control::RefreshSummary summary;
+  summary.rank = config_.rank;
+  summary.version = staged_version_;
+  summary.event = control::RefreshSummary::Event::kCommit;
+  summary.staged = true;
+  summary.seconds = std::min(pause, control::kMaxSummarySeconds);
+  send_summary(summary);
   version_.store(staged_version_);
   staged_version_ = 0;
   enter(ReceiverState::kCommitted);
@@ -173,7 +207,7 @@ Status ReceiverAgent::refresh(int64_t version, std::chrono::milliseconds timeout
 // fix it, or too little time is left.
 Status ReceiverAgent::attempts(int64_t version, Clock::time_point deadline, receiver::RefreshReport* report) {
   receiver::RefreshSession session(*link_, config_, log_, *resources_, threads_,
-                                   [this](ReceiverState s) { enter(s); });
+                                   [this](ReceiverState s) { enter(s); }, trace_.get());
   uint64_t retries = 0;
   bool touched = false;  // some attempt began its transfer (direct: the buffers may be torn)
   while (true) {
@@ -204,13 +238,19 @@ Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds tim
   const Clock::time_point t0 = Clock::now();
   const Clock::time_point deadline = t0 + timeout;
   receiver::RefreshReport report;
+  if (version > 0) log_.set_version(version);  // REFIT_LATEST: once the lease names one
+  TraceSpan span(trace_.get(), "refresh");
   Status st = attempts(version, deadline, &report);
   // Staged: the instance commits all or nothing, failures included (a rank
   // that failed says so, and the others are told to abort).
   if (config_.staged && report.version > 0) {
     receiver::RefreshSession session(*link_, config_, log_, *resources_, threads_,
-                                     [this](ReceiverState s) { enter(s); });
+                                     [this](ReceiverState s) { enter(s); }, trace_.get());
+    TraceSpan barrier(trace_.get(), "barrier");
+    barrier.arg("version", report.version);
     st = session.barrier(st, report.version, deadline);
+    barrier.arg("ok", st.is_ok());
+    barrier.end();
     if (st.is_ok()) {
       staged_version_ = report.version;
       staged_ranges_ = compiled_->written;
@@ -223,7 +263,70 @@ Status ReceiverAgent::refresh_now(int64_t version, std::chrono::milliseconds tim
   }
   report.total_s = seconds_between(t0, Clock::now());
   finish(st, report);
+  control::RefreshSummary summary;
+  summary.rank = config_.rank;
+  summary.version = std::max<int64_t>(report.version, 0);
+  summary.staged = config_.staged;
+  summary.outcome = st.is_ok()                                 ? control::RefreshSummary::Outcome::kOk
+                    : st.reason() == Reason::kInstanceAborted ? control::RefreshSummary::Outcome::kAborted
+                                                               : control::RefreshSummary::Outcome::kFailed;
+  summary.reason = st.reason();
+  summary.seconds = std::min(report.total_s, control::kMaxSummarySeconds);
+  summary.network_bytes = std::min<uint64_t>(report.transfer.network_bytes, control::kMaxSummaryBytes);
+  summary.local_bytes = std::min<uint64_t>(report.local_bytes, control::kMaxSummaryBytes);
+  summary.retries = static_cast<uint32_t>(std::min<uint64_t>(report.retries, control::kMaxSummaryRetries));
+  send_summary(summary);
+  span.arg("version", report.version);
+  span.arg("ok", st.is_ok());
+  span.arg("retries", report.retries);
+  if (!st.is_ok()) span.arg("error", st.message());
+  span.end();
+  if (trace_) trace_->flush();
   return st;
+}
+
+void ReceiverAgent::send_summary(const control::RefreshSummary& summary) {
+  if (!link_ || !joined_) return;  // the coordinator counts only registered ranks' summaries
+  std::lock_guard<std::mutex> lock(summary_mu_);
+  if (summary_stop_) return;
+  if (summaries_.size() >= kMaxQueuedSummaries) {
+    log_.info("the coordinator is slow to take refresh summaries for its metrics; one was dropped");
+    return;
+  }
+  summaries_.push_back(summary);
+  if (!summary_thread_.joinable()) {
+    try {
+      summary_thread_ = std::thread([this] { summary_loop(); });
+    } catch (const std::system_error& e) {  // no thread: the metrics lose the summary, nothing else
+      summaries_.clear();
+      log_.info(std::string("no thread to send refresh summaries for the metrics: ") + e.what());
+      return;
+    }
+  }
+  summary_cv_.notify_one();
+}
+
+void ReceiverAgent::summary_loop() {
+  std::unique_lock<std::mutex> lock(summary_mu_);
+  while (true) {
+    summary_cv_.wait(lock, [this] { return summary_stop_ || !summaries_.empty(); });
+    if (summaries_.empty()) return;  // stopping, and everything was sent
+    const control::RefreshSummary s = summaries_.front();
+    summaries_.pop_front();
+    lock.unlock();
+    Result<Json> r = link_->request(MsgType::kRefreshSummary, control::to_json(s), Clock::now() + kSummaryBound);
+    if (!r.is_ok()) log_.info("a refresh's summary for the metrics was not counted: " + r.status().message());
+    lock.lock();
+  }
+}
+
+void ReceiverAgent::stop_summaries() {
+  {
+    std::lock_guard<std::mutex> lock(summary_mu_);
+    summary_stop_ = true;
+  }
+  summary_cv_.notify_one();
+  if (summary_thread_.joinable()) summary_thread_.join();
 }
 
 bool ReceiverAgent::refresh_running() const {

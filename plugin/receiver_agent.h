@@ -41,6 +41,10 @@
 // thread runs the refresh, and to the caller's thread between refreshes.
 // Every thread the agent starts goes through its ThreadFactory (a thread
 // the system refuses is a Status) and is joined before the refresh returns.
+// One thread lives longer: summary_thread_, which sends the refresh
+// summaries for the coordinator's metrics (summary_mu_ guards its queue),
+// joined by the destructor. It does not go through the ThreadFactory: a
+// refused thread only costs the metrics a summary, never a refresh.
 
 #include <atomic>
 #include <chrono>
@@ -65,6 +69,7 @@
 #include "plugin/receiver/resources.h"
 #include "plugin/receiver/state.h"
 #include "plugin/receiver/threads.h"
+#include "plugin/trace.h"
 
 namespace refit::plugin {
 
@@ -98,6 +103,13 @@ class ReceiverAgent {
   Status refresh_now(int64_t version, std::chrono::milliseconds timeout);
   Status attempts(int64_t version, std::chrono::steady_clock::time_point deadline, receiver::RefreshReport* report);
   void finish(const Status& status, const receiver::RefreshReport& report);
+  // Tells the coordinator what a refresh or commit did, for its metrics
+  // (transport/control/fleet_metrics.h), without making the caller wait:
+  // the summary is queued for summary_thread_, which sends each with one
+  // request bounded by kSummaryBound and logs (never returns) a failure.
+  void send_summary(const control::RefreshSummary& summary);
+  void summary_loop();
+  void stop_summaries();  // sends what is queued, then joins summary_thread_
 
   AgentConfig config_;
   Log log_;
@@ -105,6 +117,7 @@ class ReceiverAgent {
   receiver::ThreadFactory threads_;
   std::unique_ptr<receiver::Resources> resources_;
   std::unique_ptr<CoordinatorLink> link_;
+  std::unique_ptr<Trace> trace_;  // "trace"; null: none
   std::shared_ptr<const receiver::CompiledPart> compiled_;  // the part of compiled_->epoch
   bool joined_ = false;
   bool changed_ = false;  // buffers or the fabric's contact changed since the registration
@@ -117,6 +130,15 @@ class ReceiverAgent {
   // The reports since the last refresh started, newest last (a deque keeps
   // each string where it is).
   std::deque<std::string> reports_{std::string("{}")};
+
+  // The summaries waiting to be sent, oldest first (at most
+  // kMaxQueuedSummaries: more are dropped, with a log line); all guarded by
+  // summary_mu_. summary_thread_ starts with the first summary.
+  std::mutex summary_mu_;
+  std::condition_variable summary_cv_;
+  std::deque<control::RefreshSummary> summaries_;
+  bool summary_stop_ = false;
+  std::thread summary_thread_;
 
   // The started refresh (refresh_start).
   mutable std::mutex async_mutex_;

@@ -19,7 +19,7 @@ namespace refit::plugin {
 using control::MsgType;
 
 SourceAgent::SourceAgent(AgentConfig config)
-    : config_(std::move(config)), log_("source " + std::to_string(config_.rank), config_.log_level) {}
+    : config_(std::move(config)), log_("source", config_.rank, config_.log_level, config_.log_format) {}
 
 Result<std::unique_ptr<SourceAgent>> SourceAgent::create(std::string_view config_json) {
   Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/false);
@@ -226,6 +226,7 @@ Status SourceAgent::publish(int64_t version) {
 #endif
     }
   }
+  log_.set_version(version);
   control::Json body{{"version", version}};
   if (config_.verify) {
     Result<control::Json> hashes = hash_served();

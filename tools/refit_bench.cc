@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -38,6 +39,7 @@
 #include "tools/bench/predict.h"
 #include "tools/bench/rank_buffers.h"
 #include "tools/bench/refresh_run.h"
+#include "transport/control/metrics.h"
 
 namespace {
 
@@ -493,6 +495,41 @@ void print_hosts(const refit::bench::Hosts& hosts, const HostMap& map, const std
   }
 }
 
+// --trace: a private folder the receiver agents write their traces to.
+refit::Result<std::string> make_trace_dir() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/refit-bench-trace-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) return refit::Status::io_error("cannot make a folder like " + dir);
+  return dir;
+}
+
+// Merges every agent's trace in `dir` (each a JSON array of trace events)
+// into one array at `out`, and removes `dir`. The ranks' timestamps share
+// one clock (CLOCK_MONOTONIC), so their spans line up.
+refit::Status merge_traces(const std::string& dir, const std::string& out) {
+  nlohmann::json all = nlohmann::json::array();
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  refit::Status st;
+  for (const fs::path& f : files) {
+    std::ifstream in(f);
+    nlohmann::json events = nlohmann::json::parse(in, nullptr, false);
+    if (!events.is_array()) {
+      st = refit::Status::io_error(f.string() + " is not a JSON array of trace events");
+      continue;
+    }
+    for (auto& e : events) all.push_back(std::move(e));
+  }
+  fs::remove_all(dir, ec);
+  std::ofstream o(out);
+  o << all.dump() << "\n";
+  if (!o) return refit::Status::io_error("cannot write " + out);
+  if (files.empty()) return refit::Status::io_error("no receiver wrote a trace");
+  return st;
+}
+
 int usage_error(const std::string& message) {
   std::fprintf(stderr, "refit-bench: %s\n(run refit-bench --help for the options)\n", message.c_str());
   return kExitBadInput;
@@ -502,7 +539,7 @@ int usage_error(const std::string& message) {
 
 int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
-  std::string mode = "direct", kill_text, local_fabric;
+  std::string mode = "direct", kill_text, local_fabric, metrics_address, trace_out;
   bool serve_check = false, rejoin = false, small_pages = false, sequential = false, no_gather = false;
   std::string hardware_file;
   int versions = 3, churn = 0, late_join = 0;
@@ -726,6 +763,13 @@ int main(int argc, char** argv) {
   app.add_option("--partition", partition_text,
                  "with --hosts: HOST@FRACTION[:SECONDS]: take that host's link down in the refresh of version N-1 "
                  "(see Hosts above; needs --versions 3 or more)");
+  app.add_option("--trace", trace_out,
+                 "write one Chrome trace (Perfetto, chrome://tracing) of every receiver rank's refreshes, all "
+                 "ranks and strategies merged, to this file (docs/operations.md)");
+  app.add_option("--metrics", metrics_address,
+                 "HOST:PORT: the coordinator serves Prometheus metrics there while the run lasts, and stays up "
+                 "after the last version until one more scrape came (at most 30 s); one strategy, refit or "
+                 "no-dedup (docs/operations.md)");
   app.add_option("--timeout", timeout_s, "seconds each step may take before the run fails (default 60)")
       ->check(CLI::Range(1.0, 3600.0));
   try {
@@ -813,6 +857,26 @@ int main(int argc, char** argv) {
     options.late_join_version = late_join;
   }
   options.churn = churn;
+  std::string trace_dir;
+  if (!trace_out.empty()) {
+    if (!std::ofstream(trace_out)) return usage_error("--trace: cannot write " + trace_out);
+    auto dir = make_trace_dir();
+    if (!dir) return usage_error("--trace: " + dir.status().message());
+    trace_dir = *dir;
+    options.trace_dir = trace_dir;
+  }
+  if (!metrics_address.empty()) {
+    if (strategies->size() != 1 || strategies->front() == refit::Strategy::kBroadcast)
+      return usage_error("--metrics serves one coordinator: give one strategy, refit or no-dedup (--strategies)");
+    std::string host;
+    uint16_t port = 0;
+    refit::Status st = refit::control::parse_metrics_address(metrics_address, &host, &port);
+    if (!st.is_ok()) return usage_error("--metrics: " + st.message());
+    options.metrics_address = metrics_address;
+    options.on_metrics = [host](uint16_t port) {
+      std::fprintf(stderr, "refit-bench: metrics on http://%s:%u/metrics\n", host.c_str(), static_cast<unsigned>(port));
+    };
+  }
   if (heartbeat_timeout_s > 0)
     options.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s * 1000));
   // --hosts: every check before any namespace or process is made.
@@ -891,6 +955,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   ordered_json all_reports = ordered_json::object();
   bool all_ok = true;
+  bool trace_failed = false;
   bool any_kill_missed = false;  // some --kill landed after every refresh had returned
   // refit and no-dedup take turns version by version, each with processes
   // of its own (run_interleaved), unless --sequential or a membership test;
@@ -925,6 +990,13 @@ int main(int argc, char** argv) {
     options.progress = [&](const std::string& step, int done, int total) { progress.update(name, step, done, total); };
     results[i] = refit::bench::run_refreshes(*layout, (*strategies)[i], options);
     progress.finish(name, results[i]);
+  }
+  if (!trace_dir.empty()) {
+    refit::Status merged = merge_traces(trace_dir, trace_out);
+    if (!merged.is_ok()) {
+      std::fprintf(stderr, "refit-bench: --trace: %s\n", merged.message().c_str());
+      trace_failed = true;
+    }
   }
   for (size_t i = 0; i < strategies->size(); ++i) {
     const refit::bench::RunResult& r = results[i];
@@ -1125,6 +1197,6 @@ int main(int argc, char** argv) {
       return kExitFailed;
     }
   }
-  if (!all_ok) return kExitFailed;
+  if (!all_ok || trace_failed) return kExitFailed;
   return any_kill_missed ? kExitUntested : 0;
 }

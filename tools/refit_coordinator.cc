@@ -22,6 +22,7 @@
 
 #include "transport/control/auth.h"
 #include "transport/control/coordinator.h"
+#include "transport/control/fleet_metrics.h"
 #include "transport/control/metrics.h"
 
 namespace {
@@ -200,6 +201,8 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  auto fleet_metrics = std::make_shared<refit::control::FleetMetrics>();
+  if (!metrics.empty()) config.metrics = fleet_metrics;
   auto co = refit::control::Coordinator::start(std::move(config));
   if (!co.is_ok()) {
     std::cerr << "refit-coordinator: " << co.status().message() << "\n";
@@ -207,38 +210,12 @@ int main(int argc, char** argv) {
   }
   log_line("listening on " + listen.substr(0, listen.rfind(':')) + ":" + std::to_string((*co)->port()));
 
-  // Metrics are read from the coordinator's stats at each scrape; a failing
-  // scrape or a stopped server never touches the coordinator itself.
-  refit::control::MetricsRegistry registry;
+  // Metrics are read from the coordinator's stats at each scrape, and the
+  // receivers' refresh summaries are counted as they come; a failing scrape
+  // or a stopped server never touches the coordinator itself.
   std::unique_ptr<refit::control::MetricsServer> metrics_server;
   if (!metrics.empty()) {
-    using Type = refit::control::MetricsRegistry::Type;
-    registry.declare("refit_members", Type::kGauge, "Live members of the job, by role.");
-    registry.declare("refit_published_version", Type::kGauge,
-                     "The newest version every source rank has published (0: none yet).");
-    registry.declare("refit_connections", Type::kGauge, "Open control-plane connections.");
-    registry.declare("refit_connections_refused_total", Type::kCounter,
-                     "Connections closed for a failed authentication or a protocol violation.");
-    registry.declare("refit_plans_total", Type::kCounter, "Plans made (one per membership asked for a plan).");
-    registry.declare("refit_buffered_bytes", Type::kGauge,
-                     "Queued replies and partly read requests of all connections together.");
-    refit::control::Coordinator* coordinator = co->get();
-    auto render = [&registry, coordinator] {
-      auto st = coordinator->stats();
-      if (st.is_ok()) {
-        registry.set("refit_members", {{"role", "source"}}, static_cast<double>(st->sources));
-        registry.set("refit_members", {{"role", "receiver"}}, static_cast<double>(st->receivers));
-        registry.set("refit_published_version", {}, static_cast<double>(st->version));
-        registry.set("refit_connections", {}, static_cast<double>(st->connections));
-        // Counters mirror the coordinator's own monotonic counts.
-        registry.add("refit_connections_refused_total", {},
-                     static_cast<double>(st->refused) - registry.value("refit_connections_refused_total", {}));
-        registry.add("refit_plans_total", {}, static_cast<double>(st->plans) - registry.value("refit_plans_total", {}));
-        registry.set("refit_buffered_bytes", {}, static_cast<double>(st->buffered_bytes));
-      }
-      return registry.render();
-    };
-    auto server = refit::control::MetricsServer::start(metrics_options, render);
+    auto server = refit::control::serve_metrics(**co, fleet_metrics, metrics_options);
     if (!server.is_ok()) {
       std::cerr << "refit-coordinator: --metrics: " << server.status().message() << "\n";
       (*co)->stop();

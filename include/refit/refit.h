@@ -50,6 +50,14 @@
  *                      listening on "address", before connecting to it (needs
  *                      the token in "token_file", not a role key)
  *        "timeout_ms"  integer [10000]: deadline of each coordinator call
+ *        "metrics"     object, with "embedded" only: the embedded coordinator
+ *                      serves Prometheus metrics (GET /metrics, read-only) of
+ *                      the whole job, every receiver's refreshes included
+ *                      (docs/operations.md), like refit-coordinator --metrics:
+ *           "address"    "HOST:PORT", required; port 0: any free port. Taken
+ *                        or malformed: create fails naming it
+ *           "token_file" file holding a bearer token scrapes must send
+ *                        ("Authorization: Bearer TOKEN") [none: no token]
  *     "network"      object: the UCX context the data crosses the network on
  *        "transports"  list of strings ["tcp"]: "tcp", "shm", or UCX names (rc, dc, ...)
  *        "devices"     list of strings: e.g. ["lo"] or ["mlx5_0:1"]; workers listen
@@ -59,6 +67,13 @@
  *     "heartbeat_ms" integer [1000]: how often the agent tells the coordinator it lives
  *     "log_level"    "error" | "warn" | "info" | "debug" ["warn"]; REFIT_LOG_LEVEL overrides.
  *                    Lines go to stderr, or to refit_set_log_callback()'s callback
+ *     "log_format"   "text" | "json" ["text"]: every line names the agent's role,
+ *                    its rank and the version its work concerns. text:
+ *                    refit[receiver 3] [v7] warn: ... ("[v-]" before it has
+ *                    a version; the callback's line has no level word). json:
+ *                    one object per line, {"time", "level", "role", "rank",
+ *                    "version" (null before it has one), "message"}, the same
+ *                    to stderr and to the callback (docs/operations.md)
  *     "verify"       bool [false]: end-to-end verification. A source hashes (XXH3-64)
  *                    each box it serves when it publishes; a receiver checks
  *                    every box it got against its source's hash once the
@@ -93,6 +108,15 @@
  *                    F8_E4M3 that the sources serve as BF16 or F32
  *                    (refit_receiver_add_buffer()). Every receiver of the
  *                    membership must declare the same
+ *     "trace"        file path [none]: a Chrome trace (JSON array of trace
+ *                    events; Perfetto and chrome://tracing open it) of every
+ *                    refresh, written when each refresh and commit ends: one
+ *                    track per rank, spans for the lease, the plan fetch, the
+ *                    GET batch, the fan-out sends, the landing copies,
+ *                    verification, the barrier and the commit, and a counter
+ *                    of GET bytes in flight (docs/operations.md). A path that
+ *                    cannot be written fails create; a later write error is
+ *                    logged and ends the trace, never a refresh
  *     "mode"         "direct" | "staged" ["direct"]: direct refreshes write the
  *                    server's buffers (pause for the whole refresh); staged ones
  *                    write staging copies while the server goes on, and
@@ -266,8 +290,10 @@ typedef enum refit_log_level {
 
 /**
  * A log callback: one line of refit's log, at `level`. `line` names the
- * agent ("refit[receiver 0] refresh to 3, attempt 1 failed, retrying: ..."),
- * has no level word and no newline, and is valid only during the call.
+ * agent and the version it concerns ("refit[receiver 0] [v3] refresh to 3,
+ * attempt 1 failed, retrying: ..."), has no level word and no newline, and
+ * is valid only during the call. With "log_format": "json" it is the JSON
+ * object the agent would print ("log_format" above).
  * `user` is the pointer given to refit_set_log_callback().
  */
 typedef void (*refit_log_fn)(refit_log_level_t level, const char* line, void* user);

@@ -91,8 +91,14 @@ class LeaseKeeper {
 
 RefreshSession::RefreshSession(CoordinatorLink& link, const AgentConfig& config, const Log& log,
                                Resources& resources, const ThreadFactory& threads,
-                               std::function<void(ReceiverState)> enter)
-    : link_(link), config_(config), log_(log), resources_(resources), threads_(threads), enter_(std::move(enter)) {}
+                               std::function<void(ReceiverState)> enter, Trace* trace)
+    : link_(link),
+      config_(config),
+      log_(log),
+      resources_(resources),
+      threads_(threads),
+      enter_(std::move(enter)),
+      trace_(trace) {}
 
 bool RefreshSession::retryable(const Status& st) {
   switch (st.reason()) {
@@ -106,22 +112,35 @@ bool RefreshSession::retryable(const Status& st) {
 Status RefreshSession::attempt(int64_t requested, Clock::time_point deadline,
                                std::shared_ptr<const CompiledPart>* compiled, RefreshReport* report) {
   const Clock::time_point t0 = Clock::now();
+  TraceSpan lease_span(trace_, "lease");
   Result<Lease> leased = lease(requested, deadline);
+  lease_span.arg("ok", leased.is_ok());
+  if (leased.is_ok()) lease_span.arg("version", leased->version);
+  lease_span.end();
   if (!leased.is_ok()) return leased.status();
   const int64_t version = leased->version;
+  log_.set_version(version);
   report->version = version;
   enter_(ReceiverState::kLeased);
   const Json body{{"rank", config_.rank}, {"version", version}};
   LeaseKeeper keeper(link_, body, leased->timeout);
   Status st = keeper.start(threads_);
-  if (st.is_ok()) st = fetch_plan(deadline, compiled);
+  if (st.is_ok()) {
+    TraceSpan span(trace_, "fetch_plan");
+    st = fetch_plan(deadline, compiled);
+    span.arg("ok", st.is_ok());
+  }
   report->plan_s = seconds_between(t0, Clock::now());
   if (log_.enabled(LogLevel::kDebug)) {
     log_.debug("refresh to " + std::to_string(version) + ": plan after " + std::to_string(report->plan_s) + " s");
   }
   if (st.is_ok()) st = transfer(**compiled, version, deadline, report);
   if (st.is_ok()) enter_(ReceiverState::kLanded);
-  if (st.is_ok() && config_.verify) st = verify(version, deadline, report);
+  if (st.is_ok() && config_.verify) {
+    TraceSpan span(trace_, "verify");
+    st = verify(version, deadline, report);
+    span.arg("ok", st.is_ok());
+  }
   keeper.stop();
   Result<Json> released =
       link_.request(MsgType::kRelease, body, std::max(deadline, Clock::now()) + kReleaseGrace);
@@ -243,6 +262,7 @@ Status RefreshSession::transfer(const CompiledPart& part, int64_t version, Clock
   report->touched = true;
   enter_(ReceiverState::kTransferring);
   Result<TransferSetup> setup = resources_.transfer_setup(part);
+  if (setup.is_ok()) setup->trace = trace_;
   if (!setup.is_ok()) {
     fabric::Schedule schedule = part.schedule;
     schedule.version = version;

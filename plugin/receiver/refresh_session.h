@@ -27,6 +27,7 @@
 #include "plugin/receiver/state.h"
 #include "plugin/receiver/threads.h"
 #include "plugin/receiver/transfer_executor.h"
+#include "plugin/trace.h"
 
 namespace refit::plugin::receiver {
 
@@ -52,9 +53,10 @@ std::string report_json(const RefreshReport& r, const Status& status, const Agen
 
 class RefreshSession {
  public:
-  // `enter` is told each state the refresh reaches.
+  // `enter` is told each state the refresh reaches. `trace` (borrowed; null:
+  // none) records the refresh's steps.
   RefreshSession(CoordinatorLink& link, const AgentConfig& config, const Log& log, Resources& resources,
-                 const ThreadFactory& threads, std::function<void(ReceiverState)> enter);
+                 const ThreadFactory& threads, std::function<void(ReceiverState)> enter, Trace* trace = nullptr);
 
   // One attempt to refresh to `requested` (-1: the latest). `compiled`
   // holds the part of the last epoch this rank fetched, and is replaced
@@ -90,6 +92,7 @@ class RefreshSession {
   Resources& resources_;
   const ThreadFactory& threads_;
   std::function<void(ReceiverState)> enter_;
+  Trace* trace_;
 };
 
 }  // namespace refit::plugin::receiver

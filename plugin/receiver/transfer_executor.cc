@@ -161,15 +161,28 @@ Status TransferExecutor::start_threads() {
 }
 
 void TransferExecutor::pull() {
+  TraceSpan span(setup_.trace, "get_batch");
   ucx::GetEngine::Gate gate;
   if (ring_) {
     gate = [this](uint32_t run, void** local) {
       return engine_run_chunk_[run] < 0 || ring_->acquire(static_cast<uint32_t>(engine_run_chunk_[run]), local);
     };
   }
+  if (setup_.trace) {  // counts what the gate lets go
+    gate = [this, ring_gate = std::move(gate)](uint32_t run, void** local) {
+      if (ring_gate && !ring_gate(run, local)) return false;
+      in_flight_ += engine_runs_[run].bytes;
+      sample_in_flight(false);
+      return true;
+    };
+  }
   batch_ = engine_->run_batch(
       engine_runs_, deadline_,
       [this](uint32_t run, const Status& st) {
+        if (setup_.trace) {
+          in_flight_ -= std::min(in_flight_, engine_runs_[run].bytes);
+          sample_in_flight(in_flight_ == 0);
+        }
         // A failed GET fails the attempt: the rest need not be pulled (a
         // new attempt plans anew).
         if (!st.is_ok()) engine_->halt(st);
@@ -190,6 +203,18 @@ void TransferExecutor::pull() {
         if (any) cv_.notify_one();
       },
       std::move(gate));
+  span.arg("requests", engine_runs_.size());
+  span.arg("bytes", batch_.bytes_done);
+  span.arg("ok", batch_.status.is_ok());
+}
+
+// At most one sample a millisecond, and always the last (force): a batch
+// of thousands of small GETs would otherwise flood the trace.
+void TransferExecutor::sample_in_flight(bool force) {
+  const Clock::time_point now = Clock::now();
+  if (!force && now - in_flight_sampled_ < std::chrono::milliseconds(1)) return;
+  in_flight_sampled_ = now;
+  setup_.trace->counter("get_bytes_in_flight", now, static_cast<double>(in_flight_));
 }
 
 // No more GETs: tells the ring and the fan-out. Idempotent.
@@ -299,6 +324,8 @@ Status TransferExecutor::convert(uint32_t k) const {
 }
 
 void TransferExecutor::fan_out() {
+  TraceSpan span(setup_.trace, "fan_out");
+  span.arg("sends", schedule_.sends.size());
   size_t done = 0;
   bool finished = false;
   bool net_ok = false;
@@ -351,6 +378,7 @@ void TransferExecutor::fan_out() {
 // catches a broken device.
 void TransferExecutor::land() {
   const Clock::time_point bound = std::max(deadline_, Clock::now() + std::chrono::seconds(60));
+  TraceSpan span(setup_.trace, "landing_copies");
   Status st = ring_->run(
       [this](uint32_t ring_run) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -358,6 +386,9 @@ void TransferExecutor::land() {
       },
       [this] { engine_->wake(); }, setup_.fabric_waits_for_copies, bound);
   if (!st.is_ok()) engine_->halt(st);  // the attempt failed: stop pulling
+  span.arg("copies", ring_->stats().copies);
+  span.arg("ok", st.is_ok());
+  span.end();
   {
     std::lock_guard<std::mutex> lock(mu_);
     landing_status_ = std::move(st);

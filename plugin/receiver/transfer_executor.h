@@ -38,6 +38,7 @@
 #include "planner/status.h"
 #include "plugin/receiver/plan_compiler.h"
 #include "plugin/receiver/threads.h"
+#include "plugin/trace.h"
 #include "transport/cuda/device_ops.h"
 #include "transport/cuda/staging.h"
 #include "transport/fabric/local_fabric.h"
@@ -76,6 +77,9 @@ struct TransferSetup {
   // Small runs of one source that land in host memory travel together, one
   // request each (docs/refresh.md, "Gathers").
   GatherOptions gather;
+  // Where the attempt's spans go (get_batch, fan_out, landing) and the
+  // counter of GET bytes in flight; null: nowhere.
+  Trace* trace = nullptr;
 };
 
 struct TransferReport {
@@ -127,6 +131,7 @@ class TransferExecutor {
   void land();
   void watch();
   void stop_waiting(const Status& why);
+  void sample_in_flight(bool force);
   // Releases the sends that read GET `get` once nothing else holds them
   // back. REQUIRES mu_. Returns whether any became ready.
   bool release_locked(uint32_t get);
@@ -168,6 +173,11 @@ class TransferExecutor {
   ucx::BatchReport batch_;           // the caller's thread's
   Clock::time_point start_, net_end_;
   bool inputs_over_ = false;         // the caller's thread's
+  // With a trace: GET bytes issued and not landed (the engine's gate and
+  // run callback, both under the engine's mutex), and when the counter was
+  // last sampled.
+  uint64_t in_flight_ = 0;
+  Clock::time_point in_flight_sampled_{};
 
   // The watcher.
   std::mutex watch_mu_;

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "refit/refit.h"
 
@@ -266,6 +268,133 @@ TEST_F(Abi, LogLinesGoToTheHostsCallback) {
   std::lock_guard<std::mutex> lock(logged.mutex);
   EXPECT_EQ(logged.lines.size(), seen) << "a line reached the callback after it was removed: "
                                        << logged.lines.back().second;
+}
+
+// "log_format": "json": every line the callback gets is one JSON object
+// naming the role, the rank and the version the agent's work concerns
+// (null before its first publish), and the message.
+TEST_F(Abi, JsonLogLinesNameRoleRankAndVersion) {
+  Logged logged;
+  refit_set_log_callback(keep_line, &logged);
+  refit_source_t* s = nullptr;
+  const std::string cfg = "{\"rank\": 2, \"log_level\": \"info\", \"log_format\": \"json\", \"coordinator\": "
+                          "{\"address\": \"127.0.0.1:0\", \"embedded\": true, \"token_file\": \"" + token_ + "\"}}";
+  ASSERT_EQ(refit_source_create(cfg.c_str(), &s), REFIT_OK) << refit_last_error();
+  float w[4] = {};
+  const char* desc = R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J";
+  ASSERT_EQ(refit_source_add_tensor(s, desc, w, sizeof w), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_source_publish(s, 3), REFIT_OK) << refit_last_error();
+  refit_source_destroy(s);
+  refit_set_log_callback(nullptr, nullptr);
+  std::lock_guard<std::mutex> lock(logged.mutex);
+  ASSERT_FALSE(logged.lines.empty());
+  bool before = false, published = false;
+  for (const auto& [level, line] : logged.lines) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << line;
+    EXPECT_EQ(j.value("role", ""), "source") << line;
+    EXPECT_EQ(j.value("rank", -1), 2) << line;
+    EXPECT_EQ(j.value("level", ""), level == REFIT_LOG_INFO ? "info" : level == REFIT_LOG_WARN ? "warn" : "other")
+        << line;
+    EXPECT_EQ(j.value("time", "").size(), 27u) << line;  // 2026-12-01T22:04:05.123456Z
+    ASSERT_TRUE(j.contains("version") && j.contains("message")) << line;
+    if (j["version"].is_null()) before = true;
+    // The embedded coordinator's line about the publish is the source's, at version 3.
+    if (j["message"].get<std::string>().find("version 3 published") != std::string::npos) {
+      EXPECT_EQ(j["version"], 3) << line;
+      published = true;
+    }
+  }
+  EXPECT_TRUE(before) << "no line before the first publish";
+  EXPECT_TRUE(published) << logged.lines.size() << " lines, none about version 3's publish";
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// GET /metrics from 127.0.0.1:port: the whole answer, "" when it cannot connect.
+std::string scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{5, 0};  // bounded: the server answers at once or not at all
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    const std::string req = "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n";
+    if (send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+// "coordinator.metrics": the embedded coordinator serves the metrics; an
+// address that is malformed or taken, or metrics without an embedded
+// coordinator, fail create naming the key.
+TEST_F(Abi, EmbeddedCoordinatorServesMetrics) {
+  const int port = free_port();
+  auto config = [&](const std::string& metrics, bool embedded = true) {
+    return "{\"rank\": 0, \"coordinator\": {\"address\": \"127.0.0.1:" + std::to_string(embedded ? 0 : 1) +
+           "\", \"embedded\": " + (embedded ? "true" : "false") + ", \"token_file\": \"" + token_ +
+           "\", \"timeout_ms\": 2000, \"metrics\": " + metrics + "}}";
+  };
+  refit_source_t* s = nullptr;
+  ASSERT_EQ(refit_source_create(config("{\"address\": \"127.0.0.1:" + std::to_string(port) + "\"}").c_str(), &s),
+            REFIT_OK)
+      << refit_last_error();
+  float w[4] = {};
+  const char* desc = R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J";
+  ASSERT_EQ(refit_source_add_tensor(s, desc, w, sizeof w), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_source_publish(s, 4), REFIT_OK) << refit_last_error();
+  const std::string page = scrape(port);
+  EXPECT_NE(page.find(" 200 "), std::string::npos) << page;
+  EXPECT_NE(page.find("\nrefit_published_version 4\n"), std::string::npos) << page;
+  EXPECT_NE(page.find("\nrefit_members{role=\"source\"} 1\n"), std::string::npos) << page;
+  EXPECT_NE(page.find("# TYPE refit_refresh_seconds histogram\n"), std::string::npos) << page;
+
+  // The port is taken now: a second agent's embedded coordinator cannot serve there.
+  refit_source_t* s2 = nullptr;
+  EXPECT_NE(refit_source_create(config("{\"address\": \"127.0.0.1:" + std::to_string(port) + "\"}").c_str(), &s2),
+            REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("coordinator.metrics.address"), std::string::npos)
+      << refit_last_error();
+  refit_source_destroy(s);
+  EXPECT_NE(refit_source_create(config("{\"address\": \"no-port-here\"}").c_str(), &s2), REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("coordinator.metrics.address"), std::string::npos)
+      << refit_last_error();
+  EXPECT_NE(refit_source_create(config("{\"address\": \"127.0.0.1:0\"}", /*embedded=*/false).c_str(), &s2),
+            REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("needs \"coordinator.embedded\": true"), std::string::npos)
+      << refit_last_error();
+  EXPECT_NE(refit_source_create(config("{\"address\": \"127.0.0.1:0\", \"token\": 1}").c_str(), &s2), REFIT_OK);
+  EXPECT_NE(std::string(refit_last_error()).find("token"), std::string::npos) << refit_last_error();
+}
+
+// A trace file that cannot be written fails create, naming the path and
+// the key, before the receiver connects anywhere.
+TEST_F(Abi, ATraceThatCannotBeWrittenFailsCreate) {
+  refit_receiver_t* r = nullptr;
+  const std::string cfg = "{\"rank\": 0, \"trace\": \"/nonexistent-dir/refit.trace.json\", \"coordinator\": "
+                          "{\"address\": \"127.0.0.1:1\", \"token_file\": \"" + token_ + "\", \"timeout_ms\": 500}}";
+  EXPECT_NE(refit_receiver_create(cfg.c_str(), &r), REFIT_OK);
+  EXPECT_EQ(r, nullptr);
+  const std::string err = refit_last_error();
+  EXPECT_NE(err.find("\"trace\""), std::string::npos) << err;
+  EXPECT_NE(err.find("/nonexistent-dir/refit.trace.json"), std::string::npos) << err;
 }
 
 // Misuse around versions and registration, in one process (a source, and

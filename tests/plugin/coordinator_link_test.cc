@@ -42,7 +42,7 @@ TEST(CoordinatorLink, AMemberDeclaredDeadWhileAliveIsDroppedUntilItRegistersAgai
                                   R"(", "token_file": ")" + token_file + R"("}})";
   Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/true);
   ASSERT_TRUE(config.is_ok()) << config.status().message();
-  const Log log("receiver 0", config->log_level);
+  const Log log("receiver", 0, config->log_level);
   Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(*config, log);
   ASSERT_TRUE(link.is_ok()) << link.status().message();
 
@@ -111,7 +111,7 @@ class LinkThroughRelay : public ::testing::Test {
                                     std::to_string(timeout_ms) + "}}";
     Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/true);
     ASSERT_TRUE(config.is_ok()) << config.status().message();
-    log_ = std::make_unique<Log>("receiver 0", config->log_level);
+    log_ = std::make_unique<Log>("receiver", 0, config->log_level);
     auto link = CoordinatorLink::connect(*config, *log_);
     ASSERT_TRUE(link.is_ok()) << link.status().message();
     link_ = std::move(link).value();

@@ -1,8 +1,8 @@
 // A real Prometheus server scrapes a real refit-coordinator while a source
-// publishes versions through the C ABI, and the test asks Prometheus (its
-// HTTP API, /api/v1/query) what it saw. Skips, with the reason, where
-// Debian's prometheus package is not installed (scripts/install-deps
-// installs it).
+// publishes versions through the C ABI, and a refit-bench run's coordinator
+// while its receivers refresh; the test asks Prometheus (its HTTP API,
+// /api/v1/query) what it saw. Skips, with the reason, where Debian's
+// prometheus package is not installed (scripts/install-deps installs it).
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -14,7 +14,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -139,6 +141,22 @@ std::string query(int port, const std::string& promql) {
   return result[0]["value"][1].get<std::string>();
 }
 
+// Starts Prometheus scraping 127.0.0.1:target every `interval`; returns its
+// pid and sets *port to its HTTP port.
+pid_t start_prometheus(const std::string& binary, const fs::path& dir, int target, const std::string& interval,
+                       int* port) {
+  *port = free_port();
+  std::ofstream(dir / "prometheus.yml") << "global:\n  scrape_interval: " << interval
+                                        << "\n  evaluation_interval: 1s\n"
+                                           "scrape_configs:\n  - job_name: refit\n    static_configs:\n"
+                                           "      - targets: ['127.0.0.1:"
+                                        << target << "']\n";
+  return spawn({binary, "--config.file=" + (dir / "prometheus.yml").string(),
+                "--storage.tsdb.path=" + (dir / "tsdb").string(),
+                "--web.listen-address=127.0.0.1:" + std::to_string(*port)},
+               dir / "prometheus.log");
+}
+
 class PrometheusScrape : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -187,15 +205,8 @@ TEST_F(PrometheusScrape, SeesTheCoordinatorsMembersAndPublishedVersion) {
   ASSERT_EQ(refit_source_add_tensor(s, desc, w, sizeof w), REFIT_OK) << refit_last_error();
   for (int64_t v = 1; v <= 3; ++v) ASSERT_EQ(refit_source_publish(s, v), REFIT_OK) << refit_last_error();
 
-  const int prom_port = free_port();
-  std::ofstream(dir_ / "prometheus.yml") << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                                            "scrape_configs:\n  - job_name: refit\n    static_configs:\n"
-                                            "      - targets: ['127.0.0.1:"
-                                         << metrics_port << "']\n";
-  prom_ = spawn({prometheus_, "--config.file=" + (dir_ / "prometheus.yml").string(),
-                 "--storage.tsdb.path=" + (dir_ / "tsdb").string(),
-                 "--web.listen-address=127.0.0.1:" + std::to_string(prom_port)},
-                dir_ / "prometheus.log");
+  int prom_port = 0;
+  prom_ = start_prometheus(prometheus_, dir_, metrics_port, "1s", &prom_port);
 
   // Prometheus starts, scrapes once a second, and answers queries.
   std::string version, sources, up;
@@ -211,6 +222,73 @@ TEST_F(PrometheusScrape, SeesTheCoordinatorsMembersAndPublishedVersion) {
   EXPECT_EQ(sources, "1");
   EXPECT_EQ(query(prom_port, "refit_members{role=\"receiver\"}"), "0");
   refit_source_destroy(s);
+}
+
+// refit-bench's coordinator serves its metrics while 4 staged receivers
+// refresh 3 versions; Prometheus scrapes it every 200 ms during the run, and
+// what it stored must match the bench's own reports: one refresh and one
+// commit per receiver rank and version, and the last version published.
+TEST_F(PrometheusScrape, CountsEveryRefreshOfARefitBenchRun) {
+  const int metrics_port = free_port();
+  int prom_port = 0;
+  prom_ = start_prometheus(prometheus_, dir_, metrics_port, "200ms", &prom_port);
+  const std::string root = REFIT_SOURCE_ROOT;
+  const fs::path reports = dir_ / "reports.json";
+  const pid_t bench = spawn({REFIT_BENCH_BIN, "--scenario", root + "/examples/scenarios/tp2-to-tp2x2.json", "--models",
+                             root + "/examples/models", "--strategies", "refit", "--versions", "3", "--mode", "staged",
+                             "--timeout", "30", "--metrics", "127.0.0.1:" + std::to_string(metrics_port),
+                             "--reports", reports.string()},
+                            dir_ / "bench.log");
+  int status = -1;
+  for (auto deadline = Clock::now() + std::chrono::seconds(90); Clock::now() < deadline;) {
+    if (waitpid(bench, &status, WNOHANG) == bench) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (status == -1) stop(bench);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << slurp(dir_ / "bench.log");
+  const std::string bench_log = slurp(dir_ / "bench.log");
+  EXPECT_NE(bench_log.find("metrics on http://127.0.0.1:" + std::to_string(metrics_port) + "/metrics"),
+            std::string::npos)
+      << bench_log;
+
+  // The bench's own count: its reports, per version and receiver rank.
+  auto doc = nlohmann::json::parse(slurp(reports), nullptr, false);
+  ASSERT_TRUE(doc.is_object() && doc.contains("refit")) << slurp(reports);
+  int refreshes = 0, committed = 0;
+  int64_t last_version = 0;
+  for (const auto& v : doc["refit"]) {
+    last_version = std::max(last_version, v["version"].get<int64_t>());
+    for (const auto& r : v["reports"]) {
+      refreshes += r.value("ok", false) ? 1 : 0;
+      committed += r.value("committed", false) ? 1 : 0;
+    }
+  }
+  ASSERT_EQ(refreshes, 12) << slurp(reports);  // 4 receiver ranks x 3 versions
+  ASSERT_EQ(last_version, 3);
+
+  // The bench has exited: its series are stale now, so the queries read
+  // the last sample each series had.
+  std::string count, ok_count, pauses, version, up;
+  for (auto deadline = Clock::now() + std::chrono::seconds(30); Clock::now() < deadline;) {
+    count = query(prom_port, "sum(last_over_time(refit_refresh_seconds_count[10m]))");
+    ok_count = query(prom_port, "last_over_time(refit_refresh_seconds_count{mode=\"staged\",outcome=\"ok\"}[10m])");
+    pauses = query(prom_port, "last_over_time(refit_pause_seconds_count[10m])");
+    version = query(prom_port, "last_over_time(refit_published_version[10m])");
+    up = query(prom_port, "max_over_time(up{job=\"refit\"}[10m])");
+    if (count == std::to_string(refreshes) && version == std::to_string(last_version)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  std::printf("refit-bench reports: %d refreshes, %d commits, last version %lld; Prometheus: "
+              "refit_refresh_seconds_count %s, refit_pause_seconds_count %s, refit_published_version %s\n",
+              refreshes, committed, static_cast<long long>(last_version), count.c_str(), pauses.c_str(),
+              version.c_str());
+  EXPECT_EQ(up, "1") << slurp(dir_ / "prometheus.log");
+  EXPECT_EQ(count, std::to_string(refreshes)) << bench_log;
+  EXPECT_EQ(ok_count, std::to_string(refreshes));
+  EXPECT_EQ(pauses, std::to_string(committed));
+  EXPECT_EQ(version, std::to_string(last_version));
+  EXPECT_EQ(query(prom_port, "last_over_time(refit_refresh_failures_total[10m])"), "");  // none failed
+  EXPECT_NE(query(prom_port, "last_over_time(refit_refresh_bytes_total{kind=\"network\"}[10m]) > 0"), "");
 }
 
 }  // namespace

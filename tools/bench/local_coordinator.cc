@@ -37,7 +37,7 @@ Result<std::string> write_token_file() {
 }
 
 Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::milliseconds heartbeat_timeout,
-                                                                  const std::string& host) {
+                                                                  const std::string& host, const std::string& metrics) {
   std::unique_ptr<LocalCoordinator> c(new LocalCoordinator());
   auto path = write_token_file();
   if (!path) return path.status();
@@ -64,9 +64,21 @@ Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::m
     self->logs_.emplace_back(line, 1);
     if (self->logs_.size() > kKeptLogLines) self->logs_.pop_front();
   };
+  control::MetricsServerOptions metrics_options;
+  auto fleet = std::make_shared<control::FleetMetrics>();
+  if (!metrics.empty()) {
+    REFIT_RETURN_IF_ERROR(control::parse_metrics_address(metrics, &metrics_options.host, &metrics_options.port));
+    cfg.metrics = fleet;
+    metrics_options.log = cfg.log;
+  }
   auto started = control::Coordinator::start(std::move(cfg));
   if (!started) return started.status().with_context("coordinator");
   c->coordinator_ = std::move(*started);
+  if (!metrics.empty()) {
+    auto server = control::serve_metrics(*c->coordinator_, fleet, std::move(metrics_options));
+    if (!server) return server.status().with_context("metrics " + metrics);
+    c->metrics_server_ = std::move(*server);
+  }
   c->address_ = host + ":" + std::to_string(c->coordinator_->port());
   return c;
 }
@@ -77,6 +89,8 @@ LocalCoordinator::~LocalCoordinator() {
 }
 
 void LocalCoordinator::stop() {
+  if (metrics_server_) metrics_server_->stop();
+  metrics_server_.reset();
   if (coordinator_) coordinator_->stop();
   coordinator_.reset();
 }

@@ -16,6 +16,7 @@
 
 #include "planner/status.h"
 #include "transport/control/coordinator.h"
+#include "transport/control/fleet_metrics.h"
 
 namespace refit::bench {
 
@@ -25,8 +26,11 @@ class LocalCoordinator {
   // coordinator declares it dead; zero keeps the coordinator's default.
   // host: the address it listens on (the calling thread's network
   // namespace; see hosts.h's NetnsScope).
+  // metrics: "HOST:PORT" to serve the coordinator's metrics on
+  // (transport/control/fleet_metrics.h), port 0 for any free one; empty: none.
   static Result<std::unique_ptr<LocalCoordinator>> start(
-      std::chrono::milliseconds heartbeat_timeout = std::chrono::milliseconds(0), const std::string& host = "127.0.0.1");
+      std::chrono::milliseconds heartbeat_timeout = std::chrono::milliseconds(0), const std::string& host = "127.0.0.1",
+      const std::string& metrics = "");
   ~LocalCoordinator();  // stops it and removes the token file
   LocalCoordinator(const LocalCoordinator&) = delete;
   LocalCoordinator& operator=(const LocalCoordinator&) = delete;
@@ -34,6 +38,9 @@ class LocalCoordinator {
   // "HOST:PORT"
   const std::string& address() const { return address_; }
   const std::string& token_file() const { return token_file_; }
+  // The metrics endpoint's port (0: none) and the scrapes it answered.
+  uint16_t metrics_port() const { return metrics_server_ ? metrics_server_->port() : 0; }
+  uint64_t scrapes() const { return metrics_server_ ? metrics_server_->counts().served : 0; }
   // The last log lines, one per line; "" when there were none.
   std::string logs() const;
   void stop();
@@ -41,6 +48,7 @@ class LocalCoordinator {
  private:
   LocalCoordinator() = default;
   std::unique_ptr<control::Coordinator> coordinator_;
+  std::unique_ptr<control::MetricsServer> metrics_server_;  // stopped before coordinator_
   std::string address_, token_file_;
   mutable std::mutex mu_;
   std::deque<std::pair<std::string, int>> logs_;  // each line and how many times in a row; guarded by mu_

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -202,18 +203,31 @@ class Runner {
     return out;
   }
 
-  Result<std::unique_ptr<LocalCoordinator>> coordinator() {
+  // metrics: the run's one coordinator serves options_.metrics_address.
+  Result<std::unique_ptr<LocalCoordinator>> coordinator(bool metrics = false) {
+    const std::string address = metrics ? options_.metrics_address : "";
+    Result<std::unique_ptr<LocalCoordinator>> c = Status::internal("no coordinator");
     if (options_.hosts && !options_.hosts->coordinator_netns.empty()) {
       // Its threads start in the coordinator's host and stay there.
       NetnsScope there(options_.hosts->coordinator_netns);
       if (!there.status().is_ok()) return there.status();
-      auto c = LocalCoordinator::start(options_.heartbeat_timeout, options_.hosts->coordinator_host);
-      if (!c) return c.status();
-      return std::move(*c);
+      c = LocalCoordinator::start(options_.heartbeat_timeout, options_.hosts->coordinator_host, address);
+    } else {
+      c = LocalCoordinator::start(options_.heartbeat_timeout, "127.0.0.1", address);
     }
-    auto c = LocalCoordinator::start(options_.heartbeat_timeout);
     if (!c) return c.status();
+    if (!address.empty() && options_.on_metrics) options_.on_metrics((*c)->metrics_port());
     return std::move(*c);
+  }
+
+  // Keeps the coordinator up until its metrics endpoint answered one more
+  // scrape (one that saw every version of the run), at most
+  // metrics_final_scrape.
+  void wait_for_final_scrape(const LocalCoordinator& C) const {
+    if (C.metrics_port() == 0) return;
+    const uint64_t before = C.scrapes();
+    const auto until = Clock::now() + options_.metrics_final_scrape;
+    while (C.scrapes() == before && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 
   Json versioned(const char* cmd, int64_t v, bool with_timeout = false) const {
@@ -447,7 +461,7 @@ class Runner {
     Role& sources = sources_;
     Role& receivers = receivers_;
     take_turn();  // the set-up and the first version
-    auto coord = coordinator();
+    auto coord = coordinator(/*metrics=*/true);
     if (!coord) return coord.status();
     const LocalCoordinator& C = **coord;
     coordinators_.push_back(std::move(*coord));
@@ -558,6 +572,7 @@ class Runner {
     if (!result_.late_joined.empty())
       result_.late_joined += "; versions " + std::to_string(options_.late_join_version) + ".." + std::to_string(last) +
                              " verified on all " + std::to_string(num_receivers) + " receivers";
+    wait_for_final_scrape(C);
     return Status::ok();
   }
 
@@ -1094,6 +1109,11 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
     if (!options.local_fabric.empty()) c["local"]["fabric"] = options.local_fabric;
   }
   if (place.receiver && options.staged) c["mode"] = "staged";
+  if (place.receiver && !options.trace_dir.empty()) {
+    // A rank that leaves and joins again is a new agent: a file of its own.
+    static std::atomic<int> agents{0};
+    c["trace"] = options.trace_dir + "/receiver-" + std::to_string(place.rank) + "-" + std::to_string(agents++) + ".json";
+  }
   if (place.receiver && !options.gather) c["gather_below_bytes"] = 0;
   if (place.receiver && options.converts) c["weight_block_size"] = options.weight_block_size;
   if (options.heartbeat_timeout.count() > 0)

@@ -155,6 +155,18 @@ struct RunOptions {
     std::function<Status(bool up)> set_link;
   };
   std::optional<Partition> partition;
+  // The coordinator's Prometheus metrics (transport/control/fleet_metrics.h)
+  // served on this "HOST:PORT" while the run lasts (port 0: any free one;
+  // the port goes to on_metrics); empty: none. refit and no-dedup only,
+  // one strategy at a time. After the last version the coordinator stays
+  // up until one more scrape was answered, at most metrics_final_scrape,
+  // so that a scraper sees the whole run.
+  std::string metrics_address;
+  std::chrono::milliseconds metrics_final_scrape{30000};
+  std::function<void(uint16_t port)> on_metrics;
+  // Every receiver agent writes its trace ("trace", plugin/trace.h) to a
+  // file of its own in this folder (receiver-RANK-N.json); empty: none.
+  std::string trace_dir;
   // Called after each step: what was done, steps done, steps in all.
   std::function<void(const std::string& step, int done, int total)> progress;
 };

@@ -298,6 +298,17 @@ Status ControlState::owned(const char* message, const std::map<int32_t, Member<T
   return Status::ok();
 }
 
+Result<int32_t> ControlState::receiver_instance(uint64_t session, int32_t rank, const char* message) const {
+  REFIT_RETURN_IF_ERROR(owned(message, receivers_, Role::kReceiver, rank, session));
+  return receivers_.at(rank).info.instance;
+}
+
+std::set<int32_t> ControlState::instances() const {
+  std::set<int32_t> out;
+  for (const auto& [rank, r] : receivers_) out.insert(r.info.instance);
+  return out;
+}
+
 void ControlState::remove_source(int32_t rank) {
   auto it = sources_.find(rank);
   if (it == sources_.end()) return;

@@ -252,6 +252,11 @@ class ControlState {
   size_t num_leases() const { return leases_.size(); }
   bool has_source(int32_t rank) const { return sources_.count(rank) != 0; }
   bool has_receiver(int32_t rank) const { return receivers_.count(rank) != 0; }
+  // The instance of receiver `rank`, which `session` must have registered
+  // (refused otherwise, naming `message`).
+  Result<int32_t> receiver_instance(uint64_t session, int32_t rank, const char* message) const;
+  // The instances that have a registered receiver.
+  std::set<int32_t> instances() const;
 
  private:
   template <typename T>

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "transport/control/auth.h"
+#include "transport/control/fleet_metrics.h"
 
 namespace refit::control {
 
@@ -45,6 +46,7 @@ bool role_may_send(AuthRole role, MsgType type) {
     case MsgType::kLease:
     case MsgType::kRelease:
     case MsgType::kVersionHashes:
+    case MsgType::kRefreshSummary:
       return role == AuthRole::kReceiver;
     default:
       return false;
@@ -805,6 +807,14 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
       s->reply(type_name(frame.type), std::move(body));
       return;
     }
+    case MsgType::kRefreshSummary: {
+      Result<RefreshSummary> m = parse_refresh_summary(frame.body, lim);
+      Result<int32_t> instance = m.is_ok() ? state_.receiver_instance(id, m->rank, "refresh_summary")
+                                           : Result<int32_t>(m.status());
+      st = instance.status();
+      if (st.is_ok() && config_.metrics) config_.metrics->record(*m, *instance);
+      break;
+    }
     case MsgType::kReportStaged:
     case MsgType::kReportFailed: {
       const bool failed = frame.type == MsgType::kReportFailed;
@@ -984,6 +994,7 @@ Result<CoordinatorStats> Coordinator::stats() const {
     st.plans = impl->state_.plans_made();
     st.leases = impl->state_.num_leases();
     st.buffered_bytes = impl->buffered_;
+    st.instances = impl->state_.instances();
     p->set_value(st);
   });
   if (f.wait_for(std::chrono::seconds(1)) != std::future_status::ready) {

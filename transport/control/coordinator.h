@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "planner/status.h"
@@ -60,6 +61,8 @@
 #include "transport/control/messages.h"
 
 namespace refit::control {
+
+class FleetMetrics;
 
 struct CoordinatorConfig {
   std::string host = "127.0.0.1";
@@ -93,6 +96,9 @@ struct CoordinatorConfig {
   size_t max_buffered_bytes = size_t{1} << 30;
   // One line per event worth an operator's eye; default: stderr.
   std::function<void(const std::string&)> log;
+  // Where receivers' refresh_summary messages are counted (fleet_metrics.h);
+  // null: they are acknowledged and dropped.
+  std::shared_ptr<FleetMetrics> metrics;
   // Test only (never set by the library or its tools): every plan takes at
   // least this much longer, standing in for a membership of cluster scale,
   // so that tests can show the coordinator serving everyone meanwhile.
@@ -109,6 +115,7 @@ struct CoordinatorStats {
   uint64_t plans = 0;    // plans made (one per membership asked for a plan)
   size_t leases = 0;     // receiver ranks holding a lease on a version now
   size_t buffered_bytes = 0;  // queued output and partly read input, all connections
+  std::set<int32_t> instances;  // that have a registered receiver
 };
 
 class Coordinator {

@@ -24,6 +24,7 @@ bool is_known_type(uint16_t t) {
     case MsgType::kWaitDrained:
     case MsgType::kVerifyBoxes:
     case MsgType::kVersionHashes:
+    case MsgType::kRefreshSummary:
     case MsgType::kCommit:
     case MsgType::kAbort:
     case MsgType::kDrained:
@@ -54,6 +55,7 @@ const char* type_name(MsgType t) {
     case MsgType::kWaitDrained: return "wait_drained";
     case MsgType::kVerifyBoxes: return "verify_boxes";
     case MsgType::kVersionHashes: return "version_hashes";
+    case MsgType::kRefreshSummary: return "refresh_summary";
     case MsgType::kDrained: return "drained";
     case MsgType::kCommit: return "commit";
     case MsgType::kAbort: return "abort";

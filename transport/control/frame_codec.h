@@ -66,6 +66,7 @@ enum class MsgType : uint16_t {
   kWaitDrained = 27,      // {version}: reply {drained}; if false, a drained notice follows
   kVerifyBoxes = 28,      // {}: reply {boxes}: the boxes this connection's sources hash at publish
   kVersionHashes = 29,    // {rank, version}: reply {hashes, unverified_bytes}: what receiver `rank` checks
+  kRefreshSummary = 30,   // {rank, version, event, mode, outcome, reason, seconds, ...}: for the metrics (messages.h)
   kReply = 32,            // server -> client: one per request, in order, with its id: {ok, error?, ...}
   kVersionNotify = 33,    // server -> subscribed client: {version}
   kCommit = 34,           // server -> every rank of an instance: {instance, version}

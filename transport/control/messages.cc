@@ -79,6 +79,34 @@ class Reader {
     *out = v->get<bool>();
     return true;
   }
+  bool number_in(const Json& obj, const std::string& path, const char* key, double lo, double hi, double* out) {
+    const Json* v = field(obj, path, key);
+    if (!v) return false;
+    // NaN and the infinities fail the range check too.
+    if (v->is_number() && v->get<double>() >= lo && v->get<double>() <= hi) {
+      *out = v->get<double>();
+      return true;
+    }
+    return fail(join(path, key), "must be a number in [" + shown(Json(lo)) + ", " + shown(Json(hi)) + "], got " +
+                                     shown(*v));
+  }
+  // One of `names`; its index.
+  bool one_of(const Json& obj, const std::string& path, const char* key, std::initializer_list<const char*> names,
+              size_t* out) {
+    std::string s;
+    if (!str(obj, path, key, 64, &s)) return false;
+    size_t i = 0;
+    std::string list;
+    for (const char* n : names) {
+      if (s == n) {
+        *out = i;
+        return true;
+      }
+      list += std::string(list.empty() ? "" : ", ") + "\"" + n + "\"";
+      ++i;
+    }
+    return fail(join(path, key), "must be one of " + list + ", got " + shown(Json(s)));
+  }
   bool str(const Json& obj, const std::string& path, const char* key, size_t max, std::string* out) {
     const Json* v = field(obj, path, key);
     if (!v) return false;
@@ -324,6 +352,67 @@ Result<StageReport> parse_stage_report(const Json& body, bool failed, const Mess
   if (failed) r.str(body, "", "reason", lim.max_name_bytes, &m.reason);
   if (!r.ok()) return r.status();
   return m;
+}
+
+const char* event_name(RefreshSummary::Event e) { return e == RefreshSummary::Event::kCommit ? "commit" : "refresh"; }
+
+const char* outcome_name(RefreshSummary::Outcome o) {
+  switch (o) {
+    case RefreshSummary::Outcome::kOk: return "ok";
+    case RefreshSummary::Outcome::kFailed: return "failed";
+    case RefreshSummary::Outcome::kAborted: return "aborted";
+  }
+  return "failed";
+}
+
+Result<RefreshSummary> parse_refresh_summary(const Json& body, const MessageLimits& lim) {
+  Reader r("refresh_summary");
+  RefreshSummary m;
+  int64_t v = 0;
+  size_t i = 0;
+  if (r.int_in(body, "", "rank", 0, lim.max_rank - 1, &v)) m.rank = static_cast<int32_t>(v);
+  r.int_in(body, "", "version", 0, std::numeric_limits<int64_t>::max(), &m.version);
+  if (r.one_of(body, "", "event", {"refresh", "commit"}, &i)) m.event = static_cast<RefreshSummary::Event>(i);
+  if (r.one_of(body, "", "mode", {"direct", "staged"}, &i)) m.staged = i == 1;
+  if (r.one_of(body, "", "outcome", {"ok", "failed", "aborted"}, &i)) m.outcome = static_cast<RefreshSummary::Outcome>(i);
+  std::string reason;
+  if (r.str(body, "", "reason", 64, &reason)) {
+    m.reason = reason_from_name(reason);
+    if (m.reason == Reason::kNone && reason != reason_name(Reason::kNone)) {
+      r.fail("reason", "must be a failure reason of planner/status.h (\"none\", \"peer_lost\", ...), got \"" +
+                           reason.substr(0, 40) + "\"");
+    }
+  }
+  r.number_in(body, "", "seconds", 0, kMaxSummarySeconds, &m.seconds);
+  if (r.int_in(body, "", "network_bytes", 0, static_cast<int64_t>(kMaxSummaryBytes), &v)) {
+    m.network_bytes = static_cast<uint64_t>(v);
+  }
+  if (r.int_in(body, "", "local_bytes", 0, static_cast<int64_t>(kMaxSummaryBytes), &v)) {
+    m.local_bytes = static_cast<uint64_t>(v);
+  }
+  if (r.int_in(body, "", "retries", 0, kMaxSummaryRetries, &v)) m.retries = static_cast<uint32_t>(v);
+  if (!r.ok()) return r.status();
+  if (m.event == RefreshSummary::Event::kCommit && !m.staged) {
+    return Status::invalid("refresh_summary: a commit's mode must be \"staged\", got \"direct\"");
+  }
+  if (m.outcome == RefreshSummary::Outcome::kOk && m.reason != Reason::kNone) {
+    return Status::invalid(std::string("refresh_summary: an ok outcome has reason \"none\", got \"") +
+                           reason_name(m.reason) + "\"");
+  }
+  return m;
+}
+
+Json to_json(const RefreshSummary& m) {
+  return Json{{"rank", m.rank},
+              {"version", m.version},
+              {"event", event_name(m.event)},
+              {"mode", m.staged ? "staged" : "direct"},
+              {"outcome", outcome_name(m.outcome)},
+              {"reason", reason_name(m.reason)},
+              {"seconds", m.seconds},
+              {"network_bytes", m.network_bytes},
+              {"local_bytes", m.local_bytes},
+              {"retries", m.retries}};
 }
 
 Result<FetchPlan> parse_fetch_plan(const Json& body, const MessageLimits& lim) {

@@ -167,6 +167,34 @@ Json to_json(const RegisterReceiver& m);
 Json to_json(const MemberRef& m);
 Json to_json(const BoxHash& h);
 
+// ---- A receiver's refresh, for the coordinator's metrics -----------------
+// refresh_summary {rank, version, event, mode, outcome, reason, seconds,
+// network_bytes, local_bytes, retries}: what one refresh (or one staged
+// commit) of receiver `rank` did, sent after it ended. The coordinator only
+// counts it (fleet_metrics.h); it changes nothing of the membership.
+// Every number is bounded and every name one of a fixed set, so that a
+// peer cannot grow the metrics' label sets or poison their sums.
+struct RefreshSummary {
+  enum class Event : uint8_t { kRefresh, kCommit };
+  enum class Outcome : uint8_t { kOk, kFailed, kAborted };
+  int32_t rank = 0;
+  int64_t version = 0;  // 0: it failed before a version was chosen
+  Event event = Event::kRefresh;
+  bool staged = false;  // "mode": "staged" (else "direct"); a commit is staged
+  Outcome outcome = Outcome::kOk;  // a commit is ok or failed
+  Reason reason = Reason::kNone;   // a failure's (planner/status.h); kNone otherwise
+  double seconds = 0;  // refresh: the whole refresh; commit: the pause it took
+  uint64_t network_bytes = 0, local_bytes = 0;
+  uint32_t retries = 0;
+};
+inline constexpr double kMaxSummarySeconds = 1e7;  // 115 days
+inline constexpr uint64_t kMaxSummaryBytes = uint64_t{1} << 60;
+inline constexpr uint32_t kMaxSummaryRetries = 1000000;
+const char* event_name(RefreshSummary::Event e);
+const char* outcome_name(RefreshSummary::Outcome o);
+Result<RefreshSummary> parse_refresh_summary(const Json& body, const MessageLimits& limits);
+Json to_json(const RefreshSummary& m);
+
 // ---- Leases that live as long as the refresh holding them ----------------
 // lease {rank, version, renew?}: renew (bool, default false) extends the
 // lease the rank already holds on `version` and is refused when it holds

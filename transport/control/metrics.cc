@@ -61,6 +61,12 @@ void MetricsRegistry::clear(const std::string& name) {
   if (it != metrics_.end()) it->second.series.clear();
 }
 
+void MetricsRegistry::erase(const std::string& name, const Labels& labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = metrics_.find(name);
+  if (it != metrics_.end()) it->second.series.erase(labels);
+}
+
 double MetricsRegistry::value(const std::string& name, const Labels& labels) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = metrics_.find(name);

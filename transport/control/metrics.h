@@ -53,6 +53,8 @@ class MetricsRegistry {
   void observe(const std::string& name, const Labels& labels, double value);
   // Drops every series of a gauge (e.g. before setting the current members).
   void clear(const std::string& name);
+  // Drops one series (a label value that no longer exists).
+  void erase(const std::string& name, const Labels& labels);
 
   // The value of one series (tests); 0 when absent.
   double value(const std::string& name, const Labels& labels) const;

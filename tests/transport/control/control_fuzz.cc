@@ -37,6 +37,11 @@ void parse_request(const Frame& f, const MessageLimits& lim) {
     case MsgType::kRelease: (void)parse_stage_report(f.body, false, lim, "release"); break;
     case MsgType::kWaitDrained: (void)parse_publish_version(f.body, "wait_drained"); break;
     case MsgType::kVersionHashes: (void)parse_version_hashes(f.body, lim); break;
+    case MsgType::kRefreshSummary: {  // a summary that parses serializes to one that parses again
+      refit::Result<RefreshSummary> s = parse_refresh_summary(f.body, lim);
+      if (s.is_ok() && !parse_refresh_summary(to_json(*s), lim).is_ok()) __builtin_trap();
+      break;
+    }
     // What the coordinator sends a receiver, which parses it as untrusted:
     // a plan part that parses serializes to one that parses again.
     case MsgType::kReply: {
