@@ -222,7 +222,7 @@ Status CoordinatorLink::reconnect(std::unique_lock<std::mutex>& lock, Clock::tim
     Result<Json> r = f.is_ok() ? control::reply_result(control::type_name(type), std::move(f).value())
                                : Result<Json>(f.status());
     if (r.is_ok()) break;
-    const bool held = r.status().message().find("already registered") != std::string::npos;
+    const bool held = r.status().reason() == Reason::kRankHeld;
     if (!held || !up_ || Clock::now() + milliseconds(100) >= deadline) {
       st = r.status().with_context("registering again on the new connection");
       break;

@@ -275,7 +275,9 @@ Status ControlState::registered_again(const char* message, std::map<int32_t, Mem
                                       uint64_t session, const T& m, Clock::time_point now) {
   Member<T>& held = members.at(m.rank);
   const std::string who = std::string(message) + ": " + role_name(role) + " rank " + std::to_string(m.rank);
-  if (held.session != 0) return Status::invalid(who + " is already registered; unregister it first");
+  if (held.session != 0) {
+    return Status::invalid(who + " is already registered; unregister it first").with_reason(Reason::kRankHeld);
+  }
   // The same member on a new connection: its plan, leases and staged state
   // stay as they are.
   held.session = session;

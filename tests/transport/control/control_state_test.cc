@@ -110,6 +110,7 @@ TEST(ControlState, RefusesDuplicateRegistration) {
   Status dup = s.register_source(2, source(0), now);
   ASSERT_FALSE(dup.is_ok());
   EXPECT_EQ(dup.message(), "register_source: source rank 0 is already registered; unregister it first");
+  EXPECT_EQ(dup.reason(), Reason::kRankHeld);
 }
 
 TEST(ControlState, OnlyTheOwnerMayHeartbeatOrUnregister) {

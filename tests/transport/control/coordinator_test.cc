@@ -513,6 +513,7 @@ TEST_F(Coordinators, RefusesBadRequestsWithAReasonAndKeepsTheConnection) {
   auto dup = cl->request(MsgType::kRegisterSource, source_body(1));
   ASSERT_FALSE(dup.is_ok());
   EXPECT_EQ(dup.status().message(), "register_source: source rank 1 is already registered; unregister it first");
+  EXPECT_EQ(dup.status().reason(), Reason::kRankHeld);  // travels in the error reply
   Json bad = source_body(2);
   bad["rank"] = 1 << 30;
   auto out = cl->request(MsgType::kRegisterSource, bad);
