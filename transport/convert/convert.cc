@@ -9,8 +9,11 @@
 // The loops below are written so that the compiler vectorizes them (no
 // branches in element.h's conversions, no aliasing between src and dst);
 // on x86-64 each is also built for AVX2 and chosen at load time, since the
-// baseline (SSE2) has no 8-lane integer max or blend.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__SANITIZE_ADDRESS__)
+// baseline (SSE2) has no 8-lane integer max or blend. Not under a sanitizer:
+// the clones' resolvers run while the dynamic loader relocates, before the
+// sanitizer's runtime is up, and an instrumented resolver crashes there.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(__SANITIZE_THREAD__)
 #define REFIT_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define REFIT_VECTOR_CLONES
