@@ -317,16 +317,26 @@ Status SourceAgent::wait_drained(int64_t version, std::chrono::milliseconds time
   if (!joined_) return Status::invalid("wait_drained: this source has not joined");
   Result<control::Json> r = link_->request(MsgType::kWaitDrained, control::Json{{"version", version}});
   if (!r.is_ok()) return r.status();
-  if (r->value("drained", false)) return Status::ok();
-  while (true) {
+  bool drained = r->value("drained", false);
+  while (!drained) {
     Result<std::optional<control::Json>> n = link_->wait_notice(MsgType::kDrained, deadline);
     if (!n.is_ok()) return n.status();
     if (!n->has_value()) {
       return Status::timeout("wait_drained: version " + std::to_string(version) + " still leased after " +
                               std::to_string(timeout.count()) + " ms");
     }
-    if ((**n).value("version", int64_t{0}) >= version) return Status::ok();
+    drained = (**n).value("version", int64_t{0}) >= version;
   }
+  // No lease is left, but this process's progress thread may still be
+  // copying or sending a reply from the shards; the owner overwrites them
+  // next. Replies still in flight after a second (or at the deadline) go to
+  // pullers that gave up: they do not hold the call longer.
+  const auto grace = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  if (rma_server_ && !rma_server_->quiesce(grace)) {
+    log_.info("wait_drained: version " + std::to_string(version) +
+              ": replies to pullers that gave up were still being sent");
+  }
+  return Status::ok();
 }
 
 }  // namespace refit::plugin

@@ -105,6 +105,9 @@ void source_child(int rank, uint16_t port, const std::string& token, int up, int
   char c;
   for (int v = 1; v <= kVersions; ++v) {
     if (!read_byte(down, &c)) fail("the parent is gone", 2);
+    // As a trainer does: no receiver reads the last version any more before
+    // its shards are overwritten.
+    if (v > 1 && refit_source_wait_drained(s, v - 1, 30000) != REFIT_OK) fail("wait_drained");
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t col = 0; col < kCols; ++col) w[r * kCols + col] = w_value(row0 + r, col, v);
     for (int64_t col = 0; col < kCols; ++col) b[col] = b_value(col, v);

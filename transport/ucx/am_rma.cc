@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "transport/ucx/ucx_status.h"
 
@@ -20,7 +21,8 @@ struct PendingReply {
 };
 
 void release(PendingReply* p) {
-  if (p->inflight) p->inflight->fetch_sub(1, std::memory_order_relaxed);
+  // Release: AmRmaServer::quiesce() acquires it; the send is done reading.
+  if (p->inflight) p->inflight->fetch_sub(1, std::memory_order_release);
   delete p;
 }
 
@@ -154,6 +156,17 @@ bool AmRmaServer::exported(uint64_t address, uint64_t length, bool for_write) co
   });
 }
 
+bool AmRmaServer::quiesce(std::chrono::steady_clock::time_point deadline) {
+  { std::unique_lock<std::shared_mutex> barrier(serving_); }
+  // The progress thread completes the sends; their completions release
+  // inflight_, which these loads acquire.
+  while (inflight_->load(std::memory_order_acquire) > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
 void AmRmaServer::reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status) {
   (void)send_reply(ep, id, token, status, 0, nullptr, 0, inflight_);
 }
@@ -171,6 +184,7 @@ ucs_status_t AmRmaServer::on_get(void* arg, const void* header, size_t header_le
                                  void* /*data*/, size_t /*length*/,
                                  const ucp_am_recv_param_t* param) {
   auto* self = static_cast<AmRmaServer*>(arg);
+  std::shared_lock<std::shared_mutex> serving(self->serving_);
   am_rma::RequestHeader h;
   if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
@@ -258,6 +272,7 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
 ucs_status_t AmRmaServer::on_gather(void* arg, const void* header, size_t header_length, void* data,
                                     size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<AmRmaServer*>(arg);
+  std::shared_lock<std::shared_mutex> serving(self->serving_);
   am_rma::GatherHeader h;
   if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
@@ -283,6 +298,7 @@ ucs_status_t AmRmaServer::on_gather(void* arg, const void* header, size_t header
 ucs_status_t AmRmaServer::on_put(void* arg, const void* header, size_t header_length, void* data,
                                  size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<AmRmaServer*>(arg);
+  std::shared_lock<std::shared_mutex> serving(self->serving_);
   am_rma::RequestHeader h;
   if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);

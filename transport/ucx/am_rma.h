@@ -65,9 +65,11 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "planner/status.h"
@@ -173,6 +175,17 @@ class AmRmaServer {
   // completed yet.
   uint64_t replies_in_flight() const { return inflight_->load(std::memory_order_relaxed); }
 
+  // Waits until no request handler runs and every reply sent so far has
+  // completed, or until `deadline`. The owner of exported memory calls it
+  // before overwriting that memory once no peer may read it any more (a
+  // source, once drained): a reply still being copied or sent from it would
+  // otherwise carry bytes of the next version, and without this step nothing
+  // orders the server's reads before the owner's writes in this process.
+  // Returns false when replies were still in flight at the deadline: their
+  // pullers gave up (a puller whose lease is released has all its bytes).
+  // Any thread but the worker's progress thread.
+  bool quiesce(std::chrono::steady_clock::time_point deadline);
+
  private:
   AmRmaServer(Worker& worker, Puts puts) : worker_(worker), puts_(puts) {}
   static ucs_status_t on_get(void* arg, const void* header, size_t header_length, void* data,
@@ -198,6 +211,9 @@ class AmRmaServer {
 
   Worker& worker_;
   const Puts puts_;
+  // Held shared by every request handler while it runs, and exclusively by
+  // quiesce() for a moment: a barrier between the handlers and the owner.
+  mutable std::shared_mutex serving_;
   mutable std::mutex mutex_;
   std::vector<const MemoryRegion*> regions_;  // guarded by mutex_
   std::atomic<uint64_t> served_{0};
