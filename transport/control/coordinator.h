@@ -43,6 +43,15 @@
 // alive meanwhile (their heartbeats wait behind the plan), however long the
 // plan takes.
 //
+// Every deadline a peer is held to (its heartbeats, its lease, a frame to
+// finish, a reply to take) is counted on a clock that stops while the I/O
+// thread is held up (a costly reply, the process not scheduled): frames a
+// member sent meanwhile wait unread in the socket, and the coordinator's
+// own delay is nobody's silence. A 50 ms pulse on the I/O thread measures
+// the holdup. Replies to the fetches that waited for a plan are built one
+// per turn of the I/O thread, so that the others' frames are read between
+// them.
+//
 // Thread safety: start(), stop(), port() and stats() may be called from any
 // thread. Everything else (acceptor, sessions, state) belongs to the I/O
 // thread; `log` is called on it. The planning thread sees only a copy of the
@@ -103,6 +112,10 @@ struct CoordinatorConfig {
   // least this much longer, standing in for a membership of cluster scale,
   // so that tests can show the coordinator serving everyone meanwhile.
   std::chrono::milliseconds test_plan_delay{0};
+  // Test only, likewise: answering a fetch_plan holds the I/O thread at
+  // least this much longer, standing in for a plan part of megabytes built
+  // on a loaded machine.
+  std::chrono::milliseconds test_answer_delay{0};
 };
 
 struct CoordinatorStats {
