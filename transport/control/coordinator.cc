@@ -3,6 +3,7 @@
 #include <boost/asio.hpp>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -319,9 +320,16 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
-  // Deadlines run on the coordinator's listening clock (Impl::listening_now):
-  // a timer that fires before its deadline there, because the I/O thread
-  // was held up meanwhile, waits for the rest.
+  // A read or write deadline that passes while the I/O thread was held up
+  // (Impl::listening_now) waits for the rest of it on the listening clock,
+  // provided the peer did its part meanwhile: its bytes wait unread
+  // (POLLIN) or it took ours (POLLOUT). A peer that did not is dropped at
+  // the deadline as ever (a half frame's sender, a reader that reads nothing).
+  bool peer_ready(short events) {
+    pollfd p{socket_.native_handle(), events, 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & events) != 0;
+  }
+
   void set_read_deadline(std::chrono::milliseconds d, const char* what) {
     read_deadline_what_ = what;
     read_timeout_ = d;
@@ -334,7 +342,7 @@ class Session : public std::enable_shared_from_this<Session> {
       if (self->closed_) return;
       if (self->read_timer_.expiry() <= asio::steady_timer::clock_type::now()) {
         const auto left = self->read_deadline_ - self->co_.listening_now();
-        if (left > Clock::duration::zero()) {
+        if (left > Clock::duration::zero() && self->peer_ready(POLLIN)) {
           self->read_timer_.expires_after(left);
         } else {
           self->close(std::string(self->read_deadline_what_) + " within " +
@@ -546,7 +554,7 @@ class Session : public std::enable_shared_from_this<Session> {
     write_timer_.async_wait([self = shared_from_this()](error_code ec) {
       if (ec || self->closed_ || !self->writing_) return;
       const auto left = self->write_deadline_ - self->co_.listening_now();
-      if (left > Clock::duration::zero()) {  // the I/O thread was held up: not the peer's delay
+      if (left > Clock::duration::zero() && self->peer_ready(POLLOUT)) {
         self->write_timer_.expires_after(left);
         self->watch_write_deadline();
         return;

@@ -43,12 +43,13 @@
 // alive meanwhile (their heartbeats wait behind the plan), however long the
 // plan takes.
 //
-// Every deadline a peer is held to (its heartbeats, its lease, a frame to
-// finish, a reply to take) is counted on a clock that stops while the I/O
+// Heartbeats and leases are counted on a clock that stops while the I/O
 // thread is held up (a costly reply, the process not scheduled): frames a
 // member sent meanwhile wait unread in the socket, and the coordinator's
 // own delay is nobody's silence. A 50 ms pulse on the I/O thread measures
-// the holdup. Replies to the fetches that waited for a plan are built one
+// the holdup. A read or write deadline that passes during a holdup is
+// extended likewise, when the peer did its part (its bytes wait unread, or
+// it took the coordinator's). Replies to the fetches that waited for a plan are built one
 // per turn of the I/O thread, so that the others' frames are read between
 // them.
 //
