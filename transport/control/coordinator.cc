@@ -117,13 +117,14 @@ class Coordinator::Impl {
   // I/O thread only, from here on.
   void accept();
   void sweep();
-  // The clock every deadline the coordinator holds a peer to is counted on
-  // (heartbeats, leases, reads, writes): steady time less the time the I/O
-  // thread was held up (a costly handler, the process not scheduled), as the
-  // pulse measured it. While the I/O thread does not run, frames that
-  // members sent wait unread in the socket buffers: that time is nobody's
-  // silence, and a deadline that counted it would declare members dead and
-  // drop connections for the coordinator's own delay.
+  // The clock heartbeats and leases are counted on, and read and write
+  // deadlines too where the peer did its part (Session::peer_ready): steady
+  // time less the time the I/O thread was held up (a costly handler, the
+  // process not scheduled), as the pulse measured it. While the I/O thread
+  // does not run, frames that members sent wait unread in the socket
+  // buffers: that time is nobody's silence, and a deadline that counted it
+  // would declare members dead and drop connections for the coordinator's
+  // own delay.
   Clock::time_point listening_now() {
     const auto now = Clock::now();
     if (now > pulse_due_) {
