@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -189,6 +190,7 @@ Status CoordinatorLink::connect_once(Clock::time_point deadline, std::unique_loc
   }
   ::fcntl(c->fd, F_SETFL, ::fcntl(c->fd, F_GETFL) | O_NONBLOCK);
   ++generation_;
+  late_heartbeats_.clear();  // their replies went with the old connection
   const uint64_t gen = generation_;
   Connection* raw = c.get();
   c->reader = std::thread([this, raw, gen, decoder = std::move(sock.decoder)]() mutable {
@@ -245,7 +247,8 @@ Status CoordinatorLink::reconnect(std::unique_lock<std::mutex>& lock, Clock::tim
 }
 
 Result<Frame> CoordinatorLink::exchange(std::unique_lock<std::mutex>& lock, MsgType type, const Json& body,
-                                        Clock::time_point deadline, bool* lost) {
+                                        Clock::time_point deadline, bool* lost, Clock::time_point reply_by,
+                                        bool* left) {
   *lost = false;
   if (!up_ || !conn_) return Status::io_error("not connected to the coordinator: " + broken_why_);
   uint32_t id = next_id_++;
@@ -271,7 +274,7 @@ Result<Frame> CoordinatorLink::exchange(std::unique_lock<std::mutex>& lock, MsgT
     broken(gen, sent.message());
     return sent;
   }
-  cv_.wait_until(lock, deadline, [&] {
+  cv_.wait_until(lock, std::min(deadline, reply_by), [&] {
     auto it = pending_.find(id);
     return (it != pending_.end() && it->second.has_value()) || generation_ != gen || !up_ || closing_;
   });
@@ -279,6 +282,12 @@ Result<Frame> CoordinatorLink::exchange(std::unique_lock<std::mutex>& lock, MsgT
   std::optional<Frame> reply = std::move(it->second);
   pending_.erase(it);
   if (reply) return std::move(*reply);
+  if (left && generation_ == gen && up_ && !closing_ && reply_by < deadline) {
+    late_heartbeats_.push_back(id);
+    if (late_heartbeats_.size() > kMaxLateHeartbeats) late_heartbeats_.pop_front();
+    *left = true;
+    return Status::timeout(std::string(control::type_name(type)) + ": its reply is left to the reader");
+  }
   if (generation_ != gen || !up_) {
     *lost = true;
     return Status::io_error("the coordinator connection broke before the reply came (" + broken_why_ + ")");
@@ -305,7 +314,8 @@ Result<Json> CoordinatorLink::request(MsgType type, const Json& body, Clock::tim
   return r;
 }
 
-Result<Json> CoordinatorLink::request_until(MsgType type, const Json& body, Clock::time_point deadline) {
+Result<Json> CoordinatorLink::request_until(MsgType type, const Json& body, Clock::time_point deadline,
+                                            Clock::time_point reply_by, bool* left) {
   const char* name = control::type_name(type);
   std::unique_lock<std::mutex> lock(mu_);
   for (int attempt = 0;; ++attempt) {
@@ -317,7 +327,8 @@ Result<Json> CoordinatorLink::request_until(MsgType type, const Json& body, Cloc
       if (!st.is_ok()) return st.with_context(name);
     }
     bool lost = false;
-    Result<Frame> f = exchange(lock, type, body, deadline, &lost);
+    Result<Frame> f = exchange(lock, type, body, deadline, &lost, reply_by, left);
+    if (left && *left) return f.status();
     if (f.is_ok()) {
       Result<Json> r = control::reply_result(name, std::move(f).value());
       if (r.is_ok()) {
@@ -364,8 +375,12 @@ void CoordinatorLink::reader_loop(Connection* c, control::FrameDecoder decoder, 
           if (error && frame.body.is_object() && frame.body.contains("reason") && frame.body["reason"].is_string()) {
             reason = frame.body["reason"].get<std::string>();
           }
+          auto late = std::find(late_heartbeats_.begin(), late_heartbeats_.end(), frame.id);
           if (it != pending_.end() && !it->second) {
             it->second = std::move(frame);
+          } else if (late != late_heartbeats_.end()) {
+            late_heartbeats_.erase(late);
+            if (!error) heartbeat_answered(control::reply_result("heartbeat", std::move(frame)));
           } else if (!error) {
             log_.debug("coordinator connection: dropped the reply to request " + std::to_string(frame.id) +
                        ", which came after its request gave up");
@@ -445,6 +460,7 @@ void CoordinatorLink::start_heartbeat(control::MemberRef member) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     member_ = member;
+    late_heartbeats_.clear();  // replies about the member before this one
     dropped_.store(false, std::memory_order_release);
   }
   if (heartbeat_.joinable()) return;
@@ -464,10 +480,27 @@ void CoordinatorLink::stop_heartbeat() {
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
+void CoordinatorLink::heartbeat_answered(const Result<Json>& reply) {
+  if (reply.status().code() == Code::kNotFound) {  // declared dead: no use going on
+    member_.reset();
+    registration_.reset();
+    dropped_.store(true, std::memory_order_release);
+    log_.warn("heartbeat: " + reply.status().message() +
+              ": the coordinator declared this member dead (its heartbeats came later than the coordinator's "
+              "timeout); it registers again at its next refresh or publish");
+  } else if (!reply.is_ok()) {
+    log_.warn("heartbeat: " + reply.status().message());
+  }
+}
+
 void CoordinatorLink::heartbeat_loop() {
   std::unique_lock<std::mutex> hb(hb_mutex_);
-  while (!hb_cv_.wait_for(hb, config_.heartbeat, [this] { return hb_stop_; })) {
+  // One heartbeat every config_.heartbeat from the last one sent, whether or
+  // not its reply came.
+  Clock::time_point next = Clock::now() + config_.heartbeat;
+  while (!hb_cv_.wait_until(hb, next, [this] { return hb_stop_; })) {
     hb.unlock();
+    next = Clock::now() + config_.heartbeat;
     // A failure here is logged; the thread goes on (and never ends the process).
     try {
       std::optional<control::MemberRef> member;
@@ -476,19 +509,12 @@ void CoordinatorLink::heartbeat_loop() {
         member = member_;
       }
       if (member) {
-        Result<Json> reply = request(MsgType::kHeartbeat, control::to_json(*member));
-        if (reply.status().code() == Code::kNotFound) {  // declared dead: no use going on
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            member_.reset();
-            registration_.reset();
-          }
-          dropped_.store(true, std::memory_order_release);
-          log_.warn("heartbeat: " + reply.status().message() +
-                    ": the coordinator declared this member dead (its heartbeats came later than the coordinator's "
-                    "timeout); it registers again at its next refresh or publish");
-        } else if (!reply.is_ok()) {
-          log_.warn("heartbeat: " + reply.status().message());
+        bool left = false;
+        Result<Json> reply = request_until(MsgType::kHeartbeat, control::to_json(*member),
+                                           Clock::now() + config_.coordinator.timeout, next, &left);
+        if (!left) {
+          std::lock_guard<std::mutex> lock(mu_);
+          heartbeat_answered(reply);
         }
       }
     } catch (const std::exception& e) {

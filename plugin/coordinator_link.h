@@ -21,10 +21,15 @@
 // other fails, saying it may or may not have been applied.
 //
 // The heartbeat thread sends one heartbeat per member every config.heartbeat
-// and logs (does not stop on) a failed one. A reply that the member is not
-// registered means the coordinator declared it dead (its heartbeats came too
-// late, e.g. on a starved machine): the link then says dropped(), stops
-// heartbeating, and the agent registers again at its next join.
+// and logs (does not stop on) a failed one. It waits for a heartbeat's reply
+// only until the next is due: a reply may come seconds late, queued behind
+// a plan part of megabytes that the coordinator sent first and the reader
+// decodes first, while the coordinator has read the heartbeat long before.
+// The next heartbeat goes out meanwhile, and the reader checks the late
+// reply. A reply that the member is not registered means the coordinator
+// declared it dead (its heartbeats came too late, e.g. on a starved
+// machine): the link then says dropped(), stops heartbeating, and the agent
+// registers again at its next join.
 
 #include <atomic>
 #include <chrono>
@@ -100,7 +105,10 @@ class CoordinatorLink {
   // Connects and authenticates a new connection before `deadline`, then
   // replays the registration and the subscription. Caller holds mu_ (lock).
   Status reconnect(std::unique_lock<std::mutex>& lock, Clock::time_point deadline);
-  Result<control::Json> request_until(control::MsgType type, const control::Json& body, Clock::time_point deadline);
+  // reply_by: a heartbeat's reply not come by then is left to the reader
+  // (late_heartbeats_) and *left set; nothing else passes it.
+  Result<control::Json> request_until(control::MsgType type, const control::Json& body, Clock::time_point deadline,
+                                      Clock::time_point reply_by = Clock::time_point::max(), bool* left = nullptr);
   Status connect_once(Clock::time_point deadline, std::unique_lock<std::mutex>& lock);
   void reader_loop(Connection* c, control::FrameDecoder decoder, uint64_t generation);
   void broken(uint64_t generation, const std::string& why);  // caller holds mu_
@@ -108,8 +116,12 @@ class CoordinatorLink {
   // Sends one request on the current connection and waits for its reply.
   // Caller holds mu_ (lock); it is released while waiting.
   Result<control::Frame> exchange(std::unique_lock<std::mutex>& lock, control::MsgType type,
-                                  const control::Json& body, Clock::time_point deadline, bool* lost);
+                                  const control::Json& body, Clock::time_point deadline, bool* lost,
+                                  Clock::time_point reply_by = Clock::time_point::max(), bool* left = nullptr);
   void heartbeat_loop();
+  // A heartbeat's reply: a member the coordinator no longer holds is
+  // dropped (see above). Caller holds mu_.
+  void heartbeat_answered(const Result<control::Json>& reply);
 
   AgentConfig config_;
   const Log& log_;
@@ -134,6 +146,10 @@ class CoordinatorLink {
   std::map<uint32_t, std::optional<control::Frame>> pending_;
   std::deque<control::Frame> notices_;  // at most kMaxNotices
   static constexpr size_t kMaxNotices = 1024;
+  // Heartbeats whose replies the reader checks when they come, by id; the
+  // oldest forgotten past kMaxLateHeartbeats, all at a new connection.
+  std::deque<uint32_t> late_heartbeats_;
+  static constexpr size_t kMaxLateHeartbeats = 64;
   // What a new connection sends again (see above).
   std::optional<std::pair<control::MsgType, control::Json>> registration_;
   bool subscribed_ = false;

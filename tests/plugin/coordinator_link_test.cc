@@ -229,6 +229,51 @@ TEST_F(LinkThroughRelay, ABrokenConnectionIsMadeAgainAndTheMemberRegisteredWithi
   link_->stop_heartbeat();
 }
 
+// The coordinator's replies reach the link 2.5 s late (the relay holds
+// them, as a plan part of megabytes sent first holds up the replies queued
+// behind it), 2.5 times the heartbeat timeout, while the coordinator reads
+// what the link sends at once. The link does not wait for a heartbeat's
+// reply to send the next: the member lives throughout.
+TEST_F(LinkThroughRelay, HeartbeatsGoOnWhileTheirRepliesAreHeldUp) {
+  control::CoordinatorConfig cc;
+  cc.heartbeat_timeout = std::chrono::milliseconds(1000);  // 10 heartbeats long
+  std::atomic<bool> hold{false};
+  std::atomic<size_t> to_coordinator{0};  // frames passed to the coordinator
+  start(cc, [&](Direction d, size_t, std::vector<uint8_t> frame) {
+    if (d == Direction::kToCoordinator) ++to_coordinator;
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    while (d == Direction::kToClient && hold.load() && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return Frames{std::move(frame)};
+  }, /*timeout_ms=*/5000);
+  ASSERT_TRUE(register_receiver().is_ok());
+  link_->start_heartbeat(control::MemberRef{control::Role::kReceiver, 0});
+  const size_t registered = to_coordinator.load();
+  const auto beat_by = Clock::now() + std::chrono::seconds(5);
+  while (to_coordinator.load() == registered && Clock::now() < beat_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GT(to_coordinator.load(), registered) << "no heartbeat reached the coordinator";
+  hold = true;
+  const size_t held_from = to_coordinator.load();
+  for (const auto until = Clock::now() + std::chrono::milliseconds(2500); Clock::now() < until;) {
+    ASSERT_EQ(receivers(), 1u) << "the member was declared dead while its heartbeats' replies were held up";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_GE(to_coordinator.load() - held_from, 10u) << "heartbeats stopped while their replies were held up";
+  hold = false;
+  // The held replies arrive; heartbeats and their replies go on as before.
+  for (const auto until = Clock::now() + std::chrono::milliseconds(1500); Clock::now() < until;) {
+    ASSERT_EQ(receivers(), 1u);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_FALSE(link_->dropped());
+  EXPECT_EQ(link_->connections(), 1u);
+  EXPECT_EQ(wait_log("declared dead", std::chrono::milliseconds(0)), "");
+  link_->stop_heartbeat();
+}
+
 // One bit of the registration flipped on the path after authentication: the
 // coordinator closes the connection with a log line and registers nothing.
 TEST_F(LinkThroughRelay, AFlippedBitClosesTheConnectionAndNothingIsApplied) {

@@ -728,6 +728,13 @@ bool ControlState::install_plan(std::shared_ptr<const PlannedParts> plan) {
 }
 
 Result<Json> ControlState::cached_part(int32_t rank) const {
+  Result<const Json*> part = cached_part_ref(rank);
+  if (!part.is_ok()) return part.status();
+  return **part;
+}
+
+Result<const Json*> ControlState::cached_part_ref(int32_t rank) const {
+  static const Json kNoRuns = Json::array();
   if (auto r = receivers_.find(rank); r != receivers_.end()) {
     // Left out of the plan: the others are planned without it.
     REFIT_RETURN_IF_ERROR(
@@ -738,7 +745,7 @@ Result<Json> ControlState::cached_part(int32_t rank) const {
   const PlannedParts& plan = *(solo ? solo_plan_ : plan_);
   if (!plan.status.is_ok()) return plan.status.with_context("fetch_plan: the membership cannot be planned");
   auto it = plan.parts.find(rank);
-  return it == plan.parts.end() ? Json::array() : it->second;
+  return it == plan.parts.end() ? &kNoRuns : &it->second;
 }
 
 Json ControlState::plan_totals(int32_t rank) const {

@@ -183,6 +183,9 @@ class ControlState {
   bool install_plan(std::shared_ptr<const PlannedParts> plan);
   // REQUIRES: plan_current(rank). Fails when the membership could not be planned.
   Result<Json> cached_part(int32_t rank) const;
+  // The same without a copy (parts of cluster scale are megabytes); it lives
+  // until the next install_plan().
+  Result<const Json*> cached_part_ref(int32_t rank) const;
   // REQUIRES: plan_current(rank). The plan's totals, as a fetch_plan reply carries them.
   Json plan_totals(int32_t rank) const;
   // The epoch a fetch_plan reply names for `rank`'s part: the membership

@@ -3,6 +3,7 @@
 #include <boost/asio.hpp>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -78,6 +79,7 @@ class Coordinator::Impl {
       : config_(std::move(config)),
         acceptor_(io_),
         sweeper_(io_),
+        pulse_(io_),
         state_(config_.state, config_.heartbeat_timeout) {
     state_.set_lease_timeout(config_.lease_timeout);
     if (!config_.log) {
@@ -88,6 +90,7 @@ class Coordinator::Impl {
   Status listen();
   void run() {
     thread_ = std::thread([this] {
+      pulse();
       accept();
       sweep();
       // A handler that throws (memory, a bug) is logged and the loop goes
@@ -114,6 +117,24 @@ class Coordinator::Impl {
   // I/O thread only, from here on.
   void accept();
   void sweep();
+  // The clock heartbeats and leases are counted on, and read and write
+  // deadlines too where the peer did its part (Session::peer_ready): steady
+  // time less the time the I/O thread was held up (a costly handler, the
+  // process not scheduled), as the pulse measured it. While the I/O thread
+  // does not run, frames that members sent wait unread in the socket
+  // buffers: that time is nobody's silence, and a deadline that counted it
+  // would declare members dead and drop connections for the coordinator's
+  // own delay.
+  Clock::time_point listening_now() {
+    const auto now = Clock::now();
+    if (now > pulse_due_) {
+      stalled_ += now - pulse_due_;
+      pulse_due_ = now;
+    }
+    return now - stalled_;
+  }
+  // Runs every kPulse; whatever it comes late by is time the I/O thread was held up.
+  void pulse();
   void shutdown();
   // Peers choose some of the text in a line (names, reasons): control
   // characters are replaced so that a peer cannot forge log lines.
@@ -143,6 +164,9 @@ class Coordinator::Impl {
   void handle_request(const std::shared_ptr<Session>& s, Frame frame);
   void deliver_notices();
   void answer_fetch(Session& s, const FetchPlan& request);
+  // Answers the first waiting fetch that the current plan serves, then
+  // posts itself for the next (one reply of maybe megabytes per turn).
+  void answer_next();
   void start_planning();
   void on_planned(std::shared_ptr<const PlannedParts> plan, int64_t ms);
 
@@ -150,6 +174,10 @@ class Coordinator::Impl {
   asio::io_context io_;
   tcp::acceptor acceptor_;
   asio::steady_timer sweeper_;
+  static constexpr std::chrono::milliseconds kPulse{50};
+  asio::steady_timer pulse_;
+  Clock::time_point pulse_due_ = Clock::time_point::max();  // when the pulse is next due
+  Clock::duration stalled_{0};  // held up so far, in all (listening_now())
   ControlState state_;
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions_;
   // The sessions still authenticating, oldest (lowest id) first; a subset of sessions_.
@@ -162,6 +190,7 @@ class Coordinator::Impl {
   Mac role_keys_[3] = {};  // by AuthRole
   asio::thread_pool planner_{1};  // runs compute_plan; touches no member
   bool planning_ = false;
+  bool answering_ = false;  // an answer_next() is posted
   std::vector<std::pair<std::weak_ptr<Session>, FetchPlan>> pending_fetches_;  // paused sessions, their requests
   // Per receiver rank: the runs and peers of its part, as the typed
   // messages serialize them (messages.h), for the plan epoch they were made
@@ -292,9 +321,20 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  // A read or write deadline that passes while the I/O thread was held up
+  // (Impl::listening_now) waits for the rest of it on the listening clock,
+  // provided the peer did its part meanwhile: its bytes wait unread
+  // (POLLIN) or it took ours (POLLOUT). A peer that did not is dropped at
+  // the deadline as ever (a half frame's sender, a reader that reads nothing).
+  bool peer_ready(short events) {
+    pollfd p{socket_.native_handle(), events, 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & events) != 0;
+  }
+
   void set_read_deadline(std::chrono::milliseconds d, const char* what) {
     read_deadline_what_ = what;
     read_timeout_ = d;
+    read_deadline_ = co_.listening_now() + d;
     read_timer_.expires_after(d);
   }
 
@@ -302,10 +342,15 @@ class Session : public std::enable_shared_from_this<Session> {
     read_timer_.async_wait([self = shared_from_this()](error_code) {
       if (self->closed_) return;
       if (self->read_timer_.expiry() <= asio::steady_timer::clock_type::now()) {
-        self->close(std::string(self->read_deadline_what_) + " within " +
-                        std::to_string(self->read_timeout_.count()) + " ms; dropped",
-                    true);
-        return;
+        const auto left = self->read_deadline_ - self->co_.listening_now();
+        if (left > Clock::duration::zero() && self->peer_ready(POLLIN)) {
+          self->read_timer_.expires_after(left);
+        } else {
+          self->close(std::string(self->read_deadline_what_) + " within " +
+                          std::to_string(self->read_timeout_.count()) + " ms; dropped",
+                      true);
+          return;
+        }
       }
       self->watch_read_deadline();
     });
@@ -498,15 +543,26 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void write() {
     writing_ = true;
+    write_deadline_ = co_.listening_now() + co_.config_.write_timeout;
     write_timer_.expires_after(co_.config_.write_timeout);
+    watch_write_deadline();
+    asio::async_write(socket_, asio::buffer(queue_.front()), [self = shared_from_this()](error_code ec, size_t) {
+      self->on_write(ec);
+    });
+  }
+
+  void watch_write_deadline() {
     write_timer_.async_wait([self = shared_from_this()](error_code ec) {
       if (ec || self->closed_ || !self->writing_) return;
+      const auto left = self->write_deadline_ - self->co_.listening_now();
+      if (left > Clock::duration::zero() && self->peer_ready(POLLOUT)) {
+        self->write_timer_.expires_after(left);
+        self->watch_write_deadline();
+        return;
+      }
       self->close("did not take a reply within " + std::to_string(self->co_.config_.write_timeout.count()) +
                       " ms; dropped",
                   true);
-    });
-    asio::async_write(socket_, asio::buffer(queue_.front()), [self = shared_from_this()](error_code ec, size_t) {
-      self->on_write(ec);
     });
   }
 
@@ -547,6 +603,8 @@ class Session : public std::enable_shared_from_this<Session> {
   bool paused_ = false;
   const char* read_deadline_what_ = "";
   std::chrono::milliseconds read_timeout_{0};
+  Clock::time_point read_deadline_{};   // on co_'s listening clock
+  Clock::time_point write_deadline_{};  // of the write in progress, on co_'s listening clock
   Nonce nonce_{};
   AuthRole role_ = AuthRole::kAny;  // once authenticated_
   FrameSealer sealer_;              // active once authenticated_
@@ -664,6 +722,16 @@ void Coordinator::Impl::accept() {
   });
 }
 
+void Coordinator::Impl::pulse() {
+  listening_now();  // counts what this pulse came late by
+  pulse_due_ = Clock::now() + kPulse;
+  pulse_.expires_at(pulse_due_);
+  pulse_.async_wait([this](error_code ec) {
+    if (ec || shutting_down_) return;
+    pulse();
+  });
+}
+
 void Coordinator::Impl::sweep() {
   auto period = config_.heartbeat_timeout / 4;
   if (period < std::chrono::milliseconds(10)) period = std::chrono::milliseconds(10);
@@ -671,8 +739,10 @@ void Coordinator::Impl::sweep() {
   sweeper_.async_wait([this](error_code ec) {
     if (ec || shutting_down_) return;
     // A connection whose fetch_plan waits for the planner is not read
-    // meanwhile, its heartbeats included: its members live.
-    const auto now = Clock::now();
+    // meanwhile, its heartbeats included: its members live. Silence is
+    // counted on the listening clock: frames that waited unread while the
+    // I/O thread was held up are not silence.
+    const auto now = listening_now();
     for (const auto& [weak, request] : pending_fetches_) {
       if (auto s = weak.lock(); s && !s->closed()) state_.touch_session(s->id(), now);
     }
@@ -689,6 +759,7 @@ void Coordinator::Impl::shutdown() {
   error_code ec;
   acceptor_.close(ec);
   sweeper_.cancel();
+  pulse_.cancel();
   std::vector<std::shared_ptr<Session>> live;
   for (auto& [id, w] : sessions_) {
     if (auto s = w.lock()) live.push_back(std::move(s));
@@ -698,7 +769,7 @@ void Coordinator::Impl::shutdown() {
 }
 
 void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame frame) {
-  const auto now = Clock::now();
+  const auto now = listening_now();
   const MessageLimits& lim = config_.messages;
   const uint64_t id = s->id();
   Status st;
@@ -841,7 +912,8 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
 }
 
 void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
-  Result<Json> part = state_.cached_part(request.rank);
+  if (config_.test_answer_delay.count() > 0) std::this_thread::sleep_for(config_.test_answer_delay);
+  Result<const Json*> part = state_.cached_part_ref(request.rank);
   if (!part.is_ok()) {
     log("refused a request from " + s.peer() + ": " + part.status().message());
     s.reply("fetch_plan", reply(part.status()));
@@ -862,8 +934,8 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
   }
   PartReply& cached = part_replies_[request.rank];
   if (st.is_ok() && (cached.epoch != reply_part.epoch.wire() || cached.runs.is_null())) {
-    Result<std::vector<PlanRun>> runs = parse_plan_runs(*part);
-    Result<PlanPeers> peers = runs.is_ok() ? parse_plan_peers(state_.peers_of(request.rank, *part)) : runs.status();
+    Result<std::vector<PlanRun>> runs = parse_plan_runs(**part);
+    Result<PlanPeers> peers = runs.is_ok() ? parse_plan_peers(state_.peers_of(request.rank, **part)) : runs.status();
     st = peers.status();
     if (st.is_ok()) {
       PlanPart typed;
@@ -880,10 +952,15 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
     s.reply("fetch_plan", reply(bug));
     return;
   }
+  // The cached runs are megabytes at cluster scale: moved into the reply
+  // and back once it is encoded, not copied (a copy cost the I/O thread
+  // half a second a reply on a loaded machine).
   Json body = to_json(reply_part);
-  body["runs"] = cached.runs;
-  body["peers"] = cached.peers;
+  body["runs"] = std::move(cached.runs);
+  body["peers"] = std::move(cached.peers);
   s.reply("fetch_plan", body);
+  cached.runs = std::move(body["runs"]);
+  cached.peers = std::move(body["peers"]);
 }
 
 // Planning a cluster-scale layout takes seconds: it runs on planner_, one
@@ -920,25 +997,45 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
   }
   log("planned membership " + std::to_string(epoch) + (solo ? " (solo)" : "") + " in " + std::to_string(ms) + " ms" +
       (ok ? "" : " (it cannot be planned)"));
-  auto pending = std::move(pending_fetches_);
-  pending_fetches_.clear();
-  const auto now = Clock::now();
-  for (auto& [weak, request] : pending) {
-    auto s = weak.lock();
-    if (!s || s->closed()) continue;
-    state_.touch_session(s->id(), now);  // its heartbeats waited behind the plan
-    Status st = state_.check_fetch(s->id(), request.rank);  // it may have left meanwhile
-    if (st.is_ok() && !state_.plan_current(request.rank)) {
-      pending_fetches_.emplace_back(weak, request);  // it needs the other plan
+  if (!answering_) {
+    answering_ = true;
+    asio::post(io_, [this] { answer_next(); });
+  }
+}
+
+// A reply of a cluster-scale plan part takes the I/O thread a while to build
+// (megabytes): one per turn, so that the other connections' frames, the
+// heartbeats of the members that wait, are read between them.
+void Coordinator::Impl::answer_next() {
+  answering_ = false;
+  if (shutting_down_) return;
+  for (auto it = pending_fetches_.begin(); it != pending_fetches_.end();) {
+    auto s = it->first.lock();
+    if (!s || s->closed()) {
+      it = pending_fetches_.erase(it);
       continue;
     }
+    const FetchPlan request = it->second;
+    Status st = state_.check_fetch(s->id(), request.rank);  // it may have left meanwhile
+    if (st.is_ok() && !state_.plan_current(request.rank)) {  // it needs the other plan
+      ++it;
+      continue;
+    }
+    // Its heartbeats waited behind the plan.
+    state_.touch_session(s->id(), listening_now());
+    pending_fetches_.erase(it);
     if (st.is_ok()) {
       answer_fetch(*s, request);
     } else {
       s->reply("fetch_plan", reply(st));
     }
     s->resume();
+    deliver_notices();
+    answering_ = true;
+    asio::post(io_, [this] { answer_next(); });
+    return;
   }
+  // Every fetch the current plans serve is answered; the others need a new plan.
   if (!pending_fetches_.empty()) start_planning();
   deliver_notices();
 }

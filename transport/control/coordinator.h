@@ -43,6 +43,16 @@
 // alive meanwhile (their heartbeats wait behind the plan), however long the
 // plan takes.
 //
+// Heartbeats and leases are counted on a clock that stops while the I/O
+// thread is held up (a costly reply, the process not scheduled): frames a
+// member sent meanwhile wait unread in the socket, and the coordinator's
+// own delay is nobody's silence. A 50 ms pulse on the I/O thread measures
+// the holdup. A read or write deadline that passes during a holdup is
+// extended likewise, when the peer did its part (its bytes wait unread, or
+// it took the coordinator's). Replies to the fetches that waited for a plan are built one
+// per turn of the I/O thread, so that the others' frames are read between
+// them.
+//
 // Thread safety: start(), stop(), port() and stats() may be called from any
 // thread. Everything else (acceptor, sessions, state) belongs to the I/O
 // thread; `log` is called on it. The planning thread sees only a copy of the
@@ -103,6 +113,10 @@ struct CoordinatorConfig {
   // least this much longer, standing in for a membership of cluster scale,
   // so that tests can show the coordinator serving everyone meanwhile.
   std::chrono::milliseconds test_plan_delay{0};
+  // Test only, likewise: answering a fetch_plan holds the I/O thread at
+  // least this much longer, standing in for a plan part of megabytes built
+  // on a loaded machine.
+  std::chrono::milliseconds test_answer_delay{0};
 };
 
 struct CoordinatorStats {

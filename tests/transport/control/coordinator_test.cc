@@ -617,6 +617,67 @@ TEST_F(Coordinators, DeclaresAKilledClientDeadByHeartbeatTimeout) {
   expect_serving();
 }
 
+// The I/O thread is held up for 2.5 s answering a fetch (test_answer_delay,
+// standing in for a plan part of megabytes built on a loaded machine), three
+// times the heartbeat timeout, while a source heartbeats every 100 ms: its
+// heartbeats wait unread in the socket meanwhile. That is the coordinator's
+// delay, not the source's silence: nobody is declared dead and no connection
+// is dropped for a deadline (idle_timeout is 1 s too), and the source goes on
+// being served.
+TEST_F(Coordinators, AnIoThreadHeldUpPastTheHeartbeatTimeoutDeclaresNobodyDead) {
+  CoordinatorConfig c;
+  c.heartbeat_timeout = 800ms;
+  c.idle_timeout = 1000ms;
+  c.test_answer_delay = 2500ms;
+  start(c);
+  auto src = good_client();
+  auto rcv = good_client();
+  ASSERT_TRUE(src && rcv);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  ASSERT_TRUE(rcv->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  std::atomic<bool> stop{false};
+  std::mutex failure_mu;
+  std::string failure;  // the first heartbeat that failed
+  std::thread beats([&] {
+    while (!stop.load()) {
+      auto r = src->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}});
+      if (!r.is_ok()) {
+        std::lock_guard<std::mutex> lock(failure_mu);
+        if (failure.empty()) failure = r.status().message();
+      }
+      std::this_thread::sleep_for(100ms);
+    }
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto part = rcv->request(MsgType::kFetchPlan, Json{{"rank", 0}});
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_TRUE(part.is_ok()) << part.status().message();
+  EXPECT_GE(took, 2500ms) << "the answer was to hold the I/O thread past the heartbeat timeout";
+  // The sweep after the holdup has run by now; both members stay (the
+  // receiver heartbeats again too), at every look, for two heartbeat
+  // timeouts more.
+  for (const auto until = std::chrono::steady_clock::now() + 1600ms; std::chrono::steady_clock::now() < until;) {
+    auto beat = rcv->request(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 0}});
+    EXPECT_TRUE(beat.is_ok()) << beat.status().message();
+    auto st = co_->stats();
+    EXPECT_TRUE(st.is_ok()) << st.status().message();
+    if (!beat.is_ok() || !st.is_ok() || st->sources != 1 || st->receivers != 1) {
+      ADD_FAILURE() << "a member was declared dead: " << (st.is_ok() ? st->sources : 0) << " sources, "
+                    << (st.is_ok() ? st->receivers : 0) << " receivers";
+      break;
+    }
+    std::this_thread::sleep_for(100ms);
+  }
+  stop = true;
+  beats.join();
+  EXPECT_EQ(failure, "") << "a heartbeat failed";
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& l : logs_) {
+    EXPECT_EQ(l.find("declared dead"), std::string::npos) << l;
+    EXPECT_EQ(l.find("dropped"), std::string::npos) << l;
+  }
+}
+
 // The plan part each receiver fetches equals the runs refit-plan writes
 // (write_runs_json) for the same layout file, and is replanned when the
 // membership changes.
