@@ -32,6 +32,7 @@ enum class Reason {
   kDrained,             // the version was drained: the sources may be overwriting it
   kInstanceIncomplete,  // a rank of the instance has not registered (yet)
   kNoThread,            // the system refused a thread
+  kNotRegistered,       // the coordinator holds no registration of the member (declared dead): register again, retry
 };
 inline const char* reason_name(Reason r) {
   switch (r) {
@@ -44,6 +45,7 @@ inline const char* reason_name(Reason r) {
     case Reason::kDrained: return "drained";
     case Reason::kInstanceIncomplete: return "instance_incomplete";
     case Reason::kNoThread: return "no_thread";
+    case Reason::kNotRegistered: return "not_registered";
   }
   return "none";
 }
@@ -52,7 +54,8 @@ inline const char* reason_name(Reason r) {
 // (a peer's word is untrusted).
 inline Reason reason_from_name(const std::string& name) {
   for (Reason r : {Reason::kStaleMembership, Reason::kPeerLost, Reason::kInstanceAborted, Reason::kVerifyMismatch,
-                   Reason::kLeaseLost, Reason::kDrained, Reason::kInstanceIncomplete, Reason::kNoThread}) {
+                   Reason::kLeaseLost, Reason::kDrained, Reason::kInstanceIncomplete, Reason::kNoThread,
+                   Reason::kNotRegistered}) {
     if (name == reason_name(r)) return r;
   }
   return Reason::kNone;

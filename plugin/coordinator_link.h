@@ -23,8 +23,10 @@
 // The heartbeat thread sends one heartbeat per member every config.heartbeat
 // and logs (does not stop on) a failed one. A reply that the member is not
 // registered means the coordinator declared it dead (its heartbeats came too
-// late, e.g. on a starved machine): the link then says dropped(), stops
-// heartbeating, and the agent registers again at its next join.
+// late, e.g. on a starved machine, or a partition cut the host off): the
+// link then says dropped(), stops heartbeating, and the agent registers
+// again at its next join. Any other request answered so (reason
+// not_registered) says dropped() too: it may hear first.
 
 #include <atomic>
 #include <chrono>

@@ -227,16 +227,24 @@ Status SourceAgent::publish(int64_t version) {
     }
   }
   log_.set_version(version);
-  control::Json body{{"version", version}};
-  if (config_.verify) {
-    Result<control::Json> hashes = hash_served();
-    if (!hashes.is_ok()) return hashes.status().with_context("publish " + std::to_string(version) + ": verify");
-    body["hashes"] = std::move(hashes).value();
+  // Twice at most: a source the coordinator declared dead before its
+  // heartbeat heard of it (a partition that healed) hears it here, and
+  // registers again (join) before the second try.
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0) REFIT_RETURN_IF_ERROR(join());
+    control::Json body{{"version", version}};
+    Status st;
+    if (config_.verify) {
+      Result<control::Json> hashes = hash_served();
+      if (hashes.is_ok()) body["hashes"] = std::move(hashes).value();
+      else st = hashes.status().with_context("publish " + std::to_string(version) + ": verify");
+    }
+    if (st.is_ok()) st = link_->request(MsgType::kPublishVersion, body).status();
+    if (st.reason() == Reason::kNotRegistered && attempt == 0) continue;
+    if (!st.is_ok()) return st;
+    published_ = version;
+    return Status::ok();
   }
-  Result<control::Json> r = link_->request(MsgType::kPublishVersion, body);
-  if (!r.is_ok()) return r.status();
-  published_ = version;
-  return Status::ok();
 }
 
 Result<control::Json> SourceAgent::hash_served() {
