@@ -324,6 +324,12 @@ Status SourceAgent::wait_drained(int64_t version, std::chrono::milliseconds time
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (!joined_) return Status::invalid("wait_drained: this source has not joined");
   Result<control::Json> r = link_->request(MsgType::kWaitDrained, control::Json{{"version", version}});
+  if (!r.is_ok() && r.status().reason() == Reason::kNotRegistered) {
+    // Declared dead (a partition that healed): registered again, it waits
+    // like any source; receivers may still hold leases on the version.
+    REFIT_RETURN_IF_ERROR(join());
+    r = link_->request(MsgType::kWaitDrained, control::Json{{"version", version}});
+  }
   if (!r.is_ok()) return r.status();
   if (r->value("drained", false)) return Status::ok();
   while (true) {

@@ -942,7 +942,11 @@ bool ControlState::drained(int64_t version) const {
 Result<bool> ControlState::wait_drained(uint64_t session, int64_t version) {
   bool is_source = false;
   for (const auto& [rank, s] : sources_) is_source = is_source || s.session == session;
-  if (!is_source) return Status::invalid("wait_drained: only a connection that registered a source may wait");
+  if (!is_source) {
+    return Status::not_found("wait_drained: only a connection that registered a source may wait, and this one "
+                             "holds none (never registered, or declared dead)")
+        .with_reason(Reason::kNotRegistered);
+  }
   if (drained(version)) {
     drained_through_ = std::max(drained_through_, version);
     return true;
