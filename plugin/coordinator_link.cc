@@ -334,8 +334,10 @@ Result<Json> CoordinatorLink::request_until(MsgType type, const Json& body, Cloc
           member_.reset();
           registration_.reset();
           dropped_.store(true, std::memory_order_release);
-          log_.warn(std::string(name) + ": " + r.status().message() +
-                    ": the coordinator declared this member dead; it registers again at its next join");
+          if (type != MsgType::kHeartbeat) {  // the heartbeat's own loop says it
+            log_.warn(std::string(name) + ": " + r.status().message() +
+                      ": the coordinator declared this member dead; it registers again at its next join");
+          }
         }
         return r.status().with_context(name);
       }
