@@ -33,6 +33,7 @@ enum class Reason {
   kInstanceIncomplete,  // a rank of the instance has not registered (yet)
   kNoThread,            // the system refused a thread
   kRankHeld,            // the rank is registered on another open connection: tried again until the deadline
+  kNotRegistered,       // the coordinator holds no registration of the member (declared dead): register again, retry
 };
 inline const char* reason_name(Reason r) {
   switch (r) {
@@ -46,6 +47,7 @@ inline const char* reason_name(Reason r) {
     case Reason::kInstanceIncomplete: return "instance_incomplete";
     case Reason::kNoThread: return "no_thread";
     case Reason::kRankHeld: return "rank_held";
+    case Reason::kNotRegistered: return "not_registered";
   }
   return "none";
 }
@@ -55,7 +57,7 @@ inline const char* reason_name(Reason r) {
 inline Reason reason_from_name(const std::string& name) {
   for (Reason r : {Reason::kStaleMembership, Reason::kPeerLost, Reason::kInstanceAborted, Reason::kVerifyMismatch,
                    Reason::kLeaseLost, Reason::kDrained, Reason::kInstanceIncomplete, Reason::kNoThread,
-                   Reason::kRankHeld}) {
+                   Reason::kRankHeld, Reason::kNotRegistered}) {
     if (name == reason_name(r)) return r;
   }
   return Reason::kNone;

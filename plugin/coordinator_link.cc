@@ -336,7 +336,22 @@ Result<Json> CoordinatorLink::request_until(MsgType type, const Json& body, Cloc
         if (type == MsgType::kUnregister) registration_.reset();
         if (type == MsgType::kSubscribe) subscribed_ = true;
       }
-      if (!r.is_ok()) return r.status().with_context(name);
+      if (!r.is_ok()) {
+        // Any request, not only a heartbeat, may be the first to hear that
+        // the coordinator declared the member dead (a refresh right after a
+        // partition healed, while the heartbeat's own request still waits):
+        // dropped() then tells the agent to register again at once.
+        if (r.status().reason() == Reason::kNotRegistered && member_) {
+          member_.reset();
+          registration_.reset();
+          dropped_.store(true, std::memory_order_release);
+          if (type != MsgType::kHeartbeat) {  // the heartbeat's own loop says it
+            log_.warn(std::string(name) + ": " + r.status().message() +
+                      ": the coordinator declared this member dead; it registers again at its next join");
+          }
+        }
+        return r.status().with_context(name);
+      }
       return r;
     }
     const bool again = !up_ && Clock::now() < deadline && attempt < 2 && (!lost || retriable(type));

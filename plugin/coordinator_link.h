@@ -28,8 +28,10 @@
 // The next heartbeat goes out meanwhile, and the reader checks the late
 // reply. A reply that the member is not registered means the coordinator
 // declared it dead (its heartbeats came too late, e.g. on a starved
-// machine): the link then says dropped(), stops heartbeating, and the agent
-// registers again at its next join.
+// machine, or a partition cut the host off): the link then says dropped(),
+// stops heartbeating, and the agent registers again at its next join. Any
+// other request answered so (reason not_registered) says dropped() too: it
+// may hear first.
 
 #include <atomic>
 #include <chrono>

@@ -223,7 +223,10 @@ Status ReceiverAgent::attempts(int64_t version, Clock::time_point deadline, rece
       return st;
     }
     enter(ReceiverState::kFailed);
-    const bool again = report->version > 0 && receiver::RefreshSession::retryable(st) &&
+    // Declared dead before this refresh heard of it (its lease was refused):
+    // the next attempt registers again, whatever version it had reached.
+    const bool unregistered = st.reason() == Reason::kNotRegistered;
+    const bool again = (report->version > 0 || unregistered) && receiver::RefreshSession::retryable(st) &&
                        Clock::now() + kRetryPause * 2 < deadline;
     if (!again) return st;
     report->retries = ++retries;

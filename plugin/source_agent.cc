@@ -227,16 +227,24 @@ Status SourceAgent::publish(int64_t version) {
     }
   }
   log_.set_version(version);
-  control::Json body{{"version", version}};
-  if (config_.verify) {
-    Result<control::Json> hashes = hash_served();
-    if (!hashes.is_ok()) return hashes.status().with_context("publish " + std::to_string(version) + ": verify");
-    body["hashes"] = std::move(hashes).value();
+  // Twice at most: a source the coordinator declared dead before its
+  // heartbeat heard of it (a partition that healed) hears it here, and
+  // registers again (join) before the second try.
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0) REFIT_RETURN_IF_ERROR(join());
+    control::Json body{{"version", version}};
+    Status st;
+    if (config_.verify) {
+      Result<control::Json> hashes = hash_served();
+      if (hashes.is_ok()) body["hashes"] = std::move(hashes).value();
+      else st = hashes.status().with_context("publish " + std::to_string(version) + ": verify");
+    }
+    if (st.is_ok()) st = link_->request(MsgType::kPublishVersion, body).status();
+    if (st.reason() == Reason::kNotRegistered && attempt == 0) continue;
+    if (!st.is_ok()) return st;
+    published_ = version;
+    return Status::ok();
   }
-  Result<control::Json> r = link_->request(MsgType::kPublishVersion, body);
-  if (!r.is_ok()) return r.status();
-  published_ = version;
-  return Status::ok();
 }
 
 Result<control::Json> SourceAgent::hash_served() {
@@ -316,6 +324,12 @@ Status SourceAgent::wait_drained(int64_t version, std::chrono::milliseconds time
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (!joined_) return Status::invalid("wait_drained: this source has not joined");
   Result<control::Json> r = link_->request(MsgType::kWaitDrained, control::Json{{"version", version}});
+  if (!r.is_ok() && r.status().reason() == Reason::kNotRegistered) {
+    // Declared dead (a partition that healed): registered again, it waits
+    // like any source; receivers may still hold leases on the version.
+    REFIT_RETURN_IF_ERROR(join());
+    r = link_->request(MsgType::kWaitDrained, control::Json{{"version", version}});
+  }
   if (!r.is_ok()) return r.status();
   bool drained = r->value("drained", false);
   while (!drained) {

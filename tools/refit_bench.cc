@@ -232,6 +232,7 @@ struct Row {
   std::vector<int32_t> partition_failed;
   std::string partition_error;
   std::optional<bool> partition_live_intact;
+  bool partition_missed = false;
   std::vector<refit::bench::ResidentSample> resident;
   int64_t rss_first_kib = 0;
   int64_t rss_last_kib = 0;
@@ -492,6 +493,19 @@ void print_hosts(const refit::bench::Hosts& hosts, const HostMap& map, const std
                 static_cast<long long>(r.partitioned_version), r.partition_refresh_seconds,
                 failed.empty() ? "completed and verified on every receiver" : ("receivers " + failed + " failed: " + r.partition_error).c_str());
     if (r.partition_live_intact) std::printf("%s: live weights intact: %s\n", s, *r.partition_live_intact ? "yes" : "NO");
+    // The verdict (exit status, the verified column) from the same facts.
+    std::string verdict;
+    if (!r.error.empty()) {
+      verdict = "FAILED (exit status 1): " + r.error.substr(0, r.error.find('\n'));
+    } else if (r.partition_missed) {
+      verdict = "untested (exit status 77): the link went down after every refresh of version " +
+                std::to_string(r.partitioned_version) + " had returned; use a smaller fraction";
+    } else {
+      verdict = "passed: version " + std::to_string(r.partitioned_version) +
+                (failed.empty() ? " completed on every receiver" : " failed cleanly on receivers " + failed) +
+                ", and every version after it verified on every receiver";
+    }
+    std::printf("%s: partition verdict: %s\n", s, verdict.c_str());
   }
 }
 
@@ -544,7 +558,7 @@ int main(int argc, char** argv) {
   std::string hardware_file;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
-  double timeout_s = 60, heartbeat_timeout_s = 0;
+  double timeout_s = 60, heartbeat_timeout_s = 0, coordinator_timeout_s = 0;
   bool hosts_mode = false;
   std::string partition_text;
   refit::bench::LinkSettings link;
@@ -680,12 +694,19 @@ int main(int argc, char** argv) {
       "N >= 3), F times version N-2's refresh wall time after the refresh command, for S\n"
       "seconds (default: until every receiver answered), then up again; the receivers whose\n"
       "refresh returned OK complete the version (staged: the others must still hold version\n"
-      "N-2, every byte checked), and version N must verify on every receiver.\n"
+      "N-2, every byte checked), and version N must verify on every receiver. Every receiver\n"
+      "must answer within the library's bound on a failing refresh: --timeout, then two\n"
+      "coordinator calls (--coordinator-timeout) and the lease's release, plus 1 s. When the\n"
+      "host holds no source, every receiver of the other hosts must complete the version;\n"
+      "when it holds sources, the others complete it only from a replica on another host,\n"
+      "once the coordinator has declared the cut-off sources dead (--heartbeat-timeout).\n"
+      "A line \"partition verdict\" gives the outcome; a link that went down after every\n"
+      "refresh had returned tested nothing (exit status 77).\n"
       "\n"
       "A progress bar is drawn on stderr when it is a terminal; otherwise one line per\n"
       "strategy. Exit status: 0 all verified (and no mixed read), 1 a strategy failed, a\n"
       "byte was wrong or a read was mixed, 2 bad arguments or input files, 77 all verified\n"
-      "but a --kill landed after every refresh had returned (it tested nothing).",
+      "but a --kill or --partition landed after every refresh had returned (it tested nothing).",
       "refit-bench");
   app.add_option("--scenario", scenario_path, "scenario file (docs/formats.md)")->required();
   app.add_option("--models", models_dir, "folder of model manifests: <model>.json, <model>.safetensors or <model>/")
@@ -770,8 +791,13 @@ int main(int argc, char** argv) {
                  "HOST:PORT: the coordinator serves Prometheus metrics there while the run lasts, and stays up "
                  "after the last version until one more scrape came (at most 30 s); one strategy, refit or "
                  "no-dedup (docs/operations.md)");
-  app.add_option("--timeout", timeout_s, "seconds each step may take before the run fails (default 60)")
+  app.add_option("--timeout", timeout_s, "seconds each step may take before the run fails, and each refresh's deadline (default 60)")
       ->check(CLI::Range(1.0, 3600.0));
+  app.add_option("--coordinator-timeout", coordinator_timeout_s,
+                 "seconds each coordinator call of a rank may take (the agents' \"coordinator.timeout_ms\"; default: "
+                 "--timeout). A refresh step waits for the library's bound on a failing refresh: --timeout, then "
+                 "two coordinator calls and the lease's release (include/refit/refit.h)")
+      ->check(CLI::Range(0.1, 3600.0));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -831,6 +857,8 @@ int main(int argc, char** argv) {
   options.versions = versions;
   options.step_timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.refresh_timeout = options.step_timeout;
+  if (coordinator_timeout_s > 0)
+    options.coordinator_timeout = std::chrono::milliseconds(static_cast<int64_t>(coordinator_timeout_s * 1000));
   options.staged = mode == "staged";
   options.serve_check = serve_check;
   options.huge_pages = !small_pages;
@@ -948,6 +976,10 @@ int main(int argc, char** argv) {
       p.seconds = partition->seconds;
       const size_t k = static_cast<size_t>(std::stoul(partition->host));
       p.set_link = [hp, k](bool up) { return hp->set_up(k, up); };
+      for (size_t r = 0; r < host_map->receiver_host.size(); ++r)
+        if (host_map->receiver_host[r] == k) p.receivers.push_back(static_cast<int32_t>(r));
+      p.holds_sources = std::find(host_map->source_host.begin(), host_map->source_host.end(), k) !=
+                        host_map->source_host.end();
       options.partition = p;
     }
   }
@@ -956,7 +988,7 @@ int main(int argc, char** argv) {
   ordered_json all_reports = ordered_json::object();
   bool all_ok = true;
   bool trace_failed = false;
-  bool any_kill_missed = false;  // some --kill landed after every refresh had returned
+  bool any_kill_missed = false;  // some --kill or --partition landed after every refresh had returned
   // refit and no-dedup take turns version by version, each with processes
   // of its own (run_interleaved), unless --sequential or a membership test;
   // broadcast runs on its own.
@@ -1057,6 +1089,7 @@ int main(int argc, char** argv) {
     row.partition_failed = r.partition_failed;
     row.partition_error = r.partition_error;
     row.partition_live_intact = r.partition_live_intact;
+    row.partition_missed = r.partition_missed;
     row.resident = r.resident;
     row.rss_first_kib = r.resident_first_kib();
     row.rss_last_kib = r.resident_last_kib();
@@ -1074,7 +1107,7 @@ int main(int argc, char** argv) {
       for (size_t k = 0; k < r.versions.size(); ++k) per_version[k]["link_bytes"] = r.versions[k].link_bytes;
     all_reports[name] = std::move(per_version);
     all_ok = all_ok && row.verified && row.mixed_version_reads == 0;
-    any_kill_missed = any_kill_missed || row.kill_missed;
+    any_kill_missed = any_kill_missed || row.kill_missed || row.partition_missed;
     rows.push_back(row);
   }
 
@@ -1162,6 +1195,7 @@ int main(int argc, char** argv) {
         j["partition_failed_receivers"] = r.partition_failed;
         j["partition_error"] = text_or_null(r.partition_error);
         if (r.partition_live_intact) j["live_weights_intact"] = *r.partition_live_intact;
+        j["partition_missed"] = r.partition_missed;
       }
       j["rss_first_kib"] = r.rss_first_kib;
       j["rss_last_kib"] = r.rss_last_kib;

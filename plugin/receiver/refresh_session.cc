@@ -103,7 +103,8 @@ RefreshSession::RefreshSession(CoordinatorLink& link, const AgentConfig& config,
 bool RefreshSession::retryable(const Status& st) {
   switch (st.reason()) {
     case Reason::kPeerLost:
-    case Reason::kStaleMembership: return true;
+    case Reason::kStaleMembership:
+    case Reason::kNotRegistered: return true;  // the next attempt registers again first
     case Reason::kNone: return st.code() == Code::kIoError;  // the network or the coordinator connection
     default: return false;
   }

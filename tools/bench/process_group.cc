@@ -283,8 +283,10 @@ std::vector<ProcessGroup::Answer> ProcessGroup::request_tolerating(const std::ve
     if (victim_alive) until = std::min(until, kill_at);
     const int wait = ms_left(until);
     if (Clock::now() >= deadline) {
-      for (size_t k : which)
+      for (size_t k : which) {
         answers[k].error = children_[children[k]].name + ": no answer to \"" + what + "\" before the deadline";
+        answers[k].late = true;
+      }
       break;
     }
     int r = ::poll(fds.data(), fds.size(), wait);

@@ -86,6 +86,9 @@ class ProcessGroup {
     bool ok = false;
     Json reply;
     std::string error;
+    // No answer came before the deadline: the child may still be running
+    // the command, and its late answer would be read as the next one's.
+    bool late = false;
   };
   // Like request(), but a child's failure is its Answer, and nothing is
   // killed for it; with a victim, the victim (which may or may not be one of

@@ -119,11 +119,10 @@ class Runner {
 
  private:
   Clock::time_point deadline() const { return Clock::now() + options_.step_timeout; }
-  // Steps that pass refresh_timeout to the library wait a little longer, so
-  // that the library's own error (which names the cause) arrives first.
-  Clock::time_point refresh_deadline() const {
-    return Clock::now() + std::max<Clock::duration>(options_.step_timeout, options_.refresh_timeout + std::chrono::seconds(5));
-  }
+  // Steps that pass refresh_timeout to the library wait for its own bound
+  // (RunOptions::refresh_step_timeout), so that the library's error (which
+  // names the cause) arrives first.
+  Clock::time_point refresh_deadline() const { return Clock::now() + options_.refresh_step_timeout(); }
 
   // CPU time used so far by this run's processes: every child still
   // running and refit-bench itself (with the coordinator).
@@ -603,6 +602,7 @@ class Runner {
     int64_t killed_ns = 0;
     auto answers = group_.request_tolerating(rx, versioned("refresh", v, true), refresh_deadline(), victim, kill_at,
                                              &killed_ns);
+    REFIT_RETURN_IF_ERROR(no_late_answer(answers, v));
     std::vector<size_t> ok, failed;  // the other receivers, by how their refresh ended
     std::vector<Json> replies;       // ok's
     std::string error, victim_error;  // the first other receiver's error; the victim's
@@ -718,6 +718,24 @@ class Runner {
     return Status::ok();
   }
 
+  // A receiver that did not answer a tolerated refresh by its deadline
+  // (RunOptions::refresh_step_timeout) broke the library's bound on a
+  // failing refresh; asking it anything more would read that refresh's late
+  // answer as the next command's, so the run fails here.
+  Status no_late_answer(const std::vector<ProcessGroup::Answer>& answers, int64_t v) const {
+    std::string late;
+    for (const auto& a : answers)
+      if (a.late) late += (late.empty() ? "" : "; ") + a.error;
+    if (late.empty()) return Status::ok();
+    const auto bound = std::chrono::duration<double>(options_.refresh_step_timeout()).count();
+    char why[200];
+    std::snprintf(why, sizeof why,
+                  ": the refresh of version %lld outlasted the library's bound of %.1f s (refresh timeout, two "
+                  "coordinator calls, the lease's release)",
+                  static_cast<long long>(v), bound);
+    return Status::timeout(late + why);
+  }
+
   // The version whose refresh loses a host's link for a while
   // (RunOptions::partition). The version before it is live everywhere and
   // verified. The receivers whose refresh returned OK complete it (commit,
@@ -775,7 +793,11 @@ class Runner {
       if (!up.is_ok() && link_status.is_ok()) link_status = up;
     }
     if (!link_status.is_ok()) return link_status.with_context("partition");
-    if (!cut) result_.partitioned += "; the refresh ended before the cut";
+    REFIT_RETURN_IF_ERROR(no_late_answer(answers, v));
+    if (!cut) {
+      result_.partitioned += "; the refresh ended before the cut";
+      result_.partition_missed = true;
+    }
     VersionResult vr;
     vr.version = v;
     auto links1 = link_counters();
@@ -795,6 +817,14 @@ class Runner {
       if (std::find(failed.begin(), failed.end(), receivers.children[r]) != failed.end())
         result_.partition_failed.push_back(static_cast<int32_t>(r));
     step("version " + std::to_string(v) + ": refreshed, " + result_.partitioned);
+    if (!p.holds_sources) {
+      // Only the partitioned host's receivers lost their way to the sources.
+      for (int32_t r : result_.partition_failed) {
+        if (std::find(p.receivers.begin(), p.receivers.end(), r) != p.receivers.end()) continue;
+        return Status::io_error("version " + std::to_string(v) + ": " + result_.partitioned + ": receiver " +
+                                std::to_string(r) + ", on another host, failed too: " + result_.partition_error);
+      }
+    }
     if (!ok.empty()) {
       int64_t end = t0;
       sum_reports(replies, &vr, t0, &end);
@@ -975,6 +1005,12 @@ class Runner {
 
 }  // namespace
 
+std::chrono::milliseconds RunOptions::refresh_step_timeout() const {
+  // kReleaseGrace (500 ms) of the refresh session, and the answer's way back.
+  constexpr std::chrono::milliseconds kRelease{1000};
+  return std::max(step_timeout, refresh_timeout + 2 * coordinator_call_timeout() + kRelease);
+}
+
 bool RunResult::verified() const {
   if (!status.is_ok() || versions.empty()) return false;
   for (const VersionResult& v : versions)
@@ -1099,7 +1135,7 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
   c["domain"] = place.domain;
   if (place.receiver) c["instance"] = place.instance;
   c["coordinator"] = {{"address", coordinator_address}, {"token_file", token_file},
-                      {"timeout_ms", options.step_timeout.count()}};
+                      {"timeout_ms", options.coordinator_call_timeout().count()}};
   ordered_json net = {{"transports", options.network_transports}};
   if (!place.device.empty()) net["devices"] = {place.device};
   else if (!options.network_devices.empty()) net["devices"] = options.network_devices;

@@ -74,6 +74,19 @@ struct RunOptions {
   std::chrono::milliseconds step_timeout{60000};
   // Passed to refit_receiver_refresh and refit_source_wait_drained.
   std::chrono::milliseconds refresh_timeout{30000};
+  // The agents' "coordinator.timeout_ms" (each coordinator call's deadline);
+  // zero: step_timeout.
+  std::chrono::milliseconds coordinator_timeout{0};
+  std::chrono::milliseconds coordinator_call_timeout() const {
+    return coordinator_timeout.count() > 0 ? coordinator_timeout : step_timeout;
+  }
+  // A refresh (or drain) step waits for the library's own bound
+  // (include/refit/refit.h): refresh_timeout, then at most two coordinator
+  // calls that are not bounded by it (staged: the report, then the
+  // withdrawal; or a registration), then the lease's release, plus a second
+  // for the answer to come back; at least step_timeout. A rank that has not
+  // answered by then broke that bound, and the run fails naming it.
+  std::chrono::milliseconds refresh_step_timeout() const;
   std::string log_level = "warn";
   // Receivers in "mode": "staged", each refresh followed by a commit
   // (refit and no-dedup; broadcast ignores it).
@@ -145,14 +158,20 @@ struct RunOptions {
   // version before the last (needs versions >= 3), once `fraction` of the
   // version before's refresh wall time has passed since the refresh
   // command went out, for `seconds` (0: until every receiver answered),
-  // then up again (set_link(true)). The ranks on that host may fail that
-  // version; the last version must then verify on every receiver (refit
-  // and no-dedup; broadcast ignores it).
+  // then up again (set_link(true)). Every receiver must answer within
+  // refresh_step_timeout(). The receivers on that host may fail that
+  // version (staged: still holding the version before, every byte); when
+  // the host holds no source, every other receiver must complete it (with
+  // sources there, whether the others can depends on a replica elsewhere,
+  // and RunResult::partition_failed says). The last version must then
+  // verify on every receiver (refit and no-dedup; broadcast ignores it).
   struct Partition {
     std::string host;  // its name, for the result
     double fraction = 0.5;
     double seconds = 0;
     std::function<Status(bool up)> set_link;
+    std::vector<int32_t> receivers;  // the receiver ranks on that host
+    bool holds_sources = false;      // some source rank runs on that host
   };
   std::optional<Partition> partition;
   // The coordinator's Prometheus metrics (transport/control/fleet_metrics.h)
@@ -277,6 +296,9 @@ struct RunResult {
   std::vector<int32_t> partition_failed;
   std::string partition_error;
   std::optional<bool> partition_live_intact;
+  // The link went down only after every refresh of that version had
+  // returned: the partition tested nothing (as kill_missed).
+  bool partition_missed = false;
   // Every long-lived process, in spawn order, the bench itself first.
   std::vector<ResidentSample> resident;
   bool verified() const;  // status ok and every version verified

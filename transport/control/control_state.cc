@@ -291,7 +291,8 @@ Status ControlState::owned(const char* message, const std::map<int32_t, Member<T
   auto it = members.find(rank);
   if (it == members.end()) {
     return Status::not_found(std::string(message) + ": " + role_name(role) + " rank " +
-                             std::to_string(rank) + " is not registered");
+                             std::to_string(rank) + " is not registered")
+        .with_reason(Reason::kNotRegistered);
   }
   if (it->second.session != session) {
     return Status::invalid(std::string(message) + ": " + role_name(role) + " rank " +
@@ -401,7 +402,10 @@ Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxH
     if (s.session == session) mine.emplace_back(rank, &s);
   }
   if (mine.empty()) {
-    return Status::invalid("publish_version: only a connection that registered a source may publish");
+    // A source declared dead has no registration left: it registers again.
+    return Status::not_found("publish_version: only a connection that registered a source may publish, and this "
+                             "one holds none (never registered, or declared dead)")
+        .with_reason(Reason::kNotRegistered);
   }
   for (const auto& [rank, s] : mine) {
     if (version <= s->published) {
@@ -497,7 +501,11 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
       }
     }
   }
-  if (!is_source) return Status::invalid("verify_boxes: only a connection that registered a source may ask");
+  if (!is_source) {
+    return Status::not_found("verify_boxes: only a connection that registered a source may ask, and this one holds "
+                             "none (never registered, or declared dead)")
+        .with_reason(Reason::kNotRegistered);
+  }
   return Json{{"boxes", std::move(boxes)}};
 }
 
@@ -943,7 +951,11 @@ bool ControlState::drained(int64_t version) const {
 Result<bool> ControlState::wait_drained(uint64_t session, int64_t version) {
   bool is_source = false;
   for (const auto& [rank, s] : sources_) is_source = is_source || s.session == session;
-  if (!is_source) return Status::invalid("wait_drained: only a connection that registered a source may wait");
+  if (!is_source) {
+    return Status::not_found("wait_drained: only a connection that registered a source may wait, and this one "
+                             "holds none (never registered, or declared dead)")
+        .with_reason(Reason::kNotRegistered);
+  }
   if (drained(version)) {
     drained_through_ = std::max(drained_through_, version);
     return true;
