@@ -56,6 +56,7 @@
 #include <string>
 
 #include "planner/status.h"
+#include "transport/common/threads.h"
 #include "transport/control/control_state.h"
 #include "transport/control/frame_codec.h"
 #include "transport/control/messages.h"
@@ -103,6 +104,9 @@ struct CoordinatorConfig {
   // least this much longer, standing in for a membership of cluster scale,
   // so that tests can show the coordinator serving everyone meanwhile.
   std::chrono::milliseconds test_plan_delay{0};
+  // Starts the I/O thread (transport/common/threads.h): a refused one fails
+  // start(). Tests hand a factory that refuses; the agents hand theirs.
+  ThreadFactory threads;
 };
 
 struct CoordinatorStats {
