@@ -454,5 +454,15 @@ TEST(PointerProbe, HostMemoryIsHostMemory) {
   EXPECT_FALSE(probe_pointer(nullptr).device);
   EXPECT_EQ(probe_pointer(heap.data()).ordinal, -1);
 }
+// The copy thread starts in create(): refused, create() says so.
+TEST(HostCopyOps, ACopyThreadThatCannotStartFailsCreate) {
+  Result<std::unique_ptr<HostCopyOps>> ops =
+      HostCopyOps::create(std::chrono::microseconds(0), ThreadFactory::refusing_after(0));
+  ASSERT_FALSE(ops.is_ok());
+  EXPECT_EQ(ops.status().reason(), Reason::kNoThread);
+  EXPECT_NE(ops.status().message().find("cannot start the host copy thread"), std::string::npos)
+      << ops.status().message();
+}
+
 }  // namespace
 }  // namespace refit::cuda
