@@ -160,6 +160,7 @@ class MetricsServer::Impl {
       : options_(std::move(options)), render_(std::move(render)), acceptor_(io_) {
     tokens_ = options_.max_requests_per_second;
     last_refill_ = std::chrono::steady_clock::now();
+    if (options_.log) options_.threads.set_log([log = options_.log](const std::string& line) { log("metrics: " + line); });
   }
 
   Status listen();
