@@ -77,7 +77,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.staged = mode == "staged";
   } else {
     r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "log_format",
-                       "snapshot", "verify"});
+                       "snapshot", "verify", "test"});
     c.snapshot = r.boolean(doc, "", "snapshot", false);
   }
   c.verify = r.boolean(doc, "", "verify", false);
@@ -148,12 +148,6 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.gather.enabled = c.gather.below_bytes > 0;
     c.gather.max_bytes = r.integer(doc, "", "gather_bytes", c.gather.max_bytes, 1, int64_t{64} << 20);
     c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, 65536);
-    // Test-only switches (include/refit/refit.h, "test"): never for production.
-    if (const Json* t = r.member(doc, "", "test", false)) {
-      r.object(*t, "test", {"force_landing_ring", "refuse_threads_after"});
-      c.test.force_landing_ring = r.boolean(*t, "test", "force_landing_ring", false);
-      c.test.refuse_threads_after = r.integer(*t, "test", "refuse_threads_after", -1, 0, 1 << 20);
-    }
     if (const Json* rc = r.member(doc, "", "recipe", false)) {
       r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});
       RecipeConfig recipe;
@@ -170,6 +164,16 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
       recipe.gpus_per_domain = r.integer(*rc, "recipe", "gpus_per_domain", 0, 1, 1 << 20);
       c.recipe = recipe;
     }
+  }
+  // Test-only switches (include/refit/refit.h, "test"): never for production.
+  if (const Json* t = r.member(doc, "", "test", false)) {
+    if (receiver) {
+      r.object(*t, "test", {"force_landing_ring", "refuse_threads_after"});
+      c.test.force_landing_ring = r.boolean(*t, "test", "force_landing_ring", false);
+    } else {
+      r.object(*t, "test", {"refuse_threads_after"});
+    }
+    c.test.refuse_threads_after = r.integer(*t, "test", "refuse_threads_after", -1, 0, 1 << 20);
   }
   c.heartbeat = std::chrono::milliseconds(r.integer(doc, "", "heartbeat_ms", 1000, 10, 3600 * 1000));
   const std::string log_format = r.string(doc, "", "log_format", std::string("text"));

@@ -46,11 +46,11 @@ struct RecipeConfig {
   int64_t gpus_per_domain = 0;  // 0: tp*pp*dp
 };
 
-// Test-only switches of a receiver ("test" in its config): tests inject
-// what the library cannot be made to do on demand. Never for production.
+// Test-only switches of an agent ("test" in its config): tests inject what
+// the library cannot be made to do on demand. Never for production.
 struct TestSwitches {
-  bool force_landing_ring = false;    // host buffers take the GPU path's landing ring and copies
-  int64_t refuse_threads_after = -1;  // >= 0: the receiver starts that many threads, then is refused
+  bool force_landing_ring = false;    // receivers: host buffers take the GPU path's landing ring and copies
+  int64_t refuse_threads_after = -1;  // >= 0: the agent starts that many threads, then is refused
 };
 
 struct AgentConfig {

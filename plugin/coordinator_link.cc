@@ -54,10 +54,12 @@ Status write_all(int fd, const uint8_t* data, size_t size, std::chrono::steady_c
 
 }  // namespace
 
-Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentConfig& config, const Log& log) {
+Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentConfig& config, const Log& log,
+                                                                   const ThreadFactory& threads) {
   Result<control::Credential> credential = control::read_credential_file(config.coordinator.token_file);
   if (!credential.is_ok()) return credential.status().with_context("config: \"coordinator.token_file\"");
   std::unique_ptr<CoordinatorLink> link(new CoordinatorLink(config, log));
+  link->threads_ = threads;
   link->credential_ = std::move(credential).value();
   link->role_ = config.receiver ? control::AuthRole::kReceiver : control::AuthRole::kSource;
   link->port_ = config.coordinator.port;
@@ -71,9 +73,11 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentCon
     cc.host = config.coordinator.host;
     cc.port = config.coordinator.port;
     cc.token = link->credential_.token;
+    cc.threads = threads;
     const Log* lp = &log;
     cc.log = [lp](const std::string& line) { lp->info("coordinator: " + line); };
     control::MetricsServerOptions metrics_options;
+    metrics_options.threads = threads;
     auto fleet = std::make_shared<control::FleetMetrics>();
     if (!config.coordinator.metrics_host.empty()) {
       metrics_options.host = config.coordinator.metrics_host;
@@ -193,9 +197,21 @@ Status CoordinatorLink::connect_once(Clock::time_point deadline, std::unique_loc
   late_heartbeats_.clear();  // their replies went with the old connection
   const uint64_t gen = generation_;
   Connection* raw = c.get();
-  c->reader = std::thread([this, raw, gen, decoder = std::move(sock.decoder)]() mutable {
-    reader_loop(raw, std::move(decoder), gen);
-  });
+  // A reader that cannot start leaves the link unconnected: this call and
+  // the requests waiting on it fail, and the next call tries again.
+  Result<std::thread> reader = threads_.start(
+      "coordinator link reader",
+      [this, raw, gen, decoder = std::move(sock.decoder)]() mutable { reader_loop(raw, std::move(decoder), gen); },
+      [this, gen](const Status& why) {
+        std::lock_guard<std::mutex> guard(mu_);
+        broken(gen, why.message());
+      });
+  if (!reader.is_ok()) {
+    for (int fd : {c->fd, c->wake[0], c->wake[1]}) ::close(fd);
+    broken_why_ = reader.status().message();
+    return reader.status().with_context("coordinator link");
+  }
+  c->reader = std::move(reader).value();
   conn_ = std::move(c);
   up_ = true;
   ++connections_;
@@ -471,19 +487,22 @@ Result<std::optional<control::Frame>> CoordinatorLink::wait_notice_of(std::initi
   }
 }
 
-void CoordinatorLink::start_heartbeat(control::MemberRef member) {
+Status CoordinatorLink::start_heartbeat(control::MemberRef member) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     member_ = member;
     late_heartbeats_.clear();  // replies about the member before this one
     dropped_.store(false, std::memory_order_release);
   }
-  if (heartbeat_.joinable()) return;
+  if (heartbeat_.joinable()) return Status::ok();
   {
     std::lock_guard<std::mutex> lock(hb_mutex_);
     hb_stop_ = false;
   }
-  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  Result<std::thread> t = threads_.start("heartbeat", [this] { heartbeat_loop(); });
+  if (!t.is_ok()) return t.status();
+  heartbeat_ = std::move(t).value();
+  return Status::ok();
 }
 
 void CoordinatorLink::stop_heartbeat() {

@@ -47,6 +47,7 @@
 #include "planner/status.h"
 #include "plugin/config.h"
 #include "plugin/log.h"
+#include "transport/common/threads.h"
 #include "transport/control/auth.h"
 #include "transport/control/client.h"
 #include "transport/control/coordinator.h"
@@ -57,7 +58,11 @@ namespace refit::plugin {
 
 class CoordinatorLink {
  public:
-  static Result<std::unique_ptr<CoordinatorLink>> connect(const AgentConfig& config, const Log& log);
+  // Every thread of the link (its reader, its heartbeat, an embedded
+  // coordinator's) starts through `threads`: a refused one fails the call
+  // that needed it (connect, a request that reconnects, start_heartbeat).
+  static Result<std::unique_ptr<CoordinatorLink>> connect(const AgentConfig& config, const Log& log,
+                                                          const ThreadFactory& threads = {});
   ~CoordinatorLink();
   CoordinatorLink(const CoordinatorLink&) = delete;
   CoordinatorLink& operator=(const CoordinatorLink&) = delete;
@@ -78,8 +83,8 @@ class CoordinatorLink {
                                                        std::chrono::steady_clock::time_point deadline);
 
   // Starts heartbeating `member` (once registered; clears dropped());
-  // stop_heartbeat() ends it.
-  void start_heartbeat(control::MemberRef member);
+  // stop_heartbeat() ends it. A refused thread is the error.
+  Status start_heartbeat(control::MemberRef member);
   void stop_heartbeat();
   // The coordinator no longer holds the member: it was declared dead.
   bool dropped() const { return dropped_.load(std::memory_order_acquire); }
@@ -127,6 +132,7 @@ class CoordinatorLink {
 
   AgentConfig config_;
   const Log& log_;
+  ThreadFactory threads_;
   control::Credential credential_;
   control::AuthRole role_ = control::AuthRole::kAny;
   uint16_t port_ = 0;

@@ -21,6 +21,11 @@ constexpr std::chrono::milliseconds kRetryPause{200};
 // coordinator that does not answer in this time loses the summary.
 constexpr std::chrono::milliseconds kSummaryBound{250};
 constexpr size_t kMaxQueuedSummaries = 64;
+// What the destructor gives the summaries still queued, all together: a
+// coordinator that is slow or gone must not hold up the server's shutdown
+// (64 summaries at kSummaryBound each would take 16 s). The rest are
+// dropped, with a log line.
+constexpr std::chrono::milliseconds kSummaryDrain{500};
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -31,8 +36,9 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 ReceiverAgent::ReceiverAgent(AgentConfig config)
     : config_(std::move(config)), log_("receiver", config_.rank, config_.log_level, config_.log_format) {
   if (config_.test.refuse_threads_after >= 0) {
-    threads_ = receiver::ThreadFactory::refusing_after(config_.test.refuse_threads_after);
+    threads_ = ThreadFactory::refusing_after(config_.test.refuse_threads_after);
   }
+  threads_.set_log([this](const std::string& line) { log_.error(line); });
 }
 
 Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view config_json) {
@@ -50,10 +56,10 @@ Result<std::unique_ptr<ReceiverAgent>> ReceiverAgent::create(std::string_view co
     a->trace_ = std::move(trace).value();
   }
   Result<std::unique_ptr<receiver::Resources>> resources =
-      receiver::Resources::create(a->config_, a->log_, a->config_.test.force_landing_ring);
+      receiver::Resources::create(a->config_, a->log_, a->config_.test.force_landing_ring, a->threads_);
   if (!resources.is_ok()) return resources.status();
   a->resources_ = std::move(resources).value();
-  Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_);
+  Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_, a->threads_);
   if (!link.is_ok()) return link.status();
   a->link_ = std::move(link).value();
   return a;
@@ -121,7 +127,13 @@ Status ReceiverAgent::join() {
   joined_ = true;
   changed_ = false;
   compiled_.reset();
-  link_->start_heartbeat(me);
+  if (Status hb = link_->start_heartbeat(me); !hb.is_ok()) {
+    // Without heartbeats the coordinator would declare the member dead
+    // later: it leaves now, and the next join registers it again.
+    joined_ = false;
+    (void)link_->request(MsgType::kUnregister, control::to_json(me));
+    return hb.with_context("join");
+  }
   enter(ReceiverState::kJoined);
   return Status::ok();
 }
@@ -298,13 +310,18 @@ void ReceiverAgent::send_summary(const control::RefreshSummary& summary) {
   }
   summaries_.push_back(summary);
   if (!summary_thread_.joinable()) {
-    try {
-      summary_thread_ = std::thread([this] { summary_loop(); });
-    } catch (const std::system_error& e) {  // no thread: the metrics lose the summary, nothing else
+    // No thread, or one that failed: the metrics lose the summaries, nothing else.
+    Result<std::thread> t = threads_.start("refresh summary", [this] { summary_loop(); }, [this](const Status&) {
+      std::lock_guard<std::mutex> guard(summary_mu_);
       summaries_.clear();
-      log_.info(std::string("no thread to send refresh summaries for the metrics: ") + e.what());
+      summary_stop_ = true;
+    });
+    if (!t.is_ok()) {
+      summaries_.clear();
+      log_.info("no thread to send refresh summaries for the metrics: " + t.status().message());
       return;
     }
+    summary_thread_ = std::move(t).value();
   }
   summary_cv_.notify_one();
 }
@@ -314,10 +331,18 @@ void ReceiverAgent::summary_loop() {
   while (true) {
     summary_cv_.wait(lock, [this] { return summary_stop_ || !summaries_.empty(); });
     if (summaries_.empty()) return;  // stopping, and everything was sent
+    if (summary_stop_ && Clock::now() >= summary_drain_until_) {
+      log_.info(std::to_string(summaries_.size()) + " refresh summaries for the metrics were dropped: the "
+                "coordinator did not take them within " + std::to_string(kSummaryDrain.count()) + " ms of leaving");
+      summaries_.clear();
+      return;
+    }
     const control::RefreshSummary s = summaries_.front();
     summaries_.pop_front();
+    const Clock::time_point until =
+        summary_stop_ ? std::min(Clock::now() + kSummaryBound, summary_drain_until_) : Clock::now() + kSummaryBound;
     lock.unlock();
-    Result<Json> r = link_->request(MsgType::kRefreshSummary, control::to_json(s), Clock::now() + kSummaryBound);
+    Result<Json> r = link_->request(MsgType::kRefreshSummary, control::to_json(s), until);
     if (!r.is_ok()) log_.info("a refresh's summary for the metrics was not counted: " + r.status().message());
     lock.lock();
   }
@@ -327,6 +352,7 @@ void ReceiverAgent::stop_summaries() {
   {
     std::lock_guard<std::mutex> lock(summary_mu_);
     summary_stop_ = true;
+    summary_drain_until_ = Clock::now() + kSummaryDrain;
   }
   summary_cv_.notify_one();
   if (summary_thread_.joinable()) summary_thread_.join();
@@ -350,15 +376,16 @@ Status ReceiverAgent::refresh_start(int64_t version, std::chrono::milliseconds t
   }
   reports_.clear();
   reports_.push_back("{}");
-  Result<std::thread> t = threads_.start("refresh", [this, version, timeout] {
-    Status st = refresh_now(version, timeout);
+  auto done = [this](const Status& st) {
     {
       std::lock_guard<std::mutex> lock(async_mutex_);
       async_status_ = st;
       async_done_ = true;
     }
     async_cv_.notify_all();
-  });
+  };
+  Result<std::thread> t =
+      threads_.start("refresh", [this, version, timeout, done] { done(refresh_now(version, timeout)); }, done);
   if (!t.is_ok()) {
     std::lock_guard<std::mutex> lock(async_mutex_);
     async_done_ = true;

@@ -43,8 +43,12 @@
 // the system refuses is a Status) and is joined before the refresh returns.
 // One thread lives longer: summary_thread_, which sends the refresh
 // summaries for the coordinator's metrics (summary_mu_ guards its queue),
-// joined by the destructor. It does not go through the ThreadFactory: a
-// refused thread only costs the metrics a summary, never a refresh.
+// joined by the destructor, which gives the summaries still queued at most
+// kSummaryDrain (500 ms) together and drops the rest. A refused or failed
+// summary thread only costs the metrics their summaries, never a refresh.
+// The coordinator link and the transport objects the agent owns start
+// their threads through the agent's factory too (the test-only
+// "refuse_threads_after" counts them all).
 
 #include <atomic>
 #include <chrono>
@@ -68,7 +72,7 @@
 #include "plugin/receiver/refresh_session.h"
 #include "plugin/receiver/resources.h"
 #include "plugin/receiver/state.h"
-#include "plugin/receiver/threads.h"
+#include "transport/common/threads.h"
 #include "plugin/trace.h"
 
 namespace refit::plugin {
@@ -109,12 +113,12 @@ class ReceiverAgent {
   // request bounded by kSummaryBound and logs (never returns) a failure.
   void send_summary(const control::RefreshSummary& summary);
   void summary_loop();
-  void stop_summaries();  // sends what is queued, then joins summary_thread_
+  void stop_summaries();  // sends what is queued within kSummaryDrain, then joins summary_thread_
 
   AgentConfig config_;
   Log log_;
   std::shared_ptr<const RecipeLayout> recipe_;
-  receiver::ThreadFactory threads_;
+  ThreadFactory threads_;
   std::unique_ptr<receiver::Resources> resources_;
   std::unique_ptr<CoordinatorLink> link_;
   std::unique_ptr<Trace> trace_;  // "trace"; null: none
@@ -138,6 +142,7 @@ class ReceiverAgent {
   std::condition_variable summary_cv_;
   std::deque<control::RefreshSummary> summaries_;
   bool summary_stop_ = false;
+  std::chrono::steady_clock::time_point summary_drain_until_;  // once summary_stop_
   std::thread summary_thread_;
 
   // The started refresh (refresh_start).

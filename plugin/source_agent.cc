@@ -19,7 +19,12 @@ namespace refit::plugin {
 using control::MsgType;
 
 SourceAgent::SourceAgent(AgentConfig config)
-    : config_(std::move(config)), log_("source", config_.rank, config_.log_level, config_.log_format) {}
+    : config_(std::move(config)), log_("source", config_.rank, config_.log_level, config_.log_format) {
+  if (config_.test.refuse_threads_after >= 0) {
+    threads_ = ThreadFactory::refusing_after(config_.test.refuse_threads_after);
+  }
+  threads_.set_log([this](const std::string& line) { log_.error(line); });
+}
 
 Result<std::unique_ptr<SourceAgent>> SourceAgent::create(std::string_view config_json) {
   Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/false);
@@ -43,7 +48,7 @@ Result<std::unique_ptr<SourceAgent>> SourceAgent::create(std::string_view config
   Result<std::unique_ptr<ucx::AmRmaServer>> server = ucx::AmRmaServer::create(*a->worker_, ucx::AmRmaServer::Puts::kRefused);
   if (!server.is_ok()) return server.status();
   a->rma_server_ = std::move(server).value();
-  Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_);
+  Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_, a->threads_);
   if (!link.is_ok()) return link.status();
   a->link_ = std::move(link).value();
   a->log_.info("connected to the coordinator");
@@ -65,18 +70,37 @@ SourceAgent::~SourceAgent() {
   context_.reset();
 }
 
-void SourceAgent::start_progress() {
-  if (progress_.joinable()) return;
+Status SourceAgent::start_progress() {
+  if (progress_.joinable()) return Status::ok();
   stop_.store(false);
-  progress_ = std::thread([this] {
-    while (!stop_.load(std::memory_order_acquire)) {
-      Status st = worker_->wait(std::chrono::milliseconds(100));
-      if (!st.is_ok()) {
-        log_.error("progress: " + st.message());
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-    }
-  });
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    progress_error_ = Status::ok();
+  }
+  // A body that throws stops serving GETs: the next join or publish fails.
+  Result<std::thread> t = threads_.start(
+      "progress",
+      [this] {
+        while (!stop_.load(std::memory_order_acquire)) {
+          Status st = worker_->wait(std::chrono::milliseconds(100));
+          if (!st.is_ok()) {
+            log_.error("progress: " + st.message());
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+        }
+      },
+      [this](const Status& why) {
+        std::lock_guard<std::mutex> lock(progress_mu_);
+        progress_error_ = why;
+      });
+  if (!t.is_ok()) return t.status();
+  progress_ = std::move(t).value();
+  return Status::ok();
+}
+
+Status SourceAgent::progress_error() {
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  return progress_error_;
 }
 
 void SourceAgent::stop_progress() {
@@ -147,7 +171,10 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
     Result<ucx::MemoryRegion> region = st.is_ok() ? ucx::MemoryRegion::map(*context_, b.served(), bytes, b.name,
                                                                            ucx::Access::kRemoteRead)
                                                   : Result<ucx::MemoryRegion>(st);
-    if (running) start_progress();
+    if (running) {
+      Status restarted = start_progress();
+      if (!restarted.is_ok()) return restarted.with_context("tensor \"" + t->decl.name + "\"");
+    }
     if (!region.is_ok()) return region.status();
     log_.info("buffer \"" + b.name + "\" (" + std::to_string(bytes) + " bytes) mapped for peers with " +
               ucx::protection_names(region->protection()));
@@ -168,6 +195,7 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
 
 Status SourceAgent::join() {
   if (joined_ && link_->dropped()) joined_ = false;  // declared dead: the coordinator holds nothing of it
+  REFIT_RETURN_IF_ERROR(progress_error());
   if (joined_ && !changed_) return Status::ok();
   if (tensors_.empty()) return Status::invalid("join: add at least one tensor first");
   if (joined_) {
@@ -192,12 +220,19 @@ Status SourceAgent::join() {
     mb.segments = b.segments;
     m.buffers.push_back(std::move(mb));
   }
-  start_progress();
+  REFIT_RETURN_IF_ERROR(start_progress().with_context("join"));
   Result<control::Json> r = link_->request(MsgType::kRegisterSource, control::to_json(m));
   if (!r.is_ok()) return r.status();
   joined_ = true;
   changed_ = false;
-  link_->start_heartbeat(control::MemberRef{control::Role::kSource, config_.rank});
+  const control::MemberRef me{control::Role::kSource, config_.rank};
+  if (Status hb = link_->start_heartbeat(me); !hb.is_ok()) {
+    // Without heartbeats the coordinator would declare the member dead
+    // later: it leaves now, and the next join registers it again.
+    joined_ = false;
+    (void)link_->request(MsgType::kUnregister, control::to_json(me));
+    return hb.with_context("join");
+  }
   log_.info("joined with " + std::to_string(tensors_.size()) + " tensors in " + std::to_string(buffers_.size()) +
             " buffers");
   return Status::ok();

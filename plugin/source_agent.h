@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -28,6 +29,7 @@
 #include "plugin/config.h"
 #include "plugin/coordinator_link.h"
 #include "plugin/log.h"
+#include "transport/common/threads.h"
 #include "transport/control/messages.h"
 #include "transport/ucx/am_rma.h"
 #include "transport/ucx/context.h"
@@ -68,8 +70,12 @@ class SourceAgent {
     std::optional<ucx::MemoryRegion> region;
   };
   SourceAgent(AgentConfig config);
-  void start_progress();
+  // Starts the progress thread unless it runs; a refused thread is the
+  // error. stop_progress() ends it; progress_error() says whether it failed
+  // (its body threw) since it was started.
+  Status start_progress();
   void stop_progress();
+  Status progress_error();
   // A GPU shard's pinned host mirror, where it needs one (Buf::mirror).
   Status gpu_mirror(Buf* b);
   // Verification: the hashes of the boxes this rank serves (plugin/verify.h),
@@ -90,6 +96,9 @@ class SourceAgent {
   bool changed_ = false;  // tensors added since the last registration
   int64_t published_ = 0;
   std::atomic<bool> stop_{false};
+  ThreadFactory threads_;  // every thread of the agent, the link's included
+  std::mutex progress_mu_;
+  Status progress_error_;  // the progress thread's failure; guarded by progress_mu_
   std::thread progress_;
 };
 

@@ -86,6 +86,18 @@
  *                    quantization block, and block scales, are unverified
  *                    (docs/conversion.md). Host buffers only (not with
  *                    "local": {"fabric": "nccl"})
+ *     "test"         object, for tests only (never in production; docs/receiver.md):
+ *        "refuse_threads_after" integer [none]: the agent starts that many
+ *                               threads (its coordinator link's, its
+ *                               transports' and an embedded coordinator's
+ *                               included), then is refused every later one,
+ *                               as the system refuses one at its limit
+ *        "force_landing_ring"   bool [false], receivers only: host buffers
+ *                               take the landing ring too
+ *
+ *   A thread the system refuses is never fatal: the call that needed it
+ *   (create, join, publish, refresh) fails with REFIT_IO_ERROR naming the
+ *   thread, and the agent may be destroyed or tried again.
  *
  *   Source only:
  *     "snapshot"     bool [false]: publish copies the shards into buffers of the
@@ -149,10 +161,6 @@
  *                    most 1 TiB. Allocated at the first such buffer; more
  *                    slots than the window lets GETs go on while earlier
  *                    chunks are copied to the GPU
- *     "test"         object, for tests only (never in production; docs/receiver.md):
- *        "force_landing_ring"   bool [false]: host buffers take the landing ring too
- *        "refuse_threads_after" integer [none]: the receiver starts that many
- *                               threads, then is refused every later one
  *     "recipe"       object, for buffers added by recipe name:
  *        "model"       path of a model manifest (safetensors header JSON), required;
  *                      its Hugging Face config NAME.config.json must lie beside
@@ -672,8 +680,10 @@ REFIT_EXPORT int64_t refit_receiver_version(refit_receiver_t* receiver);
  * a no-op.
  *
  * @note The thread that owns the handle; the handle is invalid after.
- *       Blocks on a started refresh (up to its own deadline) and on one
- *       coordinator call (at most "coordinator.timeout_ms").
+ *       Blocks on a started refresh (up to its own deadline), on the
+ *       refresh summaries still queued for the coordinator's metrics (at
+ *       most 500 ms together; the rest are dropped) and on one coordinator
+ *       call (at most "coordinator.timeout_ms").
  */
 REFIT_EXPORT void refit_receiver_destroy(refit_receiver_t* receiver);
 

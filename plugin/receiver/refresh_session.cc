@@ -45,7 +45,11 @@ class LeaseKeeper {
   LeaseKeeper& operator=(const LeaseKeeper&) = delete;
 
   Status start(const ThreadFactory& threads) {
-    Result<std::thread> t = threads.start("lease renewal", [this] { run(); });
+    // A renewal that throws loses the lease: the refresh fails.
+    Result<std::thread> t = threads.start("lease renewal", [this] { run(); }, [this](const Status& why) {
+      std::lock_guard<std::mutex> lock(mu_);
+      lost_ = why;
+    });
     if (!t.is_ok()) return t.status();
     thread_ = std::move(t).value();
     return Status::ok();

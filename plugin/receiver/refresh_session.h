@@ -25,7 +25,7 @@
 #include "plugin/receiver/plan_compiler.h"
 #include "plugin/receiver/resources.h"
 #include "plugin/receiver/state.h"
-#include "plugin/receiver/threads.h"
+#include "transport/common/threads.h"
 #include "plugin/receiver/transfer_executor.h"
 #include "plugin/trace.h"
 

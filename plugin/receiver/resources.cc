@@ -22,7 +22,8 @@ namespace {
 // The NCCL fabric on the config's device, and the copy stream that landing
 // copies run on (*copy_ops), which the fabric's sends are ordered after.
 Result<std::unique_ptr<fabric::LocalFabric>> make_nccl_fabric(const AgentConfig& config,
-                                                              std::unique_ptr<cuda::CopyOps>* copy_ops, int* gpu) {
+                                                              std::unique_ptr<cuda::CopyOps>* copy_ops, int* gpu,
+                                                              const ThreadFactory& threads) {
   int device = config.local_device;
   if (device < 0) {
     Result<int> current = cuda::current_device();
@@ -38,6 +39,7 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_nccl_fabric(const AgentConfig&
   if (!comms.is_ok()) return comms.status();
   fabric::NcclFabricConfig nc;
   nc.rank = config.rank;
+  nc.threads = threads;
   Result<std::unique_ptr<fabric::NcclFabric>> f = fabric::NcclFabric::create(nc, std::move(comms).value());
   if (!f.is_ok()) return f.status();
   return std::unique_ptr<fabric::LocalFabric>(std::move(f).value());
@@ -47,10 +49,11 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_nccl_fabric(const AgentConfig&
 // The local fabric the config asks for. "cma" falls back to "ucx" where the
 // kernel forbids cross-memory attach (the ranks of a host all decide alike).
 Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& config, const Log& log,
-                                                         std::unique_ptr<cuda::CopyOps>* copy_ops, int* gpu) {
+                                                         std::unique_ptr<cuda::CopyOps>* copy_ops, int* gpu,
+                                                         const ThreadFactory& threads) {
   if (config.local_fabric == "nccl") {
 #ifdef HAVE_NCCL
-    return make_nccl_fabric(config, copy_ops, gpu);
+    return make_nccl_fabric(config, copy_ops, gpu, threads);
 #else
     (void)copy_ops;
     (void)gpu;
@@ -65,6 +68,7 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& conf
   }
   fabric::UcxFabricConfig fc;
   fc.rank = config.rank;
+  fc.threads = threads;
   fc.transports = config.local.transports;
   fc.limits.chunk_bytes = config.chunk_bytes;
   fc.limits.max_bytes_in_flight = config.window_bytes;
@@ -77,7 +81,7 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_fabric(const AgentConfig& conf
 }  // namespace
 
 Result<std::unique_ptr<Resources>> Resources::create(const AgentConfig& config, const Log& log,
-                                                     bool force_landing_ring) {
+                                                     bool force_landing_ring, const ThreadFactory& threads) {
   std::unique_ptr<Resources> r(new Resources(config, log));
   ucx::ContextConfig net;
   net.name = "network";
@@ -90,12 +94,14 @@ Result<std::unique_ptr<Resources>> Resources::create(const AgentConfig& config, 
   Result<ucx::Worker> worker = ucx::Worker::create(*r->net_context_, ucx::ThreadMode::kSerialized);
   if (!worker.is_ok()) return worker.status();
   r->net_worker_.emplace(std::move(worker).value());
-  Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(config, log, &r->copy_ops_, &r->fabric_gpu_);
+  Result<std::unique_ptr<fabric::LocalFabric>> fabric = make_fabric(config, log, &r->copy_ops_, &r->fabric_gpu_, threads);
   if (!fabric.is_ok()) return fabric.status().with_context("config: \"local\"");
   r->fabric_ = std::move(fabric).value();
   if (!r->copy_ops_ && force_landing_ring) {
     // The GPU path's landing logic on host buffers (docs/receiver.md).
-    r->copy_ops_ = std::make_unique<cuda::HostCopyOps>();
+    Result<std::unique_ptr<cuda::HostCopyOps>> ops = cuda::HostCopyOps::create(std::chrono::microseconds(0), threads);
+    if (!ops.is_ok()) return ops.status().with_context("\"test\": {\"force_landing_ring\": true}");
+    r->copy_ops_ = std::move(ops).value();
     log.info("\"test\": {\"force_landing_ring\": true}: GETs land in the landing ring and are copied on");
   }
   return r;

@@ -56,8 +56,9 @@ class Resources {
   // The network context and worker, the local fabric the config asks for
   // and, with `force_landing_ring` (the test-only "test":
   // {"force_landing_ring": true}), the landing ring for host buffers too.
+  // The fabric and the copies start their threads through `threads`.
   static Result<std::unique_ptr<Resources>> create(const AgentConfig& config, const Log& log,
-                                                   bool force_landing_ring);
+                                                   bool force_landing_ring, const ThreadFactory& threads);
   ~Resources();
   Resources(const Resources&) = delete;
   Resources& operator=(const Resources&) = delete;

@@ -62,6 +62,7 @@ Status TransferExecutor::run(TransferReport* report) {
 Status TransferExecutor::prepare() {
   ucx::GetEngineOptions options;
   options.progress_thread = true;
+  options.threads = threads_;
   options.limits.chunk_bytes = setup_.transfer_chunk_bytes;
   options.limits.max_bytes_in_flight = setup_.window_bytes;
   options.limits.max_bytes_per_endpoint = setup_.window_bytes;
@@ -136,20 +137,33 @@ Status TransferExecutor::start_threads() {
   }
   landing_done_ = !ring_;
   watching_ = true;
-  Result<std::thread> watcher = threads_.start("transfer watcher", [this] { watch(); });
+  Result<std::thread> watcher = threads_.start("transfer watcher", [this] { watch(); },
+                                                  [this](const Status& why) { stop_waiting(why); });
   if (!watcher.is_ok()) {
     (void)setup_.fabric->finish(/*failed=*/true);
     return watcher.status();
   }
   watcher_ = std::move(watcher).value();
-  Result<std::thread> fan = threads_.start("fan-out", [this] { fan_out(); });
+  Result<std::thread> fan = threads_.start("fan-out", [this] { fan_out(); }, [this](const Status& why) {
+    fan_status_ = why;  // the peers are told at once
+    (void)setup_.fabric->finish(/*failed=*/true);
+    fan_end_ = Clock::now();
+  });
   if (!fan.is_ok()) {
     (void)setup_.fabric->finish(/*failed=*/true);
     return fan.status();
   }
   fan_ = std::move(fan).value();
   if (!ring_) return Status::ok();
-  Result<std::thread> lander = threads_.start("landing ring copy", [this] { land(); });
+  Result<std::thread> lander = threads_.start("landing ring copy", [this] { land(); }, [this](const Status& why) {
+    engine_->halt(why);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      landing_status_ = why;
+      landing_done_ = true;
+    }
+    cv_.notify_one();
+  });
   if (!lander.is_ok()) {  // the fan-out then finishes the fabric failed
     std::lock_guard<std::mutex> lock(mu_);
     landing_status_ = lander.status();

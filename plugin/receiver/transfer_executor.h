@@ -37,7 +37,7 @@
 
 #include "planner/status.h"
 #include "plugin/receiver/plan_compiler.h"
-#include "plugin/receiver/threads.h"
+#include "transport/common/threads.h"
 #include "plugin/trace.h"
 #include "transport/cuda/device_ops.h"
 #include "transport/cuda/staging.h"

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -479,6 +480,100 @@ TEST_F(Abi, MisuseOfVersionsAndRegistrationIsRefusedAndChangesNothing) {
   EXPECT_EQ(refit_receiver_refresh(r, REFIT_LATEST, 10000), REFIT_OK) << refit_last_error();
   EXPECT_EQ(dst[3], 4.0f);
   refit_receiver_destroy(r);
+  refit_source_destroy(s);
+}
+
+// ---- Threads the system refuses (the test-only "refuse_threads_after") ----
+
+// The thread a "cannot start the NAME thread" error names, or "" for any
+// other error.
+std::string refused_thread(const std::string& error) {
+  const std::string head = "cannot start the ";
+  const size_t at = error.rfind(head);  // the innermost: contexts may say "cannot start the coordinator"
+  if (at == std::string::npos) return "";
+  const size_t end = error.find(" thread", at + head.size());
+  return end == std::string::npos ? "" : error.substr(at + head.size(), end - at - head.size());
+}
+
+const char* const kTensor =
+    R"J({"name": "w", "dtype": "F32", "shape": [4], "segments": [{"start": [0], "size": [4], "offset": 0}]})J";
+
+// A source whose threads are refused from the Nth on, for every N up to
+// the one where it publishes: each call fails with a status naming the
+// thread (the embedded coordinator's, its metrics server's, the link's
+// reader and heartbeat, the progress thread), never aborting the process.
+TEST_F(Abi, ASourceWhoseThreadsAreRefusedFailsItsCallsNotTheProcess) {
+  std::set<std::string> refused;
+  bool published = false;
+  for (int n = 0; n < 16 && !published; ++n) {
+    const std::string cfg = "{\"rank\": 0, \"coordinator\": {\"address\": \"127.0.0.1:0\", \"embedded\": true, "
+                            "\"token_file\": \"" + token_ + "\", \"timeout_ms\": 2000, \"metrics\": {\"address\": "
+                            "\"127.0.0.1:0\"}}, \"test\": {\"refuse_threads_after\": " + std::to_string(n) + "}}";
+    refit_source_t* s = nullptr;
+    float w[4] = {};
+    refit_status_t st = refit_source_create(cfg.c_str(), &s);
+    if (st == REFIT_OK) st = refit_source_add_tensor(s, kTensor, w, sizeof(w));
+    if (st == REFIT_OK) st = refit_source_publish(s, 1);
+    if (st == REFIT_OK) {
+      published = true;
+    } else {
+      const std::string error = refit_last_error();
+      EXPECT_EQ(st, REFIT_IO_ERROR) << "refused after " << n << ": " << error;
+      const std::string thread = refused_thread(error);
+      EXPECT_NE(thread, "") << "refused after " << n << ": " << error;
+      std::printf("refused after %d threads: %s\n", n, error.c_str());
+      refused.insert(thread);
+    }
+    refit_source_destroy(s);
+  }
+  EXPECT_TRUE(published);
+  for (const char* t : {"coordinator I/O", "metrics server", "coordinator link reader", "progress", "heartbeat"}) {
+    EXPECT_EQ(refused.count(t), 1u) << "no call failed for want of the " << t << " thread";
+  }
+}
+
+// A receiver whose threads are refused from the Nth on, against a source's
+// embedded coordinator: create fails without its link's reader, join
+// without its heartbeat, each with a status naming the thread; with enough
+// threads it joins.
+TEST_F(Abi, AReceiverWhoseLinkThreadsAreRefusedFailsItsCallsNotTheProcess) {
+  const int port = free_port();
+  const std::string coordinator = "{\"address\": \"127.0.0.1:" + std::to_string(port) + "\", \"token_file\": \"" +
+                                  token_ + "\", \"timeout_ms\": 2000";
+  refit_source_t* s = nullptr;
+  ASSERT_EQ(refit_source_create(("{\"rank\": 0, \"coordinator\": " + coordinator + ", \"embedded\": true}}").c_str(), &s),
+            REFIT_OK)
+      << refit_last_error();
+  float w[4] = {1, 2, 3, 4};
+  ASSERT_EQ(refit_source_add_tensor(s, kTensor, w, sizeof(w)), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_source_publish(s, 1), REFIT_OK) << refit_last_error();
+  std::set<std::string> refused;
+  bool joined = false;
+  for (int n = 0; n < 16 && !joined; ++n) {
+    const std::string cfg = "{\"rank\": 0, \"coordinator\": " + coordinator + "}, \"test\": "
+                            "{\"refuse_threads_after\": " + std::to_string(n) + "}}";
+    refit_receiver_t* r = nullptr;
+    float b[4] = {};
+    const char* desc = R"J({"name": "w", "dtype": "F32", "segments": [{"tensor": "w", "start": [0], "size": [4], "offset": 0}]})J";
+    refit_status_t st = refit_receiver_create(cfg.c_str(), &r);
+    if (st == REFIT_OK) st = refit_receiver_add_buffer(r, desc, b, sizeof(b));
+    if (st == REFIT_OK) st = refit_receiver_join(r);
+    if (st == REFIT_OK) {
+      joined = true;
+    } else {
+      const std::string error = refit_last_error();
+      EXPECT_EQ(st, REFIT_IO_ERROR) << "refused after " << n << ": " << error;
+      const std::string thread = refused_thread(error);
+      EXPECT_NE(thread, "") << "refused after " << n << ": " << error;
+      std::printf("refused after %d threads: %s\n", n, error.c_str());
+      refused.insert(thread);
+    }
+    refit_receiver_destroy(r);
+  }
+  EXPECT_TRUE(joined);
+  for (const char* t : {"coordinator link reader", "heartbeat"}) {
+    EXPECT_EQ(refused.count(t), 1u) << "no call failed for want of the " << t << " thread";
+  }
   refit_source_destroy(s);
 }
 

@@ -106,7 +106,8 @@ class LinkThroughRelay : public ::testing::Test {
     std::remove(token_file_.c_str());
     rmdir(dir_.c_str());
   }
-  void start(control::CoordinatorConfig cc, testing::FrameRelay::Hook hook, int timeout_ms) {
+  void start(control::CoordinatorConfig cc, testing::FrameRelay::Hook hook, int timeout_ms,
+             const ThreadFactory& threads = {}) {
     cc.token = kToken;
     cc.log = [this](const std::string& line) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -124,7 +125,7 @@ class LinkThroughRelay : public ::testing::Test {
     Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/true);
     ASSERT_TRUE(config.is_ok()) << config.status().message();
     log_ = std::make_unique<Log>("receiver", 0, config->log_level);
-    auto link = CoordinatorLink::connect(*config, *log_);
+    auto link = CoordinatorLink::connect(*config, *log_, threads);
     ASSERT_TRUE(link.is_ok()) << link.status().message();
     link_ = std::move(link).value();
   }
@@ -284,6 +285,24 @@ TEST_F(LinkThroughRelay, HeartbeatsGoOnWhileTheirRepliesAreHeldUp) {
   EXPECT_EQ(link_->connections(), 1u);
   EXPECT_EQ(wait_log("declared dead", std::chrono::milliseconds(0)), "");
   link_->stop_heartbeat();
+}
+
+// The connection breaks and the system refuses the new connection's reader
+// thread: the call that reconnects fails, saying so, and so does the next;
+// the process lives on.
+TEST_F(LinkThroughRelay, AReaderThatCannotStartOnReconnectFailsTheCallsNotTheProcess) {
+  start({}, [](Direction, size_t, std::vector<uint8_t> frame) { return Frames{std::move(frame)}; },
+        /*timeout_ms=*/3000, ThreadFactory::refusing_after(1));  // the first connection's reader only
+  ASSERT_TRUE(register_receiver().is_ok());
+  relay_->cut_all();
+  for (int i = 0; i < 2; ++i) {
+    auto r = link_->request(control::MsgType::kSubscribe, control::Json::object());
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().reason(), Reason::kNoThread) << r.status().message();
+    EXPECT_NE(r.status().message().find("cannot start the coordinator link reader thread"), std::string::npos)
+        << r.status().message();
+  }
+  EXPECT_EQ(link_->connections(), 1u);
 }
 
 // One bit of the registration flipped on the path after authentication: the

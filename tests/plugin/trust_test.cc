@@ -655,14 +655,18 @@ TEST_F(ReceiverAbi, ARefreshDeadlineCoversItsCoordinatorCalls) {
   EXPECT_LT(std::stoll(r[3]), 1800) << "the refresh waited for the coordinator past its deadline";
 }
 
-// The receiver may start one thread (the started refresh's own); the next
-// (the lease renewal) is refused as the system refuses one at its limit.
-// The refresh fails with a status that names the thread; the process
-// lives on and refreshes once threads are allowed again (a new receiver).
+// The receiver may start four threads: its coordinator link's reader and
+// its UCX fabric's idle progress (at create), its heartbeat (at join) and
+// the started refresh's own; the next (the lease renewal) is refused as the
+// system refuses one at its limit. The refresh fails with a status that
+// names the thread, and the process lives on.
 TEST_F(ReceiverAbi, AThreadThatCannotStartFailsTheRefreshNotTheProcess) {
-  const nlohmann::json refuse = {{"test", {{"refuse_threads_after", 1}}}};
+  const nlohmann::json refuse = {{"test", {{"refuse_threads_after", 4}}}, {"local", {{"fabric", "ucx"}}}};
   start({source_body, receiver_body({0, 0, kRows, refuse})}, coordinator_config());
   ASSERT_EQ(ask(0, "publish 1"), std::vector<std::string>{"ok"});
+  const std::vector<std::string> joined = ask(1, "join");
+  ASSERT_FALSE(joined.empty());
+  ASSERT_EQ(joined[0], "REFIT_OK");
   const std::vector<std::string> started = ask(1, "try_start 1 5000");
   ASSERT_FALSE(started.empty());
   ASSERT_EQ(started[0], "REFIT_OK");

@@ -10,6 +10,7 @@
 #include <deque>
 #include <map>
 #include <future>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -88,8 +89,8 @@ class Coordinator::Impl {
   }
 
   Status listen();
-  void run() {
-    thread_ = std::thread([this] {
+  Status run() {
+    Result<std::thread> t = config_.threads.start("coordinator I/O", [this] {
       pulse();
       accept();
       sweep();
@@ -106,6 +107,9 @@ class Coordinator::Impl {
         }
       }
     });
+    if (!t.is_ok()) return t.status().with_context("coordinator");
+    thread_ = std::move(t).value();
+    return Status::ok();
   }
   void stop() {
     if (stopped_.exchange(true)) return;
@@ -1064,9 +1068,15 @@ Result<std::unique_ptr<Coordinator>> Coordinator::start(CoordinatorConfig config
                              std::to_string(value));
     }
   }
-  auto impl = std::make_unique<Impl>(std::move(config));
+  std::unique_ptr<Impl> impl;
+  try {  // the planner's pool starts its thread here
+    impl = std::make_unique<Impl>(std::move(config));
+  } catch (const std::system_error& e) {
+    return Status::io_error(std::string("coordinator: cannot start the planner thread: ") + e.what())
+        .with_reason(Reason::kNoThread);
+  }
   REFIT_RETURN_IF_ERROR(impl->listen());
-  impl->run();
+  REFIT_RETURN_IF_ERROR(impl->run());
   return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
 }
 

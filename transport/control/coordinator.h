@@ -66,6 +66,7 @@
 #include <string>
 
 #include "planner/status.h"
+#include "transport/common/threads.h"
 #include "transport/control/control_state.h"
 #include "transport/control/frame_codec.h"
 #include "transport/control/messages.h"
@@ -117,6 +118,9 @@ struct CoordinatorConfig {
   // least this much longer, standing in for a plan part of megabytes built
   // on a loaded machine.
   std::chrono::milliseconds test_answer_delay{0};
+  // Starts the I/O thread (transport/common/threads.h): a refused one fails
+  // start(). Tests hand a factory that refuses; the agents hand theirs.
+  ThreadFactory threads;
 };
 
 struct CoordinatorStats {

@@ -160,14 +160,20 @@ class MetricsServer::Impl {
       : options_(std::move(options)), render_(std::move(render)), acceptor_(io_) {
     tokens_ = options_.max_requests_per_second;
     last_refill_ = std::chrono::steady_clock::now();
+    if (options_.log) options_.threads.set_log([log = options_.log](const std::string& line) { log("metrics: " + line); });
   }
 
   Status listen();
-  void run() {
-    thread_ = std::thread([this] {
+  Status run() {
+    // A handler that throws ends the server's thread, logged; the process
+    // and the coordinator go on without metrics.
+    Result<std::thread> t = options_.threads.start("metrics server", [this] {
       accept();
       io_.run();
     });
+    if (!t.is_ok()) return t.status().with_context("metrics");
+    thread_ = std::move(t).value();
+    return Status::ok();
   }
   void stop() {
     if (stopped_.exchange(true)) return;
@@ -357,7 +363,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::start(MetricsServerOptions
   }
   auto impl = std::make_unique<Impl>(std::move(options), std::move(render));
   REFIT_RETURN_IF_ERROR(impl->listen());
-  impl->run();
+  REFIT_RETURN_IF_ERROR(impl->run());
   return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(impl)));
 }
 

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "planner/status.h"
+#include "transport/common/threads.h"
 
 namespace refit::control {
 
@@ -88,6 +89,9 @@ struct MetricsServerOptions {
   double max_requests_per_second = 20;
   std::string bearer_token;  // empty: no authentication
   std::function<void(const std::string&)> log;
+  // Starts the server's thread (transport/common/threads.h): a refused one
+  // fails start().
+  ThreadFactory threads;
 };
 
 class MetricsServer {

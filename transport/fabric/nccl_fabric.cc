@@ -165,7 +165,15 @@ Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   result_ = Status::ok();
   // Building the communicator runs on the round thread, overlapped with the
   // network GETs the agent issues after begin().
-  thread_ = std::thread([this] { rounds(); });
+  // A round thread that throws fails this refresh's fabric: finish() joins
+  // it and returns result_.
+  Result<std::thread> t =
+      config_.threads.start("nccl fabric rounds", [this] { rounds(); }, [this](const Status& why) { result_ = why; });
+  if (!t.is_ok()) {
+    schedule_ = nullptr;
+    return t.status().with_context("nccl fabric");
+  }
+  thread_ = std::move(t).value();
   return Status::ok();
 }
 

@@ -64,6 +64,7 @@
 #include <thread>
 #include <tuple>
 
+#include "transport/common/threads.h"
 #include "transport/cuda/device_ops.h"
 #include "transport/fabric/local_fabric.h"
 
@@ -73,6 +74,9 @@ struct NcclFabricConfig {
   int32_t rank = 0;
   uint32_t max_sends_per_round = 256;  // per peer and round
   std::chrono::microseconds idle_wait{50};  // between rounds that moved nothing
+  // Starts each refresh's round thread (tests hand one that refuses;
+  // transport/common/threads.h).
+  ThreadFactory threads;
 };
 
 class NcclFabric final : public LocalFabric {

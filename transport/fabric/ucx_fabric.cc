@@ -68,7 +68,14 @@ Result<std::unique_ptr<UcxFabric>> UcxFabric::create(const UcxFabricConfig& conf
   if (!server.is_ok()) return server.status();
   f->rma_server_ = std::move(server).value();
   f->rma_server_->export_region(*f->mailbox_region_);
-  f->idle_thread_ = std::thread([p = f.get()] { p->idle_loop(); });
+  UcxFabric* p = f.get();
+  Result<std::thread> idle = config.threads.start("local fabric idle progress", [p] { p->idle_loop(); },
+                                                  [p](const Status& why) {
+                                                    std::lock_guard<std::mutex> lock(p->idle_mutex_);
+                                                    p->idle_error_ = why;
+                                                  });
+  if (!idle.is_ok()) return idle.status().with_context("local fabric");
+  f->idle_thread_ = std::move(idle).value();
   return f;
 }
 
@@ -194,6 +201,7 @@ Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   clear_cancel();
   // The idle thread stays out of the worker until end().
   std::unique_lock<std::mutex> idle(idle_mutex_);
+  if (!idle_error_.is_ok()) return idle_error_.with_context("local fabric");
   schedule_ = &schedule;
   deadline_ = deadline;
   const size_t n = schedule.peers.size();
@@ -255,6 +263,7 @@ Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   for (uint32_t p : in_peers_) in_ranks_.push_back(schedule.peers[p].rank);
   ucx::GetEngineOptions options;
   options.progress_thread = true;
+  options.threads = config_.threads;
   options.limits = config_.limits;
   Result<std::unique_ptr<ucx::GetEngine>> engine = ucx::GetEngine::create(*worker_, options);
   if (!engine.is_ok()) return engine.status();

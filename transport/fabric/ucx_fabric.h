@@ -32,6 +32,7 @@
 #include <optional>
 #include <thread>
 
+#include "transport/common/threads.h"
 #include "transport/fabric/local_fabric.h"
 #include "transport/fabric/mailbox.h"
 #include "transport/ucx/am_rma.h"
@@ -47,6 +48,9 @@ struct UcxFabricConfig {
   int32_t rank = 0;
   std::vector<std::string> transports{"shm"};
   ucx::WindowLimits limits;
+  // Starts the idle progress thread and each refresh's engine's (tests hand
+  // one that refuses; transport/common/threads.h).
+  ThreadFactory threads;
 };
 
 class UcxFabric final : public LocalFabric {
@@ -117,6 +121,7 @@ class UcxFabric final : public LocalFabric {
   void idle_loop();
   std::mutex idle_mutex_;
   bool idle_stop_ = false;  // guarded by idle_mutex_
+  Status idle_error_;       // the idle thread failed: begin() fails with it; guarded by idle_mutex_
   std::thread idle_thread_;
   uint64_t next_rkey_id_ = 1;
 

@@ -52,7 +52,11 @@ Result<std::unique_ptr<GetEngine>> GetEngine::create(Worker& worker, GetEngineOp
   if (options.progress_thread) {
     auto fd = worker.event_fd();
     if (!fd) return fd.status().with_context("ucx get engine: progress thread");
-    engine->thread_ = std::thread([e = engine.get()] { e->progress_loop(); });
+    GetEngine* e = engine.get();
+    Result<std::thread> t = options.threads.start(
+        "ucx get engine progress", [e] { e->progress_loop(); }, [e](const Status& why) { e->progress_failed(why); });
+    if (!t.is_ok()) return t.status().with_context("ucx get engine");
+    engine->thread_ = std::move(t).value();
   }
   return engine;
 }
@@ -304,12 +308,17 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   // peer does not burn a core until the deadline. The clock is read every
   // 64 rounds; reading it every round cost a quarter of the CPU.
   bool timed_out = false;
+  bool no_progress = false;
   uint32_t rounds = 0;
   auto last_event = Clock::now();
   while (true) {
     pump_locked();
     if (scheduler_->done()) break;
     if (thread_.joinable()) {
+      if (!progress_error_.is_ok()) {
+        no_progress = true;
+        break;
+      }
       if (Clock::now() >= deadline) {
         timed_out = true;
         break;
@@ -339,6 +348,9 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     cancel_locked("batch deadline exceeded after " + std::to_string(ms.count()) +
                   " ms; GETs/PUTs in flight were cancelled by closing the endpoint");
+  }
+  if (no_progress) {
+    cancel_locked(progress_error_.message() + "; GETs/PUTs in flight were cancelled by closing the endpoint");
   }
 
   report.runs = run_status_;
@@ -426,7 +438,7 @@ Status GetEngine::flush(std::span<Endpoint* const> endpoints, Clock::time_point 
   while (collect() > 0) {
     const auto now = Clock::now();
     if (now >= deadline) break;
-    if (thread_.joinable()) {
+    if (thread_.joinable() && progress_error_.is_ok()) {
       (void)worker_.signal();
       batch_cv_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(5)));
     } else if (worker_.progress() != 0) {
@@ -798,6 +810,12 @@ void GetEngine::cancel_locked(const std::string& reason) {
   for (uint32_t i = 0; i < runs_.size(); ++i) {
     if (!run_reported_[i] && !run_status_[i].is_ok()) finish_run_locked(i);
   }
+}
+
+void GetEngine::progress_failed(const Status& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  progress_error_ = why.with_context("ucx get engine");
+  batch_cv_.notify_all();
 }
 
 void GetEngine::progress_loop() {

@@ -72,6 +72,7 @@
 #include <vector>
 
 #include "planner/status.h"
+#include "transport/common/threads.h"
 #include "transport/ucx/am_rma.h"
 #include "transport/ucx/chunking.h"
 #include "transport/ucx/endpoint.h"
@@ -116,6 +117,8 @@ struct BatchReport {
 struct GetEngineOptions {
   WindowLimits limits;
   bool progress_thread = false;
+  // Starts the progress thread (tests hand one that refuses; threads.h).
+  ThreadFactory threads;
   // After a deadline or error, how long to wait for UCX to complete the
   // requests of force-closed endpoints.
   std::chrono::milliseconds cancel_grace{2000};
@@ -240,6 +243,9 @@ class GetEngine {
   Status validate_locked(std::span<const GetRun> runs, std::vector<ChunkRun>* chunk_runs);
   Status validate_gather_locked(uint32_t i, const GetRun& r);
   void progress_loop();
+  // The progress thread's body threw: every batch from now on fails with
+  // `why` (the one running included), and flush() progresses on its caller.
+  void progress_failed(const Status& why);
   bool batch_done_locked() const { return !scheduler_ || scheduler_->done(); }
 
   Worker& worker_;
@@ -287,6 +293,7 @@ class GetEngine {
 
   // Progress thread; stop_ guarded by mutex_.
   bool stop_ = false;
+  Status progress_error_;  // not ok once the progress thread failed; guarded by mutex_
   std::thread thread_;
 };
 

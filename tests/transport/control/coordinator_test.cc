@@ -242,6 +242,18 @@ size_t wait_buffered(Coordinator& co, size_t want, std::chrono::milliseconds tim
   return seen;
 }
 
+// The I/O thread refused: start() says so; nothing is left running.
+TEST(Coordinator, AnIoThreadThatCannotStartFailsStart) {
+  CoordinatorConfig c;
+  c.token = kToken;
+  c.threads = ThreadFactory::refusing_after(0);
+  auto r = Coordinator::start(c);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().reason(), Reason::kNoThread);
+  EXPECT_NE(r.status().message().find("cannot start the coordinator I/O thread"), std::string::npos)
+      << r.status().message();
+}
+
 TEST_F(Coordinators, KeepsBufferedBytesWithinAGlobalBudget) {
   {
     CoordinatorConfig bad;

@@ -107,6 +107,17 @@ class MetricsServerTest : public ::testing::Test {
   std::unique_ptr<MetricsServer> server_;
 };
 
+// The server's thread refused: start() says so, and the port is free again.
+TEST(MetricsServer, AThreadThatCannotStartFailsStart) {
+  MetricsServerOptions o;
+  o.threads = ThreadFactory::refusing_after(0);
+  auto s = MetricsServer::start(o, [] { return std::string(); });
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.status().reason(), Reason::kNoThread);
+  EXPECT_NE(s.status().message().find("cannot start the metrics server thread"), std::string::npos)
+      << s.status().message();
+}
+
 TEST_F(MetricsServerTest, ServesTheTextFormatOnGetMetrics) {
   start();
   const std::string r = get(server_->port(), "/metrics");

@@ -64,6 +64,34 @@ Result<RankFabric> make_cma(int32_t rank, std::vector<uint8_t>& buffer) {
 }
 #endif
 
+#ifdef REFIT_TEST_UCX_FABRIC
+// The UCX fabric's idle thread starts in create(), and its GET engine's
+// progress thread in begin(): each refused is that call's error.
+TEST(UcxFabric, ThreadsThatCannotStartFailTheirCallNotTheProcess) {
+  UcxFabricConfig config;
+  config.limits.chunk_bytes = 4096;
+  config.threads = ThreadFactory::refusing_after(0);
+  Result<std::unique_ptr<UcxFabric>> none = UcxFabric::create(config);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_EQ(none.status().reason(), Reason::kNoThread);
+  EXPECT_NE(none.status().message().find("cannot start the local fabric idle progress thread"), std::string::npos)
+      << none.status().message();
+
+  config.threads = ThreadFactory::refusing_after(1);
+  std::vector<uint8_t> buffer(4096);
+  Result<RankFabric> rank = host_rank(UcxFabric::create(config), buffer);
+  ASSERT_TRUE(rank.is_ok()) << rank.status().message();
+  Schedule s;
+  s.version = 1;
+  s.domain = {DomainMember{0, rank->contact}};
+  Status st = rank->fabric->begin(s, Clock::now() + std::chrono::seconds(5));
+  EXPECT_EQ(st.reason(), Reason::kNoThread) << st.message();
+  EXPECT_NE(st.message().find("cannot start the ucx get engine progress thread"), std::string::npos)
+      << st.message();
+  rank->fabric->end();
+}
+#endif
+
 class Fanout : public ::testing::TestWithParam<std::string> {
  protected:
   testing::MakeFabric maker() {

@@ -179,6 +179,28 @@ TEST(NcclFabric, ASingleRankDomainCopiesToItself) {
   EXPECT_EQ(buffers[0], c.expected[0]);
 }
 
+// The round thread starts at begin(): refused, begin() says so and the
+// fabric stays usable and safe to destroy.
+TEST(NcclFabric, ARoundThreadThatCannotStartFailsBeginNotTheProcess) {
+  FanoutCase c = testing::make_case(1, 16 << 10, 1024, 2);
+  std::vector<std::vector<uint8_t>> buffers = c.start;
+  NcclFabricConfig config;
+  config.threads = ThreadFactory::refusing_after(0);
+  Result<std::unique_ptr<NcclFabric>> f = NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
+  ASSERT_TRUE(f.is_ok()) << f.status().message();
+  c.plan.clear();
+  for (uint64_t o = 0; o < c.half; o += 1024) c.plan.push_back(testing::Transfer{0, 0, o, 1024});
+  std::vector<RankFabric> fabrics(1);
+  fabrics[0].contact = (*f)->contact();
+  fabrics[0].fabric = std::move(f).value();
+  const Schedule s = testing::schedule_of(c, 0, buffers, fabrics, 1);
+  Status st = fabrics[0].fabric->begin(s, Clock::now() + std::chrono::seconds(5));
+  EXPECT_EQ(st.reason(), Reason::kNoThread) << st.message();
+  EXPECT_NE(st.message().find("cannot start the nccl fabric rounds thread"), std::string::npos) << st.message();
+  EXPECT_FALSE(fabrics[0].fabric->finish(false).is_ok());
+  fabrics[0].fabric->end();
+}
+
 TEST(NcclFabric, RefusesAScheduleItCannotRun) {
   Domain d(2, 1);
   std::vector<Schedule> s = d.schedules(1);

@@ -16,6 +16,12 @@
 namespace refit::cuda {
 namespace {
 
+std::unique_ptr<HostCopyOps> host_copy_ops(std::chrono::microseconds per_copy = std::chrono::microseconds(0)) {
+  Result<std::unique_ptr<HostCopyOps>> ops = HostCopyOps::create(per_copy);
+  EXPECT_TRUE(ops.is_ok()) << ops.status().message();
+  return ops.is_ok() ? std::move(ops).value() : nullptr;
+}
+
 // Runs of random sizes whose device side is scattered into strided places.
 struct Layout {
   std::vector<std::vector<uint8_t>> remote;  // per run: its bytes on the network side
@@ -212,7 +218,9 @@ uint64_t places_of(const Layout& l) {
 
 TEST(LandingRing, LandsEveryRunThroughFewerSlotsThanChunksAndOverlapsCopiesWithTheNetwork) {
   Layout l = make_layout(3, 12);
-  HostCopyOps ops(std::chrono::microseconds(100));  // copies slower than the network: the ring fills
+  // Copies slower than the network: the ring fills.
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops(std::chrono::microseconds(100));
+  HostCopyOps& ops = *ops_owner;
   const StagingOptions options{4096, 4};
   std::vector<uint8_t> host(options.slots * options.slot_bytes);
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
@@ -249,7 +257,8 @@ TEST(LandingRing, LandsEveryRunThroughFewerSlotsThanChunksAndOverlapsCopiesWithT
 
 TEST(LandingRing, ReleaseOnIssueTellsEachRunOnceAndStillLandsEveryByte) {
   Layout l = make_layout(7, 10);
-  HostCopyOps ops(std::chrono::microseconds(50));
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops(std::chrono::microseconds(50));
+  HostCopyOps& ops = *ops_owner;
   const StagingOptions options{4096, 3};
   std::vector<uint8_t> host(options.slots * options.slot_bytes);
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
@@ -272,7 +281,8 @@ TEST(LandingRing, ReleaseOnIssueTellsEachRunOnceAndStillLandsEveryByte) {
 
 TEST(LandingRing, ANetworkErrorEndsTheRunWithThatErrorAndOpensTheGate) {
   Layout l = make_layout(9, 10);
-  HostCopyOps ops(std::chrono::microseconds(200));
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops(std::chrono::microseconds(200));
+  HostCopyOps& ops = *ops_owner;
   const StagingOptions options{4096, 4};
   std::vector<uint8_t> host(options.slots * options.slot_bytes);
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
@@ -314,7 +324,8 @@ TEST(LandingRing, ANetworkErrorEndsTheRunWithThatErrorAndOpensTheGate) {
 
 TEST(LandingRing, ACopyErrorEndsTheRunAndTheNetworkDrains) {
   Layout l = make_layout(13, 4);
-  HostCopyOps ops;
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops();
+  HostCopyOps& ops = *ops_owner;
   ops.fail_next_copy();
   const StagingOptions options{4096, 2};
   std::vector<uint8_t> host(options.slots * options.slot_bytes);
@@ -332,7 +343,8 @@ TEST(LandingRing, ACopyErrorEndsTheRunAndTheNetworkDrains) {
 
 TEST(LandingRing, ChunksThatNeverLandedAreAnError) {
   Layout l = make_layout(17, 4);
-  HostCopyOps ops;
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops();
+  HostCopyOps& ops = *ops_owner;
   const StagingOptions options{4096, 4};
   std::vector<uint8_t> host(options.slots * options.slot_bytes);
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
@@ -351,7 +363,8 @@ TEST(LandingRing, ChunksThatNeverLandedAreAnError) {
 // Any chunk takes any free slot, in whatever order the network asks; with
 // every slot taken, the next chunk waits.
 TEST(LandingRing, AnyChunkTakesAnyFreeSlot) {
-  HostCopyOps ops;
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops();
+  HostCopyOps& ops = *ops_owner;
   std::vector<uint8_t> device(64 << 10), host(2 * 4096);
   std::vector<StagedRun> runs = {StagedRun{{DevicePlace{device.data(), 5 * 4096}}}};
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, StagingOptions{4096, 2}, runs);
@@ -378,7 +391,8 @@ TEST(LandingRing, AnyChunkTakesAnyFreeSlot) {
 // landed, and the others go on through the remaining slots meanwhile.
 TEST(LandingRing, ASlowChunkHoldsOnlyItsOwnSlot) {
   Layout l = make_layout(21, 8);
-  HostCopyOps ops;
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops();
+  HostCopyOps& ops = *ops_owner;
   const StagingOptions options{4096, 3};
   std::vector<uint8_t> host(options.slots * options.slot_bytes);
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, options, l.runs);
@@ -403,7 +417,8 @@ TEST(LandingRing, ASlowChunkHoldsOnlyItsOwnSlot) {
 }
 
 TEST(LandingRing, BadOptionsAreRefusedWithTheirName) {
-  HostCopyOps ops;
+  std::unique_ptr<HostCopyOps> ops_owner = host_copy_ops();
+  HostCopyOps& ops = *ops_owner;
   std::vector<uint8_t> host(4096);
   Layout l = make_layout(19, 2);
   Result<std::unique_ptr<LandingRing>> ring = LandingRing::create(ops, host, StagingOptions{0, 4}, l.runs);
@@ -439,5 +454,15 @@ TEST(PointerProbe, HostMemoryIsHostMemory) {
   EXPECT_FALSE(probe_pointer(nullptr).device);
   EXPECT_EQ(probe_pointer(heap.data()).ordinal, -1);
 }
+// The copy thread starts in create(): refused, create() says so.
+TEST(HostCopyOps, ACopyThreadThatCannotStartFailsCreate) {
+  Result<std::unique_ptr<HostCopyOps>> ops =
+      HostCopyOps::create(std::chrono::microseconds(0), ThreadFactory::refusing_after(0));
+  ASSERT_FALSE(ops.is_ok());
+  EXPECT_EQ(ops.status().reason(), Reason::kNoThread);
+  EXPECT_NE(ops.status().message().find("cannot start the host copy thread"), std::string::npos)
+      << ops.status().message();
+}
+
 }  // namespace
 }  // namespace refit::cuda
