@@ -294,11 +294,22 @@ TransferWatch RefreshSession::watch(const CompiledPart& part, int64_t version, C
           .with_reason(Reason::kInstanceAborted);
     };
   }
-  w.check = [this, epoch = part.epoch, deadline]() -> Status {
-    Result<Json> p = link_.request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", epoch.wire()}}, deadline);
+  w.check = [this, &part, deadline](std::vector<int32_t>* gone) -> Status {
+    Result<Json> p =
+        link_.request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", part.epoch.wire()}}, deadline);
     if (!p.is_ok()) return Status::ok();
-    Result<control::PlanPart> part = control::parse_plan_part(*p);
-    if (!part.is_ok() || part->unchanged) return Status::ok();
+    Result<control::PlanPart> next = control::parse_plan_part(*p);
+    if (!next.is_ok() || next->unchanged) return Status::ok();
+    // A source the new plan does not read from (or reads from at another
+    // worker address: it came back as a new process) is gone for this
+    // attempt; one the coordinator has not declared dead is still read.
+    for (const auto& source : part.source_addresses) {
+      const std::vector<control::PlanPeer>& now = next->peers.sources;
+      const bool kept = std::any_of(now.begin(), now.end(), [&source](const control::PlanPeer& s) {
+        return s.rank == source.first && s.worker_address == source.second;
+      });
+      if (!kept) gone->push_back(source.first);
+    }
     return Status::io_error("the membership changed during the refresh (a peer died or left)")
         .with_reason(Reason::kPeerLost);
   };

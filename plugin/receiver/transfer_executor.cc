@@ -428,12 +428,31 @@ void TransferExecutor::watch() {
     if (Clock::now() < next_check || !watching()) continue;
     next_check = Clock::now() + kMembershipCheck;
     if (!watch_.check) continue;
-    if (Status st = watch_.check(); !st.is_ok()) return stop_waiting(st);
+    std::vector<int32_t> gone;
+    if (Status st = watch_.check(&gone); !st.is_ok()) {
+      drop_sources(gone, st);
+      return stop_waiting(st);
+    }
   }
 }
 
-// Only the wait for peers ends: the GETs go on, since the ranks of other
-// instances in the domain may still need the slices this rank passes on.
+// The GETs to sources the new plan left out fail now rather than at the
+// deadline; the failed runs halt the batch, and the next attempt runs the
+// new plan (from a replica, where there is one).
+void TransferExecutor::drop_sources(const std::vector<int32_t>& gone, const Status& why) {
+  for (int32_t rank : gone) {
+    auto it = setup_.endpoints.find(rank);
+    if (it == setup_.endpoints.end()) continue;
+    engine_->drop_peer(it->second, Status::io_error("source " + std::to_string(rank) +
+                                                    " is not in the new plan, so its GETs in flight were "
+                                                    "cancelled: " + why.message())
+                                       .with_reason(Reason::kPeerLost));
+  }
+}
+
+// Only the wait for peers ends: the GETs to sources still in the plan go on,
+// since the ranks of other instances in the domain may still need the
+// slices this rank passes on.
 void TransferExecutor::stop_waiting(const Status& why) {
   watch_status_ = why;
   setup_.fabric->cancel();

@@ -18,7 +18,8 @@
 //                        and releases a GET's sends once all of it is there;
 //   watcher              asks whether to stop waiting for the peers: the
 //                        instance aborted the version, or the membership
-//                        changed (TransferWatch).
+//                        changed (TransferWatch); then the GETs to sources
+//                        the new plan left out are cancelled.
 //
 // A GET into a landing slot already carries a list of places its bytes are
 // copied on to (cuda::StagedRun): a GET of a contiguous pack area whose
@@ -56,8 +57,12 @@ struct TransferWatch {
   // Waits until `until` at most for a word that ends the attempt (staged:
   // the instance's abort). Null: nothing to listen for.
   std::function<Status(Clock::time_point until)> listen;
-  // Called every kMembershipCheck: whether the membership changed. Null: never.
-  std::function<Status()> check;
+  // Called every kMembershipCheck: whether the membership changed. Null:
+  // never. When it did, `*gone` lists the sources of this part that the
+  // new plan does not read from: the coordinator declared them dead, or
+  // they left. Their GETs in flight are cancelled at once (a partitioned
+  // source over tcp would hold them until the deadline); the others run on.
+  std::function<Status(std::vector<int32_t>* gone)> check;
 };
 
 // What the attempt runs on; borrowed, all outlive the executor.
@@ -131,6 +136,7 @@ class TransferExecutor {
   void land();
   void watch();
   void stop_waiting(const Status& why);
+  void drop_sources(const std::vector<int32_t>& gone, const Status& why);
   void sample_in_flight(bool force);
   // Releases the sends that read GET `get` once nothing else holds them
   // back. REQUIRES mu_. Returns whether any became ready.

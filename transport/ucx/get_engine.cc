@@ -502,7 +502,42 @@ bool GetEngine::halt_locked() {
   return true;
 }
 
+void GetEngine::drop_peer(Endpoint* ep, const Status& why) {
+  if (ep == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(halt_mu_);
+    drops_.emplace_back(ep, why.is_ok() ? Status::io_error("dropped") : why);
+  }
+  drop_pending_.store(true, std::memory_order_release);
+  wake();
+}
+
+void GetEngine::drop_peers_locked() {
+  if (!drop_pending_.exchange(false, std::memory_order_acq_rel)) return;
+  std::vector<std::pair<Endpoint*, Status>> drops;
+  {
+    std::lock_guard<std::mutex> lock(halt_mu_);
+    drops.swap(drops_);
+  }
+  for (auto& [ep, why] : drops) {
+    // The reason goes on the endpoint's unfinished runs first, so that the
+    // CANCELED completions of the close do not hide why; the failed-endpoint
+    // pass of pump_locked() then drops what is not issued.
+    auto it = std::find(batch_eps_.begin(), batch_eps_.end(), ep);
+    if (scheduler_ && it != batch_eps_.end()) {
+      const auto e = static_cast<uint32_t>(it - batch_eps_.begin());
+      for (uint32_t i = 0; i < runs_.size(); ++i) {
+        if (run_ep_[i] == e && !scheduler_->run_finished(i)) {
+          fail_run_locked(i, why.with_context(run_name(i, runs_[i])));
+        }
+      }
+    }
+    ep->force_close(why.message(), Clock::now() + options_.cancel_grace);
+  }
+}
+
 void GetEngine::pump_locked() {
+  drop_peers_locked();
   if (!scheduler_) return;
   // Endpoints that failed: drop what is not issued, fail their runs, and
   // force-close so that UCX completes what is in flight.

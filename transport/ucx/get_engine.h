@@ -167,6 +167,16 @@ class GetEngine {
   // run callback or a gate; never blocks. The next batch starts afresh.
   void halt(const Status& why);
 
+  // Gives up on the peer of `ep`, for a caller that learned it is gone
+  // (the coordinator declared it dead and the plan moved on) while UCX
+  // still waits on it: a partitioned peer over tcp keeps its endpoint and
+  // the requests in flight until the connection times out, long after the
+  // batch's deadline. The progressing thread force-closes `ep` with `why`
+  // at its next round, in the running batch or the next one; every run on
+  // it then fails with `why` at once, as when UCX reports a failed peer.
+  // Any thread; never blocks. `ep` is borrowed and must outlive the engine.
+  void drop_peer(Endpoint* ep, const Status& why);
+
   // Makes every PUT completed so far on `endpoints` visible in the peers'
   // memory: ucp_ep_flush_nbx on each, then waits until all complete or
   // `deadline` (driving progress itself, or waiting on the progress thread,
@@ -235,6 +245,8 @@ class GetEngine {
   void finish_run_locked(uint32_t run);
   void fail_run_locked(uint32_t run, const Status& status);
   void pump_locked();
+  // Force-closes the endpoints drop_peer() named.
+  void drop_peers_locked();
   // Carries out a halt() once; true while the batch is halted.
   bool halt_locked();
   void issue_locked(const Chunk& chunk);
@@ -267,8 +279,11 @@ class GetEngine {
   uint64_t generation_ = 0;
   // halt(): requested (any thread), and carried out in this batch (mutex_).
   std::atomic<bool> halt_{false};
-  std::mutex halt_mu_;  // guards halt_why_; never held with mutex_ waited for
+  std::mutex halt_mu_;  // guards halt_why_ and drops_; never held with mutex_ waited for
   Status halt_why_;
+  // drop_peer(): endpoints to force-close, and whether any are waiting.
+  std::vector<std::pair<Endpoint*, Status>> drops_;
+  std::atomic<bool> drop_pending_{false};
   bool halted_ = false;
   // Batch state, valid while a batch runs.
   std::optional<ChunkScheduler> scheduler_;
