@@ -1,6 +1,8 @@
 #include "plugin/coordinator_link.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -50,6 +52,32 @@ Status write_all(int fd, const uint8_t* data, size_t size, std::chrono::steady_c
     return Status::io_error(std::string("cannot send to the coordinator: ") + std::strerror(errno));
   }
   return Status::ok();
+}
+
+// How long a connection may go without its host acknowledging any byte
+// sent, with bytes waiting for it and the kernel retransmitting, before the
+// link takes it for dropped by the network (a partition, a host gone).
+constexpr milliseconds kStalled{1000};
+// A connection attempt's first slice (then kConnectSlice * 2): a SYN sent
+// while the network was down is retransmitted with backoff (1 s, 3 s, 7 s,
+// ...), so after the network heals a new attempt is quicker than waiting.
+constexpr milliseconds kConnectSlice{1000};
+
+// Why the connection on `fd` has stopped moving bytes, or "" while it
+// moves them. The evidence is the kernel's (TCP_INFO): bytes sent and not
+// acknowledged, retransmitted at least twice without an acknowledgement,
+// and none for kStalled. A coordinator that is slow to answer (planning,
+// starved) is not taken for gone: its host acknowledges what it receives,
+// whether or not the coordinator reads it.
+std::string stalled(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof info;
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return "";
+  if (info.tcpi_unacked == 0 || info.tcpi_retransmits < 2 || info.tcpi_last_ack_recv < kStalled.count()) return "";
+  return "the coordinator's host acknowledged nothing for " + std::to_string(info.tcpi_last_ack_recv) +
+         " ms, with " + std::to_string(info.tcpi_unacked) + " segments unacknowledged and " +
+         std::to_string(static_cast<unsigned>(info.tcpi_retransmits)) +
+         " retransmissions (the network dropped the connection)";
 }
 
 }  // namespace
@@ -170,16 +198,23 @@ Status CoordinatorLink::connect_once(Clock::time_point deadline, std::unique_loc
     }
   }
   old.clear();
-  const auto left = duration_cast<milliseconds>(deadline - Clock::now());
   Result<std::unique_ptr<control::Client>> client = Status::timeout("no time left to connect");
-  if (left.count() > 0) {
+  // In slices: an attempt that used all of its slice (its SYN or the
+  // handshake went unanswered) is given up for a new one, so that a network
+  // that comes back is noticed at once, not at the next SYN retransmission.
+  // One that fails sooner (refused, or the coordinator said no) is the answer.
+  for (milliseconds slice = kConnectSlice;; slice = kConnectSlice * 2) {
+    const auto left = duration_cast<milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) break;
     control::ClientOptions options;
-    options.timeout = left;
+    options.timeout = std::min(left, slice);
     options.role = role_;
     options.on_cut = [this](const std::string& why, milliseconds pause) {
       log_.warn("coordinator connection: " + why + "; made again in " + std::to_string(pause.count()) + " ms");
     };
+    const auto t0 = Clock::now();
     client = control::Client::connect(config_.coordinator.host, port_, credential_, options);
+    if (client.is_ok() || options.timeout == left || Clock::now() - t0 < options.timeout) break;
   }
   lock.lock();
   if (!client.is_ok()) return client.status();
@@ -290,10 +325,18 @@ Result<Frame> CoordinatorLink::exchange(std::unique_lock<std::mutex>& lock, MsgT
     broken(gen, sent.message());
     return sent;
   }
-  cv_.wait_until(lock, std::min(deadline, reply_by), [&] {
+  // In slices, to look at the connection between them: one that has
+  // stopped moving bytes (stalled()) is broken now, so that the request is
+  // sent again on a new connection within its deadline rather than wait for
+  // TCP's backed-off retransmission after the network comes back.
+  const auto answered = [&] {
     auto it = pending_.find(id);
     return (it != pending_.end() && it->second.has_value()) || generation_ != gen || !up_ || closing_;
-  });
+  };
+  const auto until = std::min(deadline, reply_by);
+  while (!cv_.wait_until(lock, std::min(until, Clock::now() + kStallCheck), answered) && Clock::now() < until) {
+    if (std::string why = stalled(c->fd); !why.empty()) broken(gen, why);
+  }
   auto it = pending_.find(id);
   std::optional<Frame> reply = std::move(it->second);
   pending_.erase(it);

@@ -13,9 +13,16 @@
 //
 // A broken connection (the coordinator closed it, a frame failed its seal,
 // the network dropped) is reconnected by the next call, within that call's
-// deadline: the link connects and authenticates again, registers the member
-// again with the registration it last sent, and subscribes again if it was
-// subscribed. A request that was waiting when the connection broke is sent
+// deadline. A call that waits for its reply looks at the connection every
+// kStallCheck: one whose host has acknowledged nothing for a second while
+// the kernel retransmits (a partition, which TCP alone notices only after
+// minutes, and after it heals only at its next backed-off retransmission)
+// is taken for broken. A coordinator that is slow to answer is not: its
+// host acknowledges the bytes, so no reconnection storm. On reconnecting,
+// the link connects and authenticates again (in attempts of a second or
+// two, so that a network that comes back is seen at once), registers the
+// member again with the registration it last sent, and subscribes again if
+// it was subscribed. A request that was waiting when the connection broke is sent
 // again on the new connection when it only reads or renews (heartbeat,
 // subscribe, fetch_plan, version_hashes, verify_boxes, wait_drained); any
 // other fails, saying it may or may not have been applied.
@@ -98,6 +105,9 @@ class CoordinatorLink {
 
  private:
   using Clock = std::chrono::steady_clock;
+  // How often a call waiting for its reply looks whether its connection
+  // has stopped moving bytes (see above).
+  static constexpr std::chrono::milliseconds kStallCheck{100};
   // One connection: its socket, read by reader_, written under write_mu_.
   struct Connection {
     int fd = -1;

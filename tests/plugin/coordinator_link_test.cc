@@ -6,11 +6,17 @@
 #include "plugin/coordinator_link.h"
 
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -343,6 +349,113 @@ TEST_F(LinkThroughRelay, AReplayedFrameIsRefused) {
     if (refused == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   EXPECT_GE(refused, 1u);
+}
+
+// The network between the link and the coordinator drops everything for
+// 7 s (nft in a network namespace of its own), longer than the member's
+// heartbeat timeout, then comes back. TCP alone would send the bytes
+// queued meanwhile only at its next backed-off retransmission, about 12.6 s
+// after the first was lost, so a call right after the network is back
+// would wait 5 s and more. The link sees that its connection stopped moving
+// bytes, makes a new one, registers the member again (the coordinator
+// declared it dead meanwhile) and serves the call within its 3 s.
+//
+// The scenario runs in a child process, alone in its namespace; it reports
+// on a pipe, read with a deadline.
+std::string run_partition(const std::string& dir) {
+  if (::unshare(CLONE_NEWNET) != 0) return std::string("skip: unshare(CLONE_NEWNET): ") + std::strerror(errno);
+  if (std::system("ip link set lo up >/dev/null 2>&1") != 0) return "skip: cannot bring up lo (iproute2)";
+  if (std::system("nft list tables >/dev/null 2>&1") != 0) return "skip: no nft";
+  const std::string token = "0123456789abcdef0123456789abcdef";
+  const std::string token_file = dir + "/token";
+  std::ofstream(token_file) << token;
+  ::chmod(token_file.c_str(), 0600);
+  control::CoordinatorConfig cc;
+  cc.token = token;
+  cc.log = [](const std::string&) {};
+  cc.heartbeat_timeout = std::chrono::milliseconds(1000);
+  auto coordinator = control::Coordinator::start(cc);
+  if (!coordinator.is_ok()) return "fail: " + coordinator.status().message();
+  const std::string port = std::to_string((*coordinator)->port());
+  const std::string config_json = R"({"rank": 0, "heartbeat_ms": 200, "log_level": "error",
+      "coordinator": {"address": "127.0.0.1:)" + port + R"(", "token_file": ")" + token_file +
+                                  R"(", "timeout_ms": 3000}})";
+  Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/true);
+  if (!config.is_ok()) return "fail: " + config.status().message();
+  const Log log("receiver", 0, config->log_level);
+  auto link = CoordinatorLink::connect(*config, log);
+  if (!link.is_ok()) return "fail: " + link.status().message();
+  control::RegisterReceiver m;
+  m.rank = 0;
+  m.worker_address = {1, 2, 3};
+  if (auto r = (*link)->request(control::MsgType::kRegisterReceiver, control::to_json(m)); !r.is_ok()) {
+    return "fail: register: " + r.status().message();
+  }
+  (*link)->start_heartbeat(control::MemberRef{control::Role::kReceiver, 0});
+  if (auto r = (*link)->request(control::MsgType::kSubscribe, control::Json::object()); !r.is_ok()) {
+    return "fail: subscribe: " + r.status().message();
+  }
+  const std::string cut = "nft add table inet cut && nft add chain inet cut in '{ type filter hook input priority 0; }' "
+                          "&& nft add rule inet cut in tcp dport " + port + " drop && nft add rule inet cut in tcp sport " +
+                          port + " drop";
+  if (std::system(cut.c_str()) != 0) return "skip: nft cannot add a rule";
+  // The partition's length: what the test is about, not a wait for anyone.
+  std::this_thread::sleep_for(std::chrono::seconds(7));
+  const size_t during = (*coordinator)->stats().is_ok() ? (*coordinator)->stats()->receivers : 99;
+  if (std::system("nft delete table inet cut") != 0) return "fail: nft cannot remove the rule";
+  const auto t0 = Clock::now();
+  auto r = (*link)->request(control::MsgType::kFetchPlan, control::Json{{"rank", 0}});
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+  const size_t after = (*coordinator)->stats().is_ok() ? (*coordinator)->stats()->receivers : 99;
+  (*link)->stop_heartbeat();
+  std::string out = "took " + std::to_string(took) + " ms, connections " + std::to_string((*link)->connections()) +
+                    ", receivers during " + std::to_string(during) + " after " + std::to_string(after);
+  // fetch_plan's answer for a lone receiver may be a refusal (nothing to
+  // plan); any reply from the coordinator is the link working. A timeout
+  // or a broken connection is not.
+  if (!r.is_ok() && (r.status().code() == Code::kTimeout || r.status().code() == Code::kIoError)) {
+    return "fail: " + out + ": " + r.status().message();
+  }
+  if (during != 0) return "fail: " + out + ": the member was not declared dead during the partition";
+  if (after != 1) return "fail: " + out + ": the member is not registered again";
+  if ((*link)->connections() < 2) return "fail: " + out + ": no new connection";
+  return "ok: " + out;
+}
+
+TEST(LinkAcrossAPartition, ACallAfterThePartitionHealsReconnectsAndRegistersAgainWithinItsDeadline) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: a network namespace of its own, and nft to cut it";
+  char dir[] = "/tmp/refit-link-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    const std::string line = run_partition(dir) + "\n";
+    (void)!::write(fds[1], line.data(), line.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string line;
+  const auto until = Clock::now() + std::chrono::seconds(40);
+  for (char buf[512]; line.find('\n') == std::string::npos;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+    pollfd p{fds[0], POLLIN, 0};
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) break;
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n <= 0) break;
+    line.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  if (line.find('\n') == std::string::npos) ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::remove((std::string(dir) + "/token").c_str());
+  ::rmdir(dir);
+  std::printf("%s", line.c_str());
+  if (line.rfind("skip: ", 0) == 0) GTEST_SKIP() << line.substr(6);
+  EXPECT_EQ(line.rfind("ok: ", 0), 0u) << (line.empty() ? std::string("no word from the child in 40 s") : line);
 }
 
 }  // namespace
