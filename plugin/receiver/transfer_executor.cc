@@ -436,17 +436,22 @@ void TransferExecutor::watch() {
   }
 }
 
-// The GETs to sources the new plan left out fail now rather than at the
-// deadline; the failed runs halt the batch, and the next attempt runs the
-// new plan (from a replica, where there is one).
+// A source the new plan left out may be gone (declared dead) or only not
+// needed by this rank any more. One that has answered nothing for
+// kQuietSource is taken for gone: its GETs fail now rather than at the
+// deadline, the failed runs halt the batch, and the next attempt runs the
+// new plan (from a replica, where there is one). One that still answers is
+// read on (see stop_waiting).
 void TransferExecutor::drop_sources(const std::vector<int32_t>& gone, const Status& why) {
   for (int32_t rank : gone) {
     auto it = setup_.endpoints.find(rank);
     if (it == setup_.endpoints.end()) continue;
-    engine_->drop_peer(it->second, Status::io_error("source " + std::to_string(rank) +
-                                                    " is not in the new plan, so its GETs in flight were "
-                                                    "cancelled: " + why.message())
-                                       .with_reason(Reason::kPeerLost));
+    engine_->drop_peer(it->second,
+                       Status::io_error("source " + std::to_string(rank) + " is not in the new plan and answered "
+                                        "nothing for " + std::to_string(kQuietSource.count()) +
+                                        " ms, so its GETs in flight were cancelled: " + why.message())
+                           .with_reason(Reason::kPeerLost),
+                       kQuietSource);
   }
 }
 

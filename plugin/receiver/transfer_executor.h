@@ -59,9 +59,11 @@ struct TransferWatch {
   std::function<Status(Clock::time_point until)> listen;
   // Called every kMembershipCheck: whether the membership changed. Null:
   // never. When it did, `*gone` lists the sources of this part that the
-  // new plan does not read from: the coordinator declared them dead, or
-  // they left. Their GETs in flight are cancelled at once (a partitioned
-  // source over tcp would hold them until the deadline); the others run on.
+  // new plan does not read from: the coordinator declared them dead, they
+  // left, or this rank no longer needs them. Those whose GETs have seen no
+  // progress for TransferExecutor::kQuietSource are cancelled (a
+  // partitioned source over tcp would hold them until the deadline); the
+  // others run on.
   std::function<Status(std::vector<int32_t>* gone)> check;
 };
 
@@ -110,6 +112,10 @@ class TransferExecutor {
   // each TransferWatch::listen call (the watcher stops within one).
   static constexpr std::chrono::milliseconds kMembershipCheck{250};
   static constexpr std::chrono::milliseconds kListenSlice{5};
+  // A source the new plan leaves out whose GETs have seen no progress for
+  // this long is taken for gone (TransferWatch::check); a second is many
+  // chunks' time on any link the plan would use.
+  static constexpr std::chrono::milliseconds kQuietSource{1000};
 
   TransferExecutor(const TransferSetup& setup, const CompiledPart& part, int64_t version, Clock::time_point deadline,
                    TransferWatch watch, ThreadFactory threads);

@@ -274,6 +274,7 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
 
   runs_ = runs;
   ep_dropped_.assign(batch_eps_.size(), false);
+  ep_last_event_.assign(batch_eps_.size(), start);
   run_status_.assign(runs.size(), Status::ok());
   run_reported_.assign(runs.size(), false);
   on_run_done_ = std::move(on_run_done);
@@ -365,6 +366,11 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
         " GET/PUT requests still outstanding after cancel; their slots stay owned by the engine");
   }
   scheduler_.reset();
+  {
+    std::lock_guard<std::mutex> drops(halt_mu_);  // drop_peer() asks about this batch only
+    drops_.clear();
+    drop_pending_.store(false, std::memory_order_release);
+  }
   runs_ = {};
   on_run_done_ = nullptr;
   gate_ = nullptr;
@@ -502,43 +508,45 @@ bool GetEngine::halt_locked() {
   return true;
 }
 
-void GetEngine::drop_peer(Endpoint* ep, const Status& why) {
+void GetEngine::drop_peer(Endpoint* ep, const Status& why, std::chrono::milliseconds quiet) {
   if (ep == nullptr) return;
   {
     std::lock_guard<std::mutex> lock(halt_mu_);
-    drops_.emplace_back(ep, why.is_ok() ? Status::io_error("dropped") : why);
+    drops_.push_back(Drop{ep, why.is_ok() ? Status::io_error("dropped") : why, quiet});
+    drop_pending_.store(true, std::memory_order_release);
   }
-  drop_pending_.store(true, std::memory_order_release);
   wake();
 }
 
 void GetEngine::drop_peers_locked() {
-  if (!drop_pending_.exchange(false, std::memory_order_acq_rel)) return;
-  std::vector<std::pair<Endpoint*, Status>> drops;
-  {
-    std::lock_guard<std::mutex> lock(halt_mu_);
-    drops.swap(drops_);
-  }
-  for (auto& [ep, why] : drops) {
+  if (!drop_pending_.load(std::memory_order_acquire) || !scheduler_) return;  // kept for the next batch
+  std::lock_guard<std::mutex> lock(halt_mu_);
+  const auto now = Clock::now();
+  std::vector<Drop> kept;
+  for (Drop& d : drops_) {
+    auto it = std::find(batch_eps_.begin(), batch_eps_.end(), d.ep);
+    if (it == batch_eps_.end()) continue;  // nothing of this batch on it
+    const auto e = static_cast<uint32_t>(it - batch_eps_.begin());
+    if (ep_dropped_[e]) continue;  // failed already
+    if (scheduler_->ops_in_flight(e) == 0 || now - ep_last_event_[e] < d.quiet) {
+      kept.push_back(std::move(d));  // it still answers, or has nothing out: looked at again next round
+      continue;
+    }
     // The reason goes on the endpoint's unfinished runs first, so that the
     // CANCELED completions of the close do not hide why; the failed-endpoint
     // pass of pump_locked() then drops what is not issued.
-    auto it = std::find(batch_eps_.begin(), batch_eps_.end(), ep);
-    if (scheduler_ && it != batch_eps_.end()) {
-      const auto e = static_cast<uint32_t>(it - batch_eps_.begin());
-      for (uint32_t i = 0; i < runs_.size(); ++i) {
-        if (run_ep_[i] == e && !scheduler_->run_finished(i)) {
-          fail_run_locked(i, why.with_context(run_name(i, runs_[i])));
-        }
-      }
+    for (uint32_t i = 0; i < runs_.size(); ++i) {
+      if (run_ep_[i] == e && !scheduler_->run_finished(i)) fail_run_locked(i, d.why.with_context(run_name(i, runs_[i])));
     }
-    ep->force_close(why.message(), Clock::now() + options_.cancel_grace);
+    d.ep->force_close(d.why.message(), now + options_.cancel_grace);
   }
+  drops_ = std::move(kept);
+  drop_pending_.store(!drops_.empty(), std::memory_order_release);
 }
 
 void GetEngine::pump_locked() {
-  drop_peers_locked();
   if (!scheduler_) return;
+  drop_peers_locked();
   // Endpoints that failed: drop what is not issued, fail their runs, and
   // force-close so that UCX completes what is in flight.
   for (uint32_t e = 0; e < batch_eps_.size(); ++e) {
@@ -603,6 +611,7 @@ void GetEngine::issue_locked(const Chunk& c) {
   slot->chunk = c;
   ++outstanding_;
   ++gets_issued_;
+  ep_last_event_[run_ep_[c.run]] = Clock::now();
   if (!r.gather.empty()) {
     issue_gather_locked(slot, r);
     return;
@@ -777,6 +786,7 @@ ucs_status_t GetEngine::on_am_reply(void* arg, const void* header, size_t header
         std::memcpy(self->run_local_[run] + slot->chunk.offset + h.offset, data, length);
       }
       slot->am_received += length;
+      self->ep_last_event_[self->run_ep_[run]] = Clock::now();
       if (slot->am_received < want) return UCS_OK;
     }
   }
@@ -802,6 +812,7 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
   free_slots_.push_back(slot);
   --outstanding_;
   if (!current) return;  // a late completion of an abandoned batch
+  ep_last_event_[run_ep_[c.run]] = Clock::now();
   if (status == UCS_OK) {
     bytes_done_ += c.bytes;
   } else {

@@ -167,15 +167,19 @@ class GetEngine {
   // run callback or a gate; never blocks. The next batch starts afresh.
   void halt(const Status& why);
 
-  // Gives up on the peer of `ep`, for a caller that learned it is gone
-  // (the coordinator declared it dead and the plan moved on) while UCX
-  // still waits on it: a partitioned peer over tcp keeps its endpoint and
-  // the requests in flight until the connection times out, long after the
-  // batch's deadline. The progressing thread force-closes `ep` with `why`
-  // at its next round, in the running batch or the next one; every run on
-  // it then fails with `why` at once, as when UCX reports a failed peer.
-  // Any thread; never blocks. `ep` is borrowed and must outlive the engine.
-  void drop_peer(Endpoint* ep, const Status& why);
+  // Gives up on the peer of `ep` once it has gone `quiet`, for a caller
+  // that learned it may be gone (the coordinator declared it dead and the
+  // plan moved on) while UCX still waits on it: a partitioned peer over tcp
+  // keeps its endpoint and the requests in flight until the connection
+  // times out, long after the batch's deadline. When `ep` has requests in
+  // flight in the running batch (or the next one, if none runs) and none
+  // has completed, nor been issued, for `quiet`, the progressing thread
+  // force-closes it with `why`, and every unfinished run on it fails with
+  // `why` at once, as when UCX reports a failed peer. A peer that still
+  // answers is left alone, and the request is forgotten once its runs have
+  // finished or when the batch ends. Any thread; never blocks. `ep` is
+  // borrowed and must outlive the engine.
+  void drop_peer(Endpoint* ep, const Status& why, std::chrono::milliseconds quiet);
 
   // Makes every PUT completed so far on `endpoints` visible in the peers'
   // memory: ucp_ep_flush_nbx on each, then waits until all complete or
@@ -281,8 +285,14 @@ class GetEngine {
   std::atomic<bool> halt_{false};
   std::mutex halt_mu_;  // guards halt_why_ and drops_; never held with mutex_ waited for
   Status halt_why_;
-  // drop_peer(): endpoints to force-close, and whether any are waiting.
-  std::vector<std::pair<Endpoint*, Status>> drops_;
+  // drop_peer(): endpoints to force-close once quiet, and whether any are
+  // waiting (both under halt_mu_; the flag read without it).
+  struct Drop {
+    Endpoint* ep;
+    Status why;
+    std::chrono::milliseconds quiet;
+  };
+  std::vector<Drop> drops_;
   std::atomic<bool> drop_pending_{false};
   bool halted_ = false;
   // Batch state, valid while a batch runs.
@@ -290,6 +300,9 @@ class GetEngine {
   std::span<const GetRun> runs_;
   std::vector<Endpoint*> batch_eps_;
   std::vector<bool> ep_dropped_;
+  // Per batch endpoint: when a request on it was last issued or completed
+  // (or a piece of a reply came), for drop_peer's `quiet`.
+  std::vector<std::chrono::steady_clock::time_point> ep_last_event_;
   std::vector<Status> run_status_;
   std::vector<bool> run_reported_;
   std::vector<uint32_t> run_ep_;

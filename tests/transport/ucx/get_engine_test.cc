@@ -622,6 +622,65 @@ TEST(GetEngineDeadline, StoppedPeerHitsDeadlineAndCancels) {
   testing::stop_peer(&peer);
 }
 
+// drop_peer(): a peer that has answered nothing for `quiet` (stopped: its
+// host still takes the bytes, so tcp sees nothing wrong) is given up at
+// once, its runs failing with the caller's reason, long before the
+// batch's deadline; a peer that answers is left alone.
+TEST(GetEngineDropPeer, AQuietPeerIsDroppedAndAnAnsweringOneIsNot) {
+  Peer peer;
+  if (!testing::start_peer(&peer, "tcp", 7, 8 << 20) || !testing::handshake(&peer)) {
+    testing::stop_peer(&peer);
+    GTEST_SKIP() << "tcp unavailable: " << peer.error;
+  }
+  {
+    ContextConfig cfg;
+    cfg.name = "puller";
+    cfg.transports = {"tcp"};
+    cfg.devices = {"lo"};
+    auto ctx = Context::create(cfg);
+    ASSERT_TRUE(ctx.is_ok()) << ctx.status().message();
+    auto worker = Worker::create(*ctx, ThreadMode::kSerialized);
+    ASSERT_TRUE(worker.is_ok());
+    auto ep = Endpoint::create(*worker, peer.address, "quiet-peer");
+    ASSERT_TRUE(ep.is_ok()) << ep.status().message();
+    ASSERT_TRUE(ep->import_rkey(9, peer.rkey).is_ok());
+    std::vector<uint8_t> local(8 << 20);
+    auto region = MemoryRegion::map(*ctx, local.data(), local.size());
+    ASSERT_TRUE(region.is_ok());
+    GetEngineOptions options;
+    options.progress_thread = true;
+    auto engine = GetEngine::create(*worker, options);
+    ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+    (*engine)->add_local_region(*region);
+    std::vector<GetRun> runs;
+    for (int i = 0; i < 8; ++i) {
+      runs.push_back(GetRun{&*ep, 9, peer.base + i * (1 << 20), local.data() + i * (1 << 20), 1 << 20});
+    }
+    const auto quiet = std::chrono::milliseconds(200);
+    // Answering: asked to drop it, the engine reads on; every run lands.
+    (*engine)->drop_peer(&*ep, Status::io_error("the test gives up on the peer"), quiet);
+    auto served = (*engine)->run_batch(runs, Clock::now() + std::chrono::seconds(20));
+    EXPECT_TRUE(served.status.is_ok()) << served.status.message();
+    EXPECT_FALSE(ep->failed());
+    // Quiet: stopped, its GETs never end on their own; dropped, they fail
+    // with the reason given, once the peer has been quiet for `quiet`.
+    ::kill(peer.pid, SIGSTOP);
+    (*engine)->drop_peer(&*ep, Status::io_error("the test gives up on the peer"), quiet);
+    const auto start = Clock::now();
+    auto report = (*engine)->run_batch(runs, start + std::chrono::seconds(20));
+    const auto took = Clock::now() - start;
+    ::kill(peer.pid, SIGCONT);
+    EXPECT_FALSE(report.status.is_ok());
+    EXPECT_NE(report.status.message().find("the test gives up on the peer"), std::string::npos)
+        << report.status.message();
+    for (const Status& r : report.runs) EXPECT_FALSE(r.is_ok());
+    EXPECT_LT(took, quiet + options.cancel_grace + std::chrono::milliseconds(1000));
+    EXPECT_EQ((*engine)->outstanding_requests(), 0u);
+    EXPECT_TRUE(ep->failed());
+  }
+  testing::stop_peer(&peer);
+}
+
 // A stopped peer never acknowledges the PUTs it was sent over tcp: flush
 // must end at its deadline with an error naming the endpoint, and force-close
 // it.
