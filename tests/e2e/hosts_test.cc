@@ -328,10 +328,11 @@ std::string failed_ranks(const nlohmann::json& r) {
 
 // Refresh deadline 8 s, coordinator calls 10 s: the library's bound on a
 // failing refresh is 8 + 2 x 10 + 1 = 29 s (refit-bench --coordinator-timeout).
-// The coordinator calls get 10 s because the first ones after a link comes
-// back ride a TCP connection whose retransmissions backed off during the
-// partition: their bytes go again only at the next retransmission, seconds
-// after the link is up (5 s was once too short).
+// The coordinator calls got 10 s when the first ones after a link came back
+// rode a TCP connection whose retransmissions had backed off during the
+// partition (5 s was once too short). The link now makes a new connection
+// when its host acknowledges nothing for a second (plugin/coordinator_link.h);
+// 10 s stays as the margin for a loaded machine.
 constexpr double kPartitionBound = 29;
 
 // A receiving host's link goes down for the rest of a staged refresh: its
