@@ -294,15 +294,15 @@ TransferWatch RefreshSession::watch(const CompiledPart& part, int64_t version, C
           .with_reason(Reason::kInstanceAborted);
     };
   }
-  w.check = [this, &part, deadline](std::vector<int32_t>* gone) -> Status {
-    Result<Json> p =
-        link_.request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", part.epoch.wire()}}, deadline);
+  w.check = [this, &part, deadline, epoch = part.epoch](std::vector<int32_t>* gone) mutable -> Status {
+    Result<Json> p = link_.request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", epoch.wire()}}, deadline);
     if (!p.is_ok()) return Status::ok();
     Result<control::PlanPart> next = control::parse_plan_part(*p);
     if (!next.is_ok() || next->unchanged) return Status::ok();
+    epoch = next->epoch;
     // A source the new plan does not read from (or reads from at another
-    // worker address: it came back as a new process) is gone for this
-    // attempt; one the coordinator has not declared dead is still read.
+    // worker address: it came back as a new process) may be gone; the
+    // executor gives it up once it answers nothing (TransferWatch::check).
     for (const auto& source : part.source_addresses) {
       const std::vector<control::PlanPeer>& now = next->peers.sources;
       const bool kept = std::any_of(now.begin(), now.end(), [&source](const control::PlanPeer& s) {

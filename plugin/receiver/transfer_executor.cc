@@ -413,6 +413,7 @@ void TransferExecutor::land() {
 
 void TransferExecutor::watch() {
   auto next_check = Clock::now() + kMembershipCheck;
+  bool changed = false;  // the membership changed: the peers are no longer waited for
   auto watching = [this] {
     std::lock_guard<std::mutex> lock(watch_mu_);
     return watching_;
@@ -428,10 +429,14 @@ void TransferExecutor::watch() {
     if (Clock::now() < next_check || !watching()) continue;
     next_check = Clock::now() + kMembershipCheck;
     if (!watch_.check) continue;
+    // After a change the watcher goes on: the next one may leave out a
+    // source that the first still named (two sources declared dead a
+    // heartbeat apart).
     std::vector<int32_t> gone;
     if (Status st = watch_.check(&gone); !st.is_ok()) {
       drop_sources(gone, st);
-      return stop_waiting(st);
+      if (!changed) stop_waiting(st);
+      changed = true;
     }
   }
 }

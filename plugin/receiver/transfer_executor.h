@@ -57,9 +57,10 @@ struct TransferWatch {
   // Waits until `until` at most for a word that ends the attempt (staged:
   // the instance's abort). Null: nothing to listen for.
   std::function<Status(Clock::time_point until)> listen;
-  // Called every kMembershipCheck: whether the membership changed. Null:
-  // never. When it did, `*gone` lists the sources of this part that the
-  // new plan does not read from: the coordinator declared them dead, they
+  // Called every kMembershipCheck: whether the membership changed since
+  // the last call that said so (the first: since the part's). Null: never.
+  // When it did, `*gone` lists the sources of this part that the newest
+  // plan does not read from: the coordinator declared them dead, they
   // left, or this rank no longer needs them. Those whose GETs have seen no
   // progress for TransferExecutor::kQuietSource are cancelled (a
   // partitioned source over tcp would hold them until the deadline); the

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -390,18 +391,25 @@ void expect_the_replica_serves(const std::string& partition) {
   EXPECT_LT(r.value("partition_refresh_seconds", 1e9), 12) << r.dump();  // the refresh's deadline
   EXPECT_TRUE(r.value("verified", false)) << r.dump();
   EXPECT_EQ(r.value("completed", 0), 3) << r.dump();
-  EXPECT_NE(out.find("declared this member dead"), std::string::npos) << out;
-  // The receivers that were reading from the cut-off host ran a new attempt
-  // on the new plan (the replica's): their reports of version 2 count it.
+  // The coordinator declared the cut-off sources dead and replanned, and
+  // the receivers that were reading from them ran a new attempt on the new
+  // plan (the replica's): their reports of version 2 count it and name a
+  // newer membership than version 1's.
   std::ifstream in(reports);
   nlohmann::json rep = nlohmann::json::parse(in, nullptr, false);
   std::remove(reports.c_str());
   int64_t retries = 0;
+  uint64_t epoch[3] = {0, 0, 0};  // per version, the newest its reports name
   ASSERT_TRUE(rep.is_object()) << "no reports";
-  for (const auto& v : rep["refit"])
-    if (v.value("version", 0) == 2)
-      for (const auto& x : v["reports"]) retries += x.value("retries", int64_t{0});
+  for (const auto& v : rep["refit"]) {
+    const int version = v.value("version", 0);
+    for (const auto& x : v["reports"]) {
+      if (version == 2) retries += x.value("retries", int64_t{0});
+      if (version >= 1 && version <= 2) epoch[version] = std::max(epoch[version], x.value("epoch", uint64_t{0}) & 0xffffffffu);
+    }
+  }
   EXPECT_GT(retries, 0) << rep["refit"].dump();
+  EXPECT_GT(epoch[2], epoch[1]) << rep["refit"].dump();
   EXPECT_NE(out.find("exit 0"), std::string::npos) << out;
   EXPECT_TRUE(Hosts::sweep_stale().empty()) << "refit-bench left namespaces behind";
 }

@@ -519,15 +519,22 @@ void GetEngine::drop_peer(Endpoint* ep, const Status& why, std::chrono::millisec
 }
 
 void GetEngine::drop_peers_locked() {
-  if (!drop_pending_.load(std::memory_order_acquire) || !scheduler_) return;  // kept for the next batch
-  std::lock_guard<std::mutex> lock(halt_mu_);
+  if (!drop_pending_.load(std::memory_order_acquire)) return;
+  // Taken out of halt_mu_ first: the close below runs completions, whose run
+  // callback may call halt() or drop_peer().
+  std::vector<Drop> drops;
+  {
+    std::lock_guard<std::mutex> lock(halt_mu_);
+    drops.swap(drops_);
+    drop_pending_.store(false, std::memory_order_release);
+  }
   const auto now = Clock::now();
   std::vector<Drop> kept;
-  for (Drop& d : drops_) {
+  for (Drop& d : drops) {
     auto it = std::find(batch_eps_.begin(), batch_eps_.end(), d.ep);
     if (it == batch_eps_.end()) continue;  // nothing of this batch on it
     const auto e = static_cast<uint32_t>(it - batch_eps_.begin());
-    if (ep_dropped_[e]) continue;  // failed already
+    if (ep_dropped_[e] || d.ep->failed()) continue;  // failed already
     if (scheduler_->ops_in_flight(e) == 0 || now - ep_last_event_[e] < d.quiet) {
       kept.push_back(std::move(d));  // it still answers, or has nothing out: looked at again next round
       continue;
@@ -540,8 +547,10 @@ void GetEngine::drop_peers_locked() {
     }
     d.ep->force_close(d.why.message(), now + options_.cancel_grace);
   }
-  drops_ = std::move(kept);
-  drop_pending_.store(!drops_.empty(), std::memory_order_release);
+  if (kept.empty()) return;
+  std::lock_guard<std::mutex> lock(halt_mu_);
+  drops_.insert(drops_.end(), std::make_move_iterator(kept.begin()), std::make_move_iterator(kept.end()));
+  drop_pending_.store(true, std::memory_order_release);
 }
 
 void GetEngine::pump_locked() {

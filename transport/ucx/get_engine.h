@@ -176,9 +176,10 @@ class GetEngine {
   // has completed, nor been issued, for `quiet`, the progressing thread
   // force-closes it with `why`, and every unfinished run on it fails with
   // `why` at once, as when UCX reports a failed peer. A peer that still
-  // answers is left alone, and the request is forgotten once its runs have
-  // finished or when the batch ends. Any thread; never blocks. `ep` is
-  // borrowed and must outlive the engine.
+  // answers is left alone (looked at again at every round of progress), and
+  // the request is forgotten when the batch ends. Any thread, also from a
+  // run callback; never blocks. `ep` is borrowed and must outlive the
+  // engine.
   void drop_peer(Endpoint* ep, const Status& why, std::chrono::milliseconds quiet);
 
   // Makes every PUT completed so far on `endpoints` visible in the peers'
