@@ -27,6 +27,7 @@
 // Thread safety: a finished Plan is read-only and may be read from any thread.
 // It refers to the Layout it was made from, which must outlive it.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -44,9 +45,25 @@ enum class Strategy {
 };
 const char* strategy_name(Strategy s);
 
+// Where a running make_plan() is, for a progress display (refit-plan):
+// written by the planning thread, readable from any other.
+struct PlanProgress {
+  enum Step : int { kTensors = 0, kPlacing = 1 };
+  std::atomic<int> step{kTensors};
+  std::atomic<int64_t> done{0};
+  std::atomic<int64_t> total{0};
+  void set(Step s, int64_t d, int64_t t) {
+    step.store(s, std::memory_order_relaxed);
+    total.store(t, std::memory_order_relaxed);
+    done.store(d, std::memory_order_relaxed);
+  }
+};
+
 struct PlanOptions {
   Strategy strategy = Strategy::kRefit;
   int64_t chunk_bytes = int64_t{4} << 20;
+  // Not owned; null reports nothing. Has no effect on the plan.
+  PlanProgress* progress = nullptr;
 };
 
 struct Consumer {
