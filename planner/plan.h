@@ -48,7 +48,8 @@ const char* strategy_name(Strategy s);
 // Where a running make_plan() is, for a progress display (refit-plan):
 // written by the planning thread, readable from any other.
 struct PlanProgress {
-  enum Step : int { kTensors = 0, kPlacing = 1 };
+  // kRuns counts without a total (total stays 0).
+  enum Step : int { kTensors = 0, kPlacing = 1, kRuns = 2 };
   std::atomic<int> step{kTensors};
   std::atomic<int64_t> done{0};
   std::atomic<int64_t> total{0};
@@ -182,6 +183,12 @@ struct Run {
 // each chunk's network runs followed by its local runs to the other
 // consumers. Adjacent runs that continue each other are merged.
 void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn);
+
+// The network runs of for_each_run(plan, fn), the same runs in the same
+// order, without making the local ones: at cluster scale most runs are local
+// (a domain of 8 fans each chunk out 7 times), and counting GETs needs only
+// these.
+void for_each_network_run(const Plan& plan, const std::function<void(const Run&)>& fn);
 
 // A unit of a tensor whose receivers hold another dtype (docs/conversion.md,
 // "At the receiver"): its puller lands the unit's box, row-major in the

@@ -135,10 +135,12 @@ class Ticker {
   void show_locked() {
     std::string line = "refit-plan: " + what_;
     const int64_t total = plan.total.load(std::memory_order_relaxed);
-    if (planning_ && total > 0) {
-      const int64_t done = plan.done.load(std::memory_order_relaxed);
-      line += plan.step.load(std::memory_order_relaxed) == refit::PlanProgress::kTensors ? ": tensors "
-                                                                                           : ": placing units ";
+    const int64_t done = plan.done.load(std::memory_order_relaxed);
+    const int step = plan.step.load(std::memory_order_relaxed);
+    if (planning_ && step == refit::PlanProgress::kRuns && done > 0) {
+      line += ": " + std::to_string(done) + " network runs";
+    } else if (planning_ && total > 0) {
+      line += step == refit::PlanProgress::kTensors ? ": tensors " : ": placing units ";
       line += std::to_string(done) + "/" + std::to_string(total) + " (" + std::to_string(done * 100 / total) + "%)";
     }
     line += ", " + std::to_string(static_cast<int64_t>(seconds_since(t0_))) + " s";
@@ -551,15 +553,17 @@ Result<Planned> plan_one(const Input& in, PlanOptions po, const std::string& run
       return refit::write_runs_json(*plan, sink);
     }));
   }
-  step("counting the GETs of " + in.name + " (" + refit::strategy_name(po.strategy) + ")");
+  step("counting the GETs of " + in.name + " (" + refit::strategy_name(po.strategy) + ")", /*planning=*/true);
   Planned out{plan->summary(), secs, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
   if (refit::has_conversions(*in.layout) && po.strategy != Strategy::kBroadcast) {
     out.at_receiver = refit::count_conversion_bytes(*plan, refit::ConvertAt::kReceiver);
     out.at_source = refit::count_conversion_bytes(*plan, refit::ConvertAt::kSource);
   }
   if (po.strategy != Strategy::kBroadcast) {
-    out.gets = refit::get_stats(*plan, kAgentGetBytes, &g_gather);
-    out.ungrouped_gets = refit::get_stats(*plan, kAgentGetBytes);
+    out.gets = refit::get_stats(*plan, kAgentGetBytes, &g_gather, plan_progress());
+    step("counting the GETs of " + in.name + " (" + refit::strategy_name(po.strategy) + ", without gathers)",
+         /*planning=*/true);
+    out.ungrouped_gets = refit::get_stats(*plan, kAgentGetBytes, nullptr, plan_progress());
   }
   return out;
 }
