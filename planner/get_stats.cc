@@ -4,7 +4,7 @@
 
 namespace refit {
 
-GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather) {
+GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather, PlanProgress* progress) {
   GetStats s;
   s.per_receiver.assign(plan.layout().receivers.size(), 0);
   if (max_get_bytes <= 0) return s;
@@ -52,8 +52,8 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
       });
   const int64_t below = gather && gather->enabled ? gather->below_bytes : 0;
   uint64_t next = 0;
-  for_each_run(plan, [&](const Run& r) {
-    if (r.local) return;
+  for_each_network_run(plan, [&](const Run& r) {
+    if (progress && (next & 4095) == 0) progress->set(PlanProgress::kRuns, static_cast<int64_t>(next), 0);
     current_index = next++;
     current = {r.to.rank, r.bytes};
     if (r.bytes < below) held.emplace(current_index, current);

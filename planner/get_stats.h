@@ -36,7 +36,9 @@ struct GetStats {
 // REQUIRES max_get_bytes > 0 and a plan with units (not kBroadcast, which
 // has only its summary: its GetStats are empty).
 // `gather` null or disabled: every network run is its own GET.
-GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather = nullptr);
+// `progress` (may be null) counts the network runs read (PlanProgress::kRuns).
+GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather = nullptr,
+                   PlanProgress* progress = nullptr);
 
 // GETs of the same power-of-two size class, for a short table: the key is
 // the class's upper bound (512 holds 257..512 bytes), the value the count.

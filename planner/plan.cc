@@ -591,6 +591,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   Plan plan;
   plan.layout_ = &L;
   plan.options_ = options;
+  plan.options_.progress = nullptr;  // the caller's, for this call only
   plan.source_nic_.assign(L.sources.size(), 0);
   plan.receiver_nic_.assign(L.receivers.size(), 0);
   PlanSummary& s = plan.summary_;
@@ -612,7 +613,11 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
     summarize_broadcast(L, &s, &plan.source_nic_, &plan.receiver_nic_);
   } else {
     Planner planner(L, options, &plan.units_, &plan.consumers_, &plan.pull_sets_);
-    for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) REFIT_RETURN_IF_ERROR(planner.plan_tensor(ti));
+    const int64_t tensors = static_cast<int64_t>(L.tensors.size());
+    for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) {
+      if (options.progress) options.progress->set(PlanProgress::kTensors, ti, tensors);
+      REFIT_RETURN_IF_ERROR(planner.plan_tensor(ti));
+    }
 
     // Bytes that have no choice go on the NICs first.
     std::vector<uint32_t> choose;  // units with a choice of puller or of sources
@@ -656,7 +661,11 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
       order.push_back({-plan.bytes(u), ui});
     }
     std::sort(order.begin(), order.end());
+    int64_t placed = 0;
     for (auto [neg_bytes, ui] : order) {
+      if (options.progress && (placed++ & 1023) == 0) {
+        options.progress->set(PlanProgress::kPlacing, placed - 1, static_cast<int64_t>(order.size()));
+      }
       Unit& u = plan.units_[ui];
       const Tensor& t = L.tensors[u.tensor];
       const int eb = dtype_bytes(t.dtype);

@@ -27,6 +27,7 @@
 // Thread safety: a finished Plan is read-only and may be read from any thread.
 // It refers to the Layout it was made from, which must outlive it.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -44,9 +45,26 @@ enum class Strategy {
 };
 const char* strategy_name(Strategy s);
 
+// Where a running make_plan() is, for a progress display (refit-plan):
+// written by the planning thread, readable from any other.
+struct PlanProgress {
+  // kRuns counts without a total (total stays 0).
+  enum Step : int { kTensors = 0, kPlacing = 1, kRuns = 2 };
+  std::atomic<int> step{kTensors};
+  std::atomic<int64_t> done{0};
+  std::atomic<int64_t> total{0};
+  void set(Step s, int64_t d, int64_t t) {
+    step.store(s, std::memory_order_relaxed);
+    total.store(t, std::memory_order_relaxed);
+    done.store(d, std::memory_order_relaxed);
+  }
+};
+
 struct PlanOptions {
   Strategy strategy = Strategy::kRefit;
   int64_t chunk_bytes = int64_t{4} << 20;
+  // Not owned; null reports nothing. Has no effect on the plan.
+  PlanProgress* progress = nullptr;
 };
 
 struct Consumer {
@@ -165,6 +183,12 @@ struct Run {
 // each chunk's network runs followed by its local runs to the other
 // consumers. Adjacent runs that continue each other are merged.
 void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn);
+
+// The network runs of for_each_run(plan, fn), the same runs in the same
+// order, without making the local ones: at cluster scale most runs are local
+// (a domain of 8 fans each chunk out 7 times), and counting GETs needs only
+// these.
+void for_each_network_run(const Plan& plan, const std::function<void(const Run&)>& fn);
 
 // A unit of a tensor whose receivers hold another dtype (docs/conversion.md,
 // "At the receiver"): its puller lands the unit's box, row-major in the

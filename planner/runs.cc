@@ -85,8 +85,11 @@ std::string box_text(const Box& b) {
   return s + "]";
 }
 
+// network_only: the network runs alone, as the full walk gives them (its
+// local runs are not made; where one would follow, the network run before it
+// is passed on unmerged, as the local run would have made it).
 Status run_all(const Plan& plan, const std::function<void(const Run&)>& fn,
-               const std::function<void(const ConvertStep&)>* on_convert) {
+               const std::function<void(const ConvertStep&)>* on_convert, bool network_only = false) {
   const Layout& L = plan.layout();
   bool have = false;
   Run pending;
@@ -206,6 +209,13 @@ Status run_all(const Plan& plan, const std::function<void(const Run&)>& fn,
         for_each_copy(c, sr, dst, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
           push(Run{false, {Side::kSource, src.rank, src_buf, fo}, {Side::kReceiver, p.rank, dst_buf, to}, bytes});
         });
+        if (network_only) {
+          if (plan.consumers(u).size() > 1 && have) {
+            fn(pending);
+            have = false;
+          }
+          continue;
+        }
         for (const Consumer& k : plan.consumers(u)) {
           if (k.rank == p.rank && k.region == p.region) continue;
           const Region& kr = t.receivers[k.region];
@@ -225,6 +235,10 @@ Status run_all(const Plan& plan, const std::function<void(const Run&)>& fn,
 
 void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
   (void)run_all(plan, fn, nullptr);
+}
+
+void for_each_network_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
+  (void)run_all(plan, fn, nullptr, /*network_only=*/true);
 }
 
 Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,

@@ -7,11 +7,16 @@
 //
 // Exit status: 0 on success, 2 on bad input (one line on stderr that names
 // the file, the key or tensor, and the problem), 1 on an internal error.
-// Quiet by default: nothing but the result, and nothing at all under --quiet.
+// Quiet by default: nothing but the result (and, on a run longer than 2 s,
+// progress lines on stderr), and nothing at all under --quiet.
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,9 +25,11 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -64,6 +71,114 @@ constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// ---------------------------------------------------------------- progress
+
+// What a long run is doing, on stderr, once it has lasted `after` seconds
+// (2 by default): on a terminal one line redrawn in place every 250 ms;
+// otherwise a line when a step begins and every 5 s within it. The main
+// thread names each step; the planner fills in `plan` (tensors planned,
+// units placed). Never on stdout, never under --quiet.
+class Ticker {
+ public:
+  Ticker(bool enabled, double after_seconds)
+      : enabled_(enabled), tty_(::isatty(STDERR_FILENO) == 1), t0_(std::chrono::steady_clock::now()),
+        shown_from_(t0_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(after_seconds))) {
+    if (!enabled_) return;
+    try {
+      thread_ = std::thread([this] { loop(); });
+    } catch (const std::system_error&) {
+      // No thread, no periodic lines; the run itself goes on.
+    }
+  }
+  ~Ticker() { finish(); }
+  Ticker(const Ticker&) = delete;
+  Ticker& operator=(const Ticker&) = delete;
+
+  // Ends the display (and clears its line), before the result is printed.
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      stop_ = true;
+      if (drawn_) std::fprintf(stderr, "\r\033[K");  // the result follows on a clean line
+      drawn_ = false;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Starts a step; what the planner reports is shown while it runs.
+  void step(std::string what, bool planning = false) {
+    std::lock_guard<std::mutex> lock(mu_);
+    what_ = std::move(what);
+    planning_ = planning;
+    plan.set(refit::PlanProgress::kTensors, 0, 0);
+    if (enabled_ && !stop_ && !tty_ && std::chrono::steady_clock::now() >= shown_from_) show_locked();
+  }
+
+  refit::PlanProgress plan;
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(250), [this] { return stop_; })) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= shown_from_ && !what_.empty() && (tty_ || now >= last_line_ + std::chrono::seconds(5))) {
+        show_locked();
+      }
+    }
+  }
+
+  void show_locked() {
+    std::string line = "refit-plan: " + what_;
+    const int64_t total = plan.total.load(std::memory_order_relaxed);
+    const int64_t done = plan.done.load(std::memory_order_relaxed);
+    const int step = plan.step.load(std::memory_order_relaxed);
+    if (planning_ && step == refit::PlanProgress::kRuns && done > 0) {
+      line += ": " + std::to_string(done) + " network runs";
+    } else if (planning_ && total > 0) {
+      line += step == refit::PlanProgress::kTensors ? ": tensors " : ": placing units ";
+      line += std::to_string(done) + "/" + std::to_string(total) + " (" + std::to_string(done * 100 / total) + "%)";
+    }
+    line += ", " + std::to_string(static_cast<int64_t>(seconds_since(t0_))) + " s";
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", line.c_str());
+      drawn_ = true;
+    } else {
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+    std::fflush(stderr);
+    last_line_ = std::chrono::steady_clock::now();
+  }
+
+  const bool enabled_;
+  const bool tty_;
+  const std::chrono::steady_clock::time_point t0_;
+  const std::chrono::steady_clock::time_point shown_from_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;                                // mu_
+  bool drawn_ = false;                               // mu_: a terminal line waits to be cleared
+  std::string what_;                                 // mu_
+  bool planning_ = false;                            // mu_
+  std::chrono::steady_clock::time_point last_line_;  // mu_
+  std::thread thread_;
+};
+
+// The run's ticker (main() owns it); null while none runs.
+Ticker* g_ticker = nullptr;
+
+void step(std::string what, bool planning = false) {
+  if (g_ticker) g_ticker->step(std::move(what), planning);
+}
+
+refit::PlanProgress* plan_progress() { return g_ticker ? &g_ticker->plan : nullptr; }
+
+void finish_progress() {
+  if (g_ticker) g_ticker->finish();
 }
 
 // ---------------------------------------------------------------- files
@@ -291,6 +406,7 @@ struct Options {
   bool simulate = false;
   std::string trace_out;
   std::string hardware_file;
+  double progress_after = 2;
 };
 
 // One layout to plan, read from a layout file or made from a scenario. The
@@ -424,23 +540,30 @@ refit::GatherOptions g_gather;
 // GET it posts, so a longer network run is several GETs.
 constexpr int64_t kAgentGetBytes = int64_t{1} << 20;
 
-Result<Planned> plan_one(const Input& in, const PlanOptions& po, const std::string& runs_out) {
+Result<Planned> plan_one(const Input& in, PlanOptions po, const std::string& runs_out) {
+  step("planning " + in.name + " (" + refit::strategy_name(po.strategy) + ")", /*planning=*/true);
+  po.progress = plan_progress();
   const auto t0 = std::chrono::steady_clock::now();
   auto plan = refit::make_plan(*in.layout, po);
   const double secs = seconds_since(t0);
   if (!plan) return plan.status().with_context(in.origin);
-  if (!runs_out.empty())
+  if (!runs_out.empty()) {
+    step("writing the runs to " + runs_out);
     REFIT_RETURN_IF_ERROR(write_streamed(runs_out, [&](const refit::TextSink& sink) {
       return refit::write_runs_json(*plan, sink);
     }));
+  }
+  step("counting the GETs of " + in.name + " (" + refit::strategy_name(po.strategy) + ")", /*planning=*/true);
   Planned out{plan->summary(), secs, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
   if (refit::has_conversions(*in.layout) && po.strategy != Strategy::kBroadcast) {
     out.at_receiver = refit::count_conversion_bytes(*plan, refit::ConvertAt::kReceiver);
     out.at_source = refit::count_conversion_bytes(*plan, refit::ConvertAt::kSource);
   }
   if (po.strategy != Strategy::kBroadcast) {
-    out.gets = refit::get_stats(*plan, kAgentGetBytes, &g_gather);
-    out.ungrouped_gets = refit::get_stats(*plan, kAgentGetBytes);
+    out.gets = refit::get_stats(*plan, kAgentGetBytes, &g_gather, plan_progress());
+    step("counting the GETs of " + in.name + " (" + refit::strategy_name(po.strategy) + ", without gathers)",
+         /*planning=*/true);
+    out.ungrouped_gets = refit::get_stats(*plan, kAgentGetBytes, nullptr, plan_progress());
   }
   return out;
 }
@@ -800,18 +923,23 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
     std::cerr << "refit-plan: " << in.origin
               << " gives no hardware figures; simulating with the defaults (docs/simulator.md)\n";
   auto t0 = std::chrono::steady_clock::now();
-  auto plan = refit::make_plan(*in.layout, po);
+  step("planning " + in.name + " (" + refit::strategy_name(po.strategy) + ")", /*planning=*/true);
+  PlanOptions traced = po;
+  traced.progress = plan_progress();
+  auto plan = refit::make_plan(*in.layout, traced);
   if (!plan) return fail(plan.status().with_context(in.origin));
   // The lower bound needs the refit plan's domains, whatever is simulated.
   std::optional<Plan> refit_plan;
   if (po.strategy != Strategy::kRefit) {
-    PlanOptions r = po;
+    step("planning " + in.name + " (refit, for the lower bound)", /*planning=*/true);
+    PlanOptions r = traced;
     r.strategy = Strategy::kRefit;
     auto p = refit::make_plan(*in.layout, r);
     if (!p) return fail(p.status().with_context(in.origin));
     refit_plan.emplace(std::move(*p));
   }
   const double plan_seconds = seconds_since(t0);
+  step("simulating " + in.name + " (" + refit::strategy_name(po.strategy) + ")");
   t0 = std::chrono::steady_clock::now();
   refit::sim::SimResult result;
   if (po.strategy == Strategy::kBroadcast) {
@@ -828,6 +956,7 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
   if (!lb) return fail(lb.status());
   const double sim_seconds = seconds_since(t0);
   if (!o.trace_out.empty()) {
+    step("writing the trace to " + o.trace_out);
     const std::string title = in.name + ", " + refit::strategy_name(po.strategy) + ", simulated";
     Status s = write_streamed(o.trace_out, [&](const refit::TextSink& sink) {
       return refit::sim::write_trace_json(result, title, sink);
@@ -835,6 +964,7 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
     if (!s) return fail(s);
   }
   const ordered_json j = simulation_json(in, po.strategy, result, *lb, *hw, plan_seconds, sim_seconds);
+  finish_progress();
   if (!o.json_out.empty()) {
     Status s = write_file(o.json_out, j.dump(2) + "\n");
     if (!s) return fail(s);
@@ -847,11 +977,13 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
 // ---------------------------------------------------------------- main
 
 int fail(const Status& s) {
+  finish_progress();
   std::cerr << "refit-plan: " << (s.code() == Code::kInternal ? "internal error: " : "") << s.message() << "\n";
   return s.code() == Code::kInternal ? kExitInternal : kExitBadInput;
 }
 
 int usage_error(const std::string& msg) {
+  finish_progress();
   std::cerr << "refit-plan: " << msg << " (see --help)\n";
   return kExitBadInput;
 }
@@ -907,6 +1039,7 @@ int run(const Options& o) {
 
   Loader loader(o);
   auto load = [&](const std::string& path) {
+    step("reading " + path);
     return o.layout.empty() ? loader.scenario(path) : loader.layout_file(path);
   };
   std::vector<std::string> inputs = o.layout.empty() ? o.scenarios : std::vector<std::string>{o.layout};
@@ -934,6 +1067,7 @@ int run(const Options& o) {
       }
       rows.push_back(std::move(row));
     }
+    finish_progress();
     if (!o.json_out.empty()) {
       Status s = write_file(o.json_out, compare_json(rows).dump(2) + "\n");
       if (!s) return fail(s);
@@ -947,6 +1081,7 @@ int run(const Options& o) {
   if (!in) return fail(in.status());
   if (o.simulate) return simulate_one(o, *in, po);
   if (!o.layout_out.empty()) {
+    step("writing the layout to " + o.layout_out);
     Status s = write_streamed(o.layout_out, [&](const refit::TextSink& sink) {
       return refit::write_layout_json(*in->layout, sink);
     });
@@ -955,6 +1090,7 @@ int run(const Options& o) {
   auto planned = plan_one(*in, po, o.runs_out);
   if (!planned) return fail(planned.status());
   const ordered_json j = summary_json(*in, *planned, po.strategy);
+  finish_progress();
   if (!o.json_out.empty()) {
     Status s = write_file(o.json_out, j.dump(2) + "\n");
     if (!s) return fail(s);
@@ -1012,6 +1148,10 @@ int main(int argc, char** argv) {
   app.add_option("--hardware", o.hardware_file,
                  "with --simulate: a JSON object of hardware figures that override the scenario's")
       ->type_name("FILE");
+  app.add_option("--progress-after", o.progress_after,
+                 "show progress on stderr once the run has lasted SECONDS (default 2; 0: from the start)")
+      ->type_name("SECONDS")
+      ->check(CLI::Range(0.0, 1e6));
   app.footer(
       "Examples:\n"
       "  refit-plan --scenario examples/scenarios/tp2-to-tp4.json --models examples/models\n"
@@ -1020,6 +1160,8 @@ int main(int argc, char** argv) {
       "  refit-plan --simulate --scenario examples/scenarios/moe-ep.json --models examples/models --trace t.json\n"
       "A scenario whose train.model and infer.model differ (a BF16 trainer, an FP8 server) converts on the way\n"
       "(docs/conversion.md): the summary then adds the bytes with conversion at the receiver and at the source.\n"
+      "A run longer than 2 s (--progress-after) shows its progress on stderr (the step, tensors planned,\n"
+      "seconds): a line redrawn in place on a terminal, else a line every 5 s; --quiet shows none.\n"
       "Exit status: 0 success, 2 bad input (one line on stderr), 1 internal error.");
   try {
     app.parse(argc, argv);
@@ -1029,7 +1171,12 @@ int main(int argc, char** argv) {
     return kExitBadInput;
   }
   try {
-    return run(o);
+    Ticker ticker(!o.quiet, o.progress_after);
+    g_ticker = &ticker;
+    const int rc = run(o);
+    ticker.finish();  // before the error line, if any, is printed below
+    g_ticker = nullptr;
+    return rc;
   } catch (const std::bad_alloc&) {
     std::cerr << "refit-plan: out of memory\n";
   } catch (const std::exception& e) {

@@ -355,10 +355,26 @@ void TransferExecutor::fan_out() {
       net_ok = net_ok_;
       landing = landing_status_;
     }
-    if (!take.empty()) fan_status_ = setup_.fabric->send(take);
+    if (!take.empty()) {
+      // One span per batch handed to the fabric: the sends that became
+      // ready together (the fabric may finish them after the span ends).
+      TraceSpan send_span(setup_.trace, "fan_out_send");
+      uint64_t bytes = 0, peer_bytes = 0;
+      for (uint32_t k : take) {
+        bytes += schedule_.sends[k].bytes;
+        if (schedule_.sends[k].peer != fabric::kSelf) peer_bytes += schedule_.sends[k].bytes;
+      }
+      fan_status_ = setup_.fabric->send(take);
+      send_span.arg("sends", take.size());
+      send_span.arg("bytes", bytes);
+      send_span.arg("peer_bytes", peer_bytes);
+      send_span.arg("ok", fan_status_.is_ok());
+    }
     done += take.size();
     // Conversions run here, between sends: the bytes they write are what
     // the sends after them carry.
+    TraceSpan convert_span(converts.empty() ? nullptr : setup_.trace, "convert");
+    convert_span.arg("units", converts.size());
     for (uint32_t k : converts) {
       if (!fan_status_.is_ok()) break;
       const Clock::time_point t0 = Clock::now();

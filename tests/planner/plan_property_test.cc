@@ -1201,6 +1201,16 @@ const Sweep& sweep() {
       }
       const auto runs1 = collect_runs(*p1);
       check_plan(R, *p1, runs1, S.v, S.totals);
+      {  // network_runs: for_each_network_run gives for_each_run's network runs, in its order
+        std::vector<Run> net, want;
+        for_each_network_run(*p1, [&](const Run& r) { net.push_back(r); });
+        for (const Run& r : runs1)
+          if (!r.local) want.push_back(r);
+        if (net.size() != want.size() || !std::equal(net.begin(), net.end(), want.begin(), same_run))
+          S.v.add("network_runs", "for_each_network_run gave " + std::to_string(net.size()) +
+                                      " runs; for_each_run has " + std::to_string(want.size()) + " network runs" +
+                                      (net.size() == want.size() ? ", in another order or merged differently" : ""));
+      }
       {
         bool fan_out = false, choice = false, several_pieces = false;
         for (const Unit& u : p1->units()) {
@@ -1312,6 +1322,8 @@ TEST(PlanProperty, NoDedupPullsWhatEachRankNeeds) { EXPECT_PROPERTY("no_dedup_by
 TEST(PlanProperty, BaselinesMoveAtLeastRefitBytes) { EXPECT_PROPERTY("strategies_ordered"); }
 
 TEST(PlanProperty, SummaryChunksMatchRuns) { EXPECT_PROPERTY("summary_chunks"); }
+
+TEST(PlanProperty, NetworkRunsAreTheFullWalksOnes) { EXPECT_PROPERTY("network_runs"); }
 
 // Minimal reproduction: tensors "a" (BF16) and "b" (F32) of one shape on the
 // same source rank share a pull set; chunk_bytes 8 gives "a" 4 chunks of 4

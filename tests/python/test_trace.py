@@ -68,6 +68,19 @@ def test_trace_spans_match_the_reports(bench_run):
     # A track per rank: each process names its thread after its rank.
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert sorted(names.values()) == [f"receiver {r}" for r in range(RANKS)]
+    # The fan-out's sends, batch by batch: summed over a refresh they are its
+    # report's pushes and local bytes. Only refreshes of one attempt are
+    # summed: a failed attempt's sends would count twice.
+    for rank in range(RANKS):
+        sends = [e for e in spans if e["tid"] == rank and e["name"] == "fan_out_send"]
+        assert sends and all(e["args"]["ok"] for e in sends), rank
+        for r in (e for e in spans if e["tid"] == rank and e["name"] == "refresh"):
+            report = next(v["reports"][rank] for v in reports["refit"] if v["version"] == r["args"]["version"])
+            if report["retries"]:
+                continue
+            inside = [e for e in sends if r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"]]
+            assert sum(e["args"]["sends"] for e in inside) == report["pushes"], (rank, r["args"])
+            assert sum(e["args"]["peer_bytes"] for e in inside) == report["local_bytes"], (rank, r["args"])
     counters = [e for e in events if e.get("ph") == "C" and e["name"] == "get_bytes_in_flight"]
     assert counters and max(c["args"]["bytes"] for c in counters) > 0
     assert all(c["args"]["bytes"] >= 0 for c in counters)

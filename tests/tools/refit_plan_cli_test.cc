@@ -158,7 +158,7 @@ TEST_F(RefitPlanCli, HelpListsTheOptions) {
   EXPECT_EQ(r.code, 0);
   for (const char* opt : {"--layout", "--scenario", "--models", "--model", "--layout-out", "--runs", "--json",
                           "--strategy", "--no-dedup", "--chunk-bytes", "--compare", "--quiet", "--simulate",
-                          "--trace", "--hardware"})
+                          "--trace", "--hardware", "--progress-after"})
     EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
 }
 
@@ -211,6 +211,42 @@ TEST_F(RefitPlanCli, ScenarioWithModelsFolderAndModelFile) {
   r = run({"--scenario", s, "--model", mj, "--json", "-"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["network_bytes"], a["network_bytes"]);
+}
+
+// A long run shows its steps on stderr (from 2 s on by default; from the
+// start here), never on stdout, and nothing under --quiet.
+TEST_F(RefitPlanCli, ProgressLinesGoToStderrOnly) {
+  write("models/tiny.json", manifest().dump());
+  write("models/tiny.config.json", refit::testing::small_llama_config().dump());
+  const std::string s = write("tp2.json", scenario().dump());
+  const std::vector<std::string> args = {"--scenario", s, "--models", path("models").string(), "--progress-after",
+                                         "0"};
+  std::vector<std::string> with_json = args;
+  with_json.insert(with_json.end(), {"--json", "-"});
+  Outcome r = run(with_json);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out)["name"], "tp2");  // stdout holds the result alone
+  // One line per step, each naming it and the seconds so far.
+  EXPECT_NE(r.err.find("refit-plan: reading " + s + ", 0 s\n"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("refit-plan: planning tp2 (refit)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("refit-plan: counting the GETs of tp2 (refit)"), std::string::npos) << r.err;
+  std::vector<std::string> simulate = args;
+  simulate.push_back("--simulate");
+  r = run(simulate);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("refit-plan: simulating tp2 (refit)"), std::string::npos) << r.err;
+  std::vector<std::string> quiet = args;
+  quiet.push_back("--quiet");
+  r = run(quiet);
+  EXPECT_EQ(r.code, 0);
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  // By default a short run shows none.
+  r = run({"--scenario", s, "--models", path("models").string()});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  std::vector<std::string> negative = args;
+  negative.back() = "-1";
+  expect_bad(negative, "--progress-after");
 }
 
 TEST_F(RefitPlanCli, SafetensorsFileAndFolder) {
