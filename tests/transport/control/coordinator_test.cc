@@ -690,6 +690,69 @@ TEST_F(Coordinators, AnIoThreadHeldUpPastTheHeartbeatTimeoutDeclaresNobodyDead) 
   }
 }
 
+// Receivers that fetch plan parts of megabytes (tensor "s" of 40,000 rows,
+// each receiver holding half of every row: 40,000 runs, about 3.7 MB a
+// reply) do not hold up another member: the replies are built off the I/O
+// thread, which only seals and writes the ready bytes, so a source's
+// heartbeats go on being answered at once while the parts are planned,
+// built and sent, and each receiver gets its own part whole.
+TEST_F(Coordinators, OtherMembersAreServedWhileLargePlanPartsAreBuilt) {
+  constexpr int kRows = 40000;
+  constexpr int kReceivers = 3;
+  start();
+  auto src = good_client();
+  ASSERT_TRUE(src);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, strided_source_body(kRows)).is_ok());
+  std::vector<std::unique_ptr<Client>> rcv;
+  for (int r = 0; r < kReceivers; ++r) {
+    rcv.push_back(good_client());
+    ASSERT_TRUE(rcv.back());
+    Json body = strided_receiver_body(kRows);
+    body["rank"] = r;
+    body["domain"] = r;  // each pulls every row itself
+    body["instance"] = r;
+    ASSERT_TRUE(rcv.back()->request(MsgType::kRegisterReceiver, body).is_ok());
+  }
+  std::atomic<int> fetching{kReceivers};
+  std::vector<std::thread> fetchers;
+  std::vector<Result<Json>> parts(kReceivers, Status::internal("not fetched"));
+  for (int r = 0; r < kReceivers; ++r) {
+    fetchers.emplace_back([&, r] {
+      parts[r] = rcv[r]->request(MsgType::kFetchPlan, Json{{"rank", r}});
+      --fetching;
+    });
+  }
+  // The source heartbeats back to back until every part has come.
+  std::chrono::steady_clock::duration slowest{0};
+  int beats = 0;
+  std::string failure;
+  while (fetching.load() > 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = src->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}});
+    slowest = std::max(slowest, std::chrono::steady_clock::now() - t0);
+    ++beats;
+    if (!r.is_ok() && failure.empty()) failure = r.status().message();
+  }
+  for (auto& t : fetchers) t.join();
+  EXPECT_EQ(failure, "") << "a heartbeat failed";
+  for (int r = 0; r < kReceivers; ++r) {
+    ASSERT_TRUE(parts[r].is_ok()) << "receiver " << r << ": " << parts[r].status().message();
+    Result<PlanPart> part = parse_plan_part(*parts[r]);
+    ASSERT_TRUE(part.is_ok()) << part.status().message();
+    ASSERT_EQ(part->runs.size(), size_t{kRows}) << "receiver " << r;
+    for (const PlanRun& run : part->runs) {
+      ASSERT_EQ(run.to.rank, r);
+      ASSERT_EQ(run.bytes, 64u);
+    }
+    ASSERT_EQ(part->peers.sources.size(), 1u);
+    EXPECT_EQ(part->peers.sources[0].buffers[0].rkey, (std::vector<uint8_t>{1, 2}));
+  }
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(slowest).count();
+  std::printf("%d heartbeats while %d receivers fetched %d runs each; the slowest took %lld ms\n", beats,
+              kReceivers, kRows, static_cast<long long>(ms));
+  EXPECT_LT(slowest, 300ms) << "a heartbeat waited behind a plan part";
+}
+
 // The plan part each receiver fetches equals the runs refit-plan writes
 // (write_runs_json) for the same layout file, and is replanned when the
 // membership changes.
