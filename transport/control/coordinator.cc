@@ -1029,7 +1029,10 @@ void Coordinator::Impl::build_reply(int32_t rank) {
                         solo = state_.wants_solo(rank), delay = config_.test_build_delay] {
     const auto t0 = Clock::now();
     PartReply built = build_part_reply(*plan, *directory, rank, solo, epoch, stopped_);
-    if (delay.count() > 0 && !stopped_) std::this_thread::sleep_for(delay);  // tests only: a part of cluster scale
+    // Tests only: a part of cluster scale, cut short by stop().
+    for (const auto until = t0 + delay; !stopped_ && Clock::now() < until;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
     try {
       asio::post(io_, [this, rank, built = std::move(built), ms]() mutable { on_built(rank, std::move(built), ms); });

@@ -753,6 +753,60 @@ TEST_F(Coordinators, OtherMembersAreServedWhileLargePlanPartsAreBuilt) {
   EXPECT_LT(slowest, 300ms) << "a heartbeat waited behind a plan part";
 }
 
+// The membership changes while a receiver's reply is being built (off the
+// I/O thread, held up by test_build_delay): the stale reply is dropped, and
+// the receiver gets the part of the new membership, which names the newcomer
+// in its domain.
+TEST_F(Coordinators, AReplyBuiltForAMembershipThatChangedIsDropped) {
+  CoordinatorConfig c;
+  c.test_build_delay = 1000ms;
+  start(c);
+  auto src = good_client();
+  auto r0 = good_client();
+  auto r1 = good_client();
+  ASSERT_TRUE(src && r0 && r1);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  ASSERT_TRUE(r0->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  ASSERT_TRUE(r0->send_frame(MsgType::kFetchPlan, Json{{"rank", 0}}, 201).is_ok());
+  ASSERT_NE(wait_log({"planned membership"}), "") << "the plan of the first membership";
+  // Its reply is being built now; rank 1 joins (domain 0, as rank 0).
+  ASSERT_TRUE(r1->request(MsgType::kRegisterReceiver, receiver_body(1)).is_ok());
+  EXPECT_NE(wait_log({"dropped the plan part of receiver rank 0", "it is stale"}), "");
+  auto reply = r0->read_frame(10s);
+  ASSERT_TRUE(reply.is_ok()) << reply.status().message();
+  EXPECT_EQ(reply->id, 201u);
+  Result<PlanPart> part = parse_plan_part(reply->body);
+  ASSERT_TRUE(part.is_ok()) << part.status().message() << " " << reply->body.dump();
+  ASSERT_EQ(part->peers.domain.size(), 2u) << "the part of the membership with rank 1";
+  EXPECT_EQ(part->peers.domain[1].rank, 1);
+  EXPECT_FALSE(part->runs.empty());
+  auto st = co_->stats();
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->plans, 2u);
+}
+
+// stop() while a reply is being built: the build is cut short and dropped,
+// stop() returns at once, and nothing touches the stopped coordinator
+// (a sanitized build checks the last part).
+TEST_F(Coordinators, StopsWhileAReplyIsBeingBuilt) {
+  CoordinatorConfig c;
+  c.test_build_delay = 20s;
+  start(c);
+  auto src = good_client();
+  auto rcv = good_client();
+  ASSERT_TRUE(src && rcv);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  ASSERT_TRUE(rcv->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  ASSERT_TRUE(rcv->send_frame(MsgType::kFetchPlan, Json{{"rank", 0}}, 7).is_ok());
+  ASSERT_NE(wait_log({"planned membership"}), "");
+  const auto t0 = std::chrono::steady_clock::now();
+  co_->stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s) << "stop() waited for the build";
+  EXPECT_TRUE(rcv->wait_closed(2s));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& l : logs_) EXPECT_EQ(l.find("built the reply"), std::string::npos) << l;
+}
+
 // The plan part each receiver fetches equals the runs refit-plan writes
 // (write_runs_json) for the same layout file, and is replanned when the
 // membership changes.
