@@ -82,7 +82,7 @@ struct PartReply {
   size_t run_count = 0;
 };
 
-// Runs on a replier_ thread and touches nothing shared: `plan` and
+// Runs on a reply thread and touches nothing shared: `plan` and
 // `directory` are immutable. The part is checked against its message
 // (parsed as the receiver parses it) before it is encoded; an exception
 // (memory, a bug) becomes a reply that failed with the reason.
@@ -123,11 +123,12 @@ PartReply build_part_reply(const PlannedParts& plan, const PeerDirectory& direct
 
 // Owned by the Coordinator. Every member is touched only on the I/O thread
 // once start() returns, except: port_ (written before, then read-only),
-// stopped_ (atomic), thread_ (start/stop callers), planner_, whose one
-// thread runs compute_plan on a copy of the layout and posts the result
-// back, and replier_, whose threads build the plan parts' replies
-// (build_part_reply) from immutable snapshots and post them back. The I/O
-// thread itself only splices ready bytes into a frame, seals and writes it.
+// stopped_ (atomic), thread_ and repliers_ (start/stop callers), planner_,
+// whose one thread runs compute_plan on a copy of the layout and posts the
+// result back, and replies_io_, on whose threads (repliers_) the plan parts'
+// replies are built (build_part_reply) from immutable snapshots and posted
+// back. The I/O thread itself only splices ready bytes into a frame, seals
+// and writes it.
 class Coordinator::Impl {
  public:
   explicit Impl(CoordinatorConfig config)
@@ -163,6 +164,25 @@ class Coordinator::Impl {
     });
     if (!t.is_ok()) return t.status().with_context("coordinator");
     thread_ = std::move(t).value();
+    for (int i = 0; i < kRepliers; ++i) {
+      Result<std::thread> r = config_.threads.start("coordinator replies", [this] {
+        for (;;) {  // build_part_reply catches its own; this is the belt
+          try {
+            replies_io_.run();
+            return;
+          } catch (const std::exception& e) {
+            log(std::string("internal error on a reply thread, going on: ") + e.what());
+          } catch (...) {
+            log("internal error on a reply thread (not a std::exception), going on");
+          }
+        }
+      });
+      if (!r.is_ok()) {
+        stop();
+        return r.status().with_context("coordinator");
+      }
+      repliers_.push_back(std::move(r).value());
+    }
     return Status::ok();
   }
   void stop() {
@@ -173,8 +193,9 @@ class Coordinator::Impl {
     // Replies not yet started are dropped; one being built stops at its next
     // step (stopped_) or runs to its end; either way its result is dropped
     // with io_, whose thread has ended.
-    replier_.stop();
-    replier_.join();
+    replies_work_.reset();
+    replies_io_.stop();
+    for (std::thread& t : repliers_) t.join();
   }
 
   // I/O thread only, from here on.
@@ -230,7 +251,7 @@ class Coordinator::Impl {
   // True when answer_fetch() can answer `request` at once: a refusal, an
   // "unchanged", or a part whose reply is built (part_replies_).
   bool reply_ready(const FetchPlan& request);
-  // Builds `rank`'s reply of its current plan epoch on replier_, unless one is being built.
+  // Builds `rank`'s reply of its current plan epoch on a reply thread, unless one is being built.
   void build_reply(int32_t rank);
   void on_built(int32_t rank, PartReply built, int64_t ms);
   // Answers the first waiting fetch whose reply is ready, then posts itself
@@ -266,17 +287,21 @@ class Coordinator::Impl {
   bool planning_ = false;
   bool answering_ = false;  // an answer_next() is posted
   std::vector<std::pair<std::weak_ptr<Session>, FetchPlan>> pending_fetches_;  // paused sessions, their requests
-  // Built on replier_ threads (build_part_reply), one per (rank, plan
+  // Built on reply threads (build_part_reply), one per (rank, plan
   // epoch), so that a fetch costs the I/O thread a splice and a seal, not a
   // parse, a rebuild and an encoding of a part of maybe a million runs.
-  asio::thread_pool replier_{2};
+  // Started through config_.threads (run()); what they run goes through replies_io_.
+  static constexpr int kRepliers = 2;
+  asio::io_context replies_io_;
+  asio::executor_work_guard<asio::io_context::executor_type> replies_work_{replies_io_.get_executor()};
+  std::vector<std::thread> repliers_;
   // Per receiver rank: the CBOR of its part's runs and peers, of one plan
   // epoch; replaced by the next epoch's, dropped when a membership change
   // leaves it stale (on_planned). Nothing else of a reply is kept: the
   // parts themselves live in the state's plans (PlannedParts).
   std::map<int32_t, PartReply> part_replies_;
   static constexpr size_t kLoggedReplyBytes = size_t{1} << 20;  // replies this large are logged with their cost
-  std::set<std::pair<int32_t, uint64_t>> building_;  // (rank, plan epoch) being built on replier_
+  std::set<std::pair<int32_t, uint64_t>> building_;  // (rank, plan epoch) being built on a reply thread
   std::shared_ptr<const PeerDirectory> directory_;   // of the latest epoch a reply was built in
   uint64_t next_id_ = 1;
   uint64_t refused_ = 0;
@@ -1025,7 +1050,7 @@ void Coordinator::Impl::build_reply(int32_t rank) {
   const uint64_t epoch = state_.plan_epoch(rank);
   if (shutting_down_ || !building_.insert({rank, epoch}).second) return;
   if (!directory_ || directory_->epoch != state_.epoch()) directory_ = state_.peer_directory();
-  asio::post(replier_, [this, rank, epoch, plan = state_.plan_of(rank), directory = directory_,
+  asio::post(replies_io_, [this, rank, epoch, plan = state_.plan_of(rank), directory = directory_,
                         solo = state_.wants_solo(rank), delay = config_.test_build_delay] {
     const auto t0 = Clock::now();
     PartReply built = build_part_reply(*plan, *directory, rank, solo, epoch, stopped_);

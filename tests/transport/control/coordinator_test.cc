@@ -254,6 +254,19 @@ TEST(Coordinator, AnIoThreadThatCannotStartFailsStart) {
       << r.status().message();
 }
 
+// The I/O thread starts, then a reply thread is refused: start() fails
+// naming it, and the I/O thread it started is stopped (no thread is left
+// running, or the test would end in std::terminate).
+TEST(Coordinator, AReplyThreadThatCannotStartFailsStart) {
+  CoordinatorConfig c;
+  c.token = kToken;
+  c.threads = ThreadFactory::refusing_after(1);
+  auto r = Coordinator::start(c);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().reason(), Reason::kNoThread);
+  EXPECT_NE(r.status().message().find("coordinator replies"), std::string::npos) << r.status().message();
+}
+
 TEST_F(Coordinators, KeepsBufferedBytesWithinAGlobalBudget) {
   {
     CoordinatorConfig bad;
