@@ -220,7 +220,9 @@ class ControlState {
   std::shared_ptr<const PeerDirectory> peer_directory() const;
   // REQUIRES: plan_current(rank). The plan `rank`'s part is cut from (the
   // shared or the solo one), to read on another thread: it is immutable.
-  std::shared_ptr<const PlannedParts> plan_of(int32_t rank) const { return wants_solo(rank) ? solo_plan_ : plan_; }
+  std::shared_ptr<const PlannedParts> plan_of(int32_t rank) const { return variant_plan(wants_solo(rank)); }
+  // The shared or the solo plan installed last, of whatever epoch (null: none yet).
+  std::shared_ptr<const PlannedParts> variant_plan(bool solo) const { return solo ? solo_plan_ : plan_; }
   // All of the above on the calling thread.
   Result<Json> plan_part(uint64_t session, int32_t rank);
   Status report_staged(uint64_t session, const StageReport& m);

@@ -1039,11 +1039,12 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
 }
 
 bool Coordinator::Impl::reply_ready(const FetchPlan& request) {
-  if (!state_.cached_part_ref(request.rank).is_ok()) return true;  // refused
   const uint64_t epoch = state_.plan_epoch(request.rank);
-  if (request.have_epoch == epoch) return true;  // unchanged
+  if (request.have_epoch == epoch) return true;  // unchanged (or refused, answer_fetch decides)
   auto it = part_replies_.find(request.rank);
-  return it != part_replies_.end() && it->second.epoch == epoch;
+  if (it != part_replies_.end() && it->second.epoch == epoch) return true;
+  // Last, as it checks the whole registration: refused, nothing to build.
+  return !state_.cached_part_ref(request.rank).is_ok();
 }
 
 void Coordinator::Impl::build_reply(int32_t rank) {
@@ -1165,7 +1166,18 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
   const uint64_t epoch = plan->epoch;
   const bool solo = plan->solo;
   const bool ok = plan->status.is_ok();
-  if (!state_.install_plan(std::move(plan))) {
+  std::shared_ptr<const PlannedParts> old = state_.variant_plan(solo);
+  const bool installed = state_.install_plan(plan);
+  // Freeing the parts of a cluster-scale plan (a tree of millions of JSON
+  // values) takes long: the plan replaced, or the stale one, is freed on
+  // the planner's thread, or on a reply thread that still reads it.
+  if (installed) plan.reset();
+  try {
+    asio::post(planner_, [dropped = installed ? std::move(old) : std::move(plan)]() mutable { dropped.reset(); });
+  } catch (const std::exception&) {
+    // No memory to post it: it is freed here.
+  }
+  if (!installed) {
     start_planning();  // the membership changed meanwhile: plan the new one
     return;
   }
