@@ -116,6 +116,9 @@ PartReply build_part_reply(const PlannedParts& plan, const PeerDirectory& direct
     out.status = Status::internal(std::string("building the plan part's reply failed inside the coordinator: ") +
                                   e.what());
     out.runs = out.peers = nullptr;
+  } catch (...) {
+    out.status = Status::internal("building the plan part's reply failed inside the coordinator (not a std::exception)");
+    out.runs = out.peers = nullptr;
   }
   return out;
 }

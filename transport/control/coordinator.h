@@ -105,7 +105,8 @@ struct CoordinatorConfig {
   // All connections together; at least the largest frame, so that one
   // maximal registration or reply always fits (start() checks).
   size_t max_buffered_bytes = size_t{1} << 30;
-  // One line per event worth an operator's eye; default: stderr.
+  // One line per event worth an operator's eye; default: stderr. Called on
+  // the I/O thread, and on a reply thread for an internal error there.
   std::function<void(const std::string&)> log;
   // Where receivers' refresh_summary messages are counted (fleet_metrics.h);
   // null: they are acknowledged and dropped.
