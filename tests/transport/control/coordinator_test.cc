@@ -704,7 +704,7 @@ TEST_F(Coordinators, AnIoThreadHeldUpPastTheHeartbeatTimeoutDeclaresNobodyDead) 
 }
 
 // Receivers that fetch plan parts of megabytes (tensor "s" of 40,000 rows,
-// each receiver holding half of every row: 40,000 runs, about 3.7 MB a
+// each receiver holding half of every row: 40,000 runs, about 3.9 MB a
 // reply) do not hold up another member: the replies are built off the I/O
 // thread, which only seals and writes the ready bytes, so a source's
 // heartbeats go on being answered at once while the parts are planned,
