@@ -1057,7 +1057,7 @@ void Coordinator::Impl::build_reply(int32_t rank) {
   if (shutting_down_ || !building_.insert({rank, epoch}).second) return;
   if (!directory_ || directory_->epoch != state_.epoch()) directory_ = state_.peer_directory();
   asio::post(replies_io_, [this, rank, epoch, plan = state_.plan_of(rank), directory = directory_,
-                        solo = state_.wants_solo(rank), delay = config_.test_build_delay] {
+                            solo = state_.wants_solo(rank), delay = config_.test_build_delay] {
     const auto t0 = Clock::now();
     PartReply built = build_part_reply(*plan, *directory, rank, solo, epoch, stopped_);
     // Tests only: a part of cluster scale, cut short by stop().
