@@ -766,7 +766,7 @@ Json ControlState::plan_totals(int32_t rank) const {
   return totals;
 }
 
-Json ControlState::peers_of(int32_t rank, const Json& runs) const {
+Json peers_from(const PeerDirectory& directory, int32_t rank, bool solo, const Json& runs) {
   // (side, rank) -> buffer names the runs use there.
   std::map<std::pair<bool, int32_t>, std::set<std::string>> used;
   for (const Json& run : runs) {
@@ -778,36 +778,50 @@ Json ControlState::peers_of(int32_t rank, const Json& runs) const {
     if (to != rank && run["to"].contains("buffer")) used[{false, to}].insert(run["to"]["buffer"].get<std::string>());
   }
   Json sources = Json::array(), receivers = Json::array();
-  auto describe = [](int32_t r, const std::vector<uint8_t>& worker, const std::vector<MemberBuffer>& buffers,
-                     const std::set<std::string>& names) {
+  auto describe = [](int32_t r, const PeerDirectory::Member& m, const std::set<std::string>& names) {
     Json bs = Json::array();
-    for (const MemberBuffer& b : buffers) {
+    for (const PeerBuffer& b : m.buffers) {
       if (names.count(b.name)) bs.push_back({{"name", b.name}, {"address", b.address}, {"rkey", Json::binary(b.rkey)}});
     }
-    return Json{{"rank", r}, {"worker_address", Json::binary(worker)}, {"buffers", std::move(bs)}};
+    return Json{{"rank", r}, {"worker_address", Json::binary(m.worker_address)}, {"buffers", std::move(bs)}};
   };
   for (const auto& [key, names] : used) {
-    if (key.first) {
-      auto it = sources_.find(key.second);
-      if (it != sources_.end()) sources.push_back(describe(key.second, it->second.info.worker_address, it->second.info.buffers, names));
-    } else {
-      auto it = receivers_.find(key.second);
-      if (it != receivers_.end()) receivers.push_back(describe(key.second, it->second.info.worker_address, it->second.info.buffers, names));
-    }
+    const auto& side = key.first ? directory.sources : directory.receivers;
+    auto it = side.find(key.second);
+    if (it != side.end()) (key.first ? sources : receivers).push_back(describe(key.second, it->second, names));
   }
   // Every receiver of the rank's domain, with its contact: a fabric that
   // needs the whole domain (one NCCL communicator) builds it from this list.
   Json domain = Json::array();
-  auto me = receivers_.find(rank);
-  const bool solo = wants_solo(rank);  // a domain of its own
-  if (me != receivers_.end()) {
-    for (const auto& [r, m] : receivers_) {
-      if (solo ? r == rank : m.info.domain == me->second.info.domain) {
-        domain.push_back({{"rank", r}, {"worker_address", Json::binary(m.info.worker_address)}});
+  auto me = directory.receivers.find(rank);
+  if (me != directory.receivers.end()) {
+    for (const auto& [r, m] : directory.receivers) {
+      if (solo ? r == rank : m.domain == me->second.domain) {
+        domain.push_back({{"rank", r}, {"worker_address", Json::binary(m.worker_address)}});
       }
     }
   }
   return Json{{"sources", std::move(sources)}, {"receivers", std::move(receivers)}, {"domain", std::move(domain)}};
+}
+
+Json ControlState::peers_of(int32_t rank, const Json& runs) const {
+  return peers_from(*peer_directory(), rank, wants_solo(rank), runs);
+}
+
+std::shared_ptr<const PeerDirectory> ControlState::peer_directory() const {
+  auto out = std::make_shared<PeerDirectory>();
+  out->epoch = epoch_;
+  auto copy = [](const auto& info) {
+    PeerDirectory::Member m;
+    m.worker_address = info.worker_address;
+    m.domain = info.domain;
+    m.buffers.reserve(info.buffers.size());
+    for (const MemberBuffer& b : info.buffers) m.buffers.push_back(PeerBuffer{b.name, b.address, b.rkey});
+    return m;
+  };
+  for (const auto& [rank, s] : sources_) out->sources.emplace(rank, copy(s.info));
+  for (const auto& [rank, r] : receivers_) out->receivers.emplace(rank, copy(r.info));
+  return out;
 }
 
 Result<Json> ControlState::plan_part(uint64_t session, int32_t rank) {

@@ -100,6 +100,24 @@ struct PlannedParts {
   int64_t local_bytes = 0;
 };
 
+// The contacts of a membership's members as a plan part's peers name them
+// (ControlState::peers_of), copied out of the state so that a reply can be
+// built on another thread. Registrations change the epoch, so a directory
+// holds for the epoch it was taken in. Immutable once made.
+struct PeerDirectory {
+  struct Member {
+    std::vector<uint8_t> worker_address;
+    int32_t domain = 0;
+    std::vector<PeerBuffer> buffers;  // in registration order
+  };
+  uint64_t epoch = 0;
+  std::map<int32_t, Member> sources, receivers;
+};
+
+// What receiver `rank` needs to execute `runs` (ControlState::peers_of);
+// `solo`: the rank is a domain of its own. Thread-safe.
+Json peers_from(const PeerDirectory& directory, int32_t rank, bool solo, const Json& runs);
+
 // Parses and plans `input`. Thread-safe: touches nothing shared.
 std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input);
 
@@ -198,6 +216,13 @@ class ControlState {
   // domain with its worker address ("domain", in rank order). Only ever sent to an
   // authenticated connection that owns the receiver.
   Json peers_of(int32_t rank, const Json& runs) const;
+  // The members' contacts in this epoch, for peers_from() on another thread.
+  std::shared_ptr<const PeerDirectory> peer_directory() const;
+  // REQUIRES: plan_current(rank). The plan `rank`'s part is cut from (the
+  // shared or the solo one), to read on another thread: it is immutable.
+  std::shared_ptr<const PlannedParts> plan_of(int32_t rank) const { return variant_plan(wants_solo(rank)); }
+  // The shared or the solo plan installed last, of whatever epoch (null: none yet).
+  std::shared_ptr<const PlannedParts> variant_plan(bool solo) const { return solo ? solo_plan_ : plan_; }
   // All of the above on the calling thread.
   Result<Json> plan_part(uint64_t session, int32_t rank);
   Status report_staged(uint64_t session, const StageReport& m);

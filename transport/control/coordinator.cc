@@ -8,8 +8,10 @@
 
 #include <cstdio>
 #include <deque>
-#include <map>
+#include <atomic>
 #include <future>
+#include <map>
+#include <set>
 #include <system_error>
 #include <thread>
 #include <unordered_map>
@@ -68,12 +70,70 @@ std::shared_ptr<const PlannedParts> compute_plan_guarded(const PlanInput& input)
     return out;
   }
 }
+
+// One receiver rank's fetch_plan reply, less what changes between replies
+// (version, request id, seal): its runs and peers as CBOR, spliced into
+// each reply (encode_frame_with). Made off the I/O thread, once per
+// (rank, plan epoch).
+struct PartReply {
+  uint64_t epoch = 0;  // the plan epoch on the wire (solo bit included)
+  Status status;       // why it could not be made (a bug in the coordinator)
+  std::shared_ptr<const std::vector<uint8_t>> runs, peers;
+  size_t run_count = 0;
+};
+
+// Runs on a reply thread and touches nothing shared: `plan` and
+// `directory` are immutable. The part is checked against its message
+// (parsed as the receiver parses it), then encoded as it is: the planner
+// writes the runs in the message's form (compute_plan), and rebuilding them
+// from the parsed runs would only cost a JSON tree of the whole part, its
+// build and its freeing (two thirds of a reply's cost for tiny-moe). An
+// exception (memory, a bug) becomes a reply that failed with the reason.
+PartReply build_part_reply(const PlannedParts& plan, const PeerDirectory& directory, int32_t rank, bool solo,
+                           uint64_t epoch, const std::atomic<bool>& stopped) {
+  PartReply out;
+  out.epoch = epoch;
+  try {
+    static const Json kNoRuns = Json::array();
+    auto it = plan.parts.find(rank);
+    const Json& part = it == plan.parts.end() ? kNoRuns : it->second;
+    Status checked;
+    {  // the parsed runs are not needed past the check
+      Result<std::vector<PlanRun>> runs = parse_plan_runs(part);
+      checked = runs.status();
+      if (runs.is_ok()) out.run_count = runs->size();
+    }
+    Result<PlanPeers> peers = checked.is_ok() ? parse_plan_peers(peers_from(directory, rank, solo, part)) : checked;
+    if (!peers.is_ok()) {
+      out.status = Status::internal("the coordinator's plan part does not fit its message: " + peers.status().message());
+      return out;
+    }
+    if (stopped.load()) {
+      out.status = Status::unsupported("the coordinator is stopping");
+      return out;
+    }
+    out.runs = std::make_shared<const std::vector<uint8_t>>(Json::to_cbor(part));
+    out.peers = std::make_shared<const std::vector<uint8_t>>(Json::to_cbor(to_json(*peers)));
+  } catch (const std::exception& e) {
+    out.status = Status::internal(std::string("building the plan part's reply failed inside the coordinator: ") +
+                                  e.what());
+    out.runs = out.peers = nullptr;
+  } catch (...) {
+    out.status = Status::internal("building the plan part's reply failed inside the coordinator (not a std::exception)");
+    out.runs = out.peers = nullptr;
+  }
+  return out;
+}
 }  // namespace
 
 // Owned by the Coordinator. Every member is touched only on the I/O thread
 // once start() returns, except: port_ (written before, then read-only),
-// stopped_ (atomic), thread_ (start/stop callers) and planner_, whose one
-// thread runs compute_plan on a copy of the layout and posts the result back.
+// stopped_ (atomic), thread_ and repliers_ (start/stop callers), planner_,
+// whose one thread runs compute_plan on a copy of the layout and posts the
+// result back, and replies_io_, on whose threads (repliers_) the plan parts'
+// replies are built (build_part_reply) from immutable snapshots and posted
+// back. The I/O thread itself only splices ready bytes into a frame, seals
+// and writes it.
 class Coordinator::Impl {
  public:
   explicit Impl(CoordinatorConfig config)
@@ -109,6 +169,25 @@ class Coordinator::Impl {
     });
     if (!t.is_ok()) return t.status().with_context("coordinator");
     thread_ = std::move(t).value();
+    for (int i = 0; i < kRepliers; ++i) {
+      Result<std::thread> r = config_.threads.start("coordinator replies", [this] {
+        for (;;) {  // build_part_reply catches its own; this is the belt
+          try {
+            replies_io_.run();
+            return;
+          } catch (const std::exception& e) {
+            log(std::string("internal error on a reply thread, going on: ") + e.what());
+          } catch (...) {
+            log("internal error on a reply thread (not a std::exception), going on");
+          }
+        }
+      });
+      if (!r.is_ok()) {
+        stop();
+        return r.status().with_context("coordinator");
+      }
+      repliers_.push_back(std::move(r).value());
+    }
     return Status::ok();
   }
   void stop() {
@@ -116,6 +195,12 @@ class Coordinator::Impl {
     asio::post(io_, [this] { shutdown(); });
     if (thread_.joinable()) thread_.join();
     planner_.join();  // a plan being made runs to its end; its result is dropped
+    // Replies not yet started are dropped; one being built stops at its next
+    // step (stopped_) or runs to its end; either way its result is dropped
+    // with io_, whose thread has ended.
+    replies_work_.reset();
+    replies_io_.stop();
+    for (std::thread& t : repliers_) t.join();
   }
 
   // I/O thread only, from here on.
@@ -168,9 +253,20 @@ class Coordinator::Impl {
   void handle_request(const std::shared_ptr<Session>& s, Frame frame);
   void deliver_notices();
   void answer_fetch(Session& s, const FetchPlan& request);
-  // Answers the first waiting fetch that the current plan serves, then
-  // posts itself for the next (one reply of maybe megabytes per turn).
+  // True when answer_fetch() can answer `request` at once: a refusal, an
+  // "unchanged", or a part whose reply is built (part_replies_).
+  bool reply_ready(const FetchPlan& request);
+  // Builds `rank`'s reply of its current plan epoch on a reply thread, unless one is being built.
+  void build_reply(int32_t rank);
+  void on_built(int32_t rank, PartReply built, int64_t ms);
+  // Answers the first waiting fetch whose reply is ready, then posts itself
+  // for the next; starts the builds and the plan the others need.
   void answer_next();
+  void post_answer_next() {
+    if (answering_) return;
+    answering_ = true;
+    asio::post(io_, [this] { answer_next(); });
+  }
   void start_planning();
   void on_planned(std::shared_ptr<const PlannedParts> plan, int64_t ms);
 
@@ -196,15 +292,22 @@ class Coordinator::Impl {
   bool planning_ = false;
   bool answering_ = false;  // an answer_next() is posted
   std::vector<std::pair<std::weak_ptr<Session>, FetchPlan>> pending_fetches_;  // paused sessions, their requests
-  // Per receiver rank: the runs and peers of its part, as the typed
-  // messages serialize them (messages.h), for the plan epoch they were made
-  // for. Made once per epoch, so that a fetch costs the I/O thread a copy,
-  // not a parse and a rebuild of a part of maybe a million runs.
-  struct PartReply {
-    uint64_t epoch = 0;
-    Json runs, peers;
-  };
+  // Built on reply threads (build_part_reply), one per (rank, plan
+  // epoch), so that a fetch costs the I/O thread a splice and a seal, not a
+  // parse, a rebuild and an encoding of a part of maybe a million runs.
+  // Started through config_.threads (run()); what they run goes through replies_io_.
+  static constexpr int kRepliers = 2;
+  asio::io_context replies_io_;
+  asio::executor_work_guard<asio::io_context::executor_type> replies_work_{replies_io_.get_executor()};
+  std::vector<std::thread> repliers_;
+  // Per receiver rank: the CBOR of its part's runs and peers, of one plan
+  // epoch; replaced by the next epoch's, dropped when a membership change
+  // leaves it stale (on_planned). Nothing else of a reply is kept: the
+  // parts themselves live in the state's plans (PlannedParts).
   std::map<int32_t, PartReply> part_replies_;
+  static constexpr size_t kLoggedReplyBytes = size_t{1} << 20;  // replies this large are logged with their cost
+  std::set<std::pair<int32_t, uint64_t>> building_;  // (rank, plan epoch) being built on a reply thread
+  std::shared_ptr<const PeerDirectory> directory_;   // of the latest epoch a reply was built in
   uint64_t next_id_ = 1;
   uint64_t refused_ = 0;
   // Bytes the sessions hold: their queued output and their decoders' input.
@@ -253,12 +356,30 @@ class Session : public std::enable_shared_from_this<Session> {
   void send(MsgType type, const Json& body, const char* request = nullptr) {
     if (closed_) return;
     const uint32_t id = type == MsgType::kReply || type == MsgType::kError ? request_id_ : 0;
-    Result<std::vector<uint8_t>> bytes = encode_frame(type, body, co_.config_.decoder.max_frame_bytes, id);
+    enqueue(type, encode_frame(type, body, co_.config_.decoder.max_frame_bytes, id), request);
+  }
+
+  void reply(const char* request, const Json& body) { send(MsgType::kReply, body, request); }
+  // A reply whose body is `body` with `encoded` members spliced in
+  // (encode_frame_with). Returns the bytes queued (0: none, the connection
+  // closed or a refusal sent instead).
+  size_t reply_with(const char* request, const Json& body, const std::vector<EncodedMember>& encoded) {
+    if (closed_) return 0;
+    return enqueue(MsgType::kReply,
+                   encode_frame_with(MsgType::kReply, body, encoded, co_.config_.decoder.max_frame_bytes, request_id_),
+                   request);
+  }
+
+ private:
+  // Seals and queues one encoded frame; an encoding that failed or a frame
+  // past the budgets is refused as below. Returns the bytes queued.
+  size_t enqueue(MsgType type, Result<std::vector<uint8_t>> bytes, const char* request) {
+    const uint32_t id = type == MsgType::kReply || type == MsgType::kError ? request_id_ : 0;
     if (!bytes.is_ok()) {
       // Our own reply is too large: tell the client why instead.
       bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", bytes.status().message()}},
                            kDefaultMaxFrameBytes, id);
-      if (!bytes.is_ok()) return;
+      if (!bytes.is_ok()) return 0;
     }
     // The error frame before a close is exempt: small, one per connection,
     // and what it precedes frees this connection's share.
@@ -273,17 +394,17 @@ class Session : public std::enable_shared_from_this<Session> {
             std::string(request ? request : "request") + ": the reply of " + size + past + "; try again";
         co_.log("refused a request from " + peer_ + ": " + reason);
         bytes = encode_frame(MsgType::kReply, Json{{"ok", false}, {"error", reason}}, kDefaultMaxFrameBytes, id);
-        if (!bytes.is_ok()) return;
+        if (!bytes.is_ok()) return 0;
       }
       if (!fits(bytes->size())) {
         close(std::string(type_name(type)) + " of " + size + past + "; dropped", true);
-        return;
+        return 0;
       }
     }
     // Sealed in the order written: the seal's sequence number is implicit.
     if (Status st = sealer_.seal(*bytes); !st.is_ok()) {
       close(st.message(), true);
-      return;
+      return 0;
     }
     queued_bytes_ += bytes->size();
     co_.buffered_ += bytes->size();
@@ -291,13 +412,15 @@ class Session : public std::enable_shared_from_this<Session> {
       close("does not read its replies: " + std::to_string(queued_bytes_) +
                 " bytes queued, over the limit of " + std::to_string(co_.config_.max_queued_bytes),
             true);
-      return;
+      return 0;
     }
+    const size_t size = bytes->size();
     queue_.push_back(std::move(bytes).value());
     if (!writing_) write();
+    return size;
   }
 
-  void reply(const char* request, const Json& body) { send(MsgType::kReply, body, request); }
+ public:
 
   // Sends the reason, then closes once it is written (or at the write deadline).
   void refuse_and_close(const std::string& reason) {
@@ -822,7 +945,7 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
       Result<FetchPlan> request = parse_fetch_plan(frame.body, lim);
       st = request.is_ok() ? state_.check_fetch(id, request->rank) : request.status();
       if (!st.is_ok()) break;
-      if (state_.plan_current(request->rank)) {
+      if (state_.plan_current(request->rank) && reply_ready(*request)) {
         answer_fetch(*s, *request);
         return;
       }
@@ -830,9 +953,14 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
         st = Status::unsupported("fetch_plan: the coordinator is busy planning; try again");
         break;
       }
+      // It waits for the plan or for its reply to be built, off the I/O thread.
       pending_fetches_.emplace_back(s, *request);
       s->pause();
-      start_planning();
+      if (state_.plan_current(request->rank)) {
+        build_reply(request->rank);
+      } else {
+        start_planning();
+      }
       return;
     }
     case MsgType::kLease: {
@@ -915,6 +1043,57 @@ void Coordinator::Impl::handle_request(const std::shared_ptr<Session>& s, Frame 
   deliver_notices();
 }
 
+bool Coordinator::Impl::reply_ready(const FetchPlan& request) {
+  const uint64_t epoch = state_.plan_epoch(request.rank);
+  if (request.have_epoch == epoch) return true;  // unchanged (or refused, answer_fetch decides)
+  auto it = part_replies_.find(request.rank);
+  if (it != part_replies_.end() && it->second.epoch == epoch) return true;
+  // Last, as it checks the whole registration: refused, nothing to build.
+  return !state_.cached_part_ref(request.rank).is_ok();
+}
+
+void Coordinator::Impl::build_reply(int32_t rank) {
+  const uint64_t epoch = state_.plan_epoch(rank);
+  if (shutting_down_ || !building_.insert({rank, epoch}).second) return;
+  if (!directory_ || directory_->epoch != state_.epoch()) directory_ = state_.peer_directory();
+  asio::post(replies_io_, [this, rank, epoch, plan = state_.plan_of(rank), directory = directory_,
+                            solo = state_.wants_solo(rank), delay = config_.test_build_delay] {
+    const auto t0 = Clock::now();
+    PartReply built = build_part_reply(*plan, *directory, rank, solo, epoch, stopped_);
+    // Tests only: a part of cluster scale, cut short by stop().
+    for (const auto until = t0 + delay; !stopped_ && Clock::now() < until;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+    try {
+      asio::post(io_, [this, rank, built = std::move(built), ms]() mutable { on_built(rank, std::move(built), ms); });
+    } catch (const std::exception&) {
+      // No memory to post the result: its fetches wait until the membership
+      // changes or their members' connections close.
+    }
+  });
+}
+
+void Coordinator::Impl::on_built(int32_t rank, PartReply built, int64_t ms) {
+  building_.erase({rank, built.epoch});
+  if (shutting_down_) return;
+  const std::string what = "the plan part of receiver rank " + std::to_string(rank) + " (membership " +
+                           std::to_string(built.epoch & ~ControlState::kSoloEpochBit) +
+                           ((built.epoch & ControlState::kSoloEpochBit) ? ", solo" : "") + ")";
+  if (!state_.plan_current(rank) || built.epoch != state_.plan_epoch(rank)) {
+    // The membership (or the part the rank needs) changed meanwhile: its
+    // fetches wait for the new one (answer_next).
+    log("dropped " + what + ", built in " + std::to_string(ms) + " ms: it is stale");
+  } else {
+    if (built.status.is_ok()) {
+      log("built the reply of " + what + ": " + std::to_string(built.run_count) + " runs, " +
+          std::to_string(built.runs->size() + built.peers->size()) + " bytes, in " + std::to_string(ms) + " ms");
+    }
+    part_replies_[rank] = std::move(built);
+  }
+  post_answer_next();
+}
+
 void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
   if (config_.test_answer_delay.count() > 0) std::this_thread::sleep_for(config_.test_answer_delay);
   Result<const Json*> part = state_.cached_part_ref(request.rank);
@@ -936,35 +1115,32 @@ void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
     s.reply("fetch_plan", to_json(reply_part));
     return;
   }
-  PartReply& cached = part_replies_[request.rank];
-  if (st.is_ok() && (cached.epoch != reply_part.epoch.wire() || cached.runs.is_null())) {
-    Result<std::vector<PlanRun>> runs = parse_plan_runs(**part);
-    Result<PlanPeers> peers = runs.is_ok() ? parse_plan_peers(state_.peers_of(request.rank, **part)) : runs.status();
-    st = peers.status();
-    if (st.is_ok()) {
-      PlanPart typed;
-      typed.runs = std::move(runs).value();
-      typed.peers = std::move(peers).value();
-      Json j = to_json(typed);
-      cached = PartReply{reply_part.epoch.wire(), std::move(j["runs"]), std::move(j["peers"])};
-    }
+  auto cached = part_replies_.find(request.rank);
+  if (st.is_ok() && (cached == part_replies_.end() || cached->second.epoch != reply_part.epoch.wire())) {
+    st = Status::internal("no reply was built for it");  // answer_next() waits for it: a bug
   }
+  if (st.is_ok()) st = cached->second.status;
   if (!st.is_ok()) {  // the coordinator's own plan does not fit the message: a bug
-    part_replies_.erase(request.rank);
-    const Status bug = Status::internal("the coordinator's plan part does not fit its message: " + st.message());
+    part_replies_.erase(request.rank);  // the next fetch builds it again
+    const Status bug = Status::internal("fetch_plan: the coordinator cannot answer for receiver rank " +
+                                        std::to_string(request.rank) + ": " + st.message());
     log("refused a request from " + s.peer() + ": " + bug.message());
     s.reply("fetch_plan", reply(bug));
     return;
   }
-  // The cached runs are megabytes at cluster scale: moved into the reply
-  // and back once it is encoded, not copied (a copy cost the I/O thread
-  // half a second a reply on a loaded machine).
+  // The built runs and peers, spliced into this reply's frame: the I/O
+  // thread copies the bytes once and seals them, nothing more.
   Json body = to_json(reply_part);
-  body["runs"] = std::move(cached.runs);
-  body["peers"] = std::move(cached.peers);
-  s.reply("fetch_plan", body);
-  cached.runs = std::move(body["runs"]);
-  cached.peers = std::move(body["peers"]);
+  body.erase("runs");
+  body.erase("peers");
+  const auto t0 = Clock::now();
+  const size_t bytes =
+      s.reply_with("fetch_plan", body, {{"runs", cached->second.runs.get()}, {"peers", cached->second.peers.get()}});
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+  if (bytes >= kLoggedReplyBytes) {
+    log("answered fetch_plan of receiver rank " + std::to_string(request.rank) + " with " + std::to_string(bytes) +
+        " bytes, sealed and queued in " + std::to_string(us / 1000) + "." + std::to_string(us / 100 % 10) + " ms");
+  }
 }
 
 // Planning a cluster-scale layout takes seconds: it runs on planner_, one
@@ -995,24 +1171,41 @@ void Coordinator::Impl::on_planned(std::shared_ptr<const PlannedParts> plan, int
   const uint64_t epoch = plan->epoch;
   const bool solo = plan->solo;
   const bool ok = plan->status.is_ok();
-  if (!state_.install_plan(std::move(plan))) {
+  std::shared_ptr<const PlannedParts> old = state_.variant_plan(solo);
+  const bool installed = state_.install_plan(plan);
+  // Freeing the parts of a cluster-scale plan (a tree of millions of JSON
+  // values) takes long: the plan replaced, or the stale one, is freed on
+  // the planner's thread, or on a reply thread that still reads it.
+  if (installed) plan.reset();
+  try {
+    asio::post(planner_, [dropped = installed ? std::move(old) : std::move(plan)]() mutable { dropped.reset(); });
+  } catch (const std::exception&) {
+    // No memory to post it: it is freed here.
+  }
+  if (!installed) {
     start_planning();  // the membership changed meanwhile: plan the new one
     return;
   }
   log("planned membership " + std::to_string(epoch) + (solo ? " (solo)" : "") + " in " + std::to_string(ms) + " ms" +
       (ok ? "" : " (it cannot be planned)"));
-  if (!answering_) {
-    answering_ = true;
-    asio::post(io_, [this] { answer_next(); });
+  // Replies of older memberships are never sent again.
+  for (auto it = part_replies_.begin(); it != part_replies_.end();) {
+    if ((it->second.epoch & ~ControlState::kSoloEpochBit) != epoch) {
+      it = part_replies_.erase(it);
+    } else {
+      ++it;
+    }
   }
+  post_answer_next();
 }
 
-// A reply of a cluster-scale plan part takes the I/O thread a while to build
-// (megabytes): one per turn, so that the other connections' frames, the
+// A reply of a cluster-scale plan part is megabytes to copy, seal and
+// queue: one per turn, so that the other connections' frames, the
 // heartbeats of the members that wait, are read between them.
 void Coordinator::Impl::answer_next() {
   answering_ = false;
   if (shutting_down_) return;
+  bool need_plan = false;
   for (auto it = pending_fetches_.begin(); it != pending_fetches_.end();) {
     auto s = it->first.lock();
     if (!s || s->closed()) {
@@ -1022,6 +1215,12 @@ void Coordinator::Impl::answer_next() {
     const FetchPlan request = it->second;
     Status st = state_.check_fetch(s->id(), request.rank);  // it may have left meanwhile
     if (st.is_ok() && !state_.plan_current(request.rank)) {  // it needs the other plan
+      need_plan = true;
+      ++it;
+      continue;
+    }
+    if (st.is_ok() && !reply_ready(request)) {  // its reply is being built (or is to be)
+      build_reply(request.rank);
       ++it;
       continue;
     }
@@ -1035,12 +1234,12 @@ void Coordinator::Impl::answer_next() {
     }
     s->resume();
     deliver_notices();
-    answering_ = true;
-    asio::post(io_, [this] { answer_next(); });
+    post_answer_next();
     return;
   }
-  // Every fetch the current plans serve is answered; the others need a new plan.
-  if (!pending_fetches_.empty()) start_planning();
+  // Every fetch whose reply is ready is answered; the others wait for their
+  // builds (on_built) or need a new plan.
+  if (need_plan) start_planning();
   deliver_notices();
 }
 

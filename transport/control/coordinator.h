@@ -105,7 +105,8 @@ struct CoordinatorConfig {
   // All connections together; at least the largest frame, so that one
   // maximal registration or reply always fits (start() checks).
   size_t max_buffered_bytes = size_t{1} << 30;
-  // One line per event worth an operator's eye; default: stderr.
+  // One line per event worth an operator's eye; default: stderr. Called on
+  // the I/O thread, and on a reply thread for an internal error there.
   std::function<void(const std::string&)> log;
   // Where receivers' refresh_summary messages are counted (fleet_metrics.h);
   // null: they are acknowledged and dropped.
@@ -115,9 +116,12 @@ struct CoordinatorConfig {
   // so that tests can show the coordinator serving everyone meanwhile.
   std::chrono::milliseconds test_plan_delay{0};
   // Test only, likewise: answering a fetch_plan holds the I/O thread at
-  // least this much longer, standing in for a plan part of megabytes built
-  // on a loaded machine.
+  // least this much longer, standing in for an I/O thread held up (the
+  // process not scheduled on a loaded machine).
   std::chrono::milliseconds test_answer_delay{0};
+  // Test only, likewise: building a plan part's reply (off the I/O thread)
+  // takes at least this much longer, standing in for a part of megabytes.
+  std::chrono::milliseconds test_build_delay{0};
   // Starts the I/O thread (transport/common/threads.h): a refused one fails
   // start(). Tests hand a factory that refuses; the agents hand theirs.
   ThreadFactory threads;

@@ -1,6 +1,7 @@
 #include "transport/control/frame_codec.h"
 
 #include <cstring>
+#include <map>
 
 namespace refit::control {
 
@@ -258,6 +259,64 @@ Result<std::vector<uint8_t>> encode_frame(MsgType type, const Json& body, uint32
     return Status::invalid("frame: " + std::string(type_name(type)) + " body of " +
                            std::to_string(len) + " bytes exceeds the limit of " +
                            std::to_string(max_frame_bytes) + " bytes");
+  }
+  std::memcpy(out.data(), kMagic, 4);
+  put_u16(out.data() + 4, kProtocolVersion);
+  put_u16(out.data() + 6, static_cast<uint16_t>(type));
+  put_u32(out.data() + 8, id);
+  put_u32(out.data() + 12, static_cast<uint32_t>(len));
+  return out;
+}
+
+namespace {
+
+// The header of a CBOR map of `n` pairs (major type 5), as Json::to_cbor
+// writes it.
+void put_cbor_map_header(std::vector<uint8_t>& out, uint64_t n) {
+  if (n <= 0x17) {
+    out.push_back(static_cast<uint8_t>(0xa0 + n));
+    return;
+  }
+  const int bytes = n <= 0xff ? 1 : n <= 0xffff ? 2 : n <= 0xffffffffu ? 4 : 8;
+  out.push_back(static_cast<uint8_t>(bytes == 1 ? 0xb8 : bytes == 2 ? 0xb9 : bytes == 4 ? 0xba : 0xbb));
+  for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<uint8_t>(n >> (8 * i)));
+}
+
+}  // namespace
+
+Result<std::vector<uint8_t>> encode_frame_with(MsgType type, const Json& body,
+                                               const std::vector<EncodedMember>& encoded,
+                                               uint32_t max_frame_bytes, uint32_t id) {
+  if (!body.is_object()) return Status::internal("frame: a body with encoded members must be an object");
+  // Every member in key order, as nlohmann's object (a std::map) holds them.
+  std::map<std::string, const std::vector<uint8_t>*> raw;
+  size_t raw_bytes = 0;
+  for (const EncodedMember& m : encoded) {
+    if (!m.cbor || body.contains(m.key) || !raw.emplace(m.key, m.cbor).second) {
+      return Status::internal("frame: encoded member \"" + m.key + "\" is missing or given twice");
+    }
+    raw_bytes += m.cbor->size();
+  }
+  std::vector<uint8_t> out(kHeaderBytes);
+  out.reserve(kHeaderBytes + raw_bytes + 64 * (body.size() + raw.size()) + 16);
+  put_cbor_map_header(out, body.size() + raw.size());
+  auto item = body.items().begin();
+  auto next_raw = raw.begin();
+  while (item != body.items().end() || next_raw != raw.end()) {
+    if (next_raw == raw.end() || (item != body.items().end() && item.key() < next_raw->first)) {
+      Json::to_cbor(Json(item.key()), out);
+      Json::to_cbor(item.value(), out);
+      ++item;
+    } else {
+      Json::to_cbor(Json(next_raw->first), out);
+      out.insert(out.end(), next_raw->second->begin(), next_raw->second->end());
+      ++next_raw;
+    }
+  }
+  const size_t len = out.size() - kHeaderBytes;
+  if (len > max_frame_bytes) {
+    return Status::invalid("frame: " + std::string(type_name(type)) + " body of " + std::to_string(len) +
+                           " bytes exceeds the limit of " + std::to_string(max_frame_bytes) + " bytes");
   }
   std::memcpy(out.data(), kMagic, 4);
   put_u16(out.data() + 4, kProtocolVersion);

@@ -99,6 +99,22 @@ struct Frame {
 Result<std::vector<uint8_t>> encode_frame(MsgType type, const Json& body,
                                           uint32_t max_frame_bytes = kDefaultMaxFrameBytes, uint32_t id = 0);
 
+// A member of a frame's body whose value is already CBOR (Json::to_cbor of
+// it): a large value is encoded once, off the thread that writes, and
+// spliced into each frame that carries it.
+struct EncodedMember {
+  std::string key;
+  const std::vector<uint8_t>* cbor = nullptr;  // borrowed for the call
+};
+
+// The bytes of one frame, unsealed, whose body is the object `body` (it must
+// be one) with `encoded` added: byte for byte what encode_frame() makes of
+// the merged object, keys in order. Fails as encode_frame() does, and when a
+// key of `encoded` is also in `body` or repeats.
+Result<std::vector<uint8_t>> encode_frame_with(MsgType type, const Json& body,
+                                               const std::vector<EncodedMember>& encoded,
+                                               uint32_t max_frame_bytes = kDefaultMaxFrameBytes, uint32_t id = 0);
+
 // True when `s` is well-formed UTF-8 (no overlong forms, no surrogates,
 // nothing past U+10FFFF), as JSON text requires.
 bool valid_utf8(const std::string& s);

@@ -254,6 +254,19 @@ TEST(Coordinator, AnIoThreadThatCannotStartFailsStart) {
       << r.status().message();
 }
 
+// The I/O thread starts, then a reply thread is refused: start() fails
+// naming it, and the I/O thread it started is stopped (no thread is left
+// running, or the test would end in std::terminate).
+TEST(Coordinator, AReplyThreadThatCannotStartFailsStart) {
+  CoordinatorConfig c;
+  c.token = kToken;
+  c.threads = ThreadFactory::refusing_after(1);
+  auto r = Coordinator::start(c);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().reason(), Reason::kNoThread);
+  EXPECT_NE(r.status().message().find("coordinator replies"), std::string::npos) << r.status().message();
+}
+
 TEST_F(Coordinators, KeepsBufferedBytesWithinAGlobalBudget) {
   {
     CoordinatorConfig bad;
@@ -688,6 +701,123 @@ TEST_F(Coordinators, AnIoThreadHeldUpPastTheHeartbeatTimeoutDeclaresNobodyDead) 
     EXPECT_EQ(l.find("declared dead"), std::string::npos) << l;
     EXPECT_EQ(l.find("dropped"), std::string::npos) << l;
   }
+}
+
+// Receivers that fetch plan parts of megabytes (tensor "s" of 40,000 rows,
+// each receiver holding half of every row: 40,000 runs, about 3.9 MB a
+// reply) do not hold up another member: the replies are built off the I/O
+// thread, which only seals and writes the ready bytes, so a source's
+// heartbeats go on being answered at once while the parts are planned,
+// built and sent, and each receiver gets its own part whole.
+TEST_F(Coordinators, OtherMembersAreServedWhileLargePlanPartsAreBuilt) {
+  constexpr int kRows = 40000;
+  constexpr int kReceivers = 3;
+  start();
+  auto src = good_client();
+  ASSERT_TRUE(src);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, strided_source_body(kRows)).is_ok());
+  std::vector<std::unique_ptr<Client>> rcv;
+  for (int r = 0; r < kReceivers; ++r) {
+    rcv.push_back(good_client());
+    ASSERT_TRUE(rcv.back());
+    Json body = strided_receiver_body(kRows);
+    body["rank"] = r;
+    body["domain"] = r;  // each pulls every row itself
+    body["instance"] = r;
+    ASSERT_TRUE(rcv.back()->request(MsgType::kRegisterReceiver, body).is_ok());
+  }
+  std::atomic<int> fetching{kReceivers};
+  std::vector<std::thread> fetchers;
+  std::vector<Result<Json>> parts(kReceivers, Status::internal("not fetched"));
+  for (int r = 0; r < kReceivers; ++r) {
+    fetchers.emplace_back([&, r] {
+      parts[r] = rcv[r]->request(MsgType::kFetchPlan, Json{{"rank", r}});
+      --fetching;
+    });
+  }
+  // The source heartbeats back to back until every part has come.
+  std::chrono::steady_clock::duration slowest{0};
+  int beats = 0;
+  std::string failure;
+  while (fetching.load() > 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = src->request(MsgType::kHeartbeat, Json{{"role", "source"}, {"rank", 0}});
+    slowest = std::max(slowest, std::chrono::steady_clock::now() - t0);
+    ++beats;
+    if (!r.is_ok() && failure.empty()) failure = r.status().message();
+  }
+  for (auto& t : fetchers) t.join();
+  EXPECT_EQ(failure, "") << "a heartbeat failed";
+  for (int r = 0; r < kReceivers; ++r) {
+    ASSERT_TRUE(parts[r].is_ok()) << "receiver " << r << ": " << parts[r].status().message();
+    Result<PlanPart> part = parse_plan_part(*parts[r]);
+    ASSERT_TRUE(part.is_ok()) << part.status().message();
+    ASSERT_EQ(part->runs.size(), size_t{kRows}) << "receiver " << r;
+    for (const PlanRun& run : part->runs) {
+      ASSERT_EQ(run.to.rank, r);
+      ASSERT_EQ(run.bytes, 64u);
+    }
+    ASSERT_EQ(part->peers.sources.size(), 1u);
+    EXPECT_EQ(part->peers.sources[0].buffers[0].rkey, (std::vector<uint8_t>{1, 2}));
+  }
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(slowest).count();
+  std::printf("%d heartbeats while %d receivers fetched %d runs each; the slowest took %lld ms\n", beats,
+              kReceivers, kRows, static_cast<long long>(ms));
+  EXPECT_LT(slowest, 300ms) << "a heartbeat waited behind a plan part";
+}
+
+// The membership changes while a receiver's reply is being built (off the
+// I/O thread, held up by test_build_delay): the stale reply is dropped, and
+// the receiver gets the part of the new membership, which names the newcomer
+// in its domain.
+TEST_F(Coordinators, AReplyBuiltForAMembershipThatChangedIsDropped) {
+  CoordinatorConfig c;
+  c.test_build_delay = 1000ms;
+  start(c);
+  auto src = good_client();
+  auto r0 = good_client();
+  auto r1 = good_client();
+  ASSERT_TRUE(src && r0 && r1);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  ASSERT_TRUE(r0->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  ASSERT_TRUE(r0->send_frame(MsgType::kFetchPlan, Json{{"rank", 0}}, 201).is_ok());
+  ASSERT_NE(wait_log({"planned membership"}), "") << "the plan of the first membership";
+  // Its reply is being built now; rank 1 joins (domain 0, as rank 0).
+  ASSERT_TRUE(r1->request(MsgType::kRegisterReceiver, receiver_body(1)).is_ok());
+  EXPECT_NE(wait_log({"dropped the plan part of receiver rank 0", "it is stale"}), "");
+  auto reply = r0->read_frame(10s);
+  ASSERT_TRUE(reply.is_ok()) << reply.status().message();
+  EXPECT_EQ(reply->id, 201u);
+  Result<PlanPart> part = parse_plan_part(reply->body);
+  ASSERT_TRUE(part.is_ok()) << part.status().message() << " " << reply->body.dump();
+  ASSERT_EQ(part->peers.domain.size(), 2u) << "the part of the membership with rank 1";
+  EXPECT_EQ(part->peers.domain[1].rank, 1);
+  EXPECT_FALSE(part->runs.empty());
+  auto st = co_->stats();
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->plans, 2u);
+}
+
+// stop() while a reply is being built: the build is cut short and dropped,
+// stop() returns at once, and nothing touches the stopped coordinator
+// (a sanitized build checks the last part).
+TEST_F(Coordinators, StopsWhileAReplyIsBeingBuilt) {
+  CoordinatorConfig c;
+  c.test_build_delay = 20s;
+  start(c);
+  auto src = good_client();
+  auto rcv = good_client();
+  ASSERT_TRUE(src && rcv);
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, source_body(0)).is_ok());
+  ASSERT_TRUE(rcv->request(MsgType::kRegisterReceiver, receiver_body(0)).is_ok());
+  ASSERT_TRUE(rcv->send_frame(MsgType::kFetchPlan, Json{{"rank", 0}}, 7).is_ok());
+  ASSERT_NE(wait_log({"planned membership"}), "");
+  const auto t0 = std::chrono::steady_clock::now();
+  co_->stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s) << "stop() waited for the build";
+  EXPECT_TRUE(rcv->wait_closed(2s));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& l : logs_) EXPECT_EQ(l.find("built the reply"), std::string::npos) << l;
 }
 
 // The plan part each receiver fetches equals the runs refit-plan writes
