@@ -3,6 +3,11 @@
 # configures build/ when needed.
 BUILD ?= build
 MESON_FLAGS ?=
+# ccache (when installed) hashes the paths inside the repository relative
+# to it and leaves the build folder's path out, so another clone (CI's
+# fresh one) reuses what an earlier clone compiled.
+export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= true
 
 .PHONY: all deps configure test demo bench-plan fuzz clean
 
