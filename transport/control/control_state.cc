@@ -498,6 +498,15 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
   Json boxes = Json::array();
   bool is_source = false;
   std::vector<int64_t> start, size, sstart, ssize;
+  // Each receiver's block scale segments by tensor, for a quantized box.
+  std::map<std::pair<int32_t, std::string>, std::vector<const Segment*>> segments_of;
+  for (const auto& [rr, r] : receivers_) {
+    for (const MemberBuffer& rb : r.info.buffers) {
+      for (const Segment& want : rb.segments) {
+        if (!scale_weight(want.tensor).empty()) segments_of[{rr, want.tensor}].push_back(&want);
+      }
+    }
+  }
   for (const auto& [rank, s] : sources_) {
     if (s.session != session) continue;
     is_source = true;
@@ -532,12 +541,12 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
               // segments hold them: the source computes them too.
               const IndexBox blocks = scale_box_of(start, size, r.info.weight_block_size);
               const Segment grid{scale_tensor_name(seg.tensor), blocks.start, blocks.size, 0, {}};
-              for (const MemberBuffer& sb : r.info.buffers) {
-                for (const Segment& held : sb.segments) {
-                  if (held.tensor != grid.tensor || !intersect_box(grid, held, &sstart, &ssize)) continue;
-                  if (!it->second.second.insert(box_key(grid.tensor, sstart, ssize)).second) continue;
-                  boxes[it->second.first]["scales"].push_back({{"start", sstart}, {"size", ssize}});
-                }
+              auto scale_segments = segments_of.find({rr, grid.tensor});
+              if (scale_segments == segments_of.end()) continue;
+              for (const Segment* held : scale_segments->second) {
+                if (!intersect_box(grid, *held, &sstart, &ssize)) continue;
+                if (!it->second.second.insert(box_key(grid.tensor, sstart, ssize)).second) continue;
+                boxes[it->second.first]["scales"].push_back({{"start", sstart}, {"size", ssize}});
               }
             }
           }
@@ -566,6 +575,13 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
       for (const Segment& seg : b.segments) held[seg.tensor].push_back(&seg);
     }
   }
+  // The receiver's F8_E4M3 segments by tensor, for its scale segments.
+  std::map<std::string, std::vector<const Segment*>> quantized;
+  for (const MemberBuffer& b : r.info.buffers) {
+    for (const Segment& seg : b.segments) {
+      if (segment_dtype(b, seg) == "F8_E4M3") quantized[seg.tensor].push_back(&seg);
+    }
+  }
   Json hashes = Json::array(), unverified = Json::array();
   int64_t unverified_bytes = 0;
   std::vector<int64_t> start, size;
@@ -577,7 +593,8 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
       const int64_t elem = dt ? dtype_bytes(*dt) : 1;
       auto h = held.find(want.tensor);
       if (h == held.end()) {
-        scale_hashes(r.info, bi, si, held, known, &hashes, &unverified_bytes, &unverified);
+        scale_hashes(want, bi, si, r.info.weight_block_size, quantized, held, known, &hashes, &unverified_bytes,
+                     &unverified);
         continue;
       }
       // A box converted on the way has the hash of its converted bytes
@@ -605,14 +622,15 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
               {"unverified", std::move(unverified)}};
 }
 
-void ControlState::scale_hashes(const RegisterReceiver& r, size_t bi, size_t si,
+void ControlState::scale_hashes(const Segment& want, size_t bi, size_t si, const std::array<int64_t, 2>& block,
+                                const std::map<std::string, std::vector<const Segment*>>& quantized,
                                 const std::map<std::string, std::vector<const Segment*>>& held,
                                 const std::map<std::string, Hashed>& known, Json* hashes, int64_t* unverified_bytes,
                                 Json* unverified) const {
-  const Segment& want = r.buffers[bi].segments[si];
   const std::string weight = scale_weight(want.tensor);
   auto sources = held.find(weight);
-  if (weight.empty() || sources == held.end()) return;
+  auto mine = quantized.find(weight);
+  if (weight.empty() || sources == held.end() || mine == quantized.end()) return;
   const std::vector<int64_t>& shape = tensors_.at(weight).decl.shape;
   // Each element of `want` some box reaches: 1 unverified, 2 verified. A
   // block that several boxes reach (sources that cut it) counts once.
@@ -630,27 +648,24 @@ void ControlState::scale_hashes(const RegisterReceiver& r, size_t bi, size_t si,
   };
   std::set<std::string> seen;
   std::vector<int64_t> start, size, sstart, ssize;
-  for (const MemberBuffer& wb : r.buffers) {
-    for (const Segment& ws : wb.segments) {
-      if (ws.tensor != weight || segment_dtype(wb, ws) != "F8_E4M3") continue;
-      for (const Segment* seg : sources->second) {
-        // A box of the weight this receiver checks (version_hashes), and
-        // the part of this scale segment that holds its blocks' scales.
-        if (!intersect_box(ws, *seg, &start, &size)) continue;
-        const IndexBox blocks = scale_box_of(start, size, r.weight_block_size);
-        const Segment grid{want.tensor, blocks.start, blocks.size, 0, {}};
-        if (!intersect_box(grid, want, &sstart, &ssize)) continue;
-        const std::string key = box_key(want.tensor, sstart, ssize);
-        if (!seen.insert(key).second) continue;
-        auto it = whole_blocks(start, size, shape, r.weight_block_size) ? known.find(key) : known.end();
-        if (it != known.end()) {
-          hashes->push_back({{"buffer", bi}, {"segment", si}, {"start", sstart}, {"size", ssize},
-                             {"hash", it->second.hash}, {"rank", it->second.rank}});
-          mark(sstart, ssize, 2);
-        } else {
-          mark(sstart, ssize, 1);
-          if (unverified->size() < 8) unverified->push_back({{"tensor", want.tensor}, {"start", sstart}, {"size", ssize}});
-        }
+  for (const Segment* ws : mine->second) {
+    for (const Segment* seg : sources->second) {
+      // A box of the weight this receiver checks (version_hashes), and the
+      // part of this scale segment that holds its blocks' scales.
+      if (!intersect_box(*ws, *seg, &start, &size)) continue;
+      const IndexBox blocks = scale_box_of(start, size, block);
+      const Segment grid{want.tensor, blocks.start, blocks.size, 0, {}};
+      if (!intersect_box(grid, want, &sstart, &ssize)) continue;
+      const std::string key = box_key(want.tensor, sstart, ssize);
+      if (!seen.insert(key).second) continue;
+      auto it = whole_blocks(start, size, shape, block) ? known.find(key) : known.end();
+      if (it != known.end()) {
+        hashes->push_back({{"buffer", bi}, {"segment", si}, {"start", sstart}, {"size", ssize},
+                           {"hash", it->second.hash}, {"rank", it->second.rank}});
+        mark(sstart, ssize, 2);
+      } else {
+        mark(sstart, ssize, 1);
+        if (unverified->size() < 8) unverified->push_back({{"tensor", want.tensor}, {"start", sstart}, {"size", ssize}});
       }
     }
   }
