@@ -146,6 +146,19 @@ std::vector<int64_t> scale_shape(const std::vector<int64_t>& shape, const std::a
   return s;
 }
 
+IndexBox scale_box_of(const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                      const std::array<int64_t, 2>& block) {
+  IndexBox b{start, size};
+  const size_t n = start.size();
+  if (n < 2 || size.size() != n || block[0] <= 0 || block[1] <= 0) return b;
+  for (size_t k = 0; k < 2; ++k) {
+    const size_t d = n - 2 + k;
+    b.start[d] = start[d] / block[k];
+    b.size[d] = (start[d] + size[d] + block[k] - 1) / block[k] - b.start[d];
+  }
+  return b;
+}
+
 bool has_conversions(const Layout& L) {
   for (const Tensor& t : L.tensors)
     if (t.dtype_on(Side::kReceiver) != t.dtype) return true;

@@ -14,6 +14,7 @@
 // Pure functions over a Layout or a Plan; a Layout is changed only by
 // resolve_conversions and join_sides.
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,6 +46,18 @@ std::string scale_tensor_name(const std::string& weight);
 // The scale tensor's shape: `shape` with its last two dims divided by the
 // block, rounded up (a tensor edge is a partial block).
 std::vector<int64_t> scale_shape(const std::vector<int64_t>& shape, const std::array<int64_t, 2>& block);
+
+// A box of a tensor's index space: [start[d], start[d] + size[d]) per dim.
+struct IndexBox {
+  std::vector<int64_t> start, size;
+};
+
+// The box of the scale tensor that holds the scales of the blocks the weight
+// box (start, size) touches: its leading dims as they are, its last two in
+// blocks (the start rounded down, the end up). Of a box of whole blocks,
+// exactly its blocks' scales, in the order transport/convert writes them.
+IndexBox scale_box_of(const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                      const std::array<int64_t, 2>& block);
 
 // Checks every tensor whose receivers hold another dtype than its sources,
 // and marks the scale tensors derived (Tensor::derived_from). Refused, with

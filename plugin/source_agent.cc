@@ -300,6 +300,12 @@ Result<control::Json> SourceAgent::hash_served() {
     const std::optional<DType> to = to_name.empty() ? std::nullopt : parse_dtype(to_name);
     if (!to_name.empty() && !to) return Status::internal("verify_boxes: unknown dtype \"" + to_name + "\"");
     const std::array<int64_t, 2> block = box.value("block", std::array<int64_t, 2>{128, 128});
+    // To F8_E4M3, the boxes of the scale tensor to hash too: the box's
+    // blocks' scales, cut by the receivers' scale segments.
+    std::vector<IndexBox> scale_boxes;
+    for (const control::Json& sb : box.value("scales", control::Json::array())) {
+      scale_boxes.push_back(IndexBox{sb.value("start", std::vector<int64_t>()), sb.value("size", std::vector<int64_t>())});
+    }
     bool done = false;
     for (const Buf& b : buffers_) {
       for (const control::Segment& seg : b.segments) {
@@ -307,9 +313,14 @@ Result<control::Json> SourceAgent::hash_served() {
         const std::optional<DType> dt = parse_dtype(seg.dtype.empty() ? b.dtype : seg.dtype);
         const int elem = dt ? dtype_bytes(*dt) : 1;
         bool refused = false;
-        Result<uint64_t> h = to && dt ? hash_converted_box(b.served(), b.bytes, seg, *dt, *to, block, start, size,
-                                                           &refused)
-                                      : hash_box(b.served(), b.bytes, seg, elem, start, size);
+        Result<ConvertedHashes> h = ConvertedHashes{};
+        if (to && dt) {
+          h = hash_converted_box(b.served(), b.bytes, seg, *dt, *to, block, start, size, scale_boxes, &refused);
+        } else if (Result<uint64_t> plain = hash_box(b.served(), b.bytes, seg, elem, start, size); plain.is_ok()) {
+          h = ConvertedHashes{*plain, {}};
+        } else {
+          h = plain.status();
+        }
         // NaN or infinity in a block: the receivers refuse it at their
         // conversion; the publish goes on, and the box has no hash.
         if (refused) {
@@ -318,10 +329,18 @@ Result<control::Json> SourceAgent::hash_served() {
           continue;
         }
         if (!h.is_ok()) continue;  // another segment of the tensor may hold it
-        hashes.push_back(control::to_json(control::BoxHash{config_.rank, tensor, start, size, *h, to_name}));
+        hashes.push_back(control::to_json(control::BoxHash{config_.rank, tensor, start, size, h->hash, to_name}));
         uint64_t n = static_cast<uint64_t>(elem);
         for (int64_t s : size) n *= static_cast<uint64_t>(s);
         bytes += n;
+        for (size_t i = 0; i < h->scale_hashes.size(); ++i) {
+          const IndexBox& sb = scale_boxes[i];
+          hashes.push_back(control::to_json(
+              control::BoxHash{config_.rank, scale_tensor_name(tensor), sb.start, sb.size, h->scale_hashes[i], ""}));
+          uint64_t k = sizeof(float);
+          for (int64_t s : sb.size) k *= static_cast<uint64_t>(s);
+          bytes += k;
+        }
         done = true;
       }
     }

@@ -81,10 +81,10 @@ Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const co
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
 }
 
-Result<uint64_t> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
-                                    DType from, DType to, const std::array<int64_t, 2>& block,
-                                    const std::vector<int64_t>& start, const std::vector<int64_t>& size,
-                                    bool* refused) {
+Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
+                                           DType from, DType to, const std::array<int64_t, 2>& block,
+                                           const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                                           const std::vector<IndexBox>& scale_boxes, bool* refused) {
   *refused = false;
   // The box row-major in the sources' dtype, then converted as a receiver
   // converts it (transport/convert).
@@ -93,39 +93,56 @@ Result<uint64_t> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes
                                      [&](const uint8_t* p, size_t n) { box.insert(box.end(), p, p + n); }));
   const int64_t numel = static_cast<int64_t>(box.size()) / dtype_bytes(from);
   std::vector<uint8_t> out(static_cast<size_t>(numel * dtype_bytes(to)));
+  ConvertedHashes result;
   if (to != DType::kF8E4M3) {
     if (Status st = convert::cast(from, to, box.data(), out.data(), numel, seg.tensor); !st.is_ok()) {
       *refused = true;
       return st;
     }
-  } else {
-    const size_t n = size.size();
-    if (n < 2) return Status::invalid("tensor \"" + seg.tensor + "\": F8_E4M3 needs 2 dims or more");
-    const int64_t rows = size[n - 2], cols = size[n - 1];
-    const int64_t brows = (rows + block[0] - 1) / block[0], bcols = (cols + block[1] - 1) / block[1];
-    std::vector<float> scales(static_cast<size_t>(brows * bcols));
-    for (int64_t l = 0; l < numel / (rows * cols); ++l) {
-      convert::QuantizeArgs a;
-      a.src_dtype = from;
-      a.src = box.data() + l * rows * cols * dtype_bytes(from);
-      a.src_stride = cols;
-      a.rows = rows;
-      a.cols = cols;
-      a.dst = out.data() + l * rows * cols;
-      a.dst_stride = cols;
-      a.scales = scales.data();
-      a.scale_stride = bcols;
-      a.block = {block[0], block[1]};
-      a.tensor = seg.tensor;
-      a.block_row0 = start[n - 2] / block[0];
-      a.block_col0 = start[n - 1] / block[1];
-      if (Status st = convert::quantize_e4m3_blocks(a); !st.is_ok()) {
-        *refused = true;
-        return st;
-      }
+    result.hash = XXH3_64bits(out.data(), out.size());
+    return result;
+  }
+  const size_t n = size.size();
+  if (n < 2) return Status::invalid("tensor \"" + seg.tensor + "\": F8_E4M3 needs 2 dims or more");
+  const int64_t rows = size[n - 2], cols = size[n - 1];
+  // The scales of the box's blocks, row-major over their box of the scale
+  // tensor (the box's leading dims, then block rows, block cols): a buffer
+  // that one segment describes, so that a box of it hashes as a receiver's
+  // scale buffer does.
+  const IndexBox grid = scale_box_of(start, size, block);
+  const int64_t brows = grid.size[n - 2], bcols = grid.size[n - 1];
+  std::vector<float> scales(static_cast<size_t>(numel / (rows * cols) * brows * bcols));
+  for (int64_t l = 0; l < numel / (rows * cols); ++l) {
+    convert::QuantizeArgs a;
+    a.src_dtype = from;
+    a.src = box.data() + l * rows * cols * dtype_bytes(from);
+    a.src_stride = cols;
+    a.rows = rows;
+    a.cols = cols;
+    a.dst = out.data() + l * rows * cols;
+    a.dst_stride = cols;
+    a.scales = scales.data() + l * brows * bcols;
+    a.scale_stride = bcols;
+    a.block = {block[0], block[1]};
+    a.tensor = seg.tensor;
+    a.block_row0 = start[n - 2] / block[0];
+    a.block_col0 = start[n - 1] / block[1];
+    if (Status st = convert::quantize_e4m3_blocks(a); !st.is_ok()) {
+      *refused = true;
+      return st;
     }
   }
-  return static_cast<uint64_t>(XXH3_64bits(out.data(), out.size()));
+  result.hash = XXH3_64bits(out.data(), out.size());
+  control::Segment held{scale_tensor_name(seg.tensor), grid.start, grid.size, 0, std::vector<int64_t>(n, 1)};
+  for (size_t d = n - 1; d > 0; --d) held.strides[d - 1] = held.strides[d] * grid.size[d];
+  for (const IndexBox& b : scale_boxes) {
+    Result<uint64_t> h = hash_box(reinterpret_cast<const uint8_t*>(scales.data()), scales.size() * sizeof(float),
+                                  held, sizeof(float), b.start, b.size);
+    if (!h.is_ok()) return h.status().with_context("the scales of tensor \"" + seg.tensor + "\" box start " +
+                                                   dims(start) + " size " + dims(size));
+    result.scale_hashes.push_back(*h);
+  }
+  return result;
 }
 
 }  // namespace refit::plugin

@@ -13,12 +13,16 @@
 // Which boxes: every source segment cut by every receiver segment of the same
 // tensor (the coordinator lists them: control_state.h, verify_boxes and
 // version_hashes), so a receiver checks each part of each of its segments
-// against the one source segment it came from.
+// against the one source segment it came from. The block scales a receiver
+// computes ("<W>_scale_inv", held by no source) are checked against the
+// scales the source computes for such a box of W when it holds whole blocks
+// (hash_converted_box), cut by the receiver's scale segments.
 
 #include <array>
 #include <cstdint>
 #include <vector>
 
+#include "planner/conversion.h"
 #include "planner/dtype.h"
 #include "planner/status.h"
 #include "transport/control/messages.h"
@@ -32,15 +36,27 @@ namespace refit::plugin {
 Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
                           int elem_bytes, const std::vector<int64_t>& start, const std::vector<int64_t>& size);
 
+// What a receiver holding a box as another dtype hashes: the box's
+// converted bytes and, to F8_E4M3, the boxes of the scale tensor it asked
+// for, in the order asked.
+struct ConvertedHashes {
+  uint64_t hash = 0;
+  std::vector<uint64_t> scale_hashes;
+};
+
 // The hash of the same box converted to `to` first (docs/conversion.md),
 // what a receiver holding the box as `to` hashes: a cast, or F8_E4M3 block
-// quantization with `block` (the box must hold whole blocks; its scales are
-// not part of the hash). The source's elements are `from`. Fails as
-// hash_box does, or with the conversion's refusal (NaN or infinity in a
-// block, naming the tensor and the block), and then sets *refused.
-Result<uint64_t> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
-                                    DType from, DType to, const std::array<int64_t, 2>& block,
-                                    const std::vector<int64_t>& start, const std::vector<int64_t>& size,
-                                    bool* refused);
+// quantization with `block` (the box must hold whole blocks). The source's
+// elements are `from`. To F8_E4M3, also the hash of each box of
+// `scale_boxes`, boxes of the scale tensor "<tensor>_scale_inv" inside
+// scale_box_of(start, size, block) (the scales this box's blocks get),
+// hashed as hash_box hashes a box of a receiver's F32 scale buffer. Fails
+// as hash_box does, naming a scale box outside the box's scales, or with
+// the conversion's refusal (NaN or infinity in a block, naming the tensor
+// and the block), and then sets *refused.
+Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
+                                           DType from, DType to, const std::array<int64_t, 2>& block,
+                                           const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                                           const std::vector<IndexBox>& scale_boxes, bool* refused);
 
 }  // namespace refit::plugin

@@ -41,11 +41,20 @@ using nlohmann::json;
 constexpr unsigned kTestSeconds = 55;
 constexpr int64_t kRows = 256, kCols = 192, kBlock = 64;  // "w": 4 x 3 blocks of 64 x 64
 constexpr int64_t kXRows = 64, kXCols = 32;               // "x": F32 cast to BF16
+// What a receiver holding everything verifies: "w" in FP8, its scales, "x" in BF16.
+constexpr int64_t kFullVerifyBytes = kRows * kCols + (kRows / kBlock) * (kCols / kBlock) * 4 + kXRows * kXCols * 2;
 
 uint16_t bf16_bits(float f) {  // truncation: any BF16 value will do as a source
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_value(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 // BF16 values of block-dependent magnitude: one block all zeros, one far
@@ -123,7 +132,9 @@ class Convert : public ::testing::Test {
   };
 
   // A receiver holding all of "w" as FP8 with its scales, and "x" as BF16.
-  refit_receiver_t* add_receiver(int rank, Held* held, json extra = json::object()) {
+  // `split`: "w" as two segments of its buffer, rows [0, 128) and
+  // [128, 256), so that the plan converts it as two units.
+  refit_receiver_t* add_receiver(int rank, Held* held, json extra = json::object(), bool split = false) {
     json c = config(rank, true);
     c.update(extra);
     refit_receiver_t* r = nullptr;
@@ -133,9 +144,15 @@ class Convert : public ::testing::Test {
     held->w.assign(kRows * kCols, 0x55);
     held->scales.assign((kRows / kBlock) * (kCols / kBlock), -1.0f);
     held->x.assign(kXRows * kXCols, 0x5555);
-    const json w = {{"name", "w"}, {"dtype", "F8_E4M3"},
-                    {"segments", {{{"tensor", "w"}, {"start", {0, 0}}, {"size", {kRows, kCols}}, {"offset", 0},
-                                   {"strides", {kCols, 1}}}}}};
+    json w = {{"name", "w"}, {"dtype", "F8_E4M3"},
+              {"segments", {{{"tensor", "w"}, {"start", {0, 0}}, {"size", {kRows, kCols}}, {"offset", 0},
+                             {"strides", {kCols, 1}}}}}};
+    if (split) {
+      w["segments"] = {{{"tensor", "w"}, {"start", {0, 0}}, {"size", {kRows / 2, kCols}}, {"offset", 0},
+                        {"strides", {kCols, 1}}},
+                       {{"tensor", "w"}, {"start", {kRows / 2, 0}}, {"size", {kRows / 2, kCols}},
+                        {"offset", kRows / 2 * kCols}, {"strides", {kCols, 1}}}};
+    }
     const json s = {{"name", "w_scale_inv"}, {"dtype", "F32"},
                     {"segments", {{{"tensor", "w_scale_inv"}, {"start", {0, 0}}, {"size", {kRows / kBlock, kCols / kBlock}},
                                    {"offset", 0}, {"strides", {kCols / kBlock, 1}}}}}};
@@ -149,6 +166,13 @@ class Convert : public ::testing::Test {
     EXPECT_EQ(refit_receiver_add_buffer(r, x.dump().c_str(), held->x.data(), held->x.size() * 2), REFIT_OK)
         << refit_last_error();
     return r;
+  }
+
+  // New contents for the source's tensors, in place: it serves them from
+  // where they were registered.
+  void set_weights(const std::vector<uint16_t>& w, const std::vector<float>& x) {
+    std::copy(w.begin(), w.end(), w_.begin());
+    std::copy(x.begin(), x.end(), x_.begin());
   }
 
   // What a receiver should hold: the CPU kernels applied to the source.
@@ -203,11 +227,8 @@ TEST_F(Convert, ReceiversOfADomainHoldTheReferenceQuantization) {
   ASSERT_EQ(refit_receiver_join(r0), REFIT_OK) << refit_last_error();
   ASSERT_EQ(refit_receiver_join(r1), REFIT_OK) << refit_last_error();
   for (int64_t version = 1; version <= 3; ++version) {
-    if (version > 1) {  // new weights for each version, where the source serves them
-      const std::vector<uint16_t> w = weights(static_cast<uint32_t>(10 + version));
-      const std::vector<float> x = cast_source(static_cast<uint32_t>(20 + version));
-      std::copy(w.begin(), w.end(), w_.begin());
-      std::copy(x.begin(), x.end(), x_.begin());
+    if (version > 1) {  // new weights for each version
+      set_weights(weights(static_cast<uint32_t>(10 + version)), cast_source(static_cast<uint32_t>(20 + version)));
     }
     ASSERT_EQ(refit_source_publish(source_, version), REFIT_OK) << refit_last_error();
     auto other = std::async(std::launch::async, [&] {
@@ -228,10 +249,12 @@ TEST_F(Convert, ReceiversOfADomainHoldTheReferenceQuantization) {
     const json rep1 = json::parse(refit_receiver_report(r1));
     EXPECT_EQ(rep0["converts"]["units"].get<int>() + rep1["converts"]["units"].get<int>(), 2)
         << rep0.dump() << "\n" << rep1.dump();
-    // "verify": the source hashed the converted bytes; each receiver checked
-    // all of "w" (FP8) and "x" (BF16) against them.
+    // "verify": the source hashed the converted bytes and the block scales
+    // it computed; each receiver checked all of "w" (FP8), its scales (F32)
+    // and "x" (BF16) against them.
     for (const json& rep : {rep0, rep1}) {
-      EXPECT_EQ(rep["verify"]["bytes"].get<int64_t>(), kRows * kCols + kXRows * kXCols * 2) << rep.dump();
+      EXPECT_EQ(rep["verify"]["boxes"].get<int64_t>(), 3) << rep.dump();
+      EXPECT_EQ(rep["verify"]["bytes"].get<int64_t>(), kFullVerifyBytes) << rep.dump();
       EXPECT_EQ(rep["verify"]["unverified_bytes"].get<int64_t>(), 0) << rep.dump();
     }
   }
@@ -260,6 +283,89 @@ TEST_F(Convert, NaNInASourceBlockFailsAndStagedKeepsTheOldVersion) {
   EXPECT_EQ(refit_receiver_version(r), 1);
   EXPECT_EQ(held.w, before.w) << "the live FP8 weights changed";
   EXPECT_EQ(std::memcmp(held.scales.data(), before.scales.data(), before.scales.size() * 4), 0);
+}
+
+// NaN in a block of a new version in direct mode (docs/conversion.md, "A
+// refusal"): the refresh fails naming the tensor and the block; the refused
+// unit (rows [128, 256) of "w", which hold block (3, 2)) and its scales are
+// as they were, a unit converted before it holds the new version, and the
+// receiver holds no version until a refresh succeeds, which version 3 does.
+TEST_F(Convert, NaNInASourceBlockFailsAndDirectKeepsTheRefusedUnit) {
+  start_source();
+  Held held;
+  refit_receiver_t* r = add_receiver(0, &held, json::object(), /*split=*/true);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(refit_source_publish(source_, 1), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_receiver_refresh(r, 1, 20000), REFIT_OK) << refit_last_error();
+  const Held first = expected();
+  expect_holds(held, first, "version 1");
+  const json rep1 = json::parse(refit_receiver_report(r));
+  EXPECT_EQ(rep1["mode"], "direct") << rep1.dump();
+  EXPECT_EQ(rep1["converts"]["units"], 3) << "two units of \"w\" and \"x\": " << rep1.dump();
+
+  set_weights(weights(12), cast_source(22));
+  const Held second = expected();
+  w_[200 * kCols + 130] = bf16_bits(std::nanf(""));  // row 200, column 130: block (3, 2)
+  ASSERT_EQ(refit_source_publish(source_, 2), REFIT_OK) << refit_last_error();
+  const refit_status_t s = refit_receiver_refresh(r, 2, 5000);
+  const std::string error = refit_last_error();
+  EXPECT_EQ(s, REFIT_INVALID_ARGUMENT) << refit_status_name(s) << ": " << error;
+  EXPECT_NE(error.find("\"w\""), std::string::npos) << error;
+  EXPECT_NE(error.find("(3, 2)"), std::string::npos) << error;
+  EXPECT_EQ(refit_receiver_version(r), 0);
+  // The refused unit: FP8 bytes of rows [128, 256) and block rows 2 and 3
+  // of the scales, as version 1 left them.
+  const size_t half = kRows / 2 * kCols, scale_half = (kRows / kBlock / 2) * (kCols / kBlock);
+  auto same = [](const auto* got, const auto* want, size_t n) { return std::memcmp(got, want, n * sizeof *got) == 0; };
+  EXPECT_TRUE(same(held.w.data() + half, first.w.data() + half, half)) << "the refused unit was written";
+  EXPECT_TRUE(same(held.scales.data() + scale_half, first.scales.data() + scale_half, scale_half))
+      << "the refused unit's scales were written";
+  // The other units: each wholly of version 2 (converted before the
+  // refusal) or of version 1 (not reached), never a mix. The order of the
+  // units is not promised (so far rows [0, 128) come first, and "x" after
+  // the refused unit).
+  const bool top_2 = same(held.w.data(), second.w.data(), half) && same(held.scales.data(), second.scales.data(), scale_half);
+  const bool top_1 = same(held.w.data(), first.w.data(), half) && same(held.scales.data(), first.scales.data(), scale_half);
+  EXPECT_TRUE(top_2 || top_1) << "rows [0, 128) of \"w\" and their scales are neither version";
+  EXPECT_TRUE(held.x == second.x || held.x == first.x) << "\"x\" is neither version";
+
+  // A version without NaN refreshes and verifies every byte.
+  set_weights(weights(13), cast_source(23));
+  ASSERT_EQ(refit_source_publish(source_, 3), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_receiver_refresh(r, 3, 20000), REFIT_OK) << refit_last_error();
+  expect_holds(held, expected(), "version 3");
+  EXPECT_EQ(refit_receiver_version(r), 3);
+  const json rep3 = json::parse(refit_receiver_report(r));
+  EXPECT_EQ(rep3["verify"]["bytes"].get<int64_t>(), kFullVerifyBytes) << rep3.dump();
+  EXPECT_EQ(rep3["verify"]["unverified_bytes"].get<int64_t>(), 0) << rep3.dump();
+}
+
+// Scales unlike the ones the source computed fail verification, naming the
+// scale tensor. The source serves its weights in place and doubles block
+// (0, 0) of "w" after publishing: x * 2 * (1 / (scale * 2)) is x / scale
+// exactly, so every FP8 byte the receiver computes is still the one hashed
+// and only that block's scale differs: only the scales can tell.
+TEST_F(Convert, ScalesUnlikeThePublishedOnesFailVerification) {
+  start_source();
+  Held held;
+  refit_receiver_t* r = add_receiver(0, &held);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(refit_source_publish(source_, 1), REFIT_OK) << refit_last_error();
+  ASSERT_EQ(refit_receiver_refresh(r, 1, 20000), REFIT_OK) << refit_last_error();
+  set_weights(weights(12), cast_source(22));
+  ASSERT_EQ(refit_source_publish(source_, 2), REFIT_OK) << refit_last_error();
+  const Held published = expected();
+  for (int64_t row = 0; row < kBlock; ++row) {
+    for (int64_t col = 0; col < kBlock; ++col) w_[row * kCols + col] = bf16_bits(2.0f * bf16_value(w_[row * kCols + col]));
+  }
+  const refit_status_t s = refit_receiver_refresh(r, 2, 5000);
+  const std::string error = refit_last_error();
+  EXPECT_EQ(s, REFIT_VERIFY_FAILED) << refit_status_name(s) << ": " << error;
+  EXPECT_NE(error.find("tensor \"w_scale_inv\""), std::string::npos) << error;
+  // What landed: the FP8 bytes that were hashed, and block (0, 0)'s scale doubled.
+  EXPECT_EQ(held.w, published.w);
+  EXPECT_EQ(held.scales[0], 2.0f * published.scales[0]);
+  EXPECT_EQ(std::memcmp(held.scales.data() + 1, published.scales.data() + 1, (held.scales.size() - 1) * 4), 0);
 }
 
 // A receiver that quantizes without registering the scales is refused at

@@ -5,8 +5,12 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "transport/convert/convert.h"
 
 namespace refit::plugin {
 namespace {
@@ -62,6 +66,73 @@ TEST(HashBox, RefusesABoxOutsideTheSegmentOrASegmentOutsideTheBuffer) {
             "tensor \"t\" box start [1,0] size [1,10]: the segment's elements reach past the buffer's 159 bytes");
   Result<uint64_t> dims = hash_box(p, rows.size() * 4, seg, 4, {1}, {1});
   EXPECT_FALSE(dims.is_ok());
+}
+
+// hash_converted_box to F8_E4M3: a source holding an F32 tensor [2, 6, 8]
+// (two stacked experts) hashes the box rows [2, 6) of both experts, and the
+// scales of its blocks of 2 x 4 as two boxes of the scale tensor [2, 3, 2]
+// (one per block column, as two receiver segments would cut them). A
+// receiver that quantized the whole tensor hashes the same boxes of its own
+// FP8 and scale buffers to the same values; a scale that differs is seen.
+TEST(HashConvertedBox, HashesTheBlockScalesAsTheReceiverHoldsThem) {
+  constexpr int64_t kExperts = 2, kRows = 6, kCols = 8;
+  const std::array<int64_t, 2> block{2, 4};
+  std::vector<float> w(kExperts * kRows * kCols);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 37) % 101) * (i % 3 == 0 ? 1e-3f : 2.5f) - 40.0f;
+  const Segment whole{"w", {0, 0, 0}, {kExperts, kRows, kCols}, 0, {kRows * kCols, kCols, 1}};
+  const std::vector<int64_t> start{0, 2, 0}, size{kExperts, 4, kCols};
+  const std::vector<IndexBox> scale_boxes{{{0, 1, 0}, {kExperts, 2, 1}}, {{0, 1, 1}, {kExperts, 2, 1}}};
+  bool refused = true;
+  Result<ConvertedHashes> got = hash_converted_box(reinterpret_cast<const uint8_t*>(w.data()), w.size() * 4, whole,
+                                                   DType::kF32, DType::kF8E4M3, block, start, size, scale_boxes,
+                                                   &refused);
+  ASSERT_TRUE(got.is_ok()) << got.status().message();
+  EXPECT_FALSE(refused);
+  ASSERT_EQ(got->scale_hashes.size(), 2u);
+
+  // The receiver: every expert quantized whole, FP8 [2, 6, 8], scales [2, 3, 2].
+  std::vector<uint8_t> fp8(w.size());
+  std::vector<float> scales(kExperts * 3 * 2);
+  for (int64_t e = 0; e < kExperts; ++e) {
+    convert::QuantizeArgs a;
+    a.src_dtype = DType::kF32;
+    a.src = w.data() + e * kRows * kCols;
+    a.src_stride = kCols;
+    a.rows = kRows;
+    a.cols = kCols;
+    a.dst = fp8.data() + e * kRows * kCols;
+    a.dst_stride = kCols;
+    a.scales = scales.data() + e * 3 * 2;
+    a.scale_stride = 2;
+    a.block = {block[0], block[1]};
+    a.tensor = "w";
+    ASSERT_TRUE(convert::quantize_e4m3_blocks(a).is_ok());
+  }
+  const Segment held_scales{"w_scale_inv", {0, 0, 0}, {kExperts, 3, 2}, 0, {6, 2, 1}};
+  const auto* sp = reinterpret_cast<const uint8_t*>(scales.data());
+  EXPECT_EQ(got->hash, *hash_box(fp8.data(), fp8.size(), whole, 1, start, size));
+  for (size_t i = 0; i < scale_boxes.size(); ++i) {
+    EXPECT_EQ(got->scale_hashes[i],
+              *hash_box(sp, scales.size() * 4, held_scales, 4, scale_boxes[i].start, scale_boxes[i].size))
+        << "scale box " << i;
+  }
+  // A receiver whose scale of expert 1, block (2, 1) is one ulp off: the
+  // second box no longer matches what the source hashed, the first does.
+  scales[1 * 6 + 2 * 2 + 1] = std::nextafter(scales[1 * 6 + 2 * 2 + 1], 1.0f);
+  EXPECT_EQ(got->scale_hashes[0],
+            *hash_box(sp, scales.size() * 4, held_scales, 4, scale_boxes[0].start, scale_boxes[0].size));
+  EXPECT_NE(got->scale_hashes[1],
+            *hash_box(sp, scales.size() * 4, held_scales, 4, scale_boxes[1].start, scale_boxes[1].size));
+
+  // A scale box outside the box's blocks (block row 0) is refused, naming it.
+  Result<ConvertedHashes> outside =
+      hash_converted_box(reinterpret_cast<const uint8_t*>(w.data()), w.size() * 4, whole, DType::kF32, DType::kF8E4M3,
+                         block, start, size, {{{0, 0, 0}, {1, 1, 1}}}, &refused);
+  ASSERT_FALSE(outside.is_ok());
+  EXPECT_NE(outside.status().message().find("tensor \"w_scale_inv\" box start [0,0,0] size [1,1,1] is not inside"),
+            std::string::npos)
+      << outside.status().message();
+  EXPECT_FALSE(refused);
 }
 
 }  // namespace

@@ -65,6 +65,15 @@ bool whole_blocks(const std::vector<int64_t>& start, const std::vector<int64_t>&
   return true;
 }
 
+// W for a block scale tensor "<W>_scale_inv", else "".
+std::string scale_weight(const std::string& tensor) {
+  if (tensor.size() <= kScaleSuffix.size() ||
+      tensor.compare(tensor.size() - kScaleSuffix.size(), kScaleSuffix.size(), kScaleSuffix) != 0) {
+    return "";
+  }
+  return tensor.substr(0, tensor.size() - kScaleSuffix.size());
+}
+
 int64_t numel(const std::vector<int64_t>& size) {
   int64_t n = 1;
   for (int64_t v : size) n *= v;
@@ -149,11 +158,9 @@ std::optional<TensorDecl> ControlState::decl_of(const std::string& tensor, const
   if (auto t = tensors_.find(tensor); t != tensors_.end()) return t->second.decl;
   // A block scale tensor of a declared weight: derived by the receivers
   // that quantize it (docs/conversion.md).
-  if (tensor.size() <= kScaleSuffix.size() ||
-      tensor.compare(tensor.size() - kScaleSuffix.size(), kScaleSuffix.size(), kScaleSuffix) != 0) {
-    return std::nullopt;
-  }
-  auto w = tensors_.find(tensor.substr(0, tensor.size() - kScaleSuffix.size()));
+  const std::string weight = scale_weight(tensor);
+  if (weight.empty()) return std::nullopt;
+  auto w = tensors_.find(weight);
   if (w == tensors_.end() || w->second.decl.shape.size() < 2) return std::nullopt;
   return TensorDecl{tensor, "F32", scale_shape(w->second.decl.shape, block)};
 }
@@ -432,6 +439,27 @@ Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxH
     for (const MemberBuffer& b : src->second->info.buffers) {
       for (const Segment& seg : b.segments) inside = inside || (seg.tensor == h.tensor && box_inside(seg, h.start, h.size));
     }
+    // A box of a block scale tensor "<W>_scale_inv" (verify_boxes): the
+    // scales of whole blocks of W the rank holds, in the receivers' block.
+    // With no receiver left, no one checks it: it is not kept.
+    const std::string weight = scale_weight(h.tensor);
+    if (!inside && !weight.empty() && tensors_.count(weight) != 0 && h.dtype.empty()) {
+      if (receivers_.empty()) continue;
+      const std::array<int64_t, 2>& block = receivers_.begin()->second.info.weight_block_size;
+      const std::vector<int64_t>& shape = tensors_.at(weight).decl.shape;
+      std::vector<int64_t> wstart = h.start, wsize = h.size;
+      const size_t n = wstart.size();
+      if (n >= 2 && n == shape.size()) {
+        for (size_t k = 0; k < 2; ++k) {
+          const size_t d = n - 2 + k;
+          wstart[d] = h.start[d] * block[k];
+          wsize[d] = std::min((h.start[d] + h.size[d]) * block[k], shape[d]) - wstart[d];
+        }
+        for (const MemberBuffer& b : src->second->info.buffers) {
+          for (const Segment& seg : b.segments) inside = inside || (seg.tensor == weight && box_inside(seg, wstart, wsize));
+        }
+      }
+    }
     if (!inside) return Status::invalid(where + " is not inside a segment of source rank " + std::to_string(h.rank));
     const std::string key = box_key(h.tensor, h.start, h.size) + (h.dtype.empty() ? "" : "@" + h.dtype);
     using Seen = const std::map<std::string, Hashed>*;
@@ -469,11 +497,21 @@ void ControlState::prune_hashes() {
 Result<Json> ControlState::verify_boxes(uint64_t session) const {
   Json boxes = Json::array();
   bool is_source = false;
-  std::vector<int64_t> start, size;
+  std::vector<int64_t> start, size, sstart, ssize;
+  // Each receiver's block scale segments by tensor, for a quantized box.
+  std::map<std::pair<int32_t, std::string>, std::vector<const Segment*>> segments_of;
+  for (const auto& [rr, r] : receivers_) {
+    for (const MemberBuffer& rb : r.info.buffers) {
+      for (const Segment& want : rb.segments) {
+        if (!scale_weight(want.tensor).empty()) segments_of[{rr, want.tensor}].push_back(&want);
+      }
+    }
+  }
   for (const auto& [rank, s] : sources_) {
     if (s.session != session) continue;
     is_source = true;
-    std::set<std::string> seen;
+    // Box key -> its index in `boxes`, and the scale boxes it lists.
+    std::map<std::string, std::pair<size_t, std::set<std::string>>> seen;
     for (const MemberBuffer& b : s.info.buffers) {
       for (const Segment& seg : b.segments) {
         for (const auto& [rr, r] : receivers_) {
@@ -485,15 +523,30 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
               // for a quantized tensor only when the box holds whole blocks.
               const std::string& to = segment_dtype(rb, want);
               const bool convert = to != tensors_.at(seg.tensor).decl.dtype;
-              if (convert && to == "F8_E4M3" &&
-                  !whole_blocks(start, size, tensors_.at(seg.tensor).decl.shape, r.info.weight_block_size)) {
+              const bool quantize = convert && to == "F8_E4M3";
+              if (quantize && !whole_blocks(start, size, tensors_.at(seg.tensor).decl.shape, r.info.weight_block_size)) {
                 continue;
               }
-              if (!seen.insert(box_key(seg.tensor, start, size) + (convert ? "@" + to : "")).second) continue;
-              boxes.push_back({{"rank", rank}, {"tensor", seg.tensor}, {"start", start}, {"size", size}});
-              if (convert) {
-                boxes.back()["dtype"] = to;
-                boxes.back()["block"] = r.info.weight_block_size;
+              auto [it, added] = seen.try_emplace(box_key(seg.tensor, start, size) + (convert ? "@" + to : ""),
+                                                  boxes.size(), std::set<std::string>());
+              if (added) {
+                boxes.push_back({{"rank", rank}, {"tensor", seg.tensor}, {"start", start}, {"size", size}});
+                if (convert) {
+                  boxes.back()["dtype"] = to;
+                  boxes.back()["block"] = r.info.weight_block_size;
+                }
+              }
+              if (!quantize) continue;
+              // The scales of the box's blocks, as this receiver's scale
+              // segments hold them: the source computes them too.
+              const IndexBox blocks = scale_box_of(start, size, r.info.weight_block_size);
+              const Segment grid{scale_tensor_name(seg.tensor), blocks.start, blocks.size, 0, {}};
+              auto scale_segments = segments_of.find({rr, grid.tensor});
+              if (scale_segments == segments_of.end()) continue;
+              for (const Segment* held : scale_segments->second) {
+                if (!intersect_box(grid, *held, &sstart, &ssize)) continue;
+                if (!it->second.second.insert(box_key(grid.tensor, sstart, ssize)).second) continue;
+                boxes[it->second.first]["scales"].push_back({{"start", sstart}, {"size", ssize}});
               }
             }
           }
@@ -522,6 +575,13 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
       for (const Segment& seg : b.segments) held[seg.tensor].push_back(&seg);
     }
   }
+  // The receiver's F8_E4M3 segments by tensor, for its scale segments.
+  std::map<std::string, std::vector<const Segment*>> quantized;
+  for (const MemberBuffer& b : r.info.buffers) {
+    for (const Segment& seg : b.segments) {
+      if (segment_dtype(b, seg) == "F8_E4M3") quantized[seg.tensor].push_back(&seg);
+    }
+  }
   Json hashes = Json::array(), unverified = Json::array();
   int64_t unverified_bytes = 0;
   std::vector<int64_t> start, size;
@@ -532,7 +592,11 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
       const std::optional<DType> dt = parse_dtype(segment_dtype(b, want));
       const int64_t elem = dt ? dtype_bytes(*dt) : 1;
       auto h = held.find(want.tensor);
-      if (h == held.end()) continue;
+      if (h == held.end()) {
+        scale_hashes(want, bi, si, r.info.weight_block_size, quantized, held, known, &hashes, &unverified_bytes,
+                     &unverified);
+        continue;
+      }
       // A box converted on the way has the hash of its converted bytes
       // (verify_boxes), under its dtype.
       auto decl = tensors_.find(want.tensor);
@@ -556,6 +620,56 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
   }
   return Json{{"hashes", std::move(hashes)}, {"unverified_bytes", unverified_bytes},
               {"unverified", std::move(unverified)}};
+}
+
+void ControlState::scale_hashes(const Segment& want, size_t bi, size_t si, const std::array<int64_t, 2>& block,
+                                const std::map<std::string, std::vector<const Segment*>>& quantized,
+                                const std::map<std::string, std::vector<const Segment*>>& held,
+                                const std::map<std::string, Hashed>& known, Json* hashes, int64_t* unverified_bytes,
+                                Json* unverified) const {
+  const std::string weight = scale_weight(want.tensor);
+  auto sources = held.find(weight);
+  auto mine = quantized.find(weight);
+  if (weight.empty() || sources == held.end() || mine == quantized.end()) return;
+  const std::vector<int64_t>& shape = tensors_.at(weight).decl.shape;
+  // Each element of `want` some box reaches: 1 unverified, 2 verified. A
+  // block that several boxes reach (sources that cut it) counts once.
+  std::vector<uint8_t> state(static_cast<size_t>(numel(want.size)), 0);
+  auto mark = [&](const std::vector<int64_t>& start, const std::vector<int64_t>& size, uint8_t v) {
+    std::vector<int64_t> idx(start.size(), 0);
+    while (true) {
+      int64_t flat = 0;
+      for (size_t d = 0; d < idx.size(); ++d) flat = flat * want.size[d] + (start[d] + idx[d] - want.start[d]);
+      state[static_cast<size_t>(flat)] = std::max(state[static_cast<size_t>(flat)], v);
+      size_t d = idx.size();
+      while (d > 0 && ++idx[d - 1] == size[d - 1]) idx[--d] = 0;
+      if (d == 0) break;
+    }
+  };
+  std::set<std::string> seen;
+  std::vector<int64_t> start, size, sstart, ssize;
+  for (const Segment* ws : mine->second) {
+    for (const Segment* seg : sources->second) {
+      // A box of the weight this receiver checks (version_hashes), and the
+      // part of this scale segment that holds its blocks' scales.
+      if (!intersect_box(*ws, *seg, &start, &size)) continue;
+      const IndexBox blocks = scale_box_of(start, size, block);
+      const Segment grid{want.tensor, blocks.start, blocks.size, 0, {}};
+      if (!intersect_box(grid, want, &sstart, &ssize)) continue;
+      const std::string key = box_key(want.tensor, sstart, ssize);
+      if (!seen.insert(key).second) continue;
+      auto it = whole_blocks(start, size, shape, block) ? known.find(key) : known.end();
+      if (it != known.end()) {
+        hashes->push_back({{"buffer", bi}, {"segment", si}, {"start", sstart}, {"size", ssize},
+                           {"hash", it->second.hash}, {"rank", it->second.rank}});
+        mark(sstart, ssize, 2);
+      } else {
+        mark(sstart, ssize, 1);
+        if (unverified->size() < 8) unverified->push_back({{"tensor", want.tensor}, {"start", sstart}, {"size", ssize}});
+      }
+    }
+  }
+  *unverified_bytes += static_cast<int64_t>(std::count(state.begin(), state.end(), uint8_t{1})) * 4;
 }
 
 void ControlState::advance_version() {

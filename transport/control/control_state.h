@@ -381,6 +381,17 @@ class ControlState {
   };
   std::map<int64_t, std::map<std::string, Hashed>> hashes_;
   void prune_hashes();
+  // version_hashes for `want`, segment `si` of buffer `bi` of a receiver,
+  // of a block scale tensor "<W>_scale_inv": the scales of each box of W
+  // the receiver checks (its F8_E4M3 segments of W, `quantized`, cut by
+  // the sources' segments, `held`), cut by `want`; a box of whole blocks
+  // has the hashes its source published in `known` (verify_boxes), the
+  // rest are unverified.
+  void scale_hashes(const Segment& want, size_t bi, size_t si, const std::array<int64_t, 2>& block,
+                    const std::map<std::string, std::vector<const Segment*>>& quantized,
+                    const std::map<std::string, std::vector<const Segment*>>& held,
+                    const std::map<std::string, Hashed>& known, Json* hashes, int64_t* unverified_bytes,
+                    Json* unverified) const;
 };
 
 }  // namespace refit::control

@@ -619,6 +619,67 @@ TEST(ControlState, ListsTheBoxesToHashAndServesTheirHashes) {
   EXPECT_EQ(s.version_hashes(9, VersionHashes{0, 2}).value()["hashes"].size(), 0u) << "nothing stored";
 }
 
+// Verification of block scales (docs/conversion.md, "At the receiver"): a
+// receiver holds "w" [4, 6] as F8_E4M3 with blocks of 2 x 2, in two
+// segments (columns [0, 4) and [4, 6)), and its scales [2, 3] in two
+// (block columns [0, 2) and [2, 3)). Source 0 holds rows [0, 2): whole
+// blocks, so it hashes their scales too, as the receiver's segments cut
+// them. Sources 1, 2 and 3 cut block row 1 between them (rows [2, 3); row 3
+// in two halves): no one source can quantize it, so its scales are
+// unverified, each counted once though several boxes reach it.
+TEST(ControlState, ListsAndServesTheHashesOfBlockScales) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  const std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> held = {
+      {{0, 0}, {2, 6}}, {{2, 0}, {1, 6}}, {{3, 0}, {1, 3}}, {{3, 3}, {1, 3}}};
+  for (int r = 0; r < 4; ++r) {
+    RegisterSource m = source(r);
+    m.tensors.push_back(TensorDecl{"w", "BF16", {4, 6}});
+    const auto& [start, size] = held[r];
+    m.buffers.push_back(MemberBuffer{"w", "BF16", 48, 0x1000, {1}, {Segment{"w", start, size, 0, {size[1], 1}}}});
+    ASSERT_TRUE(s.register_source(1 + r, m, now).is_ok());
+  }
+  RegisterReceiver rc = receiver(0, 0);
+  rc.weight_block_size = {2, 2};
+  rc.buffers.push_back(MemberBuffer{"w", "F8_E4M3", 24, 0, {},
+                                    {Segment{"w", {0, 0}, {4, 4}, 0, {6, 1}}, Segment{"w", {0, 4}, {4, 2}, 4, {6, 1}}}});
+  rc.buffers.push_back(MemberBuffer{"s", "F32", 24, 0, {},
+                                    {Segment{"w_scale_inv", {0, 0}, {2, 2}, 0, {3, 1}},
+                                     Segment{"w_scale_inv", {0, 2}, {2, 1}, 2, {3, 1}}}});
+  Status reg = s.register_receiver(9, rc, now);
+  ASSERT_TRUE(reg.is_ok()) << reg.message();
+
+  Result<Json> boxes = s.verify_boxes(1);
+  ASSERT_TRUE(boxes.is_ok()) << boxes.status().message();
+  EXPECT_EQ((*boxes)["boxes"], Json::parse(R"([
+      {"rank": 0, "tensor": "w", "start": [0, 0], "size": [2, 4], "dtype": "F8_E4M3", "block": [2, 2],
+       "scales": [{"start": [0, 0], "size": [1, 2]}]},
+      {"rank": 0, "tensor": "w", "start": [0, 4], "size": [2, 2], "dtype": "F8_E4M3", "block": [2, 2],
+       "scales": [{"start": [0, 2], "size": [1, 1]}]}])"));
+  EXPECT_EQ(s.verify_boxes(2).value()["boxes"], Json::array()) << "rows [2, 3) cut block row 1";
+
+  // The scales of blocks source 0 does not hold are refused.
+  Status outside = s.publish(1, 1, {BoxHash{0, "w_scale_inv", {1, 0}, {1, 2}, 7}});
+  EXPECT_EQ(outside.message(), "publish_version: hashes[0] (tensor \"w_scale_inv\" start [1,0] size [1,2]) is not "
+                               "inside a segment of source rank 0");
+  ASSERT_TRUE(s.publish(1, 1,
+                        {BoxHash{0, "w", {0, 0}, {2, 4}, 11, "F8_E4M3"}, BoxHash{0, "w", {0, 4}, {2, 2}, 14, "F8_E4M3"},
+                         BoxHash{0, "w_scale_inv", {0, 0}, {1, 2}, 12}, BoxHash{0, "w_scale_inv", {0, 2}, {1, 1}, 13}})
+                  .is_ok());
+  for (uint64_t session : {2, 3, 4}) ASSERT_TRUE(s.publish(session, 1).is_ok());
+
+  Result<Json> h = s.version_hashes(9, VersionHashes{0, 1});
+  ASSERT_TRUE(h.is_ok()) << h.status().message();
+  EXPECT_EQ((*h)["hashes"], Json::parse(R"([
+      {"buffer": 0, "segment": 0, "start": [0, 0], "size": [2, 4], "hash": 11, "rank": 0},
+      {"buffer": 0, "segment": 1, "start": [0, 4], "size": [2, 2], "hash": 14, "rank": 0},
+      {"buffer": 1, "segment": 0, "start": [0, 0], "size": [1, 2], "hash": 12, "rank": 0},
+      {"buffer": 1, "segment": 1, "start": [0, 2], "size": [1, 1], "hash": 13, "rank": 0}])"));
+  // Rows [2, 4) of "w": 12 FP8 bytes; block row 1's 3 scales: 12 bytes,
+  // though sources 1, 2 and 3 each reach block (1, 1).
+  EXPECT_EQ((*h)["unverified_bytes"], 12 + 12) << h->dump();
+}
+
 // Two replicas that publish one version with different contents: the second
 // publish is refused, naming both ranks, and changes nothing.
 TEST(ControlState, RefusesReplicasThatDisagreeOnAVersion) {
