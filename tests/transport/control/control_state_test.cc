@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -137,7 +138,12 @@ bool same_end(const RunEnd& a, const RunEnd& b) {
 
 struct PartSize {
   size_t entries = 0, runs = 0, cbor_bytes = 0, ungrouped_cbor_bytes = 0;
+  double parse_seconds = 0, ungrouped_parse_seconds = 0;  // parse_plan_runs, as the receiver parses
 };
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // Plans `layout_json` with compute_plan and checks that every rank's part,
 // its groups expanded by the receiver's parser, is exactly the ungrouped
@@ -152,7 +158,9 @@ std::map<int32_t, PartSize> expect_parts_expand_to_the_runs(const std::string& l
   EXPECT_EQ(planned->parts.size(), want.size());
   std::map<int32_t, PartSize> sizes;
   for (const auto& [rank, part] : planned->parts) {
+    const auto t0 = std::chrono::steady_clock::now();
     Result<std::vector<PlanRun>> got = parse_plan_runs(part);
+    const double parse_seconds = seconds_since(t0);
     EXPECT_TRUE(got.is_ok()) << got.status().message();
     auto it = want.find(rank);
     if (!got.is_ok() || it == want.end()) {
@@ -176,7 +184,10 @@ std::map<int32_t, PartSize> expect_parts_expand_to_the_runs(const std::string& l
     for (const PlanRun& w : it->second) {
       if (!w.convert) ungrouped.push_back(to_json(w));
     }
-    sizes[rank] = PartSize{part.size(), got->size(), Json::to_cbor(part).size(), Json::to_cbor(ungrouped).size()};
+    const auto t1 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(parse_plan_runs(ungrouped).is_ok());
+    sizes[rank] = PartSize{part.size(),      got->size(),   Json::to_cbor(part).size(), Json::to_cbor(ungrouped).size(),
+                           parse_seconds, seconds_since(t1)};
   }
   return sizes;
 }
@@ -235,16 +246,12 @@ TEST(ComputePlan, PartsOfALayoutFileExpandToThePlansRuns) {
   const std::string layout((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::map<int32_t, PartSize> sizes = expect_parts_expand_to_the_runs(layout);
   ASSERT_FALSE(sizes.empty());
-  PartSize most;
   for (const auto& [rank, size] : sizes) {
-    most.entries = std::max(most.entries, size.entries);
-    most.runs = std::max(most.runs, size.runs);
-    most.cbor_bytes = std::max(most.cbor_bytes, size.cbor_bytes);
-    most.ungrouped_cbor_bytes = std::max(most.ungrouped_cbor_bytes, size.ungrouped_cbor_bytes);
+    std::printf("receiver %d: %zu entries on the wire for %zu runs, %zu CBOR bytes of runs (%zu with one entry per "
+                "run); parsed in %.1f ms (%.1f ms)\n",
+                rank, size.entries, size.runs, size.cbor_bytes, size.ungrouped_cbor_bytes, size.parse_seconds * 1e3,
+                size.ungrouped_parse_seconds * 1e3);
   }
-  std::printf("%zu receivers; per receiver at most: %zu entries on the wire, %zu runs expanded, %zu CBOR bytes of "
-              "runs (%zu one entry per run)\n",
-              sizes.size(), most.entries, most.runs, most.cbor_bytes, most.ungrouped_cbor_bytes);
 }
 
 TEST(ComputePlan, RefusesAConversionRefitDoesNotDo) {
