@@ -528,6 +528,7 @@ bool parse_end(Reader& r, const Json& end, const std::string& path, bool to, con
   return r.ok();
 }
 
+// A conversion step ("kind": "convert", docs/conversion.md).
 std::shared_ptr<const ConvertSpec> parse_convert(Reader& r, const Json& run, const std::string& p,
                                                  const MessageLimits& lim) {
   auto c = std::make_shared<ConvertSpec>();
@@ -648,6 +649,9 @@ bool parse_runs(Reader& r, const Json& runs, const std::string& path, const Mess
   for (size_t i = 0; i < runs.size() && r.ok(); ++i) {
     const Json& run = runs[i];
     const std::string p = path + "[" + std::to_string(i) + "]";
+    if (out->size() >= lim.max_runs) {
+      return r.fail(p, "expands the part past the limit of " + std::to_string(lim.max_runs) + " runs");
+    }
     PlanRun pr;
     std::string kind;
     if (r.str(run, p, "kind", 16, &kind) && kind != "net" && kind != "local" && kind != "convert") {

@@ -281,6 +281,9 @@ TEST(Messages, ARunGroupCannotExpandPastTheRunLimit) {
             "plan: runs[0].count must be an integer in [2, 100], got 101");
   EXPECT_EQ(refusal(Json::array({a_group(60, 256, 256), a_group(41, 256, 256)}), lim),
             "plan: runs[1].count expands the part to 101 runs, more than the limit of 100");
+  const Json plain = to_json(PlanRun{true, {Role::kSource, 3, "w", 0}, {Role::kReceiver, 0, "q", 0}, 8});
+  EXPECT_EQ(refusal(Json::array({a_group(99, 256, 256), plain, plain}), lim),
+            "plan: runs[2] expands the part past the limit of 100 runs");
   auto at_limit = parse_plan_runs(Json::array({a_group(60, 256, 256), a_group(40, 256, 256)}), lim);
   ASSERT_TRUE(at_limit.is_ok()) << at_limit.status().message();
   EXPECT_EQ(at_limit->size(), 100u);
