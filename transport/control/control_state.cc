@@ -1,6 +1,7 @@
 #include "transport/control/control_state.h"
 
 #include <algorithm>
+#include <array>
 #include <optional>
 
 #include "planner/conversion.h"
@@ -767,6 +768,60 @@ std::string renumbering(const char* side, const std::vector<int32_t>& ranks) {
   return out + " as 0.." + std::to_string(ranks.size() - 1);
 }
 
+// One rank's list of entries in its part, grouping as it goes (the message's
+// run groups, docs/refresh.md "The plan part"): a run that continues the last
+// entry (same kind, ends and bytes, its offsets at the group's strides from
+// the previous run) extends that entry's "count" instead of adding one, so a
+// column slice of a row-major source costs one entry, not one per row. Only
+// consecutive runs merge, so the list expands to exactly the runs added, in
+// their order; a convert step ends the open group.
+class PartList {
+ public:
+  // `entry()` makes the run's entry; it is called only when the run starts one.
+  template <typename MakeEntry>
+  void add_run(const Run& run, const MakeEntry& entry) {
+    if (extends(run)) {
+      Json& group = list_.back();
+      group["count"] = count_;
+      if (count_ == 2) group["stride"] = {stride_[0], stride_[1]};
+    } else {
+      list_.push_back(entry());
+      count_ = 1;
+    }
+    last_ = run;
+  }
+  void add_step(const Json& entry) {
+    list_.push_back(entry);
+    last_.reset();
+  }
+  Json take() { return std::move(list_); }
+
+ private:
+  // Whether `run` continues the open group, counting it in if so.
+  bool extends(const Run& run) {
+    if (!last_) return false;
+    const Run& l = *last_;
+    if (run.local != l.local || run.bytes != l.bytes || run.from.side != l.from.side ||
+        run.from.rank != l.from.rank || run.from.buffer != l.from.buffer || run.to.rank != l.to.rank ||
+        run.to.buffer != l.to.buffer) {
+      return false;
+    }
+    std::array<int64_t, 2> step{};
+    if (__builtin_sub_overflow(run.from.offset, l.from.offset, &step[0]) ||
+        __builtin_sub_overflow(run.to.offset, l.to.offset, &step[1]) || (count_ >= 2 && step != stride_)) {
+      return false;
+    }
+    stride_ = step;
+    ++count_;
+    return true;
+  }
+
+  Json list_ = Json::array();
+  std::optional<Run> last_;  // the open group's last run; none after a step
+  int64_t count_ = 0;        // the open group's runs
+  std::array<int64_t, 2> stride_{};  // its [from, to] strides once it has two runs
+};
+
 }  // namespace
 
 std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
@@ -794,25 +849,24 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
     const std::vector<int32_t>& ranks = source ? input.source_ranks : input.receiver_ranks;
     return position >= 0 && static_cast<size_t>(position) < ranks.size() ? ranks[position] : position;
   };
-  auto append = [&out](int32_t rank, const Json& run) {
-    Json& list = out->parts[rank];
-    if (list.is_null()) list = Json::array();
-    list.push_back(run);
-  };
+  std::map<int32_t, PartList> lists;
   auto on_run = [&](const Run& run) {
     const int32_t from = real(run.from.side == Side::kSource, run.from.rank);
     const int32_t to = real(false, run.to.rank);
-    Json j = {{"kind", run.local ? "local" : "net"},
-              {"from", {{"side", side_name(run.from.side)}, {"rank", from},
-                        {"buffer", L.buffers[run.from.buffer].name}, {"offset", run.from.offset}}},
-              {"bytes", run.bytes}};
-    if (run.to.buffer == kStagingBuffer) {
-      j["to"] = {{"rank", to}, {"stage", true}, {"offset", run.to.offset}};
-    } else {
-      j["to"] = {{"rank", to}, {"buffer", L.buffers[run.to.buffer].name}, {"offset", run.to.offset}};
-    }
-    if (run.local && from != to) append(from, j);
-    append(to, j);
+    auto entry = [&] {
+      Json j = {{"kind", run.local ? "local" : "net"},
+                {"from", {{"side", side_name(run.from.side)}, {"rank", from},
+                          {"buffer", L.buffers[run.from.buffer].name}, {"offset", run.from.offset}}},
+                {"bytes", run.bytes}};
+      if (run.to.buffer == kStagingBuffer) {
+        j["to"] = {{"rank", to}, {"stage", true}, {"offset", run.to.offset}};
+      } else {
+        j["to"] = {{"rank", to}, {"buffer", L.buffers[run.to.buffer].name}, {"offset", run.to.offset}};
+      }
+      return j;
+    };
+    if (run.local && from != to) lists[from].add_run(run, entry);
+    lists[to].add_run(run, entry);
   };
   // A converted tensor's puller converts what it pulled before the fan-out
   // (docs/conversion.md, "At the receiver").
@@ -827,9 +881,10 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
       j["scales"] = {{"buffer", L.buffers[c.scale_buffer].name}, {"offset", c.scale_offset},
                      {"strides", list(c.scale_strides)}};
     }
-    append(real(false, c.rank), j);
+    lists[real(false, c.rank)].add_step(j);
   };
   if (Status st = for_each_run(*plan, on_run, on_convert); !st.is_ok()) return failed(st);
+  for (auto& [rank, list] : lists) out->parts[rank] = list.take();
   return out;
 }
 

@@ -86,7 +86,9 @@ struct PlanInput {
 
 // The plan of one membership epoch, split per receiver rank: the runs each
 // receiver executes, as refit-runs/1 entries (its network GETs and the local
-// runs it sends or receives, in for_each_run order). Ranks, in the keys and
+// runs it sends or receives, in for_each_run order), consecutive runs at
+// constant strides grouped into one entry ("count", "stride": docs/refresh.md,
+// "The plan part"). Ranks, in the keys and
 // in the runs' "from" and "to", are the registered ranks, not the layout
 // document's dense positions. Immutable once made.
 struct PlannedParts {

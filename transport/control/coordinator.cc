@@ -79,7 +79,8 @@ struct PartReply {
   uint64_t epoch = 0;  // the plan epoch on the wire (solo bit included)
   Status status;       // why it could not be made (a bug in the coordinator)
   std::shared_ptr<const std::vector<uint8_t>> runs, peers;
-  size_t run_count = 0;
+  size_t run_count = 0;    // its runs, run groups expanded
+  size_t entry_count = 0;  // its entries on the wire (docs/refresh.md, "The plan part")
 };
 
 // Runs on a reply thread and touches nothing shared: `plan` and
@@ -102,6 +103,7 @@ PartReply build_part_reply(const PlannedParts& plan, const PeerDirectory& direct
       Result<std::vector<PlanRun>> runs = parse_plan_runs(part);
       checked = runs.status();
       if (runs.is_ok()) out.run_count = runs->size();
+      out.entry_count = part.size();
     }
     Result<PlanPeers> peers = checked.is_ok() ? parse_plan_peers(peers_from(directory, rank, solo, part)) : checked;
     if (!peers.is_ok()) {
@@ -1086,8 +1088,9 @@ void Coordinator::Impl::on_built(int32_t rank, PartReply built, int64_t ms) {
     log("dropped " + what + ", built in " + std::to_string(ms) + " ms: it is stale");
   } else {
     if (built.status.is_ok()) {
-      log("built the reply of " + what + ": " + std::to_string(built.run_count) + " runs, " +
-          std::to_string(built.runs->size() + built.peers->size()) + " bytes, in " + std::to_string(ms) + " ms");
+      log("built the reply of " + what + ": " + std::to_string(built.run_count) + " runs in " +
+          std::to_string(built.entry_count) + " entries, " + std::to_string(built.runs->size() + built.peers->size()) +
+          " bytes, in " + std::to_string(ms) + " ms");
     }
     part_replies_[rank] = std::move(built);
   }

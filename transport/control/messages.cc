@@ -1,5 +1,7 @@
 #include "transport/control/messages.h"
 
+#include <algorithm>
+#include <array>
 #include <limits>
 
 namespace refit::control {
@@ -526,6 +528,116 @@ bool parse_end(Reader& r, const Json& end, const std::string& path, bool to, con
   return r.ok();
 }
 
+// A conversion step ("kind": "convert", docs/conversion.md).
+std::shared_ptr<const ConvertSpec> parse_convert(Reader& r, const Json& run, const std::string& p,
+                                                 const MessageLimits& lim) {
+  auto c = std::make_shared<ConvertSpec>();
+  r.str(run, p, "tensor", lim.max_name_bytes, &c->tensor);
+  r.str(run, p, "from_dtype", 16, &c->from_dtype);
+  r.str(run, p, "to_dtype", 16, &c->to_dtype);
+  std::vector<int64_t> block;
+  if (r.dims(run, p, "block", 2, 1, &block) && (block.size() != 2 || block[0] < 1 || block[1] < 1)) {
+    r.fail(p + ".block", "must be [rows, cols], two positive integers");
+  }
+  if (r.ok()) c->block = {block[0], block[1]};
+  r.uint64(run, p, "stage", &c->stage, /*required=*/true);
+  r.dims(run, p, "start", lim.max_dims, 0, &c->start);
+  r.dims(run, p, "size", lim.max_dims, 1, &c->size);
+  if (const Json* dst = r.field(run, p, "dst")) {
+    r.str(*dst, p + ".dst", "buffer", lim.max_name_bytes, &c->buffer);
+    r.uint64(*dst, p + ".dst", "offset", &c->offset, /*required=*/true);
+    r.dims(*dst, p + ".dst", "strides", lim.max_dims, 0, &c->strides);
+  }
+  if (const Json* sc = r.field(run, p, "scales", /*required=*/false)) {
+    r.str(*sc, p + ".scales", "buffer", lim.max_name_bytes, &c->scale_buffer);
+    r.uint64(*sc, p + ".scales", "offset", &c->scale_offset, /*required=*/true);
+    r.dims(*sc, p + ".scales", "strides", lim.max_dims, 0, &c->scale_strides);
+  }
+  if (r.ok() && (c->start.size() != c->size.size() || c->strides.size() != c->size.size() ||
+                 (!c->scale_buffer.empty() && c->scale_strides.size() != c->size.size()))) {
+    r.fail(p, "start, size and strides must have the same dims");
+  }
+  if (r.ok() && run.contains("count")) r.fail(p + ".count", "is given on a \"convert\" step, which is never grouped");
+  return c;
+}
+
+// A "net" or "local" run, one of a group or alone: as on the wire.
+void parse_move(Reader& r, const Json& run, const std::string& p, bool network, const MessageLimits& lim,
+                PlanRun* out) {
+  out->network = network;
+  const Json* from = r.field(run, p, "from");
+  const Json* to = r.field(run, p, "to");
+  if (from) parse_end(r, *from, p + ".from", /*to=*/false, lim, &out->from);
+  if (to) parse_end(r, *to, p + ".to", /*to=*/true, lim, &out->to);
+  r.uint64(run, p, "bytes", &out->bytes, /*required=*/true);
+  if (r.ok() && out->bytes == 0) r.fail(p + ".bytes", "must be positive, got 0");
+  if (r.ok() && out->network != (out->from.side == Role::kSource)) {
+    r.fail(p + ".from.side", out->network ? "must be \"source\" for a \"net\" run"
+                                          : "must be \"receiver\" for a \"local\" run");
+  }
+}
+
+// A run group's "count" and "stride" (docs/refresh.md, "The plan part"):
+// `*count` stays 1 without "count". `expanded`: the runs the entries before
+// this one expand to; with this group they must stay within lim.max_runs.
+bool parse_group(Reader& r, const Json& run, const std::string& p, size_t expanded, const MessageLimits& lim,
+                 int64_t* count, std::array<int64_t, 2>* stride) {
+  if (!run.contains("count")) {
+    return run.contains("stride") ? r.fail(p + ".stride", "is given without \"count\"") : r.ok();
+  }
+  const int64_t most = static_cast<int64_t>(std::min<size_t>(lim.max_runs, std::numeric_limits<int64_t>::max()));
+  if (!r.int_in(run, p, "count", 2, most, count)) return false;
+  if (expanded + static_cast<size_t>(*count) > lim.max_runs) {
+    return r.fail(p + ".count", "expands the part to " + std::to_string(expanded + static_cast<size_t>(*count)) +
+                                    " runs, more than the limit of " + std::to_string(lim.max_runs));
+  }
+  const Json* s = r.array(run, p, "stride", 2);
+  if (!s) return false;
+  if (s->size() != 2) return r.fail(p + ".stride", "must be [from_stride, to_stride], got " + Reader::shown(*s));
+  for (size_t k = 0; k < 2; ++k) {
+    const Json& v = (*s)[k];
+    const bool fits = v.is_number_integer() &&
+                      (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()});
+    if (!fits) return r.fail(p + ".stride[" + std::to_string(k) + "]", "must be an integer in [-2^63, 2^63), got " +
+                                                                          Reader::shown(v));
+    (*stride)[k] = v.get<int64_t>();
+  }
+  return true;
+}
+
+// Run `i` of a group's offset of one end: `base` + i * `stride`, which must
+// lie in [0, 2^63); computed without overflow.
+bool group_offset(Reader& r, const std::string& p, const char* end, uint64_t base, int64_t stride, int64_t i,
+                  int64_t count, uint64_t* out) {
+  int64_t step = 0, at = 0;
+  const bool past = base > uint64_t{std::numeric_limits<int64_t>::max()} ||
+                    __builtin_mul_overflow(stride, i, &step) ||
+                    __builtin_add_overflow(static_cast<int64_t>(base), step, &at);
+  if (!past && at >= 0) {
+    *out = static_cast<uint64_t>(at);
+    return true;
+  }
+  const bool below = !past || (stride < 0 && base <= uint64_t{std::numeric_limits<int64_t>::max()});
+  return r.fail(p + ".stride", std::string("takes ") + end + ".offset of run " + std::to_string(i) + " of " +
+                                   std::to_string(count) + (below ? " below 0" : " past 2^63 - 1"));
+}
+
+// The `count` runs of a group, `first` at their offsets, in order.
+bool expand_group(Reader& r, const std::string& p, const PlanRun& first, int64_t count,
+                  const std::array<int64_t, 2>& stride, std::vector<PlanRun>* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    PlanRun run = first;
+    if (!group_offset(r, p, "from", first.from.offset, stride[0], i, count, &run.from.offset) ||
+        !group_offset(r, p, "to", first.to.offset, stride[1], i, count, &run.to.offset)) {
+      return false;
+    }
+    out->push_back(std::move(run));
+  }
+  return true;
+}
+
+// The part's runs, each group expanded: at most lim.max_runs entries on the
+// wire and at most lim.max_runs runs once expanded.
 bool parse_runs(Reader& r, const Json& runs, const std::string& path, const MessageLimits& lim,
                 std::vector<PlanRun>* out) {
   if (!runs.is_array()) return r.fail(path, "must be a list, got " + Reader::shown(runs));
@@ -537,54 +649,29 @@ bool parse_runs(Reader& r, const Json& runs, const std::string& path, const Mess
   for (size_t i = 0; i < runs.size() && r.ok(); ++i) {
     const Json& run = runs[i];
     const std::string p = path + "[" + std::to_string(i) + "]";
+    if (out->size() >= lim.max_runs) {
+      return r.fail(p, "expands the part past the limit of " + std::to_string(lim.max_runs) + " runs");
+    }
     PlanRun pr;
     std::string kind;
     if (r.str(run, p, "kind", 16, &kind) && kind != "net" && kind != "local" && kind != "convert") {
       r.fail(p + ".kind", "must be \"net\", \"local\" or \"convert\", got \"" + kind.substr(0, 40) + "\"");
     }
+    if (!r.ok()) break;
     if (kind == "convert") {
-      auto c = std::make_shared<ConvertSpec>();
-      r.str(run, p, "tensor", lim.max_name_bytes, &c->tensor);
-      r.str(run, p, "from_dtype", 16, &c->from_dtype);
-      r.str(run, p, "to_dtype", 16, &c->to_dtype);
-      std::vector<int64_t> block;
-      if (r.dims(run, p, "block", 2, 1, &block) && (block.size() != 2 || block[0] < 1 || block[1] < 1)) {
-        r.fail(p + ".block", "must be [rows, cols], two positive integers");
-      }
-      if (r.ok()) c->block = {block[0], block[1]};
-      r.uint64(run, p, "stage", &c->stage, /*required=*/true);
-      r.dims(run, p, "start", lim.max_dims, 0, &c->start);
-      r.dims(run, p, "size", lim.max_dims, 1, &c->size);
-      if (const Json* dst = r.field(run, p, "dst")) {
-        r.str(*dst, p + ".dst", "buffer", lim.max_name_bytes, &c->buffer);
-        r.uint64(*dst, p + ".dst", "offset", &c->offset, /*required=*/true);
-        r.dims(*dst, p + ".dst", "strides", lim.max_dims, 0, &c->strides);
-      }
-      if (const Json* sc = r.field(run, p, "scales", /*required=*/false)) {
-        r.str(*sc, p + ".scales", "buffer", lim.max_name_bytes, &c->scale_buffer);
-        r.uint64(*sc, p + ".scales", "offset", &c->scale_offset, /*required=*/true);
-        r.dims(*sc, p + ".scales", "strides", lim.max_dims, 0, &c->scale_strides);
-      }
-      if (r.ok() && (c->start.size() != c->size.size() || c->strides.size() != c->size.size() ||
-                     (!c->scale_buffer.empty() && c->scale_strides.size() != c->size.size()))) {
-        r.fail(p, "start, size and strides must have the same dims");
-      }
-      pr.convert = std::move(c);
+      pr.convert = parse_convert(r, run, p, lim);
       out->push_back(std::move(pr));
       continue;
     }
-    pr.network = kind == "net";
-    const Json* from = r.field(run, p, "from");
-    const Json* to = r.field(run, p, "to");
-    if (from) parse_end(r, *from, p + ".from", /*to=*/false, lim, &pr.from);
-    if (to) parse_end(r, *to, p + ".to", /*to=*/true, lim, &pr.to);
-    r.uint64(run, p, "bytes", &pr.bytes, /*required=*/true);
-    if (r.ok() && pr.bytes == 0) r.fail(p + ".bytes", "must be positive, got 0");
-    if (r.ok() && pr.network != (pr.from.side == Role::kSource)) {
-      r.fail(p + ".from.side", pr.network ? "must be \"source\" for a \"net\" run"
-                                          : "must be \"receiver\" for a \"local\" run");
+    parse_move(r, run, p, kind == "net", lim, &pr);
+    int64_t count = 1;
+    std::array<int64_t, 2> stride{};
+    if (!r.ok() || !parse_group(r, run, p, out->size(), lim, &count, &stride)) break;
+    if (count == 1) {
+      out->push_back(std::move(pr));
+    } else {
+      expand_group(r, p, pr, count, stride, out);
     }
-    out->push_back(std::move(pr));
   }
   return r.ok();
 }

@@ -247,7 +247,10 @@ struct ConvertSpec {
 
 // One run of the plan (refit-runs/1): a network GET of `bytes` from a
 // source's buffer into this receiver's ("kind": "net"), or a local run
-// between two receivers of a domain ("kind": "local").
+// between two receivers of a domain ("kind": "local"). On the wire an entry
+// may stand for a group of runs ("count": n >= 2, "stride": [from_stride,
+// to_stride], docs/refresh.md "The plan part"); the parser expands it, so
+// a PlanRun is always one run.
 struct PlanRun {
   bool network = false;
   RunEnd from;
@@ -304,12 +307,15 @@ struct PlanPart {
 };
 
 // fetch_plan's reply body ("ok": true and the part). At most lim.max_runs
-// runs, lim.max_buffers buffers per peer.
+// entries on the wire and lim.max_runs runs once its groups are expanded;
+// a group's every run's offsets lie in [0, 2^63), computed without overflow.
+// At most lim.max_buffers buffers per peer.
 Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& limits = MessageLimits{});
-// A list of runs alone (the coordinator's cached part).
+// A list of runs alone (the coordinator's cached part), groups expanded.
 Result<std::vector<PlanRun>> parse_plan_runs(const Json& runs, const MessageLimits& limits = MessageLimits{});
 Result<PlanPeers> parse_plan_peers(const Json& peers, const MessageLimits& limits = MessageLimits{});
 Result<PlanTotals> parse_plan_totals(const Json& totals);
+// One entry per run: no groups (the receiver accepts either form).
 Json to_json(const PlanPart& part);
 Json to_json(const PlanRun& run);
 Json to_json(const PlanPeers& peers);

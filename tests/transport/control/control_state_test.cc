@@ -2,8 +2,18 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
+#include <memory>
+
+#include "planner/conversion.h"
+#include "planner/layout_json.h"
+#include "planner/plan.h"
 
 namespace refit::control {
 namespace {
@@ -88,6 +98,160 @@ TEST(ComputePlan, CastsWithoutScales) {
         EXPECT_FALSE(run.contains("scales"));
       }
   EXPECT_EQ(converts, 1);
+}
+
+// The runs each rank's part must expand to, taken from for_each_run
+// directly, one per run, in its order (registered ranks = the layout's
+// positions): what parts carried before run groups.
+std::map<int32_t, std::vector<PlanRun>> ungrouped_parts(const std::string& layout_json) {
+  std::map<int32_t, std::vector<PlanRun>> out;
+  Result<Layout> layout = parse_layout_json(layout_json, "test");
+  EXPECT_TRUE(layout.is_ok()) << layout.status().message();
+  if (!layout.is_ok() || !resolve_conversions(*layout).is_ok()) return out;
+  Result<Plan> plan = make_plan(*layout);
+  EXPECT_TRUE(plan.is_ok()) << plan.status().message();
+  if (!plan.is_ok()) return out;
+  const Layout& L = *layout;
+  auto on_run = [&](const Run& run) {
+    PlanRun r{!run.local,
+              {run.from.side == Side::kSource ? Role::kSource : Role::kReceiver, run.from.rank,
+               L.buffers[run.from.buffer].name, static_cast<uint64_t>(run.from.offset)},
+              {Role::kReceiver, run.to.rank, "", static_cast<uint64_t>(run.to.offset)},
+              static_cast<uint64_t>(run.bytes)};
+    r.to.stage = run.to.buffer == kStagingBuffer;
+    if (!r.to.stage) r.to.buffer = L.buffers[run.to.buffer].name;
+    if (run.local && run.from.rank != run.to.rank) out[run.from.rank].push_back(r);
+    out[run.to.rank].push_back(r);
+  };
+  auto on_convert = [&](const ConvertStep& c) {
+    PlanRun step;
+    step.convert = std::make_shared<ConvertSpec>();
+    out[c.rank].push_back(step);
+  };
+  EXPECT_TRUE(for_each_run(*plan, on_run, on_convert).is_ok());
+  return out;
+}
+
+bool same_end(const RunEnd& a, const RunEnd& b) {
+  return a.side == b.side && a.rank == b.rank && a.buffer == b.buffer && a.offset == b.offset && a.stage == b.stage;
+}
+
+struct PartSize {
+  size_t entries = 0, runs = 0, cbor_bytes = 0, ungrouped_cbor_bytes = 0;
+  double parse_seconds = 0, ungrouped_parse_seconds = 0;  // parse_plan_runs, as the receiver parses
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Plans `layout_json` with compute_plan and checks that every rank's part,
+// its groups expanded by the receiver's parser, is exactly the ungrouped
+// runs in order. Returns each rank's part size.
+std::map<int32_t, PartSize> expect_parts_expand_to_the_runs(const std::string& layout_json) {
+  PlanInput in;
+  in.epoch = 1;
+  in.layout_json = layout_json;
+  auto planned = compute_plan(in);
+  EXPECT_TRUE(planned->status.is_ok()) << planned->status.message();
+  const std::map<int32_t, std::vector<PlanRun>> want = ungrouped_parts(layout_json);
+  EXPECT_EQ(planned->parts.size(), want.size());
+  std::map<int32_t, PartSize> sizes;
+  for (const auto& [rank, part] : planned->parts) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Result<std::vector<PlanRun>> got = parse_plan_runs(part);
+    const double parse_seconds = seconds_since(t0);
+    EXPECT_TRUE(got.is_ok()) << got.status().message();
+    auto it = want.find(rank);
+    if (!got.is_ok() || it == want.end()) {
+      ADD_FAILURE() << "rank " << rank << ": no part to compare";
+      continue;
+    }
+    EXPECT_EQ(got->size(), it->second.size()) << "rank " << rank;
+    for (size_t i = 0; i < std::min(got->size(), it->second.size()); ++i) {
+      const PlanRun& g = (*got)[i];
+      const PlanRun& w = it->second[i];
+      const bool same = (g.convert != nullptr) == (w.convert != nullptr) &&
+                        (g.convert || (g.network == w.network && g.bytes == w.bytes && same_end(g.from, w.from) &&
+                                       same_end(g.to, w.to)));
+      if (!same) {
+        ADD_FAILURE() << "rank " << rank << ", run " << i << ": got " << to_json(g).dump() << ", want "
+                      << to_json(w).dump();
+        break;
+      }
+    }
+    Json ungrouped = Json::array();
+    for (const PlanRun& w : it->second) {
+      if (!w.convert) ungrouped.push_back(to_json(w));
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(parse_plan_runs(ungrouped).is_ok());
+    sizes[rank] = PartSize{part.size(),      got->size(),   Json::to_cbor(part).size(), Json::to_cbor(ungrouped).size(),
+                           parse_seconds, seconds_since(t1)};
+  }
+  return sizes;
+}
+
+// Column slices of a row-major source (docs/refresh.md, "The plan part"):
+// "w" [64, 128] BF16 whole at source 0; receiver 0 holds columns 0..63
+// densely, receiver 1 (its domain) the same columns at a row stride of 128
+// elements, receiver 2 (a domain of its own) columns 64..127 and "b" whole.
+// Each row is a run of its own, at constant strides at both ends: each
+// rank's part carries a few groups, expanding to exactly the plan's runs.
+TEST(ComputePlan, ColumnSlicesTravelAsFewRunGroupsThatExpandToThePlansRuns) {
+  const std::string seg = R"({"tensor": "w", "start": [0, %d], "size": [64, 64], "offset": 0, "strides": [%d, 1]})";
+  auto segment = [&seg](int col, int stride) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, seg.c_str(), col, stride);
+    return std::string(buf);
+  };
+  const std::string layout = R"({"format": "refit-layout/1",
+     "sources": [{"rank": 0, "domain": 0}],
+     "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 1},
+                   {"rank": 2, "domain": 1, "instance": 0}],
+     "tensors": [{"name": "w", "dtype": "BF16", "shape": [64, 128]}, {"name": "b", "dtype": "BF16", "shape": [16]}],
+     "buffers": [
+       {"side": "source", "rank": 0, "name": "w", "dtype": "BF16", "bytes": 16416,
+        "segments": [{"tensor": "w", "start": [0, 0], "size": [64, 128], "offset": 0, "strides": [128, 1]},
+                     {"tensor": "b", "start": [0], "size": [16], "offset": 8192, "strides": [1]}]},
+       {"side": "receiver", "rank": 0, "name": "w", "dtype": "BF16", "bytes": 8192, "segments": [)" +
+                             segment(0, 64) + R"(]},
+       {"side": "receiver", "rank": 1, "name": "w", "dtype": "BF16", "bytes": 16384, "segments": [)" +
+                             segment(0, 128) + R"(]},
+       {"side": "receiver", "rank": 2, "name": "w", "dtype": "BF16", "bytes": 8192, "segments": [)" +
+                             segment(64, 64) + R"(]},
+       {"side": "receiver", "rank": 2, "name": "b", "dtype": "BF16", "bytes": 32,
+        "segments": [{"tensor": "b", "start": [0], "size": [16], "offset": 0, "strides": [1]}]}]})";
+  const std::map<int32_t, PartSize> sizes = expect_parts_expand_to_the_runs(layout);
+  ASSERT_EQ(sizes.size(), 3u);
+  size_t runs = 0;
+  for (const auto& [rank, size] : sizes) {
+    std::printf("receiver %d: %zu entries for %zu runs, %zu CBOR bytes (%zu ungrouped)\n", rank, size.entries,
+                size.runs, size.cbor_bytes, size.ungrouped_cbor_bytes);
+    EXPECT_GE(size.runs, 64u) << "rank " << rank;
+    EXPECT_LE(size.entries, 3u) << "rank " << rank;
+    EXPECT_LT(size.cbor_bytes * 10, size.ungrouped_cbor_bytes) << "rank " << rank;
+    runs += size.runs;
+  }
+  EXPECT_GE(runs, 64u * 4 + 1);  // a pull and a send of the domain's rows, both ends; a pull; "b"
+}
+
+// The same check on any refit-layout/1 file (`refit-plan --layout-out`),
+// printing the largest part: how a scenario's parts measure on the wire.
+TEST(ComputePlan, PartsOfALayoutFileExpandToThePlansRuns) {
+  const char* path = std::getenv("REFIT_PART_LAYOUT");
+  if (!path || !*path) GTEST_SKIP() << "set REFIT_PART_LAYOUT to a refit-layout/1 file to measure its parts";
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << "cannot read " << path;
+  const std::string layout((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::map<int32_t, PartSize> sizes = expect_parts_expand_to_the_runs(layout);
+  ASSERT_FALSE(sizes.empty());
+  for (const auto& [rank, size] : sizes) {
+    std::printf("receiver %d: %zu entries on the wire for %zu runs, %zu CBOR bytes of runs (%zu with one entry per "
+                "run); parsed in %.1f ms (%.1f ms)\n",
+                rank, size.entries, size.runs, size.cbor_bytes, size.ungrouped_cbor_bytes, size.parse_seconds * 1e3,
+                size.ungrouped_parse_seconds * 1e3);
+  }
 }
 
 TEST(ComputePlan, RefusesAConversionRefitDoesNotDo) {

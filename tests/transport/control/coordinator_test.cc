@@ -110,14 +110,21 @@ Json source_body(int rank) {
 
 // Tensor "s" [rows, 64] BF16: the source holds it row-major, the receiver
 // its first 32 columns, so the receiver's plan part has one run per row (a
-// reply of about 100 bytes a row).
+// reply of about 100 bytes a row). The source holds the rows in two
+// buffers by turns, so that no two runs in a row read one buffer and none
+// group (docs/refresh.md, "The plan part"): one entry per run.
 Json strided_source_body(int rows) {
   RegisterSource m;
   m.rank = 0;
   m.worker_address = {5, 6};
   m.tensors.push_back(TensorDecl{"s", "BF16", {rows, 64}});
-  m.buffers.push_back(MemberBuffer{"s", "BF16", int64_t{rows} * 64 * 2, 0x1000, {1, 2},
-                                   {Segment{"s", {0, 0}, {rows, 64}, 0, {64, 1}}}});
+  for (int b = 0; b < 2; ++b) {
+    MemberBuffer buf{b ? "odd" : "even", "BF16", int64_t{(rows + 1) / 2} * 64 * 2, 0x1000, {1, 2}, {}};
+    for (int i = b; i < rows; i += 2) {
+      buf.segments.push_back(Segment{"s", {i, 0}, {1, 64}, int64_t{i / 2} * 64, {64, 1}});
+    }
+    m.buffers.push_back(std::move(buf));
+  }
   return to_json(m);
 }
 
@@ -265,6 +272,37 @@ TEST(Coordinator, AReplyThreadThatCannotStartFailsStart) {
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().reason(), Reason::kNoThread);
   EXPECT_NE(r.status().message().find("coordinator replies"), std::string::npos) << r.status().message();
+}
+
+// A column slice of a source that holds the rows in one buffer: one run per
+// row at constant strides, served as one run group (docs/refresh.md, "The
+// plan part") that the receiver expands to every row, in order.
+TEST_F(Coordinators, AColumnSliceIsServedAsOneRunGroup) {
+  constexpr int kRows = 4096;
+  start();
+  auto src = good_client();
+  auto rcv = good_client();
+  ASSERT_TRUE(src && rcv);
+  RegisterSource source;
+  source.worker_address = {5, 6};
+  source.tensors.push_back(TensorDecl{"s", "BF16", {kRows, 64}});
+  source.buffers.push_back(MemberBuffer{"s", "BF16", int64_t{kRows} * 64 * 2, 0x1000, {1, 2},
+                                        {Segment{"s", {0, 0}, {kRows, 64}, 0, {64, 1}}}});
+  ASSERT_TRUE(src->request(MsgType::kRegisterSource, to_json(source)).is_ok());
+  ASSERT_TRUE(rcv->request(MsgType::kRegisterReceiver, strided_receiver_body(kRows)).is_ok());
+  auto reply = rcv->request(MsgType::kFetchPlan, Json{{"rank", 0}});
+  ASSERT_TRUE(reply.is_ok()) << reply.status().message();
+  ASSERT_EQ((*reply)["runs"].size(), 1u) << (*reply)["runs"].dump().substr(0, 400);
+  EXPECT_EQ((*reply)["runs"][0]["count"], kRows);
+  EXPECT_EQ((*reply)["runs"][0]["stride"], Json::array({128, 64}));
+  Result<PlanPart> part = parse_plan_part(*reply);
+  ASSERT_TRUE(part.is_ok()) << part.status().message();
+  ASSERT_EQ(part->runs.size(), size_t{kRows});
+  for (size_t i = 0; i < part->runs.size(); ++i) {
+    ASSERT_EQ(part->runs[i].from.offset, i * 128) << "run " << i;
+    ASSERT_EQ(part->runs[i].to.offset, i * 64) << "run " << i;
+    ASSERT_EQ(part->runs[i].bytes, 64u) << "run " << i;
+  }
 }
 
 TEST_F(Coordinators, KeepsBufferedBytesWithinAGlobalBudget) {
@@ -763,6 +801,7 @@ TEST_F(Coordinators, OtherMembersAreServedWhileLargePlanPartsAreBuilt) {
   EXPECT_EQ(failure, "") << "a heartbeat failed";
   for (int r = 0; r < kReceivers; ++r) {
     ASSERT_TRUE(parts[r].is_ok()) << "receiver " << r << ": " << parts[r].status().message();
+    ASSERT_EQ((*parts[r])["runs"].size(), size_t{kRows}) << "one entry per run: no two runs group";
     Result<PlanPart> part = parse_plan_part(*parts[r]);
     ASSERT_TRUE(part.is_ok()) << part.status().message();
     ASSERT_EQ(part->runs.size(), size_t{kRows}) << "receiver " << r;
@@ -906,7 +945,12 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
     }
     auto part = receivers[i]->request(MsgType::kFetchPlan, Json{{"rank", rank}});
     ASSERT_TRUE(part.is_ok()) << part.status().message();
-    EXPECT_EQ((*part)["runs"], expected) << "receiver rank " << rank;
+    // Its run groups expanded, the part is refit-plan's runs of this rank.
+    auto got = parse_plan_runs((*part)["runs"]);
+    ASSERT_TRUE(got.is_ok()) << got.status().message();
+    Json got_runs = Json::array();
+    for (const PlanRun& run : *got) got_runs.push_back(to_json(run));
+    EXPECT_EQ(got_runs, expected) << "receiver rank " << rank;
     ASSERT_TRUE((*part)["epoch"].is_number_unsigned()) << (*part).dump();
     if (i > 0) {
       EXPECT_EQ((*part)["epoch"], epoch) << "one membership, one epoch";
@@ -920,7 +964,7 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
     ASSERT_FALSE(peers[0]["buffers"].empty());
     EXPECT_EQ(peers[0]["buffers"][0]["rkey"], Json::binary({7}));
     EXPECT_FALSE(expected.empty());
-    served += (*part)["runs"].size();
+    served += got->size();
   }
   EXPECT_GE(served, runs.size());
   auto st = co_->stats();
@@ -946,7 +990,9 @@ TEST_F(Coordinators, ServesThePlanPartThatRefitPlanComputes) {
   auto second = receivers[0]->read_frame(5s);
   ASSERT_TRUE(first.is_ok() && second.is_ok());
   ASSERT_TRUE(first->body.contains("runs")) << first->body.dump();
-  EXPECT_EQ(first->body["runs"].size(), 12u);
+  auto first_runs = parse_plan_runs(first->body["runs"]);
+  ASSERT_TRUE(first_runs.is_ok()) << first_runs.status().message();
+  EXPECT_EQ(first_runs->size(), 12u);
   EXPECT_EQ(second->body, (Json{{"ok", true}}));
   std::printf("plan parts: %zu runs served over %zu receivers; %zu runs in refit-plan's output\n", served,
               receivers.size(), runs.size());

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 
 namespace refit::control {
@@ -173,6 +174,128 @@ TEST(Messages, PlanRunsWithAConversionRoundTrip) {
   auto refused = parse_plan_runs(bad);
   ASSERT_FALSE(refused.is_ok());
   EXPECT_NE(refused.status().message().find("runs[1].size"), std::string::npos) << refused.status().message();
+}
+
+
+// A run group (docs/refresh.md, "The plan part"): one entry on the wire,
+// its runs expanded in order, each a plain run at its offsets.
+Json a_group(int64_t count, int64_t from_stride, int64_t to_stride) {
+  Json g = to_json(PlanRun{true, {Role::kSource, 3, "w", 4096}, {Role::kReceiver, 0, "q", 512}, 256});
+  g["count"] = count;
+  g["stride"] = {from_stride, to_stride};
+  return g;
+}
+
+std::string refusal(const Json& runs, const MessageLimits& lim = MessageLimits{}) {
+  auto parsed = parse_plan_runs(runs, lim);
+  return parsed.is_ok() ? "accepted" : parsed.status().message();
+}
+
+TEST(Messages, ARunGroupExpandsToItsRunsInOrder) {
+  const PlanRun local{false, {Role::kReceiver, 0, "q", 0}, {Role::kReceiver, 1, "q", 64}, 16};
+  Json runs = Json::array({a_group(3, 1024, 256), to_json(local), a_group(2, -512, 0)});
+  auto parsed = parse_plan_runs(runs);
+  ASSERT_TRUE(parsed.is_ok()) << parsed.status().message();
+  ASSERT_EQ(parsed->size(), 6u);
+  const uint64_t from[] = {4096, 5120, 6144, 0, 4096, 3584};
+  const uint64_t to[] = {512, 768, 1024, 64, 512, 512};
+  for (size_t i = 0; i < 6; ++i) {
+    const PlanRun& r = (*parsed)[i];
+    EXPECT_EQ(r.from.offset, from[i]) << "run " << i;
+    EXPECT_EQ(r.to.offset, to[i]) << "run " << i;
+    EXPECT_EQ(r.network, i != 3) << "run " << i;
+    EXPECT_EQ(r.bytes, i == 3 ? 16u : 256u) << "run " << i;
+    EXPECT_EQ(r.from.buffer, i == 3 ? "q" : "w") << "run " << i;
+    EXPECT_EQ(r.to.buffer, "q");
+  }
+  EXPECT_EQ((*parsed)[4].from.rank, 3);
+  // An entry without "count" is one run, as parts without groups always were.
+  Json plain = Json::array({to_json(local)});
+  ASSERT_TRUE(parse_plan_runs(plain).is_ok());
+  EXPECT_EQ(parse_plan_runs(plain)->size(), 1u);
+  // A group into the staging area keeps "stage" in every run.
+  Json staged = a_group(2, 256, 256);
+  staged["to"] = {{"rank", 0}, {"stage", true}, {"offset", 0}};
+  auto s = parse_plan_runs(Json::array({staged}));
+  ASSERT_TRUE(s.is_ok()) << s.status().message();
+  EXPECT_TRUE((*s)[1].to.stage);
+  EXPECT_EQ((*s)[1].to.offset, 256u);
+}
+
+TEST(Messages, ARunGroupIsRefusedNamingTheRunAndTheField) {
+  Json g = a_group(2, 1, 1);
+  g["count"] = 1;
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 16777216], got 1");
+  g["count"] = "2";
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 16777216], got \"2\"");
+  g = a_group(2, 1, 1);
+  g.erase("stride");
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].stride is missing");
+  g = a_group(2, 1, 1);
+  g.erase("count");
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].stride is given without \"count\"");
+  g = a_group(2, 1, 1);
+  g["stride"] = {1};
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].stride must be [from_stride, to_stride], got [1]");
+  g["stride"] = {1, 0.5};
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].stride[1] must be an integer in [-2^63, 2^63), got 0.5");
+  g["stride"] = {uint64_t{1} << 63, 0};
+  EXPECT_EQ(refusal(Json::array({g})),
+            "plan: runs[0].stride[0] must be an integer in [-2^63, 2^63), got 9223372036854775808");
+  // Every run's offsets, computed without overflow.
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(refusal(Json::array({a_group(40, max / 20, 0)})),
+            "plan: runs[0].stride takes from.offset of run 20 of 40 past 2^63 - 1");
+  EXPECT_EQ(refusal(Json::array({a_group(40, max, 0)})),
+            "plan: runs[0].stride takes from.offset of run 1 of 40 past 2^63 - 1");
+  EXPECT_EQ(refusal(Json::array({a_group(40, 1, -100)})),
+            "plan: runs[0].stride takes to.offset of run 6 of 40 below 0");
+  EXPECT_EQ(refusal(Json::array({a_group(3, std::numeric_limits<int64_t>::min(), 0)})),
+            "plan: runs[0].stride takes from.offset of run 1 of 3 below 0");
+  g = a_group(2, 1, 1);
+  g["from"]["offset"] = uint64_t{1} << 63;
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].stride takes from.offset of run 0 of 2 past 2^63 - 1");
+  // Each run as a plain run is checked: the group's first.
+  g = a_group(2, 1, 1);
+  g["bytes"] = 0;
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].bytes must be positive, got 0");
+  // A conversion step is never a group.
+  PlanRun conv;
+  auto c = std::make_shared<ConvertSpec>();
+  c->tensor = "w";
+  c->from_dtype = "BF16";
+  c->to_dtype = "F32";
+  c->buffer = "q";
+  conv.convert = c;
+  Json step = to_json(conv);
+  step["count"] = 2;
+  EXPECT_EQ(refusal(Json::array({step})), "plan: runs[0].count is given on a \"convert\" step, which is never grouped");
+}
+
+// A small frame cannot expand into more runs than the limit: the expanded
+// total is bounded, not only the entries.
+TEST(Messages, ARunGroupCannotExpandPastTheRunLimit) {
+  MessageLimits lim;
+  lim.max_runs = 100;
+  EXPECT_EQ(refusal(Json::array({a_group(101, 1, 1)}), lim),
+            "plan: runs[0].count must be an integer in [2, 100], got 101");
+  EXPECT_EQ(refusal(Json::array({a_group(60, 256, 256), a_group(41, 256, 256)}), lim),
+            "plan: runs[1].count expands the part to 101 runs, more than the limit of 100");
+  const Json plain = to_json(PlanRun{true, {Role::kSource, 3, "w", 0}, {Role::kReceiver, 0, "q", 0}, 8});
+  EXPECT_EQ(refusal(Json::array({a_group(99, 256, 256), plain, plain}), lim),
+            "plan: runs[2] expands the part past the limit of 100 runs");
+  auto at_limit = parse_plan_runs(Json::array({a_group(60, 256, 256), a_group(40, 256, 256)}), lim);
+  ASSERT_TRUE(at_limit.is_ok()) << at_limit.status().message();
+  EXPECT_EQ(at_limit->size(), 100u);
+  // The default limit: 2^24 runs from a frame of a few dozen bytes is refused.
+  EXPECT_EQ(refusal(Json::array({a_group(int64_t{1} << 40, 1, 1)})),
+            "plan: runs[0].count must be an integer in [2, 16777216], got 1099511627776");
+  // The same through the whole reply.
+  Json part = to_json(PlanPart{});
+  part["runs"] = Json::array({a_group(60, 256, 256), a_group(41, 256, 256)});
+  auto whole = parse_plan_part(part, lim);
+  ASSERT_FALSE(whole.is_ok());
+  EXPECT_EQ(whole.status().message(), "plan: runs[1].count expands the part to 101 runs, more than the limit of 100");
 }
 
 }  // namespace
