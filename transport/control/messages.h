@@ -27,7 +27,11 @@ struct MessageLimits {
   size_t max_buffers = size_t{1} << 16;  // per member
   size_t max_segments = size_t{1} << 20; // per member, all buffers
   size_t max_dims = 8;
-  size_t max_runs = size_t{1} << 24;     // per plan part
+  // Per plan part, its run groups expanded. An expanded run takes about 150
+  // bytes of the receiver's memory (more with long buffer names), so a part
+  // of a few bytes can ask for about 1 GiB at most. (Before run groups the
+  // 64 MiB frame bound held a part to about 350,000 runs.)
+  size_t max_runs = size_t{1} << 22;
   size_t max_peers = size_t{1} << 20;    // per plan part, each list
   size_t max_reason_bytes = 4096;        // an abort's reason
 };

@@ -225,9 +225,9 @@ TEST(Messages, ARunGroupExpandsToItsRunsInOrder) {
 TEST(Messages, ARunGroupIsRefusedNamingTheRunAndTheField) {
   Json g = a_group(2, 1, 1);
   g["count"] = 1;
-  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 16777216], got 1");
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 4194304], got 1");
   g["count"] = "2";
-  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 16777216], got \"2\"");
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 4194304], got \"2\"");
   g = a_group(2, 1, 1);
   g.erase("stride");
   EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].stride is missing");
@@ -287,9 +287,9 @@ TEST(Messages, ARunGroupCannotExpandPastTheRunLimit) {
   auto at_limit = parse_plan_runs(Json::array({a_group(60, 256, 256), a_group(40, 256, 256)}), lim);
   ASSERT_TRUE(at_limit.is_ok()) << at_limit.status().message();
   EXPECT_EQ(at_limit->size(), 100u);
-  // The default limit: 2^24 runs from a frame of a few dozen bytes is refused.
+  // The default limit: a group of more than 2^22 runs is refused.
   EXPECT_EQ(refusal(Json::array({a_group(int64_t{1} << 40, 1, 1)})),
-            "plan: runs[0].count must be an integer in [2, 16777216], got 1099511627776");
+            "plan: runs[0].count must be an integer in [2, 4194304], got 1099511627776");
   // The same through the whole reply.
   Json part = to_json(PlanPart{});
   part["runs"] = Json::array({a_group(60, 256, 256), a_group(41, 256, 256)});
