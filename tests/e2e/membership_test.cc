@@ -38,6 +38,12 @@ extern char** environ;
 
 namespace {
 
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
 namespace fs = std::filesystem;
 using refit::Layout;
 using refit::Strategy;
@@ -152,6 +158,10 @@ TEST_F(Membership, ChurnedReceiversVerifyEveryVersionAndMemoryStaysFlat) {
     EXPECT_EQ(s.first_version, 1) << s.process;
     EXPECT_EQ(s.last_version, 8) << s.process;
     EXPECT_GT(s.first_kib, 0) << s.process;
+    // AddressSanitizer's allocator holds freed memory in its quarantine and
+    // has no mallinfo2: growth says nothing there, and its leak check at
+    // exit takes the place of these bounds.
+    if (kAddressSanitizer) continue;
     EXPECT_LT(s.last_kib - s.first_kib, receiver_kib) << s.process << " grew from " << s.first_kib << " to "
                                                       << s.last_kib << " KiB";
     EXPECT_GT(s.first_heap_kib, 0) << s.process;
@@ -372,7 +382,8 @@ TEST_F(Membership, BenchReportsChurnAndResidentMemory) {
   EXPECT_EQ(row["rss_first_kib"], first);
   EXPECT_EQ(row["rss_last_kib"], last);
   EXPECT_TRUE(row["rss_max_growth_kib"].is_number_integer());
-  EXPECT_GT(row["heap_last_kib"].get<int64_t>(), 0);
+  // AddressSanitizer's allocator has no mallinfo2: the heap in use reads 0.
+  if (!kAddressSanitizer) EXPECT_GT(row["heap_last_kib"].get<int64_t>(), 0);
   EXPECT_TRUE(row["rss"][0].contains("last_heap_kib")) << row["rss"][0].dump();
   std::error_code ec;
   fs::remove_all(dir, ec);
