@@ -1,7 +1,7 @@
 """An FSDP2 trainer refreshing vLLM's own model classes through refit's vLLM
 engine, on the CPU, every process real: trainer ranks (torch.distributed
 gloo, fully_shard on a mesh of 2, or FSDP2 with TP on 2x2, which gives
-_StridedShard), two vLLM workers at tp 2 (gloo), and refit-coordinator, all
+_StridedShard), vLLM workers at tp 2 or 4 (gloo), and refit-coordinator, all
 on 127.0.0.1. Three versions land bit for bit as vLLM's own load_weights
 puts them; a version one trainer rank never published is refused and leaves
 every parameter at the old one. The scripts say what each process does.
@@ -32,21 +32,25 @@ def llama_config(tied: bool) -> dict:
             "torch_dtype": "float32"}
 
 
-@pytest.mark.parametrize("trainers,tp,tied", [(2, 1, True), (4, 2, False)], ids=["fsdp2-tied", "fsdp2-tp2-untied"])
-def test_fsdp2_trainer_refreshes_vllm_bit_exact(coordinator, tmp_path, trainers, tp, tied):
+# vLLM at tp 4 splits the 2 KV heads over 4 workers: each KV head goes to
+# two of them, which hold the same k and v rows.
+@pytest.mark.parametrize("trainers,tp,tied,vllm_tp", [(2, 1, True, 2), (4, 2, False, 2), (2, 1, True, 4)],
+                         ids=["fsdp2-tied", "fsdp2-tp2-untied", "fsdp2-tied-vllm-tp4"])
+def test_fsdp2_trainer_refreshes_vllm_bit_exact(coordinator, tmp_path, trainers, tp, tied, vllm_tp):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(llama_config(tied)))
     (tmp_path / "coordinator.json").write_text(json.dumps(coordinator.config()))
     train_port, serve_port = free_port(), free_port()
-    procs = [start(tmp_path, f"trainer{r}", "fsdp_trainer.py", r, trainers, tp, train_port, tmp_path, VERSIONS)
+    procs = [start(tmp_path, f"trainer{r}", "fsdp_trainer.py", r, trainers, tp, train_port, tmp_path, VERSIONS,
+                   vllm_tp)
              for r in range(trainers)]
-    procs += [start(tmp_path, f"receiver{r}", "vllm_receiver.py", r, serve_port, tmp_path, VERSIONS)
-              for r in range(2)]
+    procs += [start(tmp_path, f"receiver{r}", "vllm_receiver.py", r, serve_port, tmp_path, VERSIONS, vllm_tp)
+              for r in range(vllm_tp)]
     logs, failed = wait_all(tmp_path, procs)
     assert not failed, explain(logs, failed)
     if tp == 2:
         placements = json.loads((tmp_path / "placements.json").read_text())
         assert any("_StridedShard" in p for ps in placements.values() for p in ps), placements
-    for r in range(2):
+    for r in range(vllm_tp):
         assert f"version {VERSIONS} bit-exact" in logs[f"receiver{r}"]
         assert f"every parameter still at version {VERSIONS}" in logs[f"receiver{r}"]

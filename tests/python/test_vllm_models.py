@@ -1,6 +1,6 @@
 """Qwen2ForCausalLM and Qwen3MoeForCausalLM refreshed through refit's vLLM
 engine, like test_vllm_fsdp.py's Llama: vLLM's own model classes on the CPU
-at tp 2 (Qwen3-MoE also at tp 4: four vLLM workers over gloo) take three
+at tp 2 and tp 4 (four vLLM workers over gloo) take three
 versions bit for bit as vLLM's own load_weights puts them, and a version one
 trainer rank never published leaves every parameter at the old one.
 
@@ -60,8 +60,11 @@ def refresh(coordinator, tmp_path, config, trainer, tp):
     return logs
 
 
-def test_qwen2_fsdp2_refreshes_vllm_tp2_bit_exact(coordinator, tmp_path):
-    refresh(coordinator, tmp_path, QWEN2, "fsdp", 2)
+# tp 4 splits 2 KV heads over 4 workers: vLLM gives each KV head to two
+# workers, so two ranks hold the same k and v rows.
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qwen2_fsdp2_refreshes_vllm_bit_exact(coordinator, tmp_path, tp):
+    refresh(coordinator, tmp_path, QWEN2, "fsdp", tp)
 
 
 # tp 4 runs four vLLM workers and two trainers on the CPU: the slowest case
