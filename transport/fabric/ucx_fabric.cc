@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 
+#include "transport/common/sanitizers.h"
 #include "transport/fabric/mailbox.h"
 
 namespace refit::fabric {
@@ -52,6 +53,7 @@ Result<std::unique_ptr<UcxFabric>> UcxFabric::create(const UcxFabricConfig& conf
   if (!address.is_ok()) return address.status();
   f->address_ = std::move(address).value();
   f->mailbox_.reset(new uint64_t[mailbox::kWords]());
+  expect_one_sided_access(f->mailbox_.get(), mailbox::kWords * sizeof(uint64_t), "a fabric's mailbox");
   f->pid_ = static_cast<int>(getpid());
   Result<uint64_t> start = mailbox::start_time_of(f->pid_);
   if (start.is_ok()) f->start_time_ = *start;  // else 0: peers then rely on the endpoint and the deadline
@@ -67,7 +69,10 @@ Result<std::unique_ptr<UcxFabric>> UcxFabric::create(const UcxFabricConfig& conf
   Result<std::unique_ptr<ucx::AmRmaServer>> server = ucx::AmRmaServer::create(*f->worker_);
   if (!server.is_ok()) return server.status();
   f->rma_server_ = std::move(server).value();
-  f->rma_server_->export_region(*f->mailbox_region_);
+  // Peers read the accepting word and write the flags while this rank's
+  // threads load and store them with atomics: the server touches them as
+  // words too (am_rma.h, AmRmaServer::Words).
+  f->rma_server_->export_region(*f->mailbox_region_, ucx::AmRmaServer::Words::kAtomicWords);
   UcxFabric* p = f.get();
   Result<std::thread> idle = config.threads.start("local fabric idle progress", [p] { p->idle_loop(); },
                                                   [p](const Status& why) {
@@ -122,6 +127,9 @@ UcxFabric::~UcxFabric() {
   worker_.reset();
   for (std::unique_ptr<ucx::GetEngine>& e : retired_) (void)e.release();  // see retired_
   context_.reset();
+  // Under ThreadSanitizer the mailbox stays allocated: its mark must not
+  // pass to whatever the process puts at its address next (sanitizers.h).
+  if (kThreadSanitizer) (void)mailbox_.release();
 }
 
 Result<std::vector<uint8_t>> UcxFabric::register_buffer(const std::string& name, void* data, uint64_t bytes) {

@@ -138,22 +138,28 @@ AmRmaServer::~AmRmaServer() {
   while (inflight_->load() > 0 && std::chrono::steady_clock::now() < until) worker_.progress();
 }
 
-void AmRmaServer::export_region(const MemoryRegion& region) {
+void AmRmaServer::export_region(const MemoryRegion& region, Words words) {
   std::lock_guard<std::mutex> lock(mutex_);
-  regions_.push_back(&region);
+  regions_.push_back(Exported{&region, words});
 }
 
 void AmRmaServer::unexport_region(const MemoryRegion& region) {
   std::lock_guard<std::mutex> lock(mutex_);
-  regions_.erase(std::remove(regions_.begin(), regions_.end(), &region), regions_.end());
+  std::erase_if(regions_, [&](const Exported& e) { return e.region == &region; });
 }
 
-bool AmRmaServer::exported(uint64_t address, uint64_t length, bool for_write) const {
+bool AmRmaServer::exported(uint64_t address, uint64_t length, bool for_write, Words* words) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return std::any_of(regions_.begin(), regions_.end(), [&](const MemoryRegion* r) {
-    return r->contains(reinterpret_cast<const void*>(address), length) &&
-           (!for_write || r->access() == Access::kRemoteReadWrite);
-  });
+  for (const Exported& e : regions_) {
+    if (!e.region->contains(reinterpret_cast<const void*>(address), length)) continue;
+    if (for_write && e.region->access() != Access::kRemoteReadWrite) continue;
+    if (e.words == Words::kAtomicWords && (address % sizeof(uint64_t) != 0 || length % sizeof(uint64_t) != 0)) {
+      continue;
+    }
+    if (words != nullptr) *words = e.words;
+    return true;
+  }
+  return false;
 }
 
 bool AmRmaServer::quiesce(std::chrono::steady_clock::time_point deadline) {
@@ -171,10 +177,23 @@ void AmRmaServer::reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t s
   (void)send_reply(ep, id, token, status, 0, nullptr, 0, inflight_);
 }
 
-void AmRmaServer::reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, uint64_t length) {
+void AmRmaServer::reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, uint64_t length, Words words) {
   for (uint64_t offset = 0; offset < length; offset += am_rma::kReplyPieceBytes) {
     const uint64_t n = std::min<uint64_t>(am_rma::kReplyPieceBytes, length - offset);
-    if (!send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, data + offset, n, inflight_)) {
+    std::unique_ptr<uint8_t[]> snapshot;
+    const uint8_t* from = data + offset;
+    if (words == Words::kAtomicWords) {  // exported() checked the alignment
+      // kReplyPieceBytes is a multiple of 8: no piece splits a word.
+      snapshot.reset(new uint8_t[n]);
+      for (uint64_t i = 0; i < n; i += sizeof(uint64_t)) {
+        // atomic_ref takes a non-const object; a load does not write it.
+        auto* word = reinterpret_cast<uint64_t*>(const_cast<uint8_t*>(from + i));
+        const uint64_t v = std::atomic_ref<uint64_t>(*word).load(std::memory_order_acquire);
+        std::memcpy(snapshot.get() + i, &v, sizeof(v));
+      }
+      from = snapshot.get();
+    }
+    if (!send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, from, n, inflight_, std::move(snapshot))) {
       return;  // the puller is gone; its deadline covers the rest
     }
   }
@@ -194,13 +213,12 @@ ucs_status_t AmRmaServer::on_get(void* arg, const void* header, size_t header_le
   if (h.magic != am_rma::kMagic) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
     self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_UNSUPPORTED);
-  } else if (h.length == 0 || !self->exported(h.address, h.length)) {
+  } else if (Words words = Words::kBytes; h.length == 0 || !self->exported(h.address, h.length, false, &words)) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
     self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_INVALID_ADDR);
   } else {
     self->served_.fetch_add(1, std::memory_order_relaxed);
-    self->reply_data(param->reply_ep, h.token, reinterpret_cast<const uint8_t*>(h.address),
-                     h.length);
+    self->reply_data(param->reply_ep, h.token, reinterpret_cast<const uint8_t*>(h.address), h.length, words);
   }
   return UCS_OK;
 }
@@ -228,10 +246,12 @@ ucs_status_t AmRmaServer::check_gather(const am_rma::GatherHeader& h, const void
     std::memcpy(&e, static_cast<const uint8_t*>(data) + i * sizeof(e), sizeof(e));
     const void* a = reinterpret_cast<const void*>(e.address);
     if (last != nullptr && last->contains(a, e.length)) continue;
-    auto it = std::find_if(regions_.begin(), regions_.end(),
-                           [&](const MemoryRegion* r) { return r->contains(a, e.length); });
+    // A region of atomic words is read word by word (a GET), never gathered.
+    auto it = std::find_if(regions_.begin(), regions_.end(), [&](const Exported& r) {
+      return r.words == Words::kBytes && r.region->contains(a, e.length);
+    });
     if (it == regions_.end()) return UCS_ERR_INVALID_ADDR;
-    last = *it;
+    last = it->region;
   }
   return UCS_OK;
 }
@@ -306,6 +326,7 @@ ucs_status_t AmRmaServer::on_put(void* arg, const void* header, size_t header_le
   }
   std::memcpy(&h, header, sizeof(h));
   ucs_status_t st = UCS_OK;
+  Words words = Words::kBytes;
   if (h.magic != am_rma::kMagic) {
     st = UCS_ERR_UNSUPPORTED;
   } else if (self->puts_ == Puts::kRefused) {
@@ -314,10 +335,17 @@ ucs_status_t AmRmaServer::on_put(void* arg, const void* header, size_t header_le
     st = UCS_ERR_UNSUPPORTED;  // the engine always sends eager
   } else if (h.length != length || length == 0 || !self->exported(h.address, h.length)) {
     st = UCS_ERR_INVALID_ADDR;
-  } else if (!self->exported(h.address, h.length, /*for_write=*/true)) {
+  } else if (!self->exported(h.address, h.length, /*for_write=*/true, &words)) {
     st = UCS_ERR_REJECTED;  // a region mapped remote-read-only
   }
-  if (st == UCS_OK) {
+  if (st == UCS_OK && words == Words::kAtomicWords) {  // exported() checked the alignment
+    for (uint64_t i = 0; i < length; i += sizeof(uint64_t)) {
+      uint64_t v;
+      std::memcpy(&v, static_cast<const uint8_t*>(data) + i, sizeof(v));
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(h.address + i)).store(v, std::memory_order_release);
+    }
+    self->served_.fetch_add(1, std::memory_order_relaxed);
+  } else if (st == UCS_OK) {
     std::memcpy(reinterpret_cast<void*>(h.address), data, length);
     self->served_.fetch_add(1, std::memory_order_relaxed);
   } else {

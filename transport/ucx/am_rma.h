@@ -44,7 +44,7 @@
 // (UCS_ERR_INVALID_PARAM) unless it has between 1 and kMaxGatherEntries
 // entries, each of at least one byte, totalling exactly `total` and at most
 // kMaxGatherBytes (checked without overflow), and refuses it with
-// UCS_ERR_INVALID_ADDR unless every entry lies in one exported region. The
+// UCS_ERR_INVALID_ADDR unless every entry lies in one exported region of bytes (not atomic words). The
 // server copies the bytes into reply buffers of kReplyPieceBytes each, held
 // only until that reply's send completes: a source's extra memory is at
 // most the gather bytes its pullers have in flight (each bounded by its
@@ -135,6 +135,7 @@ struct ReplyHeader {
 // 64 KiB take two fragments and measured slower. Smaller pieces (8 KB) cost
 // more per byte in per-message overhead.
 constexpr uint64_t kReplyPieceBytes = (64u << 10) - 1024;
+static_assert(kReplyPieceBytes % sizeof(uint64_t) == 0, "a piece of a region of atomic words holds whole words");
 
 // Registers refit's fallback handlers for the five ids on a new worker (the
 // Worker does this at create): requests are refused with
@@ -165,7 +166,18 @@ class AmRmaServer {
   // Access::kRemoteReadWrite; a PUT into a region mapped kRemoteRead is
   // refused with UCS_ERR_REJECTED. Requests outside every exported region
   // are refused with UCS_ERR_INVALID_ADDR in the reply.
-  void export_region(const MemoryRegion& region);
+  //
+  // `words` says how the server touches the region's bytes. kBytes: with
+  // memcpy, for memory its owner does not change while peers may read it
+  // (a shard under its lease). kAtomicWords: for memory whose owner loads
+  // and stores 8-byte words with atomics while peers read and write it (a
+  // fabric's mailbox): a GET or PUT must cover whole aligned words, else it
+  // is refused with UCS_ERR_INVALID_ADDR, and the server reads the words
+  // with atomic loads into its reply and writes a PUT's words with atomic
+  // stores, so that no word is ever read or written torn, and the owner's
+  // atomics and the server's accesses are ordered for the memory model.
+  enum class Words { kBytes, kAtomicWords };
+  void export_region(const MemoryRegion& region, Words words = Words::kBytes);
   void unexport_region(const MemoryRegion& region);
 
   // Requests served and refused so far (for tests and logs).
@@ -201,12 +213,15 @@ class AmRmaServer {
   static ucs_status_t on_put(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   // Whether [address, +length) lies in one exported region (and, with
-  // `for_write`, one mapped Access::kRemoteReadWrite).
-  bool exported(uint64_t address, uint64_t length, bool for_write = false) const;
+  // `for_write`, one mapped Access::kRemoteReadWrite), and a region of
+  // atomic words only in whole aligned words. *words, if given, is how
+  // that region is touched.
+  bool exported(uint64_t address, uint64_t length, bool for_write = false, Words* words = nullptr) const;
   // A reply without bytes: a PUT's, or a refusal.
   void reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status);
-  // A GET's bytes, in pieces of at most am_rma::kReplyPieceBytes.
-  void reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, uint64_t length);
+  // A GET's bytes, in pieces of at most am_rma::kReplyPieceBytes; from a
+  // snapshot loaded word by word for a region of atomic words.
+  void reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, uint64_t length, Words words);
   Status set_handler(unsigned id, ucp_am_recv_callback_t cb, void* arg);
 
   Worker& worker_;
@@ -215,7 +230,11 @@ class AmRmaServer {
   // quiesce() for a moment: a barrier between the handlers and the owner.
   mutable std::shared_mutex serving_;
   mutable std::mutex mutex_;
-  std::vector<const MemoryRegion*> regions_;  // guarded by mutex_
+  struct Exported {
+    const MemoryRegion* region;
+    Words words;
+  };
+  std::vector<Exported> regions_;  // guarded by mutex_
   std::atomic<uint64_t> served_{0};
   std::atomic<uint64_t> refused_{0};
   // Shared with the send callbacks, which may run after the server is gone.

@@ -182,7 +182,16 @@ class GatedNetwork {
         continue;
       }
       const StagedChunk& c = chunks[k];
-      std::memcpy(slot, layout_.remote[c.run].data() + c.offset, c.bytes);
+      {
+        // After a failure the ring's gate sends every chunk to its first
+        // slot, whose bytes are dropped (staging.h, acquire()). A NIC may
+        // land several there at once; two threads memcpy'ing into one
+        // buffer would be a data race in C++'s terms, so here they take
+        // turns. A chunk that owns the first slot takes the lock alone.
+        std::unique_lock<std::mutex> drain(drain_mu_, std::defer_lock);
+        if (slot == ring_.base()) drain.lock();
+        std::memcpy(slot, layout_.remote[c.run].data() + c.offset, c.bytes);
+      }
       if (failure_reported_) {
         std::lock_guard<std::mutex> lock(mu_);
         after_failure_.push_back(k);
@@ -205,6 +214,7 @@ class GatedNetwork {
   std::atomic<uint64_t> landed_{0};
   std::atomic<bool> slow_last_{false};
   mutable std::mutex mu_;
+  std::mutex drain_mu_;                          // writes into the first slot
   std::vector<uint32_t> after_failure_;          // guarded by mu_
   std::map<void*, uint32_t> last_in_slot_;       // guarded by mu_
   std::vector<std::thread> threads_;

@@ -152,6 +152,47 @@ TEST_F(LoopbackFixture, PeerWithoutAmRmaServerRefusesClearly) {
   EXPECT_EQ(engine_->outstanding_requests(), 0u);
 }
 
+// A region of atomic words (a fabric's mailbox): whole aligned words are
+// served, read and written word by word; a request that would split a word,
+// or a gather, is refused by the server (am_rma.h, AmRmaServer::Words).
+TEST_F(LoopbackFixture, ARegionOfAtomicWordsServesWholeWordsOnly) {
+  server_->unexport_region(*src_region_);
+  server_->export_region(*src_region_, AmRmaServer::Words::kAtomicWords);
+  const auto deadline = [] { return Clock::now() + std::chrono::seconds(5); };
+  // Whole words, more than one reply piece: served.
+  GetRun whole = good_run(8, 200000);
+  BatchReport report = engine_->run_batch({&whole, 1}, deadline());
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(std::memcmp(dst_.data() + 8, src_.data() + 8, 200000), 0);
+  // A PUT of whole words lands in the region.
+  std::memset(dst_.data() + 4096, 0xA5, 64);
+  GetRun put{&*ep_, 1, reinterpret_cast<uint64_t>(src_.data()) + 4096, dst_.data() + 4096, 64, Op::kPut};
+  report = engine_->run_batch({&put, 1}, deadline());
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(std::memcmp(src_.data() + 4096, dst_.data() + 4096, 64), 0);
+  const uint64_t refused = server_->refused();
+  // A GET that starts inside a word, one that ends inside one, and a PUT
+  // that would split one: each refused, and the region unchanged.
+  std::vector<uint8_t> before = src_;
+  for (GetRun bad : {good_run(3, 16), good_run(0, 12),
+                     GetRun{&*ep_, 1, reinterpret_cast<uint64_t>(src_.data()) + 12, dst_.data(), 8, Op::kPut}}) {
+    report = engine_->run_batch({&bad, 1}, deadline());
+    EXPECT_FALSE(report.status.is_ok());
+    EXPECT_TRUE(contains(report.status, "refused")) << report.status.message();
+  }
+  EXPECT_EQ(server_->refused(), refused + 3);
+  EXPECT_EQ(src_, before);
+  // A gather: never served from a region of atomic words.
+  const std::vector<GatherPart> parts = {{1, reinterpret_cast<uint64_t>(src_.data()), dst_.data(), 64},
+                                         {1, reinterpret_cast<uint64_t>(src_.data()) + 128, dst_.data() + 64, 64}};
+  GetRun gather{&*ep_, 0, 0, nullptr, 128, Op::kGet, parts};
+  report = engine_->run_batch({&gather, 1}, deadline());
+  EXPECT_FALSE(report.status.is_ok());
+  EXPECT_TRUE(contains(report.status, "refused")) << report.status.message();
+  EXPECT_EQ(server_->refused(), refused + 4);
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+}
+
 TEST_F(LoopbackFixture, GoodBatchLandsAndReportsEachRun) {
   std::vector<GetRun> runs = {good_run(0, 1), good_run(5, 300000), good_run(400001, 600000)};
   std::vector<int> seen(runs.size());
