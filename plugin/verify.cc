@@ -105,6 +105,11 @@ Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffe
   const size_t n = size.size();
   if (n < 2) return Status::invalid("tensor \"" + seg.tensor + "\": F8_E4M3 needs 2 dims or more");
   const int64_t rows = size[n - 2], cols = size[n - 1];
+  if (start[n - 2] % block[0] != 0 || start[n - 1] % block[1] != 0) {
+    return Status::invalid("tensor \"" + seg.tensor + "\": a box at row " + std::to_string(start[n - 2]) + ", column " +
+                           std::to_string(start[n - 1]) + " does not start on a block of " + std::to_string(block[0]) +
+                           "x" + std::to_string(block[1]));
+  }
   // The scales of the box's blocks, row-major over their box of the scale
   // tensor (the box's leading dims, then block rows, block cols): a buffer
   // that one segment describes, so that a box of it hashes as a receiver's
@@ -112,25 +117,20 @@ Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffe
   const IndexBox grid = scale_box_of(start, size, block);
   const int64_t brows = grid.size[n - 2], bcols = grid.size[n - 1];
   std::vector<float> scales(static_cast<size_t>(numel / (rows * cols) * brows * bcols));
-  for (int64_t l = 0; l < numel / (rows * cols); ++l) {
-    convert::QuantizeArgs a;
-    a.src_dtype = from;
-    a.src = box.data() + l * rows * cols * dtype_bytes(from);
-    a.src_stride = cols;
-    a.rows = rows;
-    a.cols = cols;
-    a.dst = out.data() + l * rows * cols;
-    a.dst_stride = cols;
-    a.scales = scales.data() + l * brows * bcols;
-    a.scale_stride = bcols;
-    a.block = {block[0], block[1]};
-    a.tensor = seg.tensor;
-    a.block_row0 = start[n - 2] / block[0];
-    a.block_col0 = start[n - 1] / block[1];
-    if (Status st = convert::quantize_e4m3_blocks(a); !st.is_ok()) {
-      *refused = true;
-      return st;
-    }
+  convert::QuantizeArgs a;
+  a.src_dtype = from;
+  a.src = box.data();
+  a.rows = rows;
+  a.cols = cols;
+  a.dst = out.data();
+  a.scales = scales.data();
+  a.block = {block[0], block[1]};
+  a.tensor = seg.tensor;
+  a.block_row0 = start[n - 2] / block[0];
+  a.block_col0 = start[n - 1] / block[1];
+  if (Status st = convert::quantize_e4m3_matrices(a, numel / (rows * cols)); !st.is_ok()) {
+    *refused = true;
+    return st;
   }
   result.hash = XXH3_64bits(out.data(), out.size());
   control::Segment held{scale_tensor_name(seg.tensor), grid.start, grid.size, 0, std::vector<int64_t>(n, 1)};

@@ -51,7 +51,8 @@ struct ConvertedHashes {
 // `scale_boxes`, boxes of the scale tensor "<tensor>_scale_inv" inside
 // scale_box_of(start, size, block) (the scales this box's blocks get),
 // hashed as hash_box hashes a box of a receiver's F32 scale buffer. Fails
-// as hash_box does, naming a scale box outside the box's scales, or with
+// as hash_box does, naming a scale box outside the box's scales or a box
+// that does not start on a block boundary, or with
 // the conversion's refusal (NaN or infinity in a block, naming the tensor
 // and the block), and then sets *refused.
 Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,

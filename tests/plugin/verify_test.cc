@@ -133,6 +133,17 @@ TEST(HashConvertedBox, HashesTheBlockScalesAsTheReceiverHoldsThem) {
             std::string::npos)
       << outside.status().message();
   EXPECT_FALSE(refused);
+
+  // A box that starts inside a block (row 1 of blocks of 2) is refused,
+  // naming where it starts.
+  Result<ConvertedHashes> split =
+      hash_converted_box(reinterpret_cast<const uint8_t*>(w.data()), w.size() * 4, whole, DType::kF32, DType::kF8E4M3,
+                         block, {0, 1, 0}, {kExperts, 4, kCols}, {}, &refused);
+  ASSERT_FALSE(split.is_ok());
+  EXPECT_NE(split.status().message().find("tensor \"w\": a box at row 1, column 0 does not start on a block of 2x4"),
+            std::string::npos)
+      << split.status().message();
+  EXPECT_FALSE(refused);
 }
 
 }  // namespace

@@ -172,21 +172,16 @@ Result<std::vector<uint8_t>> converted_box(const Layout& L, uint32_t ti, const B
   const int64_t lead = wb.numel() / (rows * cols);
   std::vector<uint8_t> values(static_cast<size_t>(wb.numel()));
   std::vector<float> sc(static_cast<size_t>(lead * brows * bcols));
-  for (int64_t l = 0; l < lead; ++l) {
-    convert::QuantizeArgs a;
-    a.src_dtype = w.dtype;
-    a.src = src.data() + l * rows * cols * in;
-    a.src_stride = cols;
-    a.rows = rows;
-    a.cols = cols;
-    a.dst = values.data() + l * rows * cols;
-    a.dst_stride = cols;
-    a.scales = sc.data() + l * brows * bcols;
-    a.scale_stride = bcols;
-    a.block = {blk[0], blk[1]};
-    a.tensor = w.name;
-    REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
-  }
+  convert::QuantizeArgs a;
+  a.src_dtype = w.dtype;
+  a.src = src.data();
+  a.rows = rows;
+  a.cols = cols;
+  a.dst = values.data();
+  a.scales = sc.data();
+  a.block = {blk[0], blk[1]};
+  a.tensor = w.name;
+  REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_matrices(a, lead));
   if (!scales) return values;
   std::vector<uint8_t> out(sc.size() * 4);
   std::memcpy(out.data(), sc.data(), out.size());

@@ -126,6 +126,24 @@ Status check_quantize_args(const QuantizeArgs& a) {
   return Status::ok();
 }
 
+Status quantize_e4m3_matrices(QuantizeArgs a, int64_t count) {
+  const int64_t brows = a.block.rows > 0 ? (a.rows + a.block.rows - 1) / a.block.rows : 0;
+  const int64_t bcols = a.block.cols > 0 ? (a.cols + a.block.cols - 1) / a.block.cols : 0;
+  const int64_t matrix = a.rows * a.cols;
+  a.src_stride = a.cols;
+  a.dst_stride = a.cols;
+  a.scale_stride = bcols;
+  const auto* src = static_cast<const uint8_t*>(a.src);
+  for (int64_t l = 0; l < count; ++l) {
+    QuantizeArgs m = a;
+    m.src = src + l * matrix * dtype_bytes(a.src_dtype);
+    m.dst = a.dst + l * matrix;
+    m.scales = a.scales + l * brows * bcols;
+    REFIT_RETURN_IF_ERROR(quantize_e4m3_blocks(m));
+  }
+  return Status::ok();
+}
+
 Status quantize_e4m3_blocks(const QuantizeArgs& a) {
   REFIT_RETURN_IF_ERROR(check_quantize_args(a));
   const int64_t brows = (a.rows + a.block.rows - 1) / a.block.rows;

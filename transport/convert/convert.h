@@ -56,6 +56,16 @@ struct QuantizeArgs {
 // `scales`: on error both are as they were.
 Status quantize_e4m3_blocks(const QuantizeArgs& args);
 
+// Quantizes `count` matrices of `a.rows` x `a.cols` that follow one
+// another densely (a box of a tensor with leading dimensions, row-major),
+// each as quantize_e4m3_blocks quantizes a box. Matrix l is read at `a.src`
+// + l * rows * cols elements and lands at `a.dst` + l * rows * cols, its
+// scales at `a.scales` + l * brows * bcols (its block grid: rows and cols
+// over the block, rounded up). The strides are set here (dense); the
+// other fields are a's. Stops at the first refusal: the matrices before it
+// are written.
+Status quantize_e4m3_matrices(QuantizeArgs a, int64_t count);
+
 // The checks quantize_e4m3_blocks makes of its arguments before reading
 // anything (dtype, block size, strides), for the CUDA kernel's wrapper too.
 Status check_quantize_args(const QuantizeArgs& args);
