@@ -219,11 +219,15 @@ Status ReceiverAgent::refresh(int64_t version, std::chrono::milliseconds timeout
 // fix it, or too little time is left.
 Status ReceiverAgent::attempts(int64_t version, Clock::time_point deadline, receiver::RefreshReport* report) {
   receiver::RefreshSession session(*link_, config_, log_, *resources_, threads_,
-                                   [this](ReceiverState s) { enter(s); }, trace_.get());
+                                   [this](ReceiverState s) { enter(s); }, trace_.get(), &progress_);
   uint64_t retries = 0;
   bool touched = false;  // some attempt began its transfer (direct: the buffers may be torn)
   while (true) {
     *report = receiver::RefreshReport{};
+    progress_.version.store(0);
+    progress_.planned.store(0);
+    progress_.landed.store(0);
+    progress_.attempt.store(static_cast<uint32_t>(retries + 1));
     Status st = join();
     if (st.is_ok()) st = session.attempt(version, deadline, &compiled_, report);
     if (resources_->fabric().contact_changed()) changed_ = true;  // registered anew before the next attempt

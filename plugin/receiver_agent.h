@@ -100,6 +100,8 @@ class ReceiverAgent {
   const std::string& report() const { return reports_.back(); }
   int64_t version() const { return version_.load(); }
   receiver::ReceiverState state() const { return state_.load(); }
+  // Where the refresh stands; any thread (receiver::Progress).
+  const receiver::Progress& progress() const { return progress_; }
 
  private:
   explicit ReceiverAgent(AgentConfig config);
@@ -127,6 +129,7 @@ class ReceiverAgent {
   bool changed_ = false;  // buffers or the fabric's contact changed since the registration
   std::atomic<receiver::ReceiverState> state_{receiver::ReceiverState::kIdle};
   std::atomic<int64_t> version_{0};
+  receiver::Progress progress_;
   // Staged mode: the version the instance committed, waiting for commit(),
   // and the byte ranges of each buffer it wrote.
   int64_t staged_version_ = 0;

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -244,6 +246,31 @@ REFIT_EXPORT int64_t refit_receiver_version(refit_receiver_t* receiver) {
   return receiver ? receiver->agent->version() : 0;
 }
 
+REFIT_EXPORT refit_status_t refit_receiver_progress(refit_receiver_t* receiver, refit_progress_t* out) {
+  return guarded("refit_receiver_progress", [&]() -> Status {
+    if (!receiver) return null_arg("refit_receiver_progress", "receiver");
+    if (!out) return null_arg("refit_receiver_progress", "out");
+    constexpr size_t kLeast = offsetof(refit_progress_t, state) + sizeof(const char*);
+    if (out->size < kLeast) {
+      return Status::invalid("refit_receiver_progress: out->size is " + std::to_string(out->size) +
+                             ", below the " + std::to_string(kLeast) +
+                             " bytes of its first fields (set it to sizeof(refit_progress_t))");
+    }
+    const refit::plugin::receiver::Progress& p = receiver->agent->progress();
+    refit_progress_t now{};
+    now.size = out->size;
+    now.attempt = p.attempt.load();
+    now.version = p.version.load();
+    now.state = refit::plugin::receiver::state_name(receiver->agent->state());
+    // Clamped: an attempt that starts between the two loads resets both.
+    const uint64_t landed = p.landed.load();
+    now.network_bytes_planned = p.planned.load();
+    now.network_bytes_landed = std::min(landed, now.network_bytes_planned);
+    std::memcpy(out, &now, std::min<size_t>(out->size, sizeof(now)));
+    return Status::ok();
+  });
+}
+
 REFIT_EXPORT void refit_receiver_destroy(refit_receiver_t* receiver) {
   try {
     delete receiver;
@@ -276,6 +303,7 @@ REFIT_EXPORT const refit_api_t* refit_get_api(uint32_t abi_version) {
       refit_receiver_destroy,
       refit_receiver_commit,
       refit_set_log_callback,
+      refit_receiver_progress,
   };
   if (abi_version != REFIT_ABI_VERSION) {
     g_last_error = "refit_get_api: this library serves ABI version " + std::to_string(REFIT_ABI_VERSION) +

@@ -673,6 +673,43 @@ REFIT_EXPORT const char* refit_receiver_report(refit_receiver_t* receiver);
  */
 REFIT_EXPORT int64_t refit_receiver_version(refit_receiver_t* receiver);
 
+/*
+ * Where the receiver's refresh stands, read while it runs: for a server
+ * that shows progress, or times something on the transfer. The caller
+ * sets `size` to sizeof(refit_progress_t) as its header has it; the
+ * library writes the fields that size covers, so a caller built against
+ * an older header keeps working when fields are appended.
+ */
+typedef struct refit_progress {
+  uint32_t size;     /* in: sizeof(refit_progress_t) of the caller */
+  uint32_t attempt;  /* the refresh's attempt, from 1; 0 before the first refresh */
+  int64_t version;   /* the version the attempt pulls; 0 until its transfer begins */
+  /* The receiver's state, a static string: "idle", "joined", "version
+   * known", "leased", "transferring", "landed", "verified", "staged",
+   * "committed", "failed" or "aborted" (docs/receiver.md). */
+  const char* state;
+  /* The network bytes this rank pulls in the attempt (its GETs and
+   * gathers), and how many of them have landed. Both 0 until the
+   * attempt's plan part is compiled; each attempt counts afresh. A
+   * finished refresh keeps its last attempt's figures. */
+  uint64_t network_bytes_planned;
+  uint64_t network_bytes_landed;
+} refit_progress_t;
+
+/**
+ * Fills `*out` with where the receiver's refresh stands (refit_progress_t).
+ *
+ * @param out  Its `size` set by the caller, at least offsetof(refit_progress_t,
+ *             state) + sizeof(const char*); the fields past `size` are not
+ *             written.
+ * @return REFIT_OK; REFIT_INVALID_ARGUMENT for a NULL receiver or `out`, or
+ *         a `size` too small, naming it.
+ * @note Any thread, also while a started refresh runs (every field is read
+ *       atomically; the byte counts of one call may be from two moments of
+ *       the transfer, landed never above planned); never blocks.
+ */
+REFIT_EXPORT refit_status_t refit_receiver_progress(refit_receiver_t* receiver, refit_progress_t* out);
+
 /**
  * Leaves the membership and frees everything: waits for a started refresh
  * to end, joins the agent's threads, releases the buffers' registrations
@@ -694,7 +731,7 @@ REFIT_EXPORT void refit_receiver_destroy(refit_receiver_t* receiver);
  * grows, at its end, within one REFIT_ABI_VERSION: a caller built against
  * a newer header reads an entry only when `size` covers it
  * (offsetof(refit_api_t, entry) < size). Appended since the first table:
- * set_log_callback.
+ * set_log_callback, receiver_progress.
  */
 typedef struct refit_api {
   uint32_t abi_version; /* REFIT_ABI_VERSION */
@@ -722,6 +759,7 @@ typedef struct refit_api {
   void (*receiver_destroy)(refit_receiver_t* receiver);
   refit_status_t (*receiver_commit)(refit_receiver_t* receiver);
   void (*set_log_callback)(refit_log_fn fn, void* user);
+  refit_status_t (*receiver_progress)(refit_receiver_t* receiver, refit_progress_t* out);
 } refit_api_t;
 
 /**

@@ -95,14 +95,15 @@ class LeaseKeeper {
 
 RefreshSession::RefreshSession(CoordinatorLink& link, const AgentConfig& config, const Log& log,
                                Resources& resources, const ThreadFactory& threads,
-                               std::function<void(ReceiverState)> enter, Trace* trace)
+                               std::function<void(ReceiverState)> enter, Trace* trace, Progress* progress)
     : link_(link),
       config_(config),
       log_(log),
       resources_(resources),
       threads_(threads),
       enter_(std::move(enter)),
-      trace_(trace) {}
+      trace_(trace),
+      progress_(progress) {}
 
 bool RefreshSession::retryable(const Status& st) {
   switch (st.reason()) {
@@ -267,7 +268,10 @@ Status RefreshSession::transfer(const CompiledPart& part, int64_t version, Clock
   report->touched = true;
   enter_(ReceiverState::kTransferring);
   Result<TransferSetup> setup = resources_.transfer_setup(part);
-  if (setup.is_ok()) setup->trace = trace_;
+  if (setup.is_ok()) {
+    setup->trace = trace_;
+    setup->progress = progress_;
+  }
   if (!setup.is_ok()) {
     fabric::Schedule schedule = part.schedule;
     schedule.version = version;

@@ -54,9 +54,11 @@ std::string report_json(const RefreshReport& r, const Status& status, const Agen
 class RefreshSession {
  public:
   // `enter` is told each state the refresh reaches. `trace` (borrowed; null:
-  // none) records the refresh's steps.
+  // none) records the refresh's steps; `progress` (borrowed; null: none)
+  // is told the bytes of the transfer as they land.
   RefreshSession(CoordinatorLink& link, const AgentConfig& config, const Log& log, Resources& resources,
-                 const ThreadFactory& threads, std::function<void(ReceiverState)> enter, Trace* trace = nullptr);
+                 const ThreadFactory& threads, std::function<void(ReceiverState)> enter, Trace* trace = nullptr,
+                 Progress* progress = nullptr);
 
   // One attempt to refresh to `requested` (-1: the latest). `compiled`
   // holds the part of the last epoch this rank fetched, and is replaced
@@ -93,6 +95,7 @@ class RefreshSession {
   const ThreadFactory& threads_;
   std::function<void(ReceiverState)> enter_;
   Trace* trace_;
+  Progress* progress_;
 };
 
 }  // namespace refit::plugin::receiver

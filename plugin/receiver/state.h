@@ -19,9 +19,20 @@
 // staged mode goes kVerified -> kStaged -> (commit) kCommitted. From
 // kCommitted, kFailed or kAborted, the next refresh starts at kJoined.
 
+#include <atomic>
 #include <cstdint>
 
 namespace refit::plugin::receiver {
+
+// Where a refresh stands (refit_receiver_progress): written by the thread
+// that runs the refresh and by the GET engine's completions, read by any
+// thread. Each attempt starts it afresh.
+struct Progress {
+  std::atomic<uint32_t> attempt{0};   // from 1; 0 before the first refresh
+  std::atomic<int64_t> version{0};    // the version the attempt's transfer pulls; 0 before it begins
+  std::atomic<uint64_t> planned{0};   // network bytes of the attempt's GETs and gathers
+  std::atomic<uint64_t> landed{0};    // of those, landed
+};
 
 enum class ReceiverState : uint8_t {
   kIdle,

@@ -176,6 +176,13 @@ Status TransferExecutor::start_threads() {
 
 void TransferExecutor::pull() {
   TraceSpan span(setup_.trace, "get_batch");
+  if (setup_.progress) {
+    uint64_t planned = 0;
+    for (const ucx::GetRun& r : engine_runs_) planned += r.bytes;
+    setup_.progress->landed.store(0);
+    setup_.progress->planned.store(planned);
+    setup_.progress->version.store(schedule_.version);
+  }
   ucx::GetEngine::Gate gate;
   if (ring_) {
     gate = [this](uint32_t run, void** local) {
@@ -200,6 +207,7 @@ void TransferExecutor::pull() {
         // A failed GET fails the attempt: the rest need not be pulled (a
         // new attempt plans anew).
         if (!st.is_ok()) engine_->halt(st);
+        if (st.is_ok() && setup_.progress) setup_.progress->landed.fetch_add(engine_runs_[run].bytes);
         if (engine_run_chunk_[run] >= 0) {
           ring_->landed(static_cast<uint32_t>(engine_run_chunk_[run]), st);
           return;

@@ -38,6 +38,7 @@
 
 #include "planner/status.h"
 #include "plugin/receiver/plan_compiler.h"
+#include "plugin/receiver/state.h"
 #include "transport/common/threads.h"
 #include "plugin/trace.h"
 #include "transport/cuda/device_ops.h"
@@ -88,6 +89,7 @@ struct TransferSetup {
   // Where the attempt's spans go (get_batch, fan_out, landing) and the
   // counter of GET bytes in flight; null: nowhere.
   Trace* trace = nullptr;
+  Progress* progress = nullptr;  // told the GET bytes as they land; null: none
 };
 
 struct TransferReport {

@@ -58,6 +58,21 @@ LOG_INFO = 2
 LOG_DEBUG = 3
 LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 
+
+
+class _Progress(ctypes.Structure):
+    """refit_progress_t (refit.h)."""
+
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("attempt", ctypes.c_uint32),
+        ("version", ctypes.c_int64),
+        ("state", ctypes.c_char_p),
+        ("network_bytes_planned", ctypes.c_uint64),
+        ("network_bytes_landed", ctypes.c_uint64),
+    ]
+
+
 # The fields of refit_api_t, in order (refit.h).
 _API_FIELDS = [
     ("abi_version", ctypes.c_uint32),
@@ -83,6 +98,7 @@ _API_FIELDS = [
     ("receiver_destroy", ctypes.CFUNCTYPE(None, _receiver_p)),
     ("receiver_commit", ctypes.CFUNCTYPE(_status_t, _receiver_p)),
     ("set_log_callback", ctypes.CFUNCTYPE(None, LOG_FN, ctypes.c_void_p)),
+    ("receiver_progress", ctypes.CFUNCTYPE(_status_t, _receiver_p, ctypes.POINTER(_Progress))),
 ]
 
 
@@ -318,6 +334,13 @@ class Receiver(_Agent):
 
     def version(self):
         return self._lib.api.receiver_version(self._handle)
+
+    def progress(self):
+        p = _Progress()
+        p.size = ctypes.sizeof(_Progress)
+        self._lib.check("refit_receiver_progress", self._lib.api.receiver_progress(self._handle, ctypes.byref(p)))
+        return {"attempt": p.attempt, "version": p.version, "state": (p.state or b"").decode(),
+                "network_bytes_planned": p.network_bytes_planned, "network_bytes_landed": p.network_bytes_landed}
 
     def close(self):
         if self._handle is not None and self._handle.value:

@@ -223,6 +223,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def report(self) -> dict[str, Any]:
         return self._need().report()
 
+    def progress(self) -> dict[str, Any]:
+        """Where the worker's refresh stands (refit.Receiver.progress); any
+        thread, also while update_weights runs."""
+        return self._need().progress()
+
     def shutdown(self) -> None:
         if self._receiver is not None:
             self._receiver.close()

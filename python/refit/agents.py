@@ -293,6 +293,16 @@ class Receiver:
         """The version the buffers hold (0 before any, or after a failed direct refresh)."""
         return self._raw.version()
 
+    def progress(self) -> dict[str, Any]:
+        """Where the refresh stands; any thread, also while a started refresh
+        runs: ``attempt`` (from 1), ``version`` (0 until the attempt's
+        transfer begins), ``state`` ("idle", "joined", "leased",
+        "transferring", "committed", ...), ``network_bytes_planned`` and
+        ``network_bytes_landed`` (this rank's GETs in the attempt). A finished
+        refresh keeps its last attempt's figures (refit.h,
+        refit_receiver_progress)."""
+        return self._raw.progress()
+
     def report(self) -> dict[str, Any]:
         """The last finished refresh's report (refit.h lists the keys)."""
         report = self._raw.report()

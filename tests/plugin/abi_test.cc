@@ -432,9 +432,41 @@ TEST_F(Abi, MisuseOfVersionsAndRegistrationIsRefusedAndChangesNothing) {
   refit_receiver_t* r = nullptr;
   ASSERT_EQ(refit_receiver_create(cfg(0, false).c_str(), &r), REFIT_OK) << refit_last_error();
   ASSERT_EQ(refit_receiver_add_buffer(r, buf, dst, sizeof dst), REFIT_OK) << refit_last_error();
+  refit_progress_t p{};
+  p.size = sizeof p;
+  ASSERT_EQ(refit_receiver_progress(r, &p), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(p.attempt, 0u);
+  EXPECT_STREQ(p.state, "idle");
+  EXPECT_EQ(p.network_bytes_planned, 0u);
   ASSERT_EQ(refit_receiver_refresh(r, REFIT_LATEST, 10000), REFIT_OK) << refit_last_error();
   ASSERT_EQ(refit_receiver_version(r), 2);
   ASSERT_EQ(dst[3], 4.0f);
+  // A finished refresh keeps its attempt's figures: all 16 bytes landed.
+  ASSERT_EQ(refit_receiver_progress(r, &p), REFIT_OK) << refit_last_error();
+  EXPECT_EQ(p.attempt, 1u);
+  EXPECT_EQ(p.version, 2);
+  EXPECT_STREQ(p.state, "committed");
+  EXPECT_EQ(p.network_bytes_planned, sizeof dst);
+  EXPECT_EQ(p.network_bytes_landed, sizeof dst);
+  // Misuse: each refused, naming it, and `out` untouched.
+  refit_progress_t small{};
+  small.size = 4;
+  EXPECT_EQ(refit_receiver_progress(r, &small), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("out->size is 4"), std::string::npos) << refit_last_error();
+  EXPECT_EQ(small.state, nullptr);
+  EXPECT_EQ(refit_receiver_progress(r, nullptr), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("out"), std::string::npos) << refit_last_error();
+  EXPECT_EQ(refit_receiver_progress(nullptr, &p), REFIT_INVALID_ARGUMENT);
+  // A caller whose header has only the first fields gets only those.
+  struct {
+    refit_progress_t head;
+    uint64_t guard;
+  } old{};
+  old.head.size = offsetof(refit_progress_t, state) + sizeof(const char*);
+  old.head.network_bytes_planned = 7;
+  ASSERT_EQ(refit_receiver_progress(r, &old.head), REFIT_OK) << refit_last_error();
+  EXPECT_STREQ(old.head.state, "committed");
+  EXPECT_EQ(old.head.network_bytes_planned, 7u) << "written past the caller's size";
   dst[3] = 40;  // the server's own write: no refused call may touch it
 
   EXPECT_EQ(refit_receiver_refresh(r, 1, 2000), REFIT_NOT_FOUND) << "older than the latest";
@@ -443,6 +475,16 @@ TEST_F(Abi, MisuseOfVersionsAndRegistrationIsRefusedAndChangesNothing) {
   EXPECT_NE(std::string(refit_last_error()).find("\"direct\" mode"), std::string::npos) << refit_last_error();
   // Two refreshes at once on one receiver.
   ASSERT_EQ(refit_receiver_refresh_start(r, 3, 3000), REFIT_OK) << refit_last_error();  // 3 is not published
+  // Read while it runs: once its attempt has begun, a new attempt with no
+  // transfer yet (version 3 never comes).
+  const auto patience = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  do {
+    ASSERT_EQ(refit_receiver_progress(r, &p), REFIT_OK) << refit_last_error();
+  } while (p.network_bytes_planned != 0 && std::chrono::steady_clock::now() < patience);
+  EXPECT_EQ(p.attempt, 1u);
+  EXPECT_EQ(p.version, 0);
+  EXPECT_EQ(p.network_bytes_planned, 0u);
+  EXPECT_EQ(p.network_bytes_landed, 0u);
   EXPECT_EQ(refit_receiver_refresh(r, REFIT_LATEST, 1000), REFIT_INVALID_ARGUMENT);
   EXPECT_NE(std::string(refit_last_error()).find("still running"), std::string::npos) << refit_last_error();
   EXPECT_EQ(refit_receiver_refresh_start(r, REFIT_LATEST, 1000), REFIT_INVALID_ARGUMENT);

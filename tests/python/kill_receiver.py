@@ -4,16 +4,21 @@ checked against its source's hash).
 
 Version 1 lands. For version 2, this worker writes pulling2.<rank> when its
 refresh has its plan and starts pulling (refit's log line "refresh to 2:
-plan after"), the event on which the test kills trainer rank 1, which
-stopped itself after publishing; the refresh fails, finish commits nothing,
-and every parameter must still be at version 1. Version 3, published by
-rank 0 and a new rank 1, must land and verify.
+plan after"), and landed2.<rank> (the progress, as JSON) once refit's
+progress says that bytes of version 2 have landed here: the events on which
+the test kills trainer rank 1, which stopped itself after publishing. The
+refresh fails, finish commits nothing, and every parameter must still be at
+version 1. Version 3, published by rank 0 and a new rank 1, must land and
+verify.
 
     kill_receiver.py RANK PORT DIR
 """
 
+import json
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -54,11 +59,24 @@ def main(rank, port, out):
                 engine.finish_weight_update()
             return engine.report()
 
+        def watch_landed(version, stop):
+            # The progress is read on this thread while update_weights runs
+            # on the main one (refit.Receiver.progress: any thread).
+            while not stop.is_set():
+                p = engine.progress()
+                if p["version"] == version and p["network_bytes_landed"] > 0:
+                    (out / f"landed{version}.{rank}").write_text(json.dumps(p))
+                    return
+                time.sleep(0.01)
+
         round_(1)
         expect(1)
         print(f"receiver {rank}: version 1 bit-exact", flush=True)
         (out / f"ack1.{rank}").write_text("ok")
 
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch_landed, args=(2, stop))
+        watcher.start()
         try:
             round_(2)
         except refit.Error as e:
@@ -68,6 +86,8 @@ def main(rank, port, out):
         else:
             raise SystemExit(f"receiver {rank}: version 2 landed although trainer rank 1 was killed")
         finally:
+            stop.set()
+            watcher.join()
             (out / f"ack2.{rank}").write_text("failed")
         expect(1)
         print(f"receiver {rank}: every parameter still at version 1 after the kill", flush=True)

@@ -7,10 +7,12 @@ The kill is timed by events, not delays: trainer rank 1 stops itself
 (SIGSTOP) right after publishing version 2, so nothing of its part of
 version 2 can be served; each worker writes pulling2.<rank> when refit logs
 that its refresh holds the lease and the plan and starts the transfer, and
-the test then waits until the kernel's TCP table shows both workers
-connected to a port rank 1 listens on (the kernel completes a connection to
-a stopped process's listener). Then it kills rank 1: both refreshes are in
-their transfer, waiting on rank 1, and cannot have completed. The new rank 1 starts when the coordinator has
+landed2.<rank> when refit's progress (refit.Receiver.progress) says bytes of
+version 2 have landed there; the test then waits until the kernel's TCP
+table shows both workers connected to a port rank 1 listens on (the kernel
+completes a connection to a stopped process's listener). Then it kills rank
+1: both refreshes are in their transfer with bytes landed (from rank 0),
+waiting on rank 1, and cannot have completed. The new rank 1 starts when the coordinator has
 declared the old one dead (its log). kill_trainer.py and kill_receiver.py
 say what each process does.
 """
@@ -122,6 +124,8 @@ def test_a_trainer_killed_mid_pull_leaves_the_old_version(tmp_path):
         procs += [start(tmp_path, f"receiver{r}", "kill_receiver.py", r, port, tmp_path) for r in range(2)]
         problem = wait_files([tmp_path / f"pulling2.{r}" for r in range(2)], procs, 600)
         if not problem:
+            problem = wait_files([tmp_path / f"landed2.{r}" for r in range(2)], procs, 120)
+        if not problem:
             workers = [p.pid for name, _, p in procs if name.startswith("receiver")]
             problem = wait_connected(victim[2].pid, workers, procs, 60)
         if not problem:
@@ -145,6 +149,12 @@ def test_a_trainer_killed_mid_pull_leaves_the_old_version(tmp_path):
             victim[2].wait()
         coordinator.stop()
     assert "trainer 1: published version 2" in logs["trainer1"]
+    # The kill landed mid-pull: bytes of version 2 had landed on each worker
+    # before it, and not all of them.
+    for r in range(2):
+        landed = json.loads((tmp_path / f"landed2.{r}").read_text())
+        assert landed["state"] == "transferring", landed
+        assert 0 < landed["network_bytes_landed"] < landed["network_bytes_planned"], landed
     for r in range(2):
         log = logs[f"receiver{r}"]
         assert "version 1 bit-exact" in log, log[-4000:]
