@@ -34,6 +34,7 @@ enum class Reason {
   kNoThread,            // the system refused a thread
   kRankHeld,            // the rank is registered on another open connection: tried again until the deadline
   kNotRegistered,       // the coordinator holds no registration of the member (declared dead): register again, retry
+  kNoSource,            // no live source holds a tensor this rank needs (its sources died or left): not retried
 };
 inline const char* reason_name(Reason r) {
   switch (r) {
@@ -48,6 +49,7 @@ inline const char* reason_name(Reason r) {
     case Reason::kNoThread: return "no_thread";
     case Reason::kRankHeld: return "rank_held";
     case Reason::kNotRegistered: return "not_registered";
+    case Reason::kNoSource: return "no_source";
   }
   return "none";
 }
@@ -57,7 +59,7 @@ inline const char* reason_name(Reason r) {
 inline Reason reason_from_name(const std::string& name) {
   for (Reason r : {Reason::kStaleMembership, Reason::kPeerLost, Reason::kInstanceAborted, Reason::kVerifyMismatch,
                    Reason::kLeaseLost, Reason::kDrained, Reason::kInstanceIncomplete, Reason::kNoThread,
-                   Reason::kRankHeld, Reason::kNotRegistered}) {
+                   Reason::kRankHeld, Reason::kNotRegistered, Reason::kNoSource}) {
     if (name == reason_name(r)) return r;
   }
   return Reason::kNone;

@@ -33,6 +33,9 @@ thread_local std::string g_last_error;
 
 refit_status_t to_c(const Status& s) {
   g_last_error = s.message();
+  // Every source of a tensor is gone: a peer lost for good, whatever code
+  // the coordinator's reply came back with.
+  if (s.reason() == refit::Reason::kNoSource) return REFIT_PEER_LOST;
   switch (s.code()) {
     case Code::kOk: return REFIT_OK;
     case Code::kInvalidArgument: return REFIT_INVALID_ARGUMENT;

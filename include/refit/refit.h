@@ -253,7 +253,8 @@ typedef enum refit_status {
   /* Refresh failures a server may act on differently (appended: the ABI
    * version stays 1). Each leaves the buffers as REFIT_IO_ERROR would. */
   REFIT_PEER_LOST = 8,        /* a source or a receiver of the domain died, left or failed its part, and
-                                 the retries until the deadline did not get past it */
+                                 the retries until the deadline did not get past it; or every source of
+                                 a tensor this rank needs is gone (not retried; the message names it) */
   REFIT_ABORTED = 9,          /* staged: the instance aborted the version (a rank of it failed) */
   REFIT_VERIFY_FAILED = 10    /* "verify": the bytes that arrived are not the ones published (not retried) */
 } refit_status_t;

@@ -87,7 +87,7 @@ Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::
     if (it->second.session != 0 || to_json(it->second.info) == to_json(m)) {
       return registered_again("register_source", sources_, Role::kSource, session, m, now);
     }
-    remove_source(m.rank);  // its connection closed: a new process takes the rank (replaced())
+    remove_source(m.rank, "was replaced by a new registration");  // its connection closed (replaced())
   }
   if (sources_.size() >= limits_.max_sources) {
     return Status::invalid("register_source: the coordinator already holds the limit of " +
@@ -106,6 +106,7 @@ Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::
     }
   }
   for (const TensorDecl& t : m.tensors) {
+    orphaned_.erase(t.name);
     Declared& entry = tensors_[t.name];
     if (entry.sources++ == 0) {
       entry.decl = t;
@@ -181,7 +182,19 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
       const std::string where = "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
                                 std::to_string(i) + "] (tensor \"" + seg.tensor + "\")";
       const std::optional<TensorDecl> found = decl_of(seg.tensor, m.weight_block_size);
-      if (!found) return Status::invalid(where + ": no registered source declares this tensor");
+      if (!found) {
+        // Held once, and every source of it is gone: a peer lost, not a
+        // mistake in the registration (a weight's scales: its weight's).
+        auto o = orphaned_.find(seg.tensor);
+        if (const std::string weight = scale_weight(seg.tensor); o == orphaned_.end() && !weight.empty()) {
+          o = orphaned_.find(weight);
+        }
+        if (o != orphaned_.end()) {
+          return Status::io_error(where + ": no live source holds this tensor: " + o->second)
+              .with_reason(Reason::kNoSource);
+        }
+        return Status::invalid(where + ": no registered source declares this tensor");
+      }
       const TensorDecl& decl = *found;
       if (seg.start.size() != decl.shape.size() || seg.size.size() != decl.shape.size()) {
         return Status::invalid(where + ": start " + dims(seg.start) + " size " + dims(seg.size) + " do not have the " +
@@ -320,12 +333,17 @@ std::set<int32_t> ControlState::instances() const {
   return out;
 }
 
-void ControlState::remove_source(int32_t rank) {
+void ControlState::remove_source(int32_t rank, const std::string& why) {
   auto it = sources_.find(rank);
   if (it == sources_.end()) return;
   for (const TensorDecl& t : it->second.info.tensors) {
     auto d = tensors_.find(t.name);
-    if (d != tensors_.end() && --d->second.sources == 0) tensors_.erase(d);
+    if (d != tensors_.end() && --d->second.sources == 0) {
+      tensors_.erase(d);
+      if (orphaned_.size() < kMaxOrphans || orphaned_.count(t.name)) {
+        orphaned_[t.name] = "source rank " + std::to_string(rank) + ", the last that held it, " + why;
+      }
+    }
   }
   sources_.erase(it);
   membership_changed();
@@ -385,7 +403,7 @@ void ControlState::remove_receiver(int32_t rank, const std::string& why) {
 Status ControlState::unregister(uint64_t session, const MemberRef& m) {
   if (m.role == Role::kSource) {
     REFIT_RETURN_IF_ERROR(owned("unregister", sources_, m.role, m.rank, session));
-    remove_source(m.rank);
+    remove_source(m.rank, "unregistered");
   } else {
     REFIT_RETURN_IF_ERROR(owned("unregister", receivers_, m.role, m.rank, session));
     remove_receiver(m.rank, "unregistered");
@@ -1192,7 +1210,7 @@ std::vector<std::string> ControlState::sweep(Clock::time_point now) {
       gone.push_back(rank);
     }
   }
-  for (int32_t r : gone) remove_source(r);
+  for (int32_t r : gone) remove_source(r, "was declared dead (no heartbeat)");
   gone.clear();
   for (const auto& [rank, s] : receivers_) {
     if (now - s.last_seen > heartbeat_timeout_) {

@@ -310,7 +310,9 @@ class ControlState {
   template <typename T>
   Status owned(const char* message, const std::map<int32_t, Member<T>>& members, Role role,
                int32_t rank, uint64_t session) const;
-  void remove_source(int32_t rank);
+  // `why` completes "source rank R ..." (e.g. "was declared dead"): what a
+  // receiver that needs a tensor no live source holds any more is told.
+  void remove_source(int32_t rank, const std::string& why);
   void remove_receiver(int32_t rank, const std::string& why);
   void abort_instance(int32_t instance, int64_t version, const std::string& reason);
   std::vector<int32_t> instance_ranks(int32_t instance) const;
@@ -342,6 +344,11 @@ class ControlState {
     uint64_t order = 0;
   };
   std::map<std::string, Declared> tensors_;
+  // Tensors whose every source is gone, each with the last one to go and
+  // why, until a source declares them again; at most kMaxOrphans (the
+  // oldest names are not kept past it).
+  static constexpr size_t kMaxOrphans = 1 << 16;
+  std::map<std::string, std::string> orphaned_;
   uint64_t next_tensor_order_ = 0;
   std::set<uint64_t> subscribers_;
   std::map<int32_t, Barrier> barriers_;  // by instance

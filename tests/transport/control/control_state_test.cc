@@ -983,6 +983,39 @@ TEST(ControlState, AnUnplannableReceiverIsRefusedAndDoesNotStallTheOthers) {
       << bad.status().message();
 }
 
+
+// A tensor every source of which is gone is a peer lost, not a mistake:
+// the receiver that needs it is told which source held it last and why it
+// went, with reason kNoSource (not retried; REFIT_PEER_LOST), and a source
+// that declares it again makes the receiver plannable.
+TEST(ControlState, ATensorWhoseSourcesAreGoneNamesTheLastOneAndWhy) {
+  ControlState s(StateLimits{}, 1s);
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(s.register_source(1, whole_source(0), t0).is_ok());
+  ASSERT_TRUE(s.register_receiver(10, whole_receiver(0), t0).is_ok());
+  ASSERT_TRUE(s.plan_part(10, 0).is_ok());
+  // Declared dead: its heartbeats stopped, the receiver's did not.
+  ASSERT_TRUE(s.heartbeat(10, MemberRef{Role::kReceiver, 0}, t0 + 900ms).is_ok());
+  const std::vector<std::string> dead = s.sweep(t0 + 1500ms);
+  ASSERT_EQ(dead.size(), 1u);
+  Result<Json> part = s.plan_part(10, 0);
+  ASSERT_FALSE(part.is_ok());
+  EXPECT_EQ(part.status().reason(), Reason::kNoSource);
+  EXPECT_NE(part.status().message().find("(tensor \"w\"): no live source holds this tensor: source rank 0, "
+                                         "the last that held it, was declared dead (no heartbeat)"),
+            std::string::npos)
+      << part.status().message();
+  // A source declares it again: planned.
+  ASSERT_TRUE(s.register_source(2, whole_source(0), t0 + 1600ms).is_ok());
+  ASSERT_TRUE(s.plan_part(10, 0).is_ok());
+  // One that unregisters says so.
+  ASSERT_TRUE(s.unregister(2, MemberRef{Role::kSource, 0}).is_ok());
+  part = s.plan_part(10, 0);
+  ASSERT_FALSE(part.is_ok());
+  EXPECT_NE(part.status().message().find("source rank 0, the last that held it, unregistered"), std::string::npos)
+      << part.status().message();
+}
+
 }  // namespace
 // One connection that registered many receiver ranks holds leases for at
 // most max_leases_per_connection of them: the next lease is refused, naming
