@@ -12,9 +12,10 @@ namespace refit::ucx {
 namespace {
 
 // Whether UCX selects operations with its newer protocol layer
-// (UCX_PROTO_ENABLE=y, the default from UCX 1.15; 1.13 defaults to n). refit
-// never sets PROTO_ENABLE itself, so the environment's value is every
-// context's. Read once: ucp_config_read parses the whole environment.
+// (UCX_PROTO_ENABLE=y: the default of the UCX 1.22 that scripts/ucx-wheel
+// builds against; Debian's 1.13 defaults to n). refit never sets
+// PROTO_ENABLE itself, so the environment's value is every context's. Read
+// once: ucp_config_read parses the whole environment.
 bool new_protocols() {
   static const bool enabled = [] {
     ucp_config_t* config = nullptr;
@@ -27,9 +28,12 @@ bool new_protocols() {
       std::fclose(f);
     }
     ucp_config_release(config);
-    const std::string text = buf != nullptr ? std::string(buf, len) : std::string();
+    std::istringstream text(buf != nullptr ? std::string(buf, len) : std::string());
     std::free(buf);
-    return text.find("PROTO_ENABLE=y") != std::string::npos;
+    for (std::string line; std::getline(text, line);) {
+      if (line == "UCX_PROTO_ENABLE=y") return true;
+    }
+    return false;
   }();
   return enabled;
 }
