@@ -292,7 +292,10 @@ std::string get_protocol_rows(const std::string& text) {
       in_rows = line.find("Range") != std::string::npos;
       continue;
     }
-    if (bar == std::string::npos) break;  // the "+---+" that closes the table
+    if (bar == std::string::npos) {  // a "+---+" rule: below the header, or the table's end
+      if (out.empty()) continue;
+      break;
+    }
     std::vector<std::string> cells;
     std::istringstream row(line.substr(bar + 1));
     for (std::string cell; std::getline(row, cell, '|');) {
