@@ -10,8 +10,9 @@
 // "memory", "bytes", "engine_gbps", "perftest_gbps", "ratio"}, ...]}.
 //
 // Error handling: tcp endpoints use PeerErrorHandling::kPeer, shm endpoints
-// kNone, as refit does: in UCX 1.13 kPeer takes every shared-memory lane
-// away (posix/sysv have no peer-failure support) and leaves only tcp.
+// kNone, as refit does: in UCX 1.13 and 1.22 kPeer takes every
+// shared-memory lane away (posix/sysv/cma have no peer-failure support)
+// and leaves only tcp.
 // --peer-errors / --no-peer-errors force one mode for both.
 //
 // Memory: the server's buffer is allocated by UCX (--memory ucx, the default
@@ -19,7 +20,8 @@
 // which is also what ucx_perftest uses), or is plain user memory (--memory
 // user, the default for tcp: on shm UCX 1.13 then emulates the GETs with
 // posix/sysv active messages, as strace shows no process_vm_readv; cma only
-// serves rendezvous). Like ucx_perftest, every GET of a size uses
+// serves rendezvous; UCX 1.22 reads either memory with cma zero-copy, and
+// perftest prints that protocol). Like ucx_perftest, every GET of a size uses
 // the same remote and local range, so both measure the transport, not DRAM.
 //
 // Noise: the engine and perftest take turns, --repeat times per size (3 by
@@ -272,9 +274,46 @@ struct Perftest {
   std::string lanes;  // its "ep_cfg[N]: ..." info lines
 };
 
+// The rows of the "remote memory read" table that UCX's newer protocols
+// print with UCX_PROTO_INFO=y ("| 0..inf | zero-copy | cma/memory |"), as
+// "get 0..inf: zero-copy cma/memory"; empty under UCX 1.13's protocols.
+std::string get_protocol_rows(const std::string& text) {
+  std::string out;
+  bool in_table = false;
+  bool in_rows = false;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (!in_table) {
+      in_table = line.find("remote memory read") != std::string::npos;
+      continue;
+    }
+    auto bar = line.find('|');
+    if (!in_rows) {
+      in_rows = line.find("Range") != std::string::npos;
+      continue;
+    }
+    if (bar == std::string::npos) {  // a "+---+" rule: below the header, or the table's end
+      if (out.empty()) continue;
+      break;
+    }
+    std::vector<std::string> cells;
+    std::istringstream row(line.substr(bar + 1));
+    for (std::string cell; std::getline(row, cell, '|');) {
+      auto b = cell.find_first_not_of(' ');
+      auto e = cell.find_last_not_of(' ');
+      if (b != std::string::npos) cells.push_back(cell.substr(b, e - b + 1));
+    }
+    if (cells.size() != 3) break;
+    out += (out.empty() ? "get " : "; get ") + cells[0] + ": " + cells[1] + " " + cells[2];
+  }
+  return out;
+}
+
 // ucx_perftest's "Final:" row; overall bandwidth is column 6, in MB/s of
 // 2^20 bytes. The client runs with UCX_LOG_LEVEL=info so that it logs the
-// lanes it got (ucp_worker_print_used_tls: "ep_cfg[0]: rma(sysv/memory)").
+// lanes it got (ucp_worker_print_used_tls: "ep_cfg[0]: rma(sysv/memory)";
+// UCX 1.13), and with UCX_PROTO_INFO=y so that UCX's newer protocols
+// (1.22) print the protocol its GETs take.
 Result<Perftest> run_perftest(const std::string& tls, const std::string& transport,
                               uint64_t size, uint64_t outstanding, uint64_t iters, int port) {
   std::vector<std::pair<std::string, std::string>> env = {{"UCX_TLS", tls}};
@@ -286,6 +325,7 @@ Result<Perftest> run_perftest(const std::string& tls, const std::string& transpo
   ::usleep(300000);  // the server listens within milliseconds; no readiness signal exists
   auto client_env = env;
   client_env.push_back({"UCX_LOG_LEVEL", "info"});
+  client_env.push_back({"UCX_PROTO_INFO", "y"});
   auto out = run_capture({"ucx_perftest", "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get",
                           "-s", std::to_string(size), "-n", std::to_string(iters), "-O",
                           std::to_string(outstanding), "-w", std::to_string(iters / 10 + 1)},
@@ -298,6 +338,7 @@ Result<Perftest> run_perftest(const std::string& tls, const std::string& transpo
     auto at = line.find("ep_cfg[");
     if (at != std::string::npos) result.lanes += (result.lanes.empty() ? "" : "; ") + line.substr(at);
   }
+  if (result.lanes.empty()) result.lanes = get_protocol_rows(*out);
   // The row is "Final: <iterations> <typical lat> <avg lat> <overall lat>
   // <avg MB/s> <overall MB/s> <avg msg/s> <overall msg/s>". The columns are
   // fixed-width: a wide number (large sizes give bandwidths or latencies

@@ -91,10 +91,11 @@ Result<std::string> ucx_tls_string(const std::vector<std::string>& transports,
       // allocated (MemoryRegion::allocate), the GETs themselves: a memcpy
       // from the peer's mapped segment, as ucx_perftest does; for other
       // memory UCX 1.13 emulates GETs with posix/sysv active messages (cma
-      // serves only its rendezvous protocol). tcp is there for
-      // endpoints with PeerErrorHandling::kPeer: UCX 1.13's posix/sysv have
-      // no peer-failure support, so such an endpoint gets only a tcp lane
-      // (and refit's active-message GETs, am_rma.h). Measured lanes and
+      // serves only its rendezvous protocol); UCX 1.22 reads every memory
+      // with cma zero-copy. tcp is there for endpoints with
+      // PeerErrorHandling::kPeer: posix/sysv/cma have no peer-failure
+      // support (UCX 1.13 and 1.22), so such an endpoint gets only a tcp
+      // lane (and refit's active-message GETs, am_rma.h). Measured lanes and
       // bandwidths: refit-ucx-bench --transport shm.
       add("posix");
       add("sysv");

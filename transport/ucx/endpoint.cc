@@ -9,6 +9,53 @@
 #include "transport/ucx/wire_blob.h"
 
 namespace refit::ucx {
+namespace {
+
+// Whether UCX selects operations with its newer protocol layer
+// (UCX_PROTO_ENABLE=y: the default of the UCX 1.22 that scripts/ucx-wheel
+// builds against; Debian's 1.13 defaults to n). refit never sets
+// PROTO_ENABLE itself, so the environment's value is every context's. Read
+// once: ucp_config_read parses the whole environment.
+bool new_protocols() {
+  static const bool enabled = [] {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return false;
+    char* buf = nullptr;
+    size_t len = 0;
+    FILE* f = open_memstream(&buf, &len);
+    if (f != nullptr) {
+      ucp_config_print(config, f, nullptr, UCS_CONFIG_PRINT_CONFIG);
+      std::fclose(f);
+    }
+    ucp_config_release(config);
+    std::istringstream text(buf != nullptr ? std::string(buf, len) : std::string());
+    std::free(buf);
+    for (std::string line; std::getline(text, line);) {
+      if (line == "UCX_PROTO_ENABLE=y") return true;
+    }
+    return false;
+  }();
+  return enabled;
+}
+
+// Whether a lane line of ucp_ep_print_info names a lane that the newer
+// protocols read remote memory on: a zero-copy RMA lane ("rma_bw#N") of a
+// transport that can GET. tcp is such a lane only for PUT (its rendezvous),
+// and UCX emulates a GET on it with active messages.
+bool lane_gets_natively(const std::string& line) {
+  if (line.find(" rma_bw#") == std::string::npos && line.find(" rma#") == std::string::npos) {
+    return false;
+  }
+  // "lane[2]:  5:cma/memory.0 md[4] ...": the transport follows "N:".
+  auto colon = line.find(':', line.find(']'));
+  if (colon == std::string::npos) return false;
+  auto start = line.find(':', colon + 1);
+  auto slash = line.find('/', colon);
+  if (start == std::string::npos || slash == std::string::npos || start > slash) return false;
+  return line.substr(start + 1, slash - start - 1) != "tcp";
+}
+
+}  // namespace
 
 Result<Endpoint> Endpoint::create(Worker& worker, std::span<const uint8_t> peer_address,
                                   std::string peer_name, PeerErrorHandling mode) {
@@ -46,14 +93,22 @@ void Endpoint::read_lanes(State* s) {
   std::fclose(f);
   std::istringstream in(std::string(buf, len));
   std::free(buf);
-  // UCX prints a "get[N]: <protocols>" line for each RMA lane it would use
-  // for ucp_get_nbx (rc, posix/sysv for memory it allocated, ...); with
-  // none, GETs go through its active-message emulation.
+  // UCX 1.13 prints a "get[N]: <protocols>" line for each RMA lane it would
+  // use for ucp_get_nbx (rc, posix/sysv for memory it allocated, ...); with
+  // none, GETs go through its active-message emulation. The newer protocols
+  // (UCX 1.22 here) print no such line for shared memory, yet read remote
+  // memory with zero-copy on the cma lane (UCX_PROTO_INFO=y shows "remote
+  // memory read ... zero-copy cma/memory" for every size); its lane line
+  // then is what tells.
+  const bool v2 = new_protocols();
   bool any_rma = false;
   for (std::string line; std::getline(in, line);) {
     auto at = line.find("get[");
     if (at != std::string::npos) any_rma = true;
-    if (at == std::string::npos) at = line.find("lane[");
+    if (at == std::string::npos) {
+      at = line.find("lane[");
+      if (at != std::string::npos && v2 && lane_gets_natively(line.substr(at))) any_rma = true;
+    }
     if (at == std::string::npos) continue;
     line = line.substr(at);
     if (!s->lanes.empty()) s->lanes += "\n";

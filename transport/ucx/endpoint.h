@@ -31,14 +31,16 @@ enum class PeerErrorHandling {
   // callback and fails the requests in flight. The default.
   kPeer,
   // UCP_ERR_HANDLING_MODE_NONE. Only for the shared-memory fast path: in UCX
-  // 1.13 posix/sysv have no peer-failure support, so with kPeer UCX leaves a
-  // shared-memory endpoint nothing but a tcp lane (and the engine moves data
-  // as refit active messages over it, am_rma.h). With kNone the endpoint
-  // gets sysv/posix lanes, GETs from UCX-allocated memory become memcpy
-  // from the mapped segment (MemoryRegion::allocate); other memory is
-  // served by UCX's GET emulation over posix/sysv active messages (cma only
-  // serves rendezvous in UCX 1.13; measured 2-10 GB/s against 40-50). The
-  // batch deadline is then the only guard against a dead peer.
+  // 1.13 and 1.22 alike posix/sysv/cma have no peer-failure support, so with
+  // kPeer UCX leaves a shared-memory endpoint nothing but a tcp lane (and
+  // the engine moves data as refit active messages over it, am_rma.h). With
+  // kNone the endpoint gets sysv/posix/cma lanes. In UCX 1.13 GETs from
+  // UCX-allocated memory become memcpy from the mapped segment
+  // (MemoryRegion::allocate); other memory is served by UCX's GET emulation
+  // over posix/sysv active messages (cma only serves rendezvous in UCX 1.13;
+  // measured 2-10 GB/s against 40-50). UCX 1.22 reads any memory with cma
+  // zero-copy. The batch deadline is then the only guard against a dead
+  // peer.
   kNone,
 };
 
@@ -67,10 +69,13 @@ class Endpoint {
   // For logs and the bench.
   const std::string& lanes() const { return state_->lanes; }
   // True when UCX has no RMA lane to this peer and would emulate GET/PUT
-  // with its internal active messages (tcp in UCX 1.13, and shared memory
-  // with kPeer). The GetEngine then moves data with refit's own active
-  // messages instead, served by the peer's AmRmaServer (am_rma.h), because
-  // UCX 1.13's emulation aborts the target process when the puller dies.
+  // with its internal active messages (tcp in UCX 1.13 and 1.22, and shared
+  // memory with kPeer). The GetEngine then moves data with refit's own
+  // active messages instead, served by the peer's AmRmaServer (am_rma.h),
+  // because UCX 1.13's emulation aborts the target process when the puller
+  // dies. Read from ucp_ep_print_info: its "get[N]" lines (UCX 1.13), or
+  // under UCX's newer protocols (1.22) a zero-copy RMA lane of a transport
+  // that can GET (endpoint.cc says why both).
   bool rma_in_software() const { return state_->rma_in_software; }
 
   // True once UCX reported an error on this endpoint or it was force-closed.
