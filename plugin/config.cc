@@ -131,17 +131,20 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     if (r.ok() && c.verify && c.local_fabric == "nccl") {
       r.fail("verify", "hashes host memory; the \"nccl\" local fabric's buffers are GPU memory");
     }
-    c.window_bytes = static_cast<uint64_t>(r.integer(doc, "", "window_bytes", int64_t{32} << 20, 4096));
-    c.chunk_bytes = static_cast<uint64_t>(r.integer(doc, "", "chunk_bytes", int64_t{1} << 20, 4096));
+    c.window_bytes = static_cast<uint64_t>(r.integer(doc, "", "window_bytes", static_cast<int64_t>(c.window_bytes), 4096));
+    // Unset, the chunk is the default's, or the whole window if that is smaller.
+    c.chunk_bytes = static_cast<uint64_t>(
+        r.integer(doc, "", "chunk_bytes", static_cast<int64_t>(std::min(c.chunk_bytes, c.window_bytes)), 4096));
     if (r.ok() && c.chunk_bytes > c.window_bytes) {
       r.fail("chunk_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + ")");
     }
-    // By default 64 MiB, and at least two chunks.
-    const int64_t landing_default = std::max<int64_t>(int64_t{64} << 20, 2 * static_cast<int64_t>(c.chunk_bytes));
+    // By default 64 MiB, and at least two landing slots (config.h).
+    const uint64_t slot = landing_slot_bytes(c);
+    const int64_t landing_default = std::max<int64_t>(static_cast<int64_t>(c.landing_bytes), 2 * static_cast<int64_t>(slot));
     c.landing_bytes = static_cast<uint64_t>(r.integer(doc, "", "landing_bytes", landing_default, 8192, int64_t{1} << 40));
-    if (r.ok() && c.landing_bytes < 2 * c.chunk_bytes) {
-      r.fail("landing_bytes", "must hold at least two chunks of \"chunk_bytes\" (2 x " +
-                                  std::to_string(c.chunk_bytes) + "), got " + std::to_string(c.landing_bytes));
+    if (r.ok() && c.landing_bytes < 2 * slot) {
+      r.fail("landing_bytes", "must hold at least two landing slots (2 x " + std::to_string(slot) +
+                                  ": \"chunk_bytes\", at most 4 MiB), got " + std::to_string(c.landing_bytes));
     }
     // Gathers (docs/refresh.md, "Gathers"); "gather_below_bytes": 0 turns them off.
     c.gather.below_bytes = r.integer(doc, "", "gather_below_bytes", c.gather.below_bytes, 0, int64_t{64} << 20);

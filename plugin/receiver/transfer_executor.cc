@@ -77,7 +77,7 @@ Status TransferExecutor::prepare() {
       ring_runs.push_back(cuda::StagedRun{{cuda::DevicePlace{part_.gets[i].device, part_.gets[i].bytes}}});
       ring_run_get_.push_back(i);
     }
-    const uint64_t slot = setup_.transfer_chunk_bytes;
+    const uint64_t slot = std::min(setup_.landing_slot_bytes, setup_.transfer_chunk_bytes);
     Result<std::unique_ptr<cuda::LandingRing>> ring = cuda::LandingRing::create(
         *setup_.copy_ops, setup_.landing_ring,
         cuda::StagingOptions{slot, static_cast<uint32_t>(setup_.landing_ring.size() / slot)}, std::move(ring_runs));
