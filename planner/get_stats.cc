@@ -52,9 +52,9 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
       bound = 0;
     }
     bound += std::min(bytes, window_bytes);
-    if (bound > s.gather_reply_bytes_bound) {
-      s.gather_reply_bytes_bound = bound;
-      s.gather_reply_bound_source = source;
+    if (bound > s.gather_reply_bytes_wanted) {
+      s.gather_reply_bytes_wanted = bound;
+      s.gather_reply_wanted_source = source;
     }
   }
   for (size_t i = 0; i < s.per_receiver.size(); ++i) {

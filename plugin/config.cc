@@ -77,8 +77,13 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.staged = mode == "staged";
   } else {
     r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "log_format",
-                       "snapshot", "verify", "test"});
+                       "snapshot", "verify", "gather_reply_bytes", "test"});
     c.snapshot = r.boolean(doc, "", "snapshot", false);
+    // The memory a source holds for the gathers it serves (docs/refresh.md,
+    // "Gathers"): at least 1 MiB.
+    c.gather_reply_bytes = static_cast<uint64_t>(r.integer(doc, "", "gather_reply_bytes",
+                                                           static_cast<int64_t>(c.gather_reply_bytes),
+                                                           int64_t{1} << 20, int64_t{1} << 40));
   }
   c.verify = r.boolean(doc, "", "verify", false);
   constexpr int64_t kMaxRank = (1 << 20) - 1;  // the coordinator's limit

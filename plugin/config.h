@@ -74,6 +74,9 @@ struct AgentConfig {
   uint64_t chunk_bytes = 16ull << 20;
   uint64_t landing_bytes = 64ull << 20;  // receivers: the landing ring (transport/cuda/staging.h)
   GatherOptions gather;                  // receivers: small runs in gathers (planner/gather.h)
+  // Sources: the most memory held for the replies of the gathers served
+  // (transport/ucx/am_rma.h); more waits, and a larger gather is refused.
+  uint64_t gather_reply_bytes = 256ull << 20;
   std::chrono::milliseconds heartbeat{1000};
   LogLevel log_level = LogLevel::kWarn;
   LogFormat log_format = LogFormat::kText;

@@ -540,8 +540,11 @@ refit::GatherOptions g_gather;
 // GET it posts, so a longer network run is several GETs.
 constexpr int64_t kAgentGetBytes = int64_t{16} << 20;
 // Its default window_bytes: a source holds at most that much of each
-// puller's gathers (gather_reply_bytes_bound, get_stats.h).
+// puller's gathers (gather_reply_bytes_wanted, get_stats.h).
 constexpr int64_t kAgentWindowBytes = int64_t{64} << 20;
+// The source agent's default "gather_reply_bytes" (plugin/config.h): the
+// most it holds for gathers, whatever its pullers ask.
+constexpr int64_t kSourceGatherReplyBytes = int64_t{256} << 20;
 
 Result<Planned> plan_one(const Input& in, PlanOptions po, const std::string& runs_out) {
   step("planning " + in.name + " (" + refit::strategy_name(po.strategy) + ")", /*planning=*/true);
@@ -615,9 +618,11 @@ ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) 
     j["gathers"] = p.gets->gathers;
     j["gathered_runs"] = p.gets->gathered_runs;
     j["gather_unpacked"] = p.gets->unpacked;
-    // The most memory a source may hold for gathers' replies, and which.
-    j["gather_reply_bytes_bound"] = p.gets->gather_reply_bytes_bound;
-    j["gather_reply_bound_source"] = p.gets->gather_reply_bound_source;
+    // The gather reply memory a source's pullers may ask of it (the
+    // busiest source), and what it holds at most: its default bound.
+    j["gather_reply_bytes_wanted"] = p.gets->gather_reply_bytes_wanted;
+    j["gather_reply_wanted_source"] = p.gets->gather_reply_wanted_source;
+    j["gather_reply_bytes_bound"] = std::min(p.gets->gather_reply_bytes_wanted, kSourceGatherReplyBytes);
     j["ungrouped_gets"] = p.ungrouped_gets->gets;
     j["ungrouped_gets_per_receiver_max"] = p.ungrouped_gets->gets_per_receiver_max;
     j["ungrouped_get_bytes_median"] = p.ungrouped_gets->get_bytes_median;

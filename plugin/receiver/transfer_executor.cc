@@ -512,6 +512,7 @@ void TransferExecutor::fill(TransferReport* report) const {
   report->gathers = gathers_.ops.size();
   report->gathered_runs = gathers_.gathered_runs;
   report->gather_unpacked = gathers_.unpacked;
+  report->gather_busy = batch_.busy_retries;
   report->sends = schedule_.sends.size();
   report->converts = part_.converts.size();
   report->convert_s = convert_s_;

@@ -102,6 +102,9 @@ struct TransferReport {
   // Gathers (docs/refresh.md, "Gathers"): requests, the runs they carried,
   // and small runs that travelled alone because they exceed "gather_bytes".
   uint64_t gathers = 0, gathered_runs = 0, gather_unpacked = 0;
+  // Gather requests a source answered "busy" (its reply memory was full,
+  // docs/refresh.md "Gathers"), asked again.
+  uint64_t gather_busy = 0;
   // Conversions on the way (docs/conversion.md): units converted and the
   // seconds the fan-out spent in the kernels.
   uint64_t converts = 0;

@@ -78,7 +78,7 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
   for (uint32_t tried = 0; tried < n; ++tried) {
     uint32_t e = (cursor_ + tried) % n;
     EndpointState& ep = eps_[e];
-    if (ep.head == ep.queue.size()) continue;
+    if (ep.head == ep.queue.size() || ep.held) continue;
     const Chunk c = ep.queue[ep.head];
     if (!fits(ep, c)) continue;
     if (gate && c.offset == 0 && !gate(c.run)) continue;  // asked before its first chunk only
@@ -104,6 +104,16 @@ bool ChunkScheduler::complete(const Chunk& c) {
   --ops_in_flight_;
   --runs_[c.run].in_flight;
   return run_finished(c.run);
+}
+
+void ChunkScheduler::requeue(const Chunk& c) {
+  (void)complete(c);
+  EndpointState& ep = eps_[c.endpoint];
+  // The entries before head are spent: the one before it takes the chunk.
+  // head > 0, since the chunk was issued from this queue.
+  ep.queue[--ep.head] = c;
+  ++runs_[c.run].pending;
+  ++pending_chunks_;
 }
 
 std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {

@@ -69,6 +69,14 @@ class ChunkScheduler {
   // the last outstanding piece of its run (nothing pending, nothing in flight).
   bool complete(const Chunk& chunk);
 
+  // Takes an issued chunk back: its window share is released and it is the
+  // next chunk of its endpoint again (a peer that was busy and will be
+  // asked again).
+  void requeue(const Chunk& chunk);
+
+  // While `held`, next() issues nothing of `endpoint`.
+  void hold(uint32_t endpoint, bool held) { eps_[endpoint].held = held; }
+
   // Drops every chunk of `endpoint` not yet issued. Returns the runs that
   // thereby became finished (no chunk of them still in flight).
   std::vector<uint32_t> drop_endpoint(uint32_t endpoint);
@@ -93,6 +101,7 @@ class ChunkScheduler {
     size_t head = 0;           // queue[head..] are pending
     uint64_t bytes_in_flight = 0;
     uint64_t ops_in_flight = 0;
+    bool held = false;
   };
   bool fits(const EndpointState& ep, const Chunk& c) const;
 
