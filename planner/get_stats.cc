@@ -9,13 +9,13 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
   GetStats s;
   s.per_receiver.assign(plan.layout().receivers.size(), 0);
   if (max_get_bytes <= 0) return s;
-  auto count = [&](int32_t receiver, int64_t bytes) {
-    const int64_t whole = bytes / max_get_bytes;
-    const int64_t rest = bytes % max_get_bytes;
+  auto count = [&](int32_t receiver, int64_t bytes, int64_t cut) {
+    const int64_t whole = bytes / cut;
+    const int64_t rest = bytes % cut;
     const int64_t n = whole + (rest > 0 ? 1 : 0);
     s.per_receiver[receiver] += n;
     s.gets += n;
-    if (whole > 0) s.sizes[max_get_bytes] += whole;
+    if (whole > 0) s.sizes[cut] += whole;
     if (rest > 0) s.sizes[rest] += 1;
   };
   GatherOptions off;
@@ -26,12 +26,12 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
       gather ? *gather : off,
       [&](std::span<const uint64_t>) {
         const GatherInput& g = self->closing();
-        count(g.receiver, g.bytes);
+        count(g.receiver, g.bytes, gather->max_bytes);  // one request: a gather is at most that
         if (window_bytes > 0) gathered[{g.source, g.receiver}] += g.bytes;
       },
       [&](uint64_t) {
         const GatherInput& r = self->closing();
-        count(r.receiver, r.bytes);
+        count(r.receiver, r.bytes, max_get_bytes);
       });
   self = &grouper;
   uint64_t next = 0;

@@ -6,9 +6,9 @@
 //
 // A GET is what a receiver agent issues: each network run of the plan
 // (for_each_run), split into pieces of at most `max_get_bytes` (the agent's
-// `chunk_bytes`, 1 MiB by default). With `gather` (planner/gather.h), the
-// small runs grouped into a gather count as one GET of their total bytes
-// (split the same way), which is what the agent posts.
+// `chunk_bytes`). With `gather` (planner/gather.h), the runs grouped into a
+// gather count as one GET of their total bytes, which is what the agent
+// posts: one request of up to "gather_bytes".
 
 #include <cstdint>
 #include <map>

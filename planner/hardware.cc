@@ -43,7 +43,7 @@ const std::vector<HardwareKey> kKeys = {
      "true where sources serve a pinned host mirror of their GPU shards, filled by a device-to-host copy at "
      "publish (docs/refresh.md)"},
     {"window_bytes", "bytes", 64.0 * (1 << 20), "the receiver agent's default window_bytes (plugin/config.h)"},
-    {"get_chunk_bytes", "bytes", 16.0 * (1 << 20), "the receiver agent's default chunk_bytes (plugin/config.h)"},
+    {"get_chunk_bytes", "bytes", 1.0 * (1 << 20), "the receiver agent's default chunk_bytes (plugin/config.h)"},
 };
 
 bool is_bool_key(const char* key) {

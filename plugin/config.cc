@@ -154,8 +154,16 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     // Gathers (docs/refresh.md, "Gathers"); "gather_below_bytes": 0 turns them off.
     c.gather.below_bytes = r.integer(doc, "", "gather_below_bytes", c.gather.below_bytes, 0, int64_t{64} << 20);
     c.gather.enabled = c.gather.below_bytes > 0;
-    c.gather.max_bytes = r.integer(doc, "", "gather_bytes", c.gather.max_bytes, 1, int64_t{64} << 20);
+    // Unset, the default, or the whole window if that is smaller.
+    c.gather.max_bytes = r.integer(doc, "", "gather_bytes",
+                                   std::min<int64_t>(c.gather.max_bytes, static_cast<int64_t>(c.window_bytes)), 1,
+                                   int64_t{64} << 20);
     c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, 65536);
+    // A gather is one request, in flight as a whole.
+    if (r.ok() && c.gather.enabled && static_cast<uint64_t>(c.gather.max_bytes) > c.window_bytes) {
+      r.fail("gather_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + "), got " +
+                                 std::to_string(c.gather.max_bytes));
+    }
     if (const Json* rc = r.member(doc, "", "recipe", false)) {
       r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});
       RecipeConfig recipe;

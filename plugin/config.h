@@ -68,10 +68,10 @@ struct AgentConfig {
   TransportConfig local{{"shm"}, {}};  // receivers: the UCX fabric's transports
   std::string local_fabric = "cma";    // receivers: "cma", "ucx" or "nccl"
   int local_device = -1;               // receivers, "nccl": the CUDA device; -1: the current one
-  // Receivers: GET bytes in flight, and the largest GET; large, so that a
-  // refresh posts few GETs (docs/refresh.md, "Gathers").
+  // Receivers: GET bytes in flight, and the largest plain GET (a gather is
+  // one request of up to its "gather_bytes"; docs/refresh.md, "Gathers").
   uint64_t window_bytes = 64ull << 20;
-  uint64_t chunk_bytes = 16ull << 20;
+  uint64_t chunk_bytes = 1ull << 20;
   uint64_t landing_bytes = 64ull << 20;  // receivers: the landing ring (transport/cuda/staging.h)
   GatherOptions gather;                  // receivers: small runs in gathers (planner/gather.h)
   // Sources: the most memory held for the replies of the gathers served

@@ -538,7 +538,7 @@ refit::GatherOptions g_gather;
 
 // The receiver agent's default chunk_bytes (plugin/config.h): the largest
 // GET it posts, so a longer network run is several GETs.
-constexpr int64_t kAgentGetBytes = int64_t{16} << 20;
+constexpr int64_t kAgentGetBytes = int64_t{1} << 20;
 // Its default window_bytes: a source holds at most that much of each
 // puller's gathers (gather_reply_bytes_wanted, get_stats.h).
 constexpr int64_t kAgentWindowBytes = int64_t{64} << 20;

@@ -64,6 +64,8 @@ Status TransferExecutor::prepare() {
   options.progress_thread = true;
   options.threads = threads_;
   options.limits.chunk_bytes = setup_.transfer_chunk_bytes;
+  // A gather is one request of up to "gather_bytes" (docs/refresh.md, "Gathers").
+  if (setup_.gather.enabled) options.limits.gather_chunk_bytes = static_cast<uint64_t>(setup_.gather.max_bytes);
   options.limits.max_bytes_in_flight = setup_.window_bytes;
   options.limits.max_bytes_per_endpoint = setup_.window_bytes;
   Result<std::unique_ptr<ucx::GetEngine>> engine = ucx::GetEngine::create(*setup_.worker, options);

@@ -74,7 +74,7 @@ struct TransferSetup {
   ucx::Worker* worker = nullptr;
   std::map<int32_t, ucx::Endpoint*> endpoints;     // every source the part names, its rkeys imported
   std::vector<const ucx::MemoryRegion*> regions;   // where GETs land
-  uint64_t transfer_chunk_bytes = 16 << 20;        // the largest GET the engine issues
+  uint64_t transfer_chunk_bytes = 1 << 20;         // the largest plain GET the engine issues
   uint64_t window_bytes = 64 << 20;                // GET bytes in flight, in all and per endpoint
   // GETs through the landing ring: its memory (slots of landing_slot_bytes,
   // at most transfer_chunk_bytes), the copies on, and whether the local fabric's

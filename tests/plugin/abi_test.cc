@@ -99,6 +99,8 @@ TEST_F(Abi, ConfigErrorsNameTheKey) {
       {config(", \"gather_reply_bytes\": 1000"), false,
        "\"gather_reply_bytes\" must be an integer >= 1048576 and <= 1099511627776, got 1000"},
       {config(", \"gather_reply_bytes\": 1048576"), true, "\"gather_reply_bytes\" is not a known key"},
+      {config(", \"window_bytes\": 8388608, \"gather_bytes\": 16777216"), true,
+       "\"gather_bytes\" must not exceed \"window_bytes\" (8388608), got 16777216"},
       {config(", \"network\": {\"transports\": \"tcp\"}"), true, "\"network.transports\" must be a list of strings"},
       {config(", \"network\": {\"transports\": [\"tcpp\"]}"), true, "tcpp"},
       {config(", \"log_level\": \"loud\""), false, "\"log_level\" must be one of"},

@@ -17,21 +17,27 @@ namespace refit::ucx {
 
 struct WindowLimits {
   uint64_t chunk_bytes = 1 << 20;                // largest single GET
+  // Largest single request of a gather run (ChunkRun::gather); 0: chunk_bytes.
+  // A gather is one request to its peer, which copies its ranges into its
+  // replies, so it may be larger than a plain GET (docs/refresh.md,
+  // "Gathers").
+  uint64_t gather_chunk_bytes = 0;
   uint64_t max_bytes_in_flight = 16ull << 20;    // all endpoints together
   uint64_t max_ops_in_flight = 256;              // all endpoints together
   uint64_t max_bytes_per_endpoint = 8ull << 20;  // one endpoint
   uint64_t max_ops_per_endpoint = 64;            // one endpoint
 };
 
-// Checks that every limit is positive and that one chunk fits every byte
-// window (otherwise nothing could ever be issued). The message names the
-// setting.
+// Checks that every limit is positive and that one chunk, plain or of a
+// gather, fits every byte window (otherwise nothing could ever be issued).
+// The message names the setting.
 Status validate(const WindowLimits& limits);
 
 // What the scheduler needs to know about a run.
 struct ChunkRun {
   uint32_t endpoint = 0;  // dense index < num_endpoints
   uint64_t bytes = 0;     // > 0
+  bool gather = false;    // cut at WindowLimits::gather_chunk_bytes
 };
 
 struct Chunk {

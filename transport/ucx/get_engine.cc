@@ -165,7 +165,7 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
       run_memh_.push_back(nullptr);
       run_region_.push_back(nullptr);
       run_local_.push_back(nullptr);
-      chunk_runs->push_back(ChunkRun{e, r.bytes});
+      chunk_runs->push_back(ChunkRun{e, r.bytes, /*gather=*/true});
       continue;
     }
     run_gather_.push_back(0);
@@ -209,9 +209,11 @@ Status GetEngine::validate_gather_locked(uint32_t i, const GetRun& r) {
     return Status::invalid(run_name(i, r) + ": more than " + std::to_string(am_rma::kMaxGatherEntries) +
                            " ranges, the most a peer serves in one gather");
   }
-  if (std::min<uint64_t>(r.bytes, options_.limits.chunk_bytes) > am_rma::kMaxGatherBytes) {
+  const uint64_t cut =
+      options_.limits.gather_chunk_bytes > 0 ? options_.limits.gather_chunk_bytes : options_.limits.chunk_bytes;
+  if (std::min<uint64_t>(r.bytes, cut) > am_rma::kMaxGatherBytes) {
     return Status::invalid(run_name(i, r) + ": its requests would exceed " + std::to_string(am_rma::kMaxGatherBytes) +
-                           " bytes, the most a peer serves in one gather; use a smaller \"chunk_bytes\"");
+                           " bytes, the most a peer serves in one gather; use a smaller \"gather_bytes\"");
   }
   run_gather_.push_back(static_cast<uint32_t>(gather_offsets_.size()));
   uint64_t sum = 0;
@@ -859,8 +861,8 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
                                                   std::to_string(peer_bound) +
                                                   " bytes (its \"gather_reply_bytes\"), this request has " +
                                                   std::to_string(c.bytes) +
-                                                  "; lower \"gather_bytes\" or \"chunk_bytes\", or raise the "
-                                                  "source's \"gather_reply_bytes\""));
+                                                  "; lower \"gather_bytes\", or raise the source's "
+                                                  "\"gather_reply_bytes\""));
     } else if (am_refused) {
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer refused the " +
                                                   op_name(r.op) + " of " + std::to_string(c.bytes) +

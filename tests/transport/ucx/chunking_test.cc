@@ -130,6 +130,25 @@ TEST(ChunkScheduler, EndpointsTakeTurns) {
   EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 0, 1, 2}));
 }
 
+// A gather run is cut at its own request size; one larger than a window
+// could never be issued and is refused, naming the setting.
+TEST(ChunkScheduler, GatherRunsAreCutAtTheirOwnSize) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  l.gather_chunk_bytes = 100;
+  l.max_bytes_per_endpoint = 100;
+  l.max_bytes_in_flight = 100;
+  std::vector<ChunkRun> runs = {{0, 250, /*gather=*/true}, {0, 25}};
+  auto sched = ChunkScheduler::create(l, runs, 1);
+  ASSERT_TRUE(sched.is_ok());
+  EXPECT_EQ(sched->pending_chunks(), 3u + 3u);
+  const Chunk first = *sched->next();
+  EXPECT_EQ(first.bytes, 100u);
+  l.gather_chunk_bytes = 101;
+  const Status s = validate(l);
+  EXPECT_NE(s.message().find("\"gather_chunk_bytes\" (101)"), std::string::npos) << s.message();
+}
+
 // A chunk taken back (its peer was busy) gives back its window share and
 // is its endpoint's next chunk again; a held endpoint issues nothing, the
 // others go on.

@@ -76,9 +76,10 @@ class GatherFixture : public ::testing::Test {
     server_ = std::move(*server);
     server_->export_region(*src_region_);
   }
-  void make_engine(uint64_t chunk_bytes) {
+  void make_engine(uint64_t chunk_bytes, uint64_t gather_chunk_bytes = 0) {
     GetEngineOptions o;
     o.limits.chunk_bytes = chunk_bytes;
+    o.limits.gather_chunk_bytes = gather_chunk_bytes;
     o.limits.max_bytes_per_endpoint = std::max<uint64_t>(o.limits.max_bytes_per_endpoint, chunk_bytes);
     o.limits.max_bytes_in_flight = std::max<uint64_t>(o.limits.max_bytes_in_flight, chunk_bytes);
     auto engine = GetEngine::create(*worker_, o);
@@ -154,6 +155,20 @@ TEST_F(GatherFixture, GatherLargerThanAChunkIsCutAcrossRanges) {
   EXPECT_EQ(std::memcmp(dst_.data() + 900000, src_.data() + 900000, 5000), 0);
 }
 
+// With a gather request size of its own (the agents': "gather_bytes"), a
+// gather is one request however small the plain GETs' chunk.
+TEST_F(GatherFixture, AGatherIsOneRequestOfItsOwnSize) {
+  make_engine(4096, 1 << 20);
+  const auto parts = column_slice(300, 700, 2048);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts},
+                              GetRun{&*ep_, 1, src_at(900000), dst_.data() + 900000, 10000}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(10));
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(report.gets_issued, 1u + 3u);  // the gather whole; the plain GET in chunks of 4096
+  expect_landed(parts);
+  EXPECT_EQ(std::memcmp(dst_.data() + 900000, src_.data() + 900000, 10000), 0);
+}
+
 TEST_F(GatherFixture, RangeOutsideTheKeyIsRefusedBeforeAnyRequest) {
   make_engine(1 << 20);
   auto parts = column_slice(4, 100, 1000);
@@ -206,8 +221,8 @@ TEST_F(GatherFixture, AGatherLargerThanTheSourcesBoundIsRefusedNamingBoth) {
   ASSERT_FALSE(report.status.is_ok());
   EXPECT_EQ(report.status.message(),
             "run 0 (gather of 300 ranges, 210000 bytes, on endpoint \"self\"): the peer serves gathers of at most "
-            "100000 bytes (its \"gather_reply_bytes\"), this request has 210000; lower \"gather_bytes\" or "
-            "\"chunk_bytes\", or raise the source's \"gather_reply_bytes\": " +
+            "100000 bytes (its \"gather_reply_bytes\"), this request has 210000; lower \"gather_bytes\", or raise "
+            "the source's \"gather_reply_bytes\": " +
                 std::string(ucs_status_string(UCS_ERR_EXCEEDS_LIMIT)) + " (UCX status -21)");
   EXPECT_EQ(server_->refused(), 1u);
   EXPECT_EQ(server_->gather_reply_bytes_peak(), 0u);
