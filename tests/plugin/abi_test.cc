@@ -93,7 +93,7 @@ TEST_F(Abi, ConfigErrorsNameTheKey) {
       {config(", \"window_bytes\": 1"), true, "\"window_bytes\" must be an integer >= 4096, got 1"},
       {config(", \"landing_bytes\": 12288, \"chunk_bytes\": 8192"), true,
        "\"landing_bytes\" must hold at least two landing slots (2 x 8192: \"chunk_bytes\", at most 4 MiB), got 12288"},
-      {config(", \"landing_bytes\": 8388607"), true,
+      {config(", \"landing_bytes\": 8388607, \"chunk_bytes\": 8388608"), true,
        "\"landing_bytes\" must hold at least two landing slots (2 x 4194304: \"chunk_bytes\", at most 4 MiB), got 8388607"},
       {config(", \"landing_bytes\": 12288"), false, "\"landing_bytes\" is not a known key"},
       {config(", \"gather_reply_bytes\": 1000"), false,
