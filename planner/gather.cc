@@ -23,7 +23,8 @@ GatherGrouper::GatherGrouper(GatherOptions options, std::function<void(std::span
                              std::function<void(uint64_t)> on_single)
     : options_(options), on_gather_(std::move(on_gather)), on_single_(std::move(on_single)) {}
 
-void GatherGrouper::close(Open& g) {
+void GatherGrouper::close(const std::pair<int32_t, int32_t>& key, Open& g) {
+  closing_ = GatherInput{key.first, key.second, g.bytes};
   if (g.runs.size() == 1) {
     on_single_(g.runs.front());
   } else if (g.runs.size() > 1) {
@@ -38,25 +39,28 @@ void GatherGrouper::close(Open& g) {
 void GatherGrouper::add(const GatherInput& run) {
   const uint64_t index = next_++;
   if (!options_.enabled || run.bytes >= options_.below_bytes) {
+    closing_ = run;
     on_single_(index);
     return;
   }
   if (run.bytes > options_.max_bytes) {
     ++unpacked_;
+    closing_ = run;
     on_single_(index);
     return;
   }
-  Open& g = open_[{run.receiver, run.source}];
+  const std::pair<int32_t, int32_t> key{run.receiver, run.source};
+  Open& g = open_[key];
   if (!g.runs.empty() && (g.bytes + run.bytes > options_.max_bytes ||
                           static_cast<int64_t>(g.runs.size()) >= options_.max_entries)) {
-    close(g);
+    close(key, g);
   }
   g.runs.push_back(index);
   g.bytes += run.bytes;
 }
 
 void GatherGrouper::finish() {
-  for (auto& [key, g] : open_) close(g);  // in key order: deterministic
+  for (auto& [key, g] : open_) close(key, g);  // in key order: deterministic
   open_.clear();
 }
 

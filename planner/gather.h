@@ -33,9 +33,10 @@ namespace refit {
 
 struct GatherOptions {
   bool enabled = true;
-  int64_t below_bytes = int64_t{64} << 10;  // runs smaller than this are grouped
-  int64_t max_bytes = int64_t{1} << 20;     // bytes of one gather
-  int64_t max_entries = 4096;               // runs of one gather
+  // The agents' defaults (docs/refresh.md, "Gathers" says why these sizes).
+  int64_t below_bytes = int64_t{1} << 20;  // runs smaller than this are grouped
+  int64_t max_bytes = int64_t{16} << 20;   // bytes of one gather
+  int64_t max_entries = 4096;              // runs of one gather
 };
 
 // Ok, or invalid naming the key ("gather_below_bytes", "gather_bytes",
@@ -64,6 +65,11 @@ class GatherGrouper {
   // Closes every open gather. Call once, after the last add().
   void finish();
 
+  // Inside on_gather or on_single: the receiver, source and bytes (all its
+  // runs' together) of the gather or run being passed on, so that a caller
+  // that counts need not remember each run until its gather closes.
+  const GatherInput& closing() const { return closing_; }
+
   uint64_t gathers() const { return gathers_; }
   uint64_t gathered_runs() const { return gathered_runs_; }
   // Runs below `below_bytes` that did not fit `max_bytes` (see the top).
@@ -74,13 +80,14 @@ class GatherGrouper {
     std::vector<uint64_t> runs;
     int64_t bytes = 0;
   };
-  void close(Open& g);
+  void close(const std::pair<int32_t, int32_t>& key, Open& g);
 
   GatherOptions options_;
   std::function<void(std::span<const uint64_t>)> on_gather_;
   std::function<void(uint64_t)> on_single_;
   std::map<std::pair<int32_t, int32_t>, Open> open_;  // (receiver, source) -> its open gather
   uint64_t next_ = 0;
+  GatherInput closing_;
   uint64_t gathers_ = 0;
   uint64_t gathered_runs_ = 0;
   uint64_t unpacked_ = 0;

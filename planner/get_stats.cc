@@ -1,68 +1,62 @@
 #include "planner/get_stats.h"
 
-#include <unordered_map>
+#include <algorithm>
 
 namespace refit {
 
-GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather, PlanProgress* progress) {
+GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather, PlanProgress* progress,
+                   int64_t window_bytes) {
   GetStats s;
   s.per_receiver.assign(plan.layout().receivers.size(), 0);
   if (max_get_bytes <= 0) return s;
-  auto count = [&](int32_t receiver, int64_t bytes) {
-    const int64_t whole = bytes / max_get_bytes;
-    const int64_t rest = bytes % max_get_bytes;
+  auto count = [&](int32_t receiver, int64_t bytes, int64_t cut) {
+    const int64_t whole = bytes / cut;
+    const int64_t rest = bytes % cut;
     const int64_t n = whole + (rest > 0 ? 1 : 0);
     s.per_receiver[receiver] += n;
     s.gets += n;
-    if (whole > 0) s.sizes[max_get_bytes] += whole;
+    if (whole > 0) s.sizes[cut] += whole;
     if (rest > 0) s.sizes[rest] += 1;
   };
   GatherOptions off;
   off.enabled = false;
-  // The runs the grouper still holds (receiver, bytes); a run it passes on
-  // at once is `current`.
-  std::unordered_map<uint64_t, std::pair<int32_t, int64_t>> held;
-  uint64_t current_index = 0;
-  std::pair<int32_t, int64_t> current;
-  auto info = [&](uint64_t i) {
-    if (i == current_index) {
-      held.erase(i);
-      return current;
-    }
-    auto it = held.find(i);
-    const auto v = it->second;
-    held.erase(it);
-    return v;
-  };
+  std::map<std::pair<int32_t, int32_t>, int64_t> gathered;  // (source, receiver) -> gather bytes
+  const GatherGrouper* self = nullptr;
   GatherGrouper grouper(
       gather ? *gather : off,
-      [&](std::span<const uint64_t> runs) {
-        int32_t receiver = 0;
-        int64_t bytes = 0;
-        for (uint64_t i : runs) {
-          const auto [rank, n] = info(i);
-          receiver = rank;
-          bytes += n;
-        }
-        count(receiver, bytes);
+      [&](std::span<const uint64_t>) {
+        const GatherInput& g = self->closing();
+        count(g.receiver, g.bytes, gather->max_bytes);  // one request: a gather is at most that
+        if (window_bytes > 0) gathered[{g.source, g.receiver}] += g.bytes;
       },
-      [&](uint64_t i) {
-        const auto [rank, n] = info(i);
-        count(rank, n);
+      [&](uint64_t) {
+        const GatherInput& r = self->closing();
+        count(r.receiver, r.bytes, max_get_bytes);
       });
-  const int64_t below = gather && gather->enabled ? gather->below_bytes : 0;
+  self = &grouper;
   uint64_t next = 0;
   for_each_network_run(plan, [&](const Run& r) {
     if (progress && (next & 4095) == 0) progress->set(PlanProgress::kRuns, static_cast<int64_t>(next), 0);
-    current_index = next++;
-    current = {r.to.rank, r.bytes};
-    if (r.bytes < below) held.emplace(current_index, current);
+    ++next;
     grouper.add(GatherInput{r.to.rank, r.from.rank, r.bytes});
   });
   grouper.finish();
   s.gathers = static_cast<int64_t>(grouper.gathers());
   s.gathered_runs = static_cast<int64_t>(grouper.gathered_runs());
   s.unpacked = static_cast<int64_t>(grouper.unpacked());
+  int32_t source = -1;
+  int64_t bound = 0;
+  for (const auto& [pair, bytes] : gathered) {
+    if (pair.first != source) {
+      source = pair.first;
+      bound = 0;
+    }
+    bound += std::min(bytes, window_bytes);
+    if (bound > s.gather_reply_bytes_wanted) {
+      s.gather_reply_bytes_wanted = bound;
+      s.gather_reply_wanted_source = source;
+    }
+  }
   for (size_t i = 0; i < s.per_receiver.size(); ++i) {
     if (s.per_receiver[i] > s.gets_per_receiver_max) {
       s.gets_per_receiver_max = s.per_receiver[i];

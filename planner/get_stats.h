@@ -6,9 +6,9 @@
 //
 // A GET is what a receiver agent issues: each network run of the plan
 // (for_each_run), split into pieces of at most `max_get_bytes` (the agent's
-// `chunk_bytes`, 1 MiB by default). With `gather` (planner/gather.h), the
-// small runs grouped into a gather count as one GET of their total bytes
-// (split the same way), which is what the agent posts.
+// `chunk_bytes`). With `gather` (planner/gather.h), the runs grouped into a
+// gather count as one GET of their total bytes, which is what the agent
+// posts: one request of up to "gather_bytes".
 
 #include <cstdint>
 #include <map>
@@ -31,14 +31,25 @@ struct GetStats {
   int64_t gathers = 0;                // gathers among the GETs (with `gather`)
   int64_t gathered_runs = 0;          // network runs that travel in them
   int64_t unpacked = 0;               // small runs too large for "gather_bytes" (gather.h)
+  // What a source's pullers may ask it to hold for gathers: it copies each
+  // gather it serves into reply messages, freed as their sends complete
+  // (transport/ucx/am_rma.h), and each puller has at most its window in
+  // flight. For the source where it is largest: the sum over its pullers
+  // of min(window, the gather bytes that puller pulls from it). The source
+  // holds at most its "gather_reply_bytes" of it (more waits). 0 without a
+  // window or gathers.
+  int64_t gather_reply_bytes_wanted = 0;
+  int32_t gather_reply_wanted_source = -1;  // that source's rank, -1 without gathers
 };
 
 // REQUIRES max_get_bytes > 0 and a plan with units (not kBroadcast, which
 // has only its summary: its GetStats are empty).
 // `gather` null or disabled: every network run is its own GET.
 // `progress` (may be null) counts the network runs read (PlanProgress::kRuns).
+// `window_bytes` > 0: the receivers' "window_bytes", for
+// gather_reply_bytes_wanted.
 GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather = nullptr,
-                   PlanProgress* progress = nullptr);
+                   PlanProgress* progress = nullptr, int64_t window_bytes = 0);
 
 // GETs of the same power-of-two size class, for a short table: the key is
 // the class's upper bound (512 holds 257..512 bytes), the value the count.

@@ -42,7 +42,7 @@ const std::vector<HardwareKey> kKeys = {
     {"source_host_mirror", "bool", 0,
      "true where sources serve a pinned host mirror of their GPU shards, filled by a device-to-host copy at "
      "publish (docs/refresh.md)"},
-    {"window_bytes", "bytes", 32.0 * (1 << 20), "the receiver agent's default window_bytes (plugin/config.h)"},
+    {"window_bytes", "bytes", 64.0 * (1 << 20), "the receiver agent's default window_bytes (plugin/config.h)"},
     {"get_chunk_bytes", "bytes", 1.0 * (1 << 20), "the receiver agent's default chunk_bytes (plugin/config.h)"},
 };
 

@@ -77,8 +77,13 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.staged = mode == "staged";
   } else {
     r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "log_format",
-                       "snapshot", "verify", "test"});
+                       "snapshot", "verify", "gather_reply_bytes", "test"});
     c.snapshot = r.boolean(doc, "", "snapshot", false);
+    // The memory a source holds for the gathers it serves (docs/refresh.md,
+    // "Gathers"): at least 1 MiB.
+    c.gather_reply_bytes = static_cast<uint64_t>(r.integer(doc, "", "gather_reply_bytes",
+                                                           static_cast<int64_t>(c.gather_reply_bytes),
+                                                           int64_t{1} << 20, int64_t{1} << 40));
   }
   c.verify = r.boolean(doc, "", "verify", false);
   constexpr int64_t kMaxRank = (1 << 20) - 1;  // the coordinator's limit
@@ -131,23 +136,34 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     if (r.ok() && c.verify && c.local_fabric == "nccl") {
       r.fail("verify", "hashes host memory; the \"nccl\" local fabric's buffers are GPU memory");
     }
-    c.window_bytes = static_cast<uint64_t>(r.integer(doc, "", "window_bytes", int64_t{32} << 20, 4096));
-    c.chunk_bytes = static_cast<uint64_t>(r.integer(doc, "", "chunk_bytes", int64_t{1} << 20, 4096));
+    c.window_bytes = static_cast<uint64_t>(r.integer(doc, "", "window_bytes", static_cast<int64_t>(c.window_bytes), 4096));
+    // Unset, the chunk is the default's, or the whole window if that is smaller.
+    c.chunk_bytes = static_cast<uint64_t>(
+        r.integer(doc, "", "chunk_bytes", static_cast<int64_t>(std::min(c.chunk_bytes, c.window_bytes)), 4096));
     if (r.ok() && c.chunk_bytes > c.window_bytes) {
       r.fail("chunk_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + ")");
     }
-    // By default 64 MiB, and at least two chunks.
-    const int64_t landing_default = std::max<int64_t>(int64_t{64} << 20, 2 * static_cast<int64_t>(c.chunk_bytes));
+    // By default 64 MiB, and at least two landing slots (config.h).
+    const uint64_t slot = landing_slot_bytes(c);
+    const int64_t landing_default = std::max<int64_t>(static_cast<int64_t>(c.landing_bytes), 2 * static_cast<int64_t>(slot));
     c.landing_bytes = static_cast<uint64_t>(r.integer(doc, "", "landing_bytes", landing_default, 8192, int64_t{1} << 40));
-    if (r.ok() && c.landing_bytes < 2 * c.chunk_bytes) {
-      r.fail("landing_bytes", "must hold at least two chunks of \"chunk_bytes\" (2 x " +
-                                  std::to_string(c.chunk_bytes) + "), got " + std::to_string(c.landing_bytes));
+    if (r.ok() && c.landing_bytes < 2 * slot) {
+      r.fail("landing_bytes", "must hold at least two landing slots (2 x " + std::to_string(slot) +
+                                  ": \"chunk_bytes\", at most 4 MiB), got " + std::to_string(c.landing_bytes));
     }
     // Gathers (docs/refresh.md, "Gathers"); "gather_below_bytes": 0 turns them off.
     c.gather.below_bytes = r.integer(doc, "", "gather_below_bytes", c.gather.below_bytes, 0, int64_t{64} << 20);
     c.gather.enabled = c.gather.below_bytes > 0;
-    c.gather.max_bytes = r.integer(doc, "", "gather_bytes", c.gather.max_bytes, 1, int64_t{64} << 20);
+    // Unset, the default, or the whole window if that is smaller.
+    c.gather.max_bytes = r.integer(doc, "", "gather_bytes",
+                                   std::min<int64_t>(c.gather.max_bytes, static_cast<int64_t>(c.window_bytes)), 1,
+                                   int64_t{64} << 20);
     c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, 65536);
+    // A gather is one request, in flight as a whole.
+    if (r.ok() && c.gather.enabled && static_cast<uint64_t>(c.gather.max_bytes) > c.window_bytes) {
+      r.fail("gather_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + "), got " +
+                                 std::to_string(c.gather.max_bytes));
+    }
     if (const Json* rc = r.member(doc, "", "recipe", false)) {
       r.object(*rc, "recipe", {"model", "framework", "tp", "pp", "dp", "expert_parallel", "gpus_per_domain"});
       RecipeConfig recipe;

@@ -4,6 +4,7 @@
 // a value out of range is an error that names the key path, e.g.
 // `config: "coordinator.timeout_ms" must be an integer >= 1, got "5s"`.
 
+#include <algorithm>
 #include <chrono>
 #include <array>
 #include <cstdint>
@@ -67,10 +68,15 @@ struct AgentConfig {
   TransportConfig local{{"shm"}, {}};  // receivers: the UCX fabric's transports
   std::string local_fabric = "cma";    // receivers: "cma", "ucx" or "nccl"
   int local_device = -1;               // receivers, "nccl": the CUDA device; -1: the current one
-  uint64_t window_bytes = 32ull << 20;
+  // Receivers: GET bytes in flight, and the largest plain GET (a gather is
+  // one request of up to its "gather_bytes"; docs/refresh.md, "Gathers").
+  uint64_t window_bytes = 64ull << 20;
   uint64_t chunk_bytes = 1ull << 20;
   uint64_t landing_bytes = 64ull << 20;  // receivers: the landing ring (transport/cuda/staging.h)
   GatherOptions gather;                  // receivers: small runs in gathers (planner/gather.h)
+  // Sources: the most memory held for the replies of the gathers served
+  // (transport/ucx/am_rma.h); more waits, and a larger gather is refused.
+  uint64_t gather_reply_bytes = 256ull << 20;
   std::chrono::milliseconds heartbeat{1000};
   LogLevel log_level = LogLevel::kWarn;
   LogFormat log_format = LogFormat::kText;
@@ -81,6 +87,14 @@ struct AgentConfig {
   TestSwitches test;      // receivers
   std::string trace;      // receivers: the Chrome trace file (plugin/trace.h); empty: none
 };
+
+// A landing slot of the ring (transport/cuda/staging.h) is one GET: a
+// transfer chunk, but at most kMaxLandingSlotBytes, so that the default ring
+// has 16 slots in which the copies to the GPU overlap the next GETs, with
+// chunks as large as the network wants. A 4 MiB GET costs its per-request
+// overhead (about a microsecond) on 4 MiB of wire time.
+constexpr uint64_t kMaxLandingSlotBytes = 4ull << 20;
+inline uint64_t landing_slot_bytes(const AgentConfig& c) { return std::min(c.chunk_bytes, kMaxLandingSlotBytes); }
 
 // Parses a source's (receiver = false) or a receiver's config document.
 Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver);

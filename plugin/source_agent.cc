@@ -45,7 +45,8 @@ Result<std::unique_ptr<SourceAgent>> SourceAgent::create(std::string_view config
   Result<std::vector<uint8_t>> address = a->worker_->address();
   if (!address.is_ok()) return address.status();
   a->worker_address_ = std::move(address).value();
-  Result<std::unique_ptr<ucx::AmRmaServer>> server = ucx::AmRmaServer::create(*a->worker_, ucx::AmRmaServer::Puts::kRefused);
+  Result<std::unique_ptr<ucx::AmRmaServer>> server = ucx::AmRmaServer::create(*a->worker_, ucx::AmRmaServer::Puts::kRefused,
+                                                                               a->config_.gather_reply_bytes);
   if (!server.is_ok()) return server.status();
   a->rma_server_ = std::move(server).value();
   Result<std::unique_ptr<CoordinatorLink>> link = CoordinatorLink::connect(a->config_, a->log_, a->threads_);

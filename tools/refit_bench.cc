@@ -23,6 +23,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -555,6 +556,7 @@ int main(int argc, char** argv) {
   std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
   std::string mode = "direct", kill_text, local_fabric, metrics_address, trace_out;
   bool serve_check = false, rejoin = false, small_pages = false, sequential = false, no_gather = false;
+  std::string receiver_config_text, source_config_text;
   std::string hardware_file;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
@@ -756,6 +758,14 @@ int main(int argc, char** argv) {
   app.add_flag("--no-gather", no_gather,
                "receivers pull every network run as its own GET (\"gather_below_bytes\": 0), for a before/after "
                "of gathers (docs/refresh.md)");
+  app.add_option("--receiver-config", receiver_config_text,
+                 "a JSON object whose keys are set in every receiver's config, e.g. "
+                 "'{\"chunk_bytes\": 1048576, \"gather_below_bytes\": 65536}', for a before/after of the "
+                 "transfer knobs (docs/refresh.md, \"Gathers\"); a key the agents do not know fails the run")
+      ->type_name("JSON");
+  app.add_option("--source-config", source_config_text,
+                 "the same for every source's config, e.g. '{\"gather_reply_bytes\": 1048576}'")
+      ->type_name("JSON");
   app.add_flag("--small-pages", small_pages,
                "the ranks' buffers on 4 KiB pages instead of transparent huge pages (see above)");
   app.add_flag("--serve-check", serve_check,
@@ -863,6 +873,15 @@ int main(int argc, char** argv) {
   options.serve_check = serve_check;
   options.huge_pages = !small_pages;
   options.gather = !no_gather;
+  for (const auto& [text, flag, into] : {std::tuple{&receiver_config_text, "--receiver-config", &options.receiver_config},
+                                         std::tuple{&source_config_text, "--source-config", &options.source_config}}) {
+    if (text->empty()) continue;
+    nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) {
+      return usage_error(std::string(flag) + " must be a JSON object, got: " + *text);
+    }
+    *into = std::move(j);
+  }
   options.local_fabric = local_fabric;
   if (!kill_text.empty()) {
     auto k = parse_kill(kill_text);

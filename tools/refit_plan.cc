@@ -539,6 +539,12 @@ refit::GatherOptions g_gather;
 // The receiver agent's default chunk_bytes (plugin/config.h): the largest
 // GET it posts, so a longer network run is several GETs.
 constexpr int64_t kAgentGetBytes = int64_t{1} << 20;
+// Its default window_bytes: a source holds at most that much of each
+// puller's gathers (gather_reply_bytes_wanted, get_stats.h).
+constexpr int64_t kAgentWindowBytes = int64_t{64} << 20;
+// The source agent's default "gather_reply_bytes" (plugin/config.h): the
+// most it holds for gathers, whatever its pullers ask.
+constexpr int64_t kSourceGatherReplyBytes = int64_t{256} << 20;
 
 Result<Planned> plan_one(const Input& in, PlanOptions po, const std::string& runs_out) {
   step("planning " + in.name + " (" + refit::strategy_name(po.strategy) + ")", /*planning=*/true);
@@ -560,7 +566,7 @@ Result<Planned> plan_one(const Input& in, PlanOptions po, const std::string& run
     out.at_source = refit::count_conversion_bytes(*plan, refit::ConvertAt::kSource);
   }
   if (po.strategy != Strategy::kBroadcast) {
-    out.gets = refit::get_stats(*plan, kAgentGetBytes, &g_gather, plan_progress());
+    out.gets = refit::get_stats(*plan, kAgentGetBytes, &g_gather, plan_progress(), kAgentWindowBytes);
     step("counting the GETs of " + in.name + " (" + refit::strategy_name(po.strategy) + ", without gathers)",
          /*planning=*/true);
     out.ungrouped_gets = refit::get_stats(*plan, kAgentGetBytes, nullptr, plan_progress());
@@ -612,6 +618,11 @@ ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) 
     j["gathers"] = p.gets->gathers;
     j["gathered_runs"] = p.gets->gathered_runs;
     j["gather_unpacked"] = p.gets->unpacked;
+    // The gather reply memory a source's pullers may ask of it (the
+    // busiest source), and what it holds at most: its default bound.
+    j["gather_reply_bytes_wanted"] = p.gets->gather_reply_bytes_wanted;
+    j["gather_reply_wanted_source"] = p.gets->gather_reply_wanted_source;
+    j["gather_reply_bytes_bound"] = std::min(p.gets->gather_reply_bytes_wanted, kSourceGatherReplyBytes);
     j["ungrouped_gets"] = p.ungrouped_gets->gets;
     j["ungrouped_gets_per_receiver_max"] = p.ungrouped_gets->gets_per_receiver_max;
     j["ungrouped_get_bytes_median"] = p.ungrouped_gets->get_bytes_median;
@@ -1133,9 +1144,9 @@ int main(int argc, char** argv) {
                "count every network run as its own GET, as receivers with \"gather_below_bytes\": 0 post them");
   app.add_option("--gather-below", o.gather_below,
                  "group network runs smaller than SIZE into gathers (the agents' \"gather_below_bytes\", default "
-                 "64KiB)")
+                 "1MiB)")
       ->type_name("SIZE");
-  app.add_option("--gather-bytes", o.gather_bytes, "bytes of one gather (the agents' \"gather_bytes\", default 1MiB)")
+  app.add_option("--gather-bytes", o.gather_bytes, "bytes of one gather (the agents' \"gather_bytes\", default 16MiB)")
       ->type_name("SIZE");
   app.add_flag("--compare", o.compare,
                "plan refit, no-dedup and broadcast for every input; print one row each");

@@ -103,6 +103,11 @@
  *     "snapshot"     bool [false]: publish copies the shards into buffers of the
  *                    library's own, and the trainer may write its shards again as
  *                    soon as publish returns (instead of after wait_drained)
+ *     "gather_reply_bytes" integer [268435456]: the most memory the source holds
+ *                    for the replies of the gathers it serves, 1 MiB to 1 TiB; a
+ *                    gather that would pass it waits (its receiver asks again),
+ *                    and one larger than it is refused, naming both sizes
+ *                    (docs/refresh.md, "Gathers")
  *
  *   Receiver only:
  *     "instance"     integer >= 0 [0]: the inference replica this rank belongs to
@@ -145,19 +150,23 @@
  *                      keeps its staging copy on the GPU
  *        "device"      integer [the current CUDA device]: "nccl" only
  *        "transports"  list of strings ["shm"]: the UCX fabric's transports
- *     "window_bytes" integer [33554432]: bytes of GETs in flight at once
- *     "chunk_bytes"  integer [1048576]: the transfer chunk, the largest single GET or PUT
- *     "gather_below_bytes" integer [65536]: network runs smaller than this
+ *     "window_bytes" integer [67108864]: bytes of GETs in flight at once
+ *     "chunk_bytes"  integer [1048576]: the transfer chunk, the largest single
+ *                    GET or PUT (a gather is one request of up to "gather_bytes")
+ *     "gather_below_bytes" integer [1048576]: network runs smaller than this
  *                    travel in gathers, many runs of one source in one request
  *                    (docs/refresh.md, "Gathers"); 0 turns gathers off. At most
  *                    64 MiB
- *     "gather_bytes" integer [1048576]: bytes of one gather, 1 to 64 MiB; a run
+ *     "gather_bytes" integer [16777216, or "window_bytes" if smaller]: bytes of
+ *                    one gather, one request, 1 to 64 MiB and at most
+ *                    "window_bytes"; a run
  *                    below "gather_below_bytes" but above this travels alone
  *                    and the report counts it ("gathers": {"unpacked"})
  *     "gather_entries" integer [4096]: runs of one gather, 2 to 65536
- *     "landing_bytes" integer [67108864, or two chunks if more]: pinned host
+ *     "landing_bytes" integer [67108864]: pinned host
  *                    memory of the landing ring (GPU buffers that UCX cannot
- *                    write), in slots of "chunk_bytes": at least two slots, at
+ *                    write), in slots of "chunk_bytes" but at most 4 MiB each:
+ *                    at least two slots, at
  *                    most 1 TiB. Allocated at the first such buffer; more
  *                    slots than the window lets GETs go on while earlier
  *                    chunks are copied to the GPU

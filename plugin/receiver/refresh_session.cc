@@ -454,7 +454,8 @@ std::string report_json(const RefreshReport& r, const Status& status, const Agen
                    {"unverified_bytes", r.unverified_bytes}, {"seconds", r.verify_s}};
   }
   if (t.gathers > 0 || t.gather_unpacked > 0) {
-    j["gathers"] = {{"ops", t.gathers}, {"runs", t.gathered_runs}, {"unpacked", t.gather_unpacked}};
+    j["gathers"] = {{"ops", t.gathers}, {"runs", t.gathered_runs}, {"unpacked", t.gather_unpacked},
+                    {"busy", t.gather_busy}};
   }
   // Conversions on the way (docs/conversion.md): the units this rank
   // converted after landing them, and the seconds its kernels took.

@@ -321,6 +321,7 @@ Result<TransferSetup> Resources::transfer_setup(const CompiledPart& part) {
   s.window_bytes = config_.window_bytes;
   s.copy_ops = copy_ops_.get();
   if (ring_memory_) s.landing_ring = std::span<uint8_t>(ring_memory_.get(), config_.landing_bytes);
+  s.landing_slot_bytes = landing_slot_bytes(config_);
   s.fabric_waits_for_copies = config_.local_fabric == "nccl";
   return s;
 }

@@ -64,6 +64,8 @@ Status TransferExecutor::prepare() {
   options.progress_thread = true;
   options.threads = threads_;
   options.limits.chunk_bytes = setup_.transfer_chunk_bytes;
+  // A gather is one request of up to "gather_bytes" (docs/refresh.md, "Gathers").
+  if (setup_.gather.enabled) options.limits.gather_chunk_bytes = static_cast<uint64_t>(setup_.gather.max_bytes);
   options.limits.max_bytes_in_flight = setup_.window_bytes;
   options.limits.max_bytes_per_endpoint = setup_.window_bytes;
   Result<std::unique_ptr<ucx::GetEngine>> engine = ucx::GetEngine::create(*setup_.worker, options);
@@ -77,7 +79,7 @@ Status TransferExecutor::prepare() {
       ring_runs.push_back(cuda::StagedRun{{cuda::DevicePlace{part_.gets[i].device, part_.gets[i].bytes}}});
       ring_run_get_.push_back(i);
     }
-    const uint64_t slot = setup_.transfer_chunk_bytes;
+    const uint64_t slot = std::min(setup_.landing_slot_bytes, setup_.transfer_chunk_bytes);
     Result<std::unique_ptr<cuda::LandingRing>> ring = cuda::LandingRing::create(
         *setup_.copy_ops, setup_.landing_ring,
         cuda::StagingOptions{slot, static_cast<uint32_t>(setup_.landing_ring.size() / slot)}, std::move(ring_runs));
@@ -520,6 +522,7 @@ void TransferExecutor::fill(TransferReport* report) const {
   report->gathers = gathers_.ops.size();
   report->gathered_runs = gathers_.gathered_runs;
   report->gather_unpacked = gathers_.unpacked;
+  report->gather_busy = batch_.busy_retries;
   report->sends = schedule_.sends.size();
   report->converts = part_.converts.size();
   report->convert_s = convert_s_;

@@ -75,13 +75,14 @@ struct TransferSetup {
   ucx::Worker* worker = nullptr;
   std::map<int32_t, ucx::Endpoint*> endpoints;     // every source the part names, its rkeys imported
   std::vector<const ucx::MemoryRegion*> regions;   // where GETs land
-  uint64_t transfer_chunk_bytes = 1 << 20;         // the largest GET the engine issues
-  uint64_t window_bytes = 32 << 20;                // GET bytes in flight, in all and per endpoint
-  // GETs through the landing ring: its memory (landing slots of
-  // transfer_chunk_bytes), the copies on, and whether the local fabric's
+  uint64_t transfer_chunk_bytes = 1 << 20;         // the largest plain GET the engine issues
+  uint64_t window_bytes = 64 << 20;                // GET bytes in flight, in all and per endpoint
+  // GETs through the landing ring: its memory (slots of landing_slot_bytes,
+  // at most transfer_chunk_bytes), the copies on, and whether the local fabric's
   // sends wait for those copies themselves (NCCL orders them on a stream).
   cuda::CopyOps* copy_ops = nullptr;
   std::span<uint8_t> landing_ring;
+  uint64_t landing_slot_bytes = 4 << 20;
   bool fabric_waits_for_copies = false;
   // Small runs of one source that land in host memory travel together, one
   // request each (docs/refresh.md, "Gathers").
@@ -103,6 +104,9 @@ struct TransferReport {
   // Gathers (docs/refresh.md, "Gathers"): requests, the runs they carried,
   // and small runs that travelled alone because they exceed "gather_bytes".
   uint64_t gathers = 0, gathered_runs = 0, gather_unpacked = 0;
+  // Gather requests a source answered "busy" (its reply memory was full,
+  // docs/refresh.md "Gathers"), asked again.
+  uint64_t gather_busy = 0;
   // Conversions on the way (docs/conversion.md): units converted and the
   // seconds the fan-out spent in the kernels.
   uint64_t converts = 0;

@@ -100,13 +100,27 @@ TEST(Gather, EveryRunTravelsExactlyOnceWithinTheBounds) {
 }
 
 TEST(Gather, ColumnSliceRowsBecomeFewGathers) {
-  // 4096 rows of 512 bytes from one source: a column slice.
-  std::vector<GatherInput> runs(4096, GatherInput{0, 1, 512});
+  // 8192 rows of 512 bytes from one source: a column slice.
+  std::vector<GatherInput> runs(8192, GatherInput{0, 1, 512});
   GatherOptions o;  // defaults
   const Grouping g = group_runs(runs, o);
   EXPECT_TRUE(g.singles.empty());
-  ASSERT_EQ(g.gathers.size(), 2u);  // 2 MiB in gathers of at most 1 MiB
-  EXPECT_EQ(g.gathers[0].size(), 2048u);
+  ASSERT_EQ(g.gathers.size(), 2u);  // 4 MiB in gathers of at most 4096 runs
+  EXPECT_EQ(g.gathers[0].size(), 4096u);
+}
+
+TEST(Gather, RunsBelowAMebibyteFillGathersOf16MiB) {
+  // The agents' defaults (docs/refresh.md, "Gathers"): 200 rows of 112 KiB
+  // (an FSDP shard's rows of one expert matrix) from one source are two
+  // gathers, the first as large as 16 MiB allows; a run of 1 MiB is a
+  // plain GET.
+  std::vector<GatherInput> runs(200, GatherInput{0, 1, 112 << 10});
+  runs.push_back(GatherInput{0, 1, 1 << 20});
+  const Grouping g = group_runs(runs, GatherOptions{});
+  ASSERT_EQ(g.gathers.size(), 2u);
+  EXPECT_EQ(g.gathers[0].size(), 146u);  // 146 x 112 KiB <= 16 MiB < 147 x 112 KiB
+  EXPECT_EQ(g.gathers[1].size(), 54u);
+  EXPECT_EQ(g.singles, std::vector<uint64_t>{200});
 }
 
 TEST(Gather, DisabledOrLargeRunsStaySingle) {

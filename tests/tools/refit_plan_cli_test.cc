@@ -468,6 +468,10 @@ TEST_F(RefitPlanCli, GetStatisticsInTheSummary) {
   EXPECT_EQ(s["gathers"], 4);
   EXPECT_EQ(s["gathered_runs"], 20);
   EXPECT_EQ(s["gather_unpacked"], 0);
+  // Each source serves one 30-byte gather to each of receivers 1 and 2:
+  // that is what a source may hold for them, well within its bound.
+  EXPECT_EQ(s["gather_reply_bytes_wanted"], 60);
+  EXPECT_EQ(s["gather_reply_bytes_bound"], 60);
   EXPECT_EQ(s["ungrouped_gets"], 21);
   EXPECT_EQ(s["ungrouped_gets_per_receiver_max"], 10);
   EXPECT_EQ(s["ungrouped_get_bytes_median"], 6);

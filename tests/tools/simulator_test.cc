@@ -224,6 +224,23 @@ TEST(Simulator, GathersCountAsOneGetAsTheAgentsGroupThem) {
   EXPECT_LT(r.predicted_seconds, 8 * kUs);
 }
 
+// What the one source may be asked to hold for the two receivers' gathers
+// (1024 bytes each): all of it, or each receiver's window where that is less.
+TEST(GetStats, GatherReplyMemoryWantedIsTheSourcesPullersWindowsAtMost) {
+  const Layout L = column_slices();  // the plan refers to it
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const GatherOptions agents;
+  GetStats g = get_stats(*plan, 1 << 20, &agents, nullptr, 1 << 20);
+  EXPECT_EQ(g.gather_reply_bytes_wanted, 2048);
+  EXPECT_EQ(g.gather_reply_wanted_source, 0);
+  g = get_stats(*plan, 1 << 20, &agents, nullptr, 512);
+  EXPECT_EQ(g.gather_reply_bytes_wanted, 1024);
+  g = get_stats(*plan, 1 << 20, &agents);  // no window: not computed
+  EXPECT_EQ(g.gather_reply_bytes_wanted, 0);
+  EXPECT_EQ(g.gather_reply_wanted_source, -1);
+}
+
 TEST(LowerBound, IsTheLargestOfTheThreeTerms) {
   // Two receivers in one domain, one source: the domain needs 4096 bytes,
   // through two NICs; all sources (one NIC) must serve 4096.

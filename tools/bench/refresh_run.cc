@@ -1155,6 +1155,9 @@ std::string agent_config(const AgentPlace& place, const std::string& coordinator
   if (options.heartbeat_timeout.count() > 0)
     c["heartbeat_ms"] = std::max<int64_t>(100, options.heartbeat_timeout.count() / 4);
   c["log_level"] = options.log_level;
+  for (const auto& [key, value] : (place.receiver ? options.receiver_config : options.source_config).items()) {
+    c[key] = value;
+  }
   return c.dump();
 }
 

@@ -66,6 +66,11 @@ struct RunOptions {
   // The receivers group small runs into gathers (docs/refresh.md,
   // "Gathers"); false: "gather_below_bytes": 0, every run its own GET.
   bool gather = true;
+  // Keys set in every receiver's and every source's config over refit-bench's
+  // own (JSON objects; empty: none), for a before/after of the transfer
+  // knobs ("chunk_bytes", "gather_bytes", "gather_reply_bytes", ...).
+  nlohmann::json receiver_config = nlohmann::json::object();
+  nlohmann::json source_config = nlohmann::json::object();
   // Some tensor converts on the way (docs/conversion.md): the receivers
   // declare the layout's F8_E4M3 block ("weight_block_size").
   bool converts = false;

@@ -18,9 +18,14 @@ struct PendingReply {
   am_rma::ReplyHeader header;
   std::shared_ptr<std::atomic<uint64_t>> inflight;  // may be null
   std::unique_ptr<uint8_t[]> bytes;  // a gather's piece, else null
+  // A gather's piece: the reply memory it holds, given back to `budget`
+  // when the send completes.
+  std::shared_ptr<std::atomic<uint64_t>> budget;
+  uint64_t charged = 0;
 };
 
 void release(PendingReply* p) {
+  if (p->budget) p->budget->fetch_sub(p->charged, std::memory_order_relaxed);
   // Release: AmRmaServer::quiesce() acquires it; the send is done reading.
   if (p->inflight) p->inflight->fetch_sub(1, std::memory_order_release);
   delete p;
@@ -37,12 +42,16 @@ void on_reply_sent(void* request, ucs_status_t /*status*/, void* user_data) {
 // send failed at once (the puller is gone). A send that fails later
 // completes with an error status: no abort, unlike UCX's own RMA emulation.
 // `owned`, if given, holds `data` until the send completes.
+// `budget`, if given, gets `length` back then (a gather's piece).
 bool send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, uint64_t offset,
                 const void* data, size_t length,
                 const std::shared_ptr<std::atomic<uint64_t>>& inflight,
-                std::unique_ptr<uint8_t[]> owned = nullptr) {
+                std::unique_ptr<uint8_t[]> owned = nullptr,
+                const std::shared_ptr<std::atomic<uint64_t>>& budget = nullptr) {
   auto* p = new PendingReply{};
   p->bytes = std::move(owned);
+  p->budget = budget;
+  p->charged = budget ? length : 0;
   p->header.token = token;
   p->header.status = status;
   p->header.offset = offset;
@@ -113,9 +122,12 @@ Status install_fallback_handlers(ucp_worker_h worker) {
 
 }  // namespace am_rma
 
-Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker, Puts puts) {
+Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker, Puts puts, uint64_t gather_reply_bytes) {
   if (worker.get() == nullptr) return Status::invalid("ucx am rma server: worker is empty");
-  std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker, puts));
+  if (gather_reply_bytes == 0) {
+    return Status::invalid("ucx am rma server: the gather reply memory (\"gather_reply_bytes\") must be positive");
+  }
+  std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker, puts, gather_reply_bytes));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGetRequest, &AmRmaServer::on_get, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kPutRequest, &AmRmaServer::on_put, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGatherRequest, &AmRmaServer::on_gather, s.get()));
@@ -256,10 +268,18 @@ ucs_status_t AmRmaServer::check_gather(const am_rma::GatherHeader& h, const void
   return UCS_OK;
 }
 
-void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries, uint32_t count) {
+void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries, uint32_t count,
+                               uint64_t total) {
   std::unique_ptr<uint8_t[]> piece;
   uint64_t filled = 0;  // bytes in `piece`
   uint64_t offset = 0;  // of `piece` in the stream
+  // The admission charged `total`; each piece gives its share back when its
+  // send completes, and the pieces never sent give theirs back here.
+  struct Unsent {
+    std::atomic<uint64_t>& budget;
+    uint64_t bytes;
+    ~Unsent() { budget.fetch_sub(bytes, std::memory_order_relaxed); }
+  } unsent{*reply_bytes_, total};
   for (uint32_t i = 0; i < count; ++i) {
     am_rma::GatherEntry e;
     std::memcpy(&e, static_cast<const uint8_t*>(entries) + i * sizeof(e), sizeof(e));
@@ -274,8 +294,9 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
       filled += n;
       if (filled == am_rma::kReplyPieceBytes) {
         const uint8_t* p = piece.get();
+        unsent.bytes -= filled;
         if (!send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_,
-                        std::move(piece))) {
+                        std::move(piece), reply_bytes_)) {
           return;  // the puller is gone
         }
         offset += filled;
@@ -285,8 +306,23 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
   }
   if (filled > 0) {
     const uint8_t* p = piece.get();
-    (void)send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_, std::move(piece));
+    unsent.bytes -= filled;
+    (void)send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_, std::move(piece),
+                     reply_bytes_);
   }
+}
+
+ucs_status_t AmRmaServer::admit_gather(uint64_t total) {
+  if (total > gather_reply_limit_) return UCS_ERR_EXCEEDS_LIMIT;
+  uint64_t used = reply_bytes_->load(std::memory_order_relaxed);
+  do {
+    if (used + total > gather_reply_limit_) return UCS_ERR_BUSY;
+  } while (!reply_bytes_->compare_exchange_weak(used, used + total, std::memory_order_relaxed));
+  uint64_t peak = reply_bytes_peak_.load(std::memory_order_relaxed);
+  while (used + total > peak &&
+         !reply_bytes_peak_.compare_exchange_weak(peak, used + total, std::memory_order_relaxed)) {
+  }
+  return UCS_OK;
 }
 
 ucs_status_t AmRmaServer::on_gather(void* arg, const void* header, size_t header_length, void* data,
@@ -310,8 +346,24 @@ ucs_status_t AmRmaServer::on_gather(void* arg, const void* header, size_t header
     self->reply(param->reply_ep, am_rma::kGetReply, h.token, st);
     return UCS_OK;
   }
+  st = self->admit_gather(h.total);
+  if (st == UCS_ERR_BUSY) {
+    // Its bytes would take the reply memory past the bound: the puller asks
+    // again once it has waited a moment (get_engine.h).
+    self->busy_.fetch_add(1, std::memory_order_relaxed);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, st);
+    return UCS_OK;
+  }
+  if (st != UCS_OK) {
+    // Larger than the bound: never servable. The reply's offset carries the
+    // bound, so that the puller's error can name it.
+    self->refused_.fetch_add(1, std::memory_order_relaxed);
+    (void)send_reply(param->reply_ep, am_rma::kGetReply, h.token, st, self->gather_reply_limit_, nullptr, 0,
+                     self->inflight_);
+    return UCS_OK;
+  }
   self->served_.fetch_add(1, std::memory_order_relaxed);
-  self->reply_gather(param->reply_ep, h.token, data, h.count);
+  self->reply_gather(param->reply_ep, h.token, data, h.count, h.total);
   return UCS_OK;
 }
 

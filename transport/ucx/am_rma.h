@@ -46,9 +46,15 @@
 // kMaxGatherBytes (checked without overflow), and refuses it with
 // UCS_ERR_INVALID_ADDR unless every entry lies in one exported region of bytes (not atomic words). The
 // server copies the bytes into reply buffers of kReplyPieceBytes each, held
-// only until that reply's send completes: a source's extra memory is at
-// most the gather bytes its pullers have in flight (each bounded by its
-// window), never a copy of its shard.
+// only until that reply's send completes, and it bounds that memory: a
+// gather is admitted only while the reply bytes of the gathers it serves,
+// with this one, stay within `gather_reply_bytes` (create()). One that
+// would pass it is answered UCS_ERR_BUSY, and the puller asks again a
+// moment later (get_engine.h); one larger than the bound itself can never
+// be served and is answered UCS_ERR_EXCEEDS_LIMIT, with the bound in the
+// reply's offset. So a source's extra memory is at most
+// `gather_reply_bytes`, never a copy of its shard, however many pullers
+// gather from it.
 //
 // The puller side is part of the GetEngine (get_engine.h); the target side
 // is the AmRmaServer below, which every process that exports memory over
@@ -112,6 +118,8 @@ struct GatherEntry {
 // Bounds on one gather request (peer input, checked by the server).
 constexpr uint32_t kMaxGatherEntries = 65536;
 constexpr uint64_t kMaxGatherBytes = uint64_t{64} << 20;
+// The reply memory a server holds for gathers by default (AmRmaServer).
+constexpr uint64_t kDefaultGatherReplyBytes = uint64_t{256} << 20;
 
 struct ReplyHeader {
   uint32_t magic = kMagic;
@@ -156,7 +164,10 @@ class AmRmaServer {
 
   // Registers the request handlers on `worker` (borrowed; must outlive the
   // server). One server per worker.
-  static Result<std::unique_ptr<AmRmaServer>> create(Worker& worker, Puts puts = Puts::kServed);
+  // `gather_reply_bytes` (> 0) bounds the memory of gather replies in
+  // flight (see the top).
+  static Result<std::unique_ptr<AmRmaServer>> create(Worker& worker, Puts puts = Puts::kServed,
+                                                     uint64_t gather_reply_bytes = am_rma::kDefaultGatherReplyBytes);
   ~AmRmaServer();
   AmRmaServer(const AmRmaServer&) = delete;
   AmRmaServer& operator=(const AmRmaServer&) = delete;
@@ -186,6 +197,12 @@ class AmRmaServer {
   // Reply messages (a GET's pieces count one each) whose send has not
   // completed yet.
   uint64_t replies_in_flight() const { return inflight_->load(std::memory_order_relaxed); }
+  // Gathers answered UCS_ERR_BUSY (asked again later by their pullers).
+  uint64_t busy() const { return busy_.load(std::memory_order_relaxed); }
+  // Gather reply memory held now, and the most held at once so far; the
+  // latter never exceeds the bound given to create().
+  uint64_t gather_reply_bytes() const { return reply_bytes_->load(std::memory_order_relaxed); }
+  uint64_t gather_reply_bytes_peak() const { return reply_bytes_peak_.load(std::memory_order_relaxed); }
 
   // Waits until no request handler runs and every reply sent so far has
   // completed, or until `deadline`. The owner of exported memory calls it
@@ -199,7 +216,8 @@ class AmRmaServer {
   bool quiesce(std::chrono::steady_clock::time_point deadline);
 
  private:
-  AmRmaServer(Worker& worker, Puts puts) : worker_(worker), puts_(puts) {}
+  AmRmaServer(Worker& worker, Puts puts, uint64_t gather_reply_bytes)
+      : worker_(worker), puts_(puts), gather_reply_limit_(gather_reply_bytes) {}
   static ucs_status_t on_get(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t on_gather(void* arg, const void* header, size_t header_length, void* data,
@@ -208,8 +226,12 @@ class AmRmaServer {
   // or out of bounds; UCS_ERR_INVALID_ADDR: an entry outside every
   // exported region), or UCS_OK.
   ucs_status_t check_gather(const am_rma::GatherHeader& h, const void* data, size_t length) const;
-  // The entries' bytes, in order, in pieces of at most kReplyPieceBytes.
-  void reply_gather(ucp_ep_h ep, uint64_t token, const void* entries, uint32_t count);
+  // Charges `total` bytes of reply memory: UCS_OK, UCS_ERR_BUSY (not now)
+  // or UCS_ERR_EXCEEDS_LIMIT (never).
+  ucs_status_t admit_gather(uint64_t total);
+  // The entries' bytes (`total`, admitted), in order, in pieces of at most
+  // kReplyPieceBytes.
+  void reply_gather(ucp_ep_h ep, uint64_t token, const void* entries, uint32_t count, uint64_t total);
   static ucs_status_t on_put(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   // Whether [address, +length) lies in one exported region (and, with
@@ -237,6 +259,11 @@ class AmRmaServer {
   std::vector<Exported> regions_;  // guarded by mutex_
   std::atomic<uint64_t> served_{0};
   std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> busy_{0};
+  const uint64_t gather_reply_limit_;
+  // Gather reply bytes held; shared with the send callbacks, like inflight_.
+  std::shared_ptr<std::atomic<uint64_t>> reply_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
+  std::atomic<uint64_t> reply_bytes_peak_{0};
   // Shared with the send callbacks, which may run after the server is gone.
   std::shared_ptr<std::atomic<uint64_t>> inflight_ = std::make_shared<std::atomic<uint64_t>>(0);
 };

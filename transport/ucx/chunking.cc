@@ -17,6 +17,12 @@ Status validate(const WindowLimits& l) {
   REFIT_RETURN_IF_ERROR(positive(l.max_ops_in_flight, "max_ops_in_flight"));
   REFIT_RETURN_IF_ERROR(positive(l.max_bytes_per_endpoint, "max_bytes_per_endpoint"));
   REFIT_RETURN_IF_ERROR(positive(l.max_ops_per_endpoint, "max_ops_per_endpoint"));
+  if (l.gather_chunk_bytes > l.max_bytes_per_endpoint || l.gather_chunk_bytes > l.max_bytes_in_flight) {
+    return Status::invalid("ucx window: \"gather_chunk_bytes\" (" + std::to_string(l.gather_chunk_bytes) +
+                           ") must not exceed \"max_bytes_per_endpoint\" (" +
+                           std::to_string(l.max_bytes_per_endpoint) + ") or \"max_bytes_in_flight\" (" +
+                           std::to_string(l.max_bytes_in_flight) + "); lower gather_chunk_bytes");
+  }
   if (l.chunk_bytes > l.max_bytes_per_endpoint || l.chunk_bytes > l.max_bytes_in_flight) {
     return Status::invalid("ucx window: \"chunk_bytes\" (" + std::to_string(l.chunk_bytes) +
                            ") must not exceed \"max_bytes_per_endpoint\" (" +
@@ -57,7 +63,8 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
                              std::to_string(r.endpoint) + " out of range (" +
                              std::to_string(num_endpoints) + " endpoints)");
     }
-    auto chunks = split_run(i, r, limits.chunk_bytes);
+    const uint64_t cut = r.gather && limits.gather_chunk_bytes > 0 ? limits.gather_chunk_bytes : limits.chunk_bytes;
+    auto chunks = split_run(i, r, cut);
     s.runs_[i].pending = static_cast<uint32_t>(chunks.size());
     s.pending_chunks_ += chunks.size();
     auto& q = s.eps_[r.endpoint].queue;
@@ -78,7 +85,7 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
   for (uint32_t tried = 0; tried < n; ++tried) {
     uint32_t e = (cursor_ + tried) % n;
     EndpointState& ep = eps_[e];
-    if (ep.head == ep.queue.size()) continue;
+    if (ep.head == ep.queue.size() || ep.held) continue;
     const Chunk c = ep.queue[ep.head];
     if (!fits(ep, c)) continue;
     if (gate && c.offset == 0 && !gate(c.run)) continue;  // asked before its first chunk only
@@ -104,6 +111,16 @@ bool ChunkScheduler::complete(const Chunk& c) {
   --ops_in_flight_;
   --runs_[c.run].in_flight;
   return run_finished(c.run);
+}
+
+void ChunkScheduler::requeue(const Chunk& c) {
+  (void)complete(c);
+  EndpointState& ep = eps_[c.endpoint];
+  // The entries before head are spent: the one before it takes the chunk.
+  // head > 0, since the chunk was issued from this queue.
+  ep.queue[--ep.head] = c;
+  ++runs_[c.run].pending;
+  ++pending_chunks_;
 }
 
 std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {

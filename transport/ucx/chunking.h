@@ -17,21 +17,27 @@ namespace refit::ucx {
 
 struct WindowLimits {
   uint64_t chunk_bytes = 1 << 20;                // largest single GET
+  // Largest single request of a gather run (ChunkRun::gather); 0: chunk_bytes.
+  // A gather is one request to its peer, which copies its ranges into its
+  // replies, so it may be larger than a plain GET (docs/refresh.md,
+  // "Gathers").
+  uint64_t gather_chunk_bytes = 0;
   uint64_t max_bytes_in_flight = 16ull << 20;    // all endpoints together
   uint64_t max_ops_in_flight = 256;              // all endpoints together
   uint64_t max_bytes_per_endpoint = 8ull << 20;  // one endpoint
   uint64_t max_ops_per_endpoint = 64;            // one endpoint
 };
 
-// Checks that every limit is positive and that one chunk fits every byte
-// window (otherwise nothing could ever be issued). The message names the
-// setting.
+// Checks that every limit is positive and that one chunk, plain or of a
+// gather, fits every byte window (otherwise nothing could ever be issued).
+// The message names the setting.
 Status validate(const WindowLimits& limits);
 
 // What the scheduler needs to know about a run.
 struct ChunkRun {
   uint32_t endpoint = 0;  // dense index < num_endpoints
   uint64_t bytes = 0;     // > 0
+  bool gather = false;    // cut at WindowLimits::gather_chunk_bytes
 };
 
 struct Chunk {
@@ -69,6 +75,14 @@ class ChunkScheduler {
   // the last outstanding piece of its run (nothing pending, nothing in flight).
   bool complete(const Chunk& chunk);
 
+  // Takes an issued chunk back: its window share is released and it is the
+  // next chunk of its endpoint again (a peer that was busy and will be
+  // asked again).
+  void requeue(const Chunk& chunk);
+
+  // While `held`, next() issues nothing of `endpoint`.
+  void hold(uint32_t endpoint, bool held) { eps_[endpoint].held = held; }
+
   // Drops every chunk of `endpoint` not yet issued. Returns the runs that
   // thereby became finished (no chunk of them still in flight).
   std::vector<uint32_t> drop_endpoint(uint32_t endpoint);
@@ -93,6 +107,7 @@ class ChunkScheduler {
     size_t head = 0;           // queue[head..] are pending
     uint64_t bytes_in_flight = 0;
     uint64_t ops_in_flight = 0;
+    bool held = false;
   };
   bool fits(const EndpointState& ep, const Chunk& c) const;
 

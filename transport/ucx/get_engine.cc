@@ -165,7 +165,7 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
       run_memh_.push_back(nullptr);
       run_region_.push_back(nullptr);
       run_local_.push_back(nullptr);
-      chunk_runs->push_back(ChunkRun{e, r.bytes});
+      chunk_runs->push_back(ChunkRun{e, r.bytes, /*gather=*/true});
       continue;
     }
     run_gather_.push_back(0);
@@ -209,9 +209,11 @@ Status GetEngine::validate_gather_locked(uint32_t i, const GetRun& r) {
     return Status::invalid(run_name(i, r) + ": more than " + std::to_string(am_rma::kMaxGatherEntries) +
                            " ranges, the most a peer serves in one gather");
   }
-  if (std::min<uint64_t>(r.bytes, options_.limits.chunk_bytes) > am_rma::kMaxGatherBytes) {
+  const uint64_t cut =
+      options_.limits.gather_chunk_bytes > 0 ? options_.limits.gather_chunk_bytes : options_.limits.chunk_bytes;
+  if (std::min<uint64_t>(r.bytes, cut) > am_rma::kMaxGatherBytes) {
     return Status::invalid(run_name(i, r) + ": its requests would exceed " + std::to_string(am_rma::kMaxGatherBytes) +
-                           " bytes, the most a peer serves in one gather; use a smaller \"chunk_bytes\"");
+                           " bytes, the most a peer serves in one gather; use a smaller \"gather_bytes\"");
   }
   run_gather_.push_back(static_cast<uint32_t>(gather_offsets_.size()));
   uint64_t sum = 0;
@@ -275,6 +277,9 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   runs_ = runs;
   ep_dropped_.assign(batch_eps_.size(), false);
   ep_last_event_.assign(batch_eps_.size(), start);
+  ep_retry_at_.assign(batch_eps_.size(), Clock::time_point{});
+  eps_held_ = 0;
+  busy_retries_ = 0;
   run_status_.assign(runs.size(), Status::ok());
   run_reported_.assign(runs.size(), false);
   on_run_done_ = std::move(on_run_done);
@@ -325,7 +330,8 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
         break;
       }
       (void)worker_.signal();  // new GETs may need the progress thread
-      batch_cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      // 1 ms while a busy peer waits to be asked again, else 50.
+      batch_cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(eps_held_ > 0 ? 1 : 50)));
       continue;
     }
     if (worker_.progress() != 0) {
@@ -357,6 +363,7 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   report.runs = run_status_;
   report.bytes_done = bytes_done_;
   report.gets_issued = gets_issued_;
+  report.busy_retries = busy_retries_;
   for (uint32_t i = 0; i < report.runs.size(); ++i) {
     if (!report.runs[i].is_ok() && report.status.is_ok()) report.status = report.runs[i];
   }
@@ -572,6 +579,15 @@ void GetEngine::pump_locked() {
     abandon_am_locked(batch_eps_[e]);
   }
   if (halt_locked()) return;
+  if (eps_held_ > 0) {  // endpoints whose busy peer may be asked again
+    const auto now = Clock::now();
+    for (uint32_t e = 0; e < ep_retry_at_.size(); ++e) {
+      if (ep_retry_at_[e] == Clock::time_point{} || now < ep_retry_at_[e]) continue;
+      ep_retry_at_[e] = Clock::time_point{};
+      --eps_held_;
+      scheduler_->hold(e, false);
+    }
+  }
   // A run callback may halt the batch from inside issue_locked (a GET that
   // completes in place): asked after every chunk.
   while (auto c = scheduler_->next(scheduler_gate_)) {
@@ -801,6 +817,7 @@ ucs_status_t GetEngine::on_am_reply(void* arg, const void* header, size_t header
   }
   slot->am_replied = true;
   slot->am_status = st;
+  slot->am_reply_offset = h.offset;
   self->am_progress_locked(slot);
   return UCS_OK;
 }
@@ -817,16 +834,36 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
   const Chunk c = slot->chunk;
   const bool current = slot->generation == generation_ && scheduler_.has_value();
   const bool am_refused = slot->am && slot->am_replied && slot->am_status != UCS_OK;
+  const uint64_t peer_bound = slot->am_reply_offset;  // read before the slot is reused
   slot->in_use = false;
   free_slots_.push_back(slot);
   --outstanding_;
   if (!current) return;  // a late completion of an abandoned batch
-  ep_last_event_[run_ep_[c.run]] = Clock::now();
+  const uint32_t e = run_ep_[c.run];
+  ep_last_event_[e] = Clock::now();
+  if (am_refused && status == UCS_ERR_BUSY && !runs_[c.run].gather.empty() && run_status_[c.run].is_ok()) {
+    // The peer's gather reply memory is full (am_rma.h): ask again later.
+    scheduler_->requeue(c);
+    if (ep_retry_at_[e] == Clock::time_point{}) {
+      ++eps_held_;
+      scheduler_->hold(e, true);
+    }
+    ep_retry_at_[e] = ep_last_event_[e] + kGatherRetryDelay;
+    ++busy_retries_;
+    return;
+  }
   if (status == UCS_OK) {
     bytes_done_ += c.bytes;
   } else {
     const GetRun& r = runs_[c.run];
-    if (am_refused) {
+    if (am_refused && status == UCS_ERR_EXCEEDS_LIMIT) {
+      fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer serves gathers of at most " +
+                                                  std::to_string(peer_bound) +
+                                                  " bytes (its \"gather_reply_bytes\"), this request has " +
+                                                  std::to_string(c.bytes) +
+                                                  "; lower \"gather_bytes\", or raise the source's "
+                                                  "\"gather_reply_bytes\""));
+    } else if (am_refused) {
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer refused the " +
                                                   op_name(r.op) + " of " + std::to_string(c.bytes) +
                                                   " bytes at offset " + std::to_string(c.offset) +
@@ -877,6 +914,7 @@ void GetEngine::progress_loop() {
   auto fd = worker_.event_fd();
   while (true) {
     bool armed = false;
+    int wait_ms = 50;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stop_) return;
@@ -886,12 +924,13 @@ void GetEngine::progress_loop() {
       if (batch_done_locked()) batch_cv_.notify_all();
       auto a = worker_.arm();
       armed = a.is_ok() && *a;
+      if (eps_held_ > 0) wait_ms = 1;  // a busy peer is asked again soon
     }
     if (armed && fd) {
       // Sleeps until the worker has events, run_batch() signals new work,
       // or 50 ms pass (so that stop_ is noticed even without a signal).
       pollfd p = {*fd, POLLIN, 0};
-      (void)::poll(&p, 1, 50);
+      (void)::poll(&p, 1, wait_ms);
     }
   }
 }

@@ -26,7 +26,12 @@
 // (GetRun::gather), which travel as gather requests (am_rma.h) on any
 // endpoint: the peer's AmRmaServer copies them, in order, into its replies,
 // and the engine scatters each reply piece to the ranges' local places. A
-// gather's bytes are one stream, chunked and windowed like any run's.
+// gather's bytes are one stream, chunked and windowed like any run's. A
+// peer whose gather reply memory is full answers UCS_ERR_BUSY: the engine
+// takes that chunk back and asks again after kGatherRetryDelay, holding the
+// endpoint's later chunks until then (they keep their order). A gather
+// larger than the peer's bound (UCS_ERR_EXCEEDS_LIMIT) fails its run with
+// a message that names both sizes.
 //
 // Speed on shared memory: with PeerErrorHandling::kNone and a peer region
 // from MemoryRegion::allocate, a GET is a memcpy from the peer's mapped
@@ -112,6 +117,7 @@ struct BatchReport {
   uint64_t bytes_done = 0;       // bytes of chunks that completed ok
   std::chrono::nanoseconds elapsed{0};
   uint64_t gets_issued = 0;      // UCX operations issued, GETs and PUTs
+  uint64_t busy_retries = 0;     // gathers a busy peer answered, asked again
 };
 
 struct GetEngineOptions {
@@ -123,6 +129,9 @@ struct GetEngineOptions {
   // requests of force-closed endpoints.
   std::chrono::milliseconds cancel_grace{2000};
 };
+
+// How long the engine waits before asking a busy peer again (see the top).
+constexpr std::chrono::microseconds kGatherRetryDelay{200};
 
 class GetEngine {
  public:
@@ -225,6 +234,7 @@ class GetEngine {
     bool am_replied = false;
     uint64_t am_received = 0;  // GET bytes landed so far
     ucs_status_t am_status = UCS_OK;  // from the reply
+    uint64_t am_reply_offset = 0;     // a refusal's offset: the peer's gather bound (am_rma.h)
     Endpoint* endpoint = nullptr;
     am_rma::RequestHeader am_header;  // must live until the send completes
     // A gather's request: its header and entries, likewise.
@@ -304,6 +314,11 @@ class GetEngine {
   // Per batch endpoint: when a request on it was last issued or completed
   // (or a piece of a reply came), for drop_peer's `quiet`.
   std::vector<std::chrono::steady_clock::time_point> ep_last_event_;
+  // Per batch endpoint held after a busy gather reply: when to ask again
+  // (time_point{}: not held); how many are held.
+  std::vector<std::chrono::steady_clock::time_point> ep_retry_at_;
+  uint32_t eps_held_ = 0;
+  uint64_t busy_retries_ = 0;
   std::vector<Status> run_status_;
   std::vector<bool> run_reported_;
   std::vector<uint32_t> run_ep_;

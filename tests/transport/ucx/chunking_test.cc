@@ -130,6 +130,58 @@ TEST(ChunkScheduler, EndpointsTakeTurns) {
   EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 0, 1, 2}));
 }
 
+// A gather run is cut at its own request size; one larger than a window
+// could never be issued and is refused, naming the setting.
+TEST(ChunkScheduler, GatherRunsAreCutAtTheirOwnSize) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  l.gather_chunk_bytes = 100;
+  l.max_bytes_per_endpoint = 100;
+  l.max_bytes_in_flight = 100;
+  std::vector<ChunkRun> runs = {{0, 250, /*gather=*/true}, {0, 25}};
+  auto sched = ChunkScheduler::create(l, runs, 1);
+  ASSERT_TRUE(sched.is_ok());
+  EXPECT_EQ(sched->pending_chunks(), 3u + 3u);
+  const Chunk first = *sched->next();
+  EXPECT_EQ(first.bytes, 100u);
+  l.gather_chunk_bytes = 101;
+  const Status s = validate(l);
+  EXPECT_NE(s.message().find("\"gather_chunk_bytes\" (101)"), std::string::npos) << s.message();
+}
+
+// A chunk taken back (its peer was busy) gives back its window share and
+// is its endpoint's next chunk again; a held endpoint issues nothing, the
+// others go on.
+TEST(ChunkScheduler, ARequeuedChunkComesNextAndAHeldEndpointWaits) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  std::vector<ChunkRun> runs = {{0, 20}, {1, 10}};
+  auto sched = ChunkScheduler::create(l, runs, 2);
+  ASSERT_TRUE(sched.is_ok());
+  const Chunk first = *sched->next();
+  EXPECT_EQ(first.run, 0u);
+  EXPECT_EQ(first.offset, 0u);
+  sched->requeue(first);
+  EXPECT_EQ(sched->bytes_in_flight(), 0u);
+  EXPECT_EQ(sched->ops_in_flight(), 0u);
+  EXPECT_EQ(sched->pending_chunks(), 3u);
+  EXPECT_FALSE(sched->run_finished(0));
+  sched->hold(0, true);
+  const Chunk other = *sched->next();
+  EXPECT_EQ(other.run, 1u);
+  EXPECT_FALSE(sched->next().has_value());  // endpoint 0 is held
+  sched->hold(0, false);
+  const Chunk again = *sched->next();
+  EXPECT_EQ(again.run, 0u);
+  EXPECT_EQ(again.offset, 0u);
+  const Chunk second = *sched->next();
+  EXPECT_EQ(second.offset, 10u);
+  EXPECT_FALSE(sched->complete(again));
+  EXPECT_TRUE(sched->complete(second));
+  EXPECT_TRUE(sched->complete(other));
+  EXPECT_TRUE(sched->done());
+}
+
 // A gate holds a run back before its first chunk, and with it the rest of
 // that endpoint's queue; other endpoints go on.
 TEST(ChunkScheduler, GateHoldsARunAndItsEndpointUntilItOpens) {

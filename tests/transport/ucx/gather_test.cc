@@ -8,6 +8,9 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <thread>
+#include <atomic>
+#include <algorithm>
 
 #include "transport/ucx/am_rma.h"
 #include "transport/ucx/context.h"
@@ -64,9 +67,21 @@ class GatherFixture : public ::testing::Test {
     worker_.reset();
     ctx_.reset();
   }
-  void make_engine(uint64_t chunk_bytes) {
+  // A server whose gather reply memory is `bound` bytes, in place of the
+  // default one.
+  void make_server(uint64_t bound) {
+    server_.reset();
+    auto server = AmRmaServer::create(*worker_, AmRmaServer::Puts::kRefused, bound);
+    ASSERT_TRUE(server.is_ok()) << server.status().message();
+    server_ = std::move(*server);
+    server_->export_region(*src_region_);
+  }
+  void make_engine(uint64_t chunk_bytes, uint64_t gather_chunk_bytes = 0) {
     GetEngineOptions o;
     o.limits.chunk_bytes = chunk_bytes;
+    o.limits.gather_chunk_bytes = gather_chunk_bytes;
+    o.limits.max_bytes_per_endpoint = std::max<uint64_t>(o.limits.max_bytes_per_endpoint, chunk_bytes);
+    o.limits.max_bytes_in_flight = std::max<uint64_t>(o.limits.max_bytes_in_flight, chunk_bytes);
     auto engine = GetEngine::create(*worker_, o);
     ASSERT_TRUE(engine.is_ok()) << engine.status().message();
     engine_ = std::move(*engine);
@@ -140,6 +155,20 @@ TEST_F(GatherFixture, GatherLargerThanAChunkIsCutAcrossRanges) {
   EXPECT_EQ(std::memcmp(dst_.data() + 900000, src_.data() + 900000, 5000), 0);
 }
 
+// With a gather request size of its own (the agents': "gather_bytes"), a
+// gather is one request however small the plain GETs' chunk.
+TEST_F(GatherFixture, AGatherIsOneRequestOfItsOwnSize) {
+  make_engine(4096, 1 << 20);
+  const auto parts = column_slice(300, 700, 2048);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts},
+                              GetRun{&*ep_, 1, src_at(900000), dst_.data() + 900000, 10000}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(10));
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(report.gets_issued, 1u + 3u);  // the gather whole; the plain GET in chunks of 4096
+  expect_landed(parts);
+  EXPECT_EQ(std::memcmp(dst_.data() + 900000, src_.data() + 900000, 10000), 0);
+}
+
 TEST_F(GatherFixture, RangeOutsideTheKeyIsRefusedBeforeAnyRequest) {
   make_engine(1 << 20);
   auto parts = column_slice(4, 100, 1000);
@@ -179,6 +208,103 @@ TEST_F(GatherFixture, PeerWithoutAServerRefusesAtOnce) {
   ASSERT_FALSE(report.status.is_ok());
   EXPECT_TRUE(contains(report.status, "AmRmaServer")) << report.status.message();
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(4));
+}
+
+// A gather larger than the source's reply memory can never be served: the
+// run fails at once, and the message names both sizes and the knobs.
+TEST_F(GatherFixture, AGatherLargerThanTheSourcesBoundIsRefusedNamingBoth) {
+  make_server(100000);
+  make_engine(1 << 20);
+  const auto parts = column_slice(300, 700, 2048);  // 210000 bytes
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(5));
+  ASSERT_FALSE(report.status.is_ok());
+  EXPECT_EQ(report.status.message(),
+            "run 0 (gather of 300 ranges, 210000 bytes, on endpoint \"self\"): the peer serves gathers of at most "
+            "100000 bytes (its \"gather_reply_bytes\"), this request has 210000; lower \"gather_bytes\", or raise "
+            "the source's \"gather_reply_bytes\": " +
+                std::string(ucs_status_string(UCS_ERR_EXCEEDS_LIMIT)) + " (UCX status -21)");
+  EXPECT_EQ(server_->refused(), 1u);
+  EXPECT_EQ(server_->gather_reply_bytes_peak(), 0u);
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+}
+
+// A source whose gather reply memory is full answers "busy"; the puller asks
+// again and the gather lands, and the source never holds more than its
+// bound. A second puller, which does not read its replies yet, holds the
+// source's memory: a 32 MiB gather, more than the sockets absorb.
+TEST_F(GatherFixture, ABusySourceIsAskedAgainAndNeverHoldsMoreThanItsBound) {
+  constexpr uint64_t kBound = uint64_t{32} << 20;
+  make_server(kBound);
+  auto w2 = Worker::create(*ctx_);
+  ASSERT_TRUE(w2.is_ok()) << w2.status().message();
+  std::optional<Worker> worker2(std::move(*w2));
+  auto addr = worker_->address();
+  ASSERT_TRUE(addr.is_ok());
+  auto e2 = Endpoint::create(*worker2, *addr, "slow puller");
+  ASSERT_TRUE(e2.is_ok()) << e2.status().message();
+  std::optional<Endpoint> ep2(std::move(*e2));
+  // 32 entries of the whole 1 MiB source: the bound exactly.
+  std::vector<am_rma::GatherEntry> entries(32, am_rma::GatherEntry{src_at(0), src_.size()});
+  am_rma::GatherHeader h;
+  h.count = static_cast<uint32_t>(entries.size());
+  h.token = 5;
+  h.total = kBound;
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t req = ucp_am_send_nbx(ep2->get(), am_rma::kGatherRequest, &h, sizeof(h), entries.data(),
+                                         entries.size() * sizeof(am_rma::GatherEntry), &param);
+  ASSERT_FALSE(UCS_PTR_IS_ERR(req));
+  // Until the source has taken it; from then on the slow puller reads
+  // nothing (its replies are dropped when it does: no handler of its own).
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  while (server_->served() == 0 && Clock::now() < until) {
+    worker2->progress();
+    worker_->progress();
+  }
+  ASSERT_EQ(server_->served(), 1u);
+  if (req != nullptr) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) worker_->progress();
+    ucp_request_free(req);
+  }
+  // This engine's gather: 12 MiB (rows of the source, again and again) into
+  // a buffer of its own.
+  std::vector<uint8_t> big(uint64_t{12} << 20, 0);
+  auto big_region = MemoryRegion::map(*ctx_, big.data(), big.size(), "big");
+  ASSERT_TRUE(big_region.is_ok());
+  make_engine(uint64_t{16} << 20);
+  engine_->add_local_region(*big_region);
+  std::vector<GatherPart> parts;
+  for (uint64_t at = 0; at < big.size(); at += 4096) {
+    parts.push_back(GatherPart{1, src_at((at * 7) % (src_.size() - 4096)), big.data() + at, 4096});
+  }
+  // The slow puller starts reading once the source has said "busy" (or
+  // after 5 s, and then the test fails on the count below).
+  std::atomic<bool> stop{false};
+  std::thread reader([&] {
+    const auto wait_until = Clock::now() + std::chrono::seconds(5);
+    while (server_->busy() == 0 && Clock::now() < wait_until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (!stop.load()) worker2->progress();
+  });
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(20));
+  // The slow puller's replies drain too, so that nothing is left in flight.
+  const auto drained = Clock::now() + std::chrono::seconds(10);
+  while (server_->replies_in_flight() > 0 && Clock::now() < drained) worker_->progress();
+  stop = true;
+  reader.join();
+  EXPECT_EQ(server_->replies_in_flight(), 0u);
+  EXPECT_EQ(server_->gather_reply_bytes(), 0u);
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_GE(server_->busy(), 1u);
+  EXPECT_EQ(report.busy_retries, server_->busy());
+  EXPECT_LE(server_->gather_reply_bytes_peak(), kBound);
+  EXPECT_EQ(server_->served(), 2u);
+  expect_landed(parts);
+  engine_.reset();
+  ep2.reset();
+  worker2.reset();
 }
 
 // Raw requests, as a hostile or broken peer could send them: every bad list
