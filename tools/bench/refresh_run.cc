@@ -767,7 +767,9 @@ class Runner {
       lock.unlock();
       Status down = p.set_link(false);
       lock.lock();
-      link_down = cut = down.is_ok();
+      link_down = down.is_ok();
+      // A refresh that ended while the link was going down was not cut.
+      cut = link_down && !refresh_over;
       if (!down.is_ok()) link_status = down;
       if (p.seconds > 0 && link_down) {
         link_cv.wait_for(lock, std::chrono::duration<double>(p.seconds), [] { return false; });
