@@ -293,29 +293,50 @@ Result<std::shared_ptr<const RecipeLayout>> load_recipe(const RecipeConfig& reci
   return std::shared_ptr<const RecipeLayout>(std::move(out));
 }
 
+namespace {
+
+// {"recipe": NAME} or {"recipe": NAME, "dtype": D}: the recipe's parameter
+// NAME at `rank`, held in the sources' dtype or in D, one refit converts to
+// on the way (docs/conversion.md; the coordinator refuses any other at join).
+Result<BufferPart> recipe_buffer(JsonReader& r, const Json& d, int32_t rank, const RecipeLayout* recipe) {
+  for (const auto& [key, value] : d.items()) {
+    if (key != "recipe" && key != "dtype") {
+      return Status::invalid("buffer description: \"recipe\" takes no other key than \"dtype\", got \"" + key + "\"");
+    }
+  }
+  const std::string param = r.string(d, "", "recipe", std::nullopt);
+  const std::optional<std::string> dtype =
+      d.contains("dtype") ? std::optional<std::string>(read_dtype(r, d, "")) : std::nullopt;
+  if (!r.ok()) return r.status();
+  if (!recipe) {
+    return Status::invalid("buffer description: \"recipe\": the receiver's config has no \"recipe\" to lay out \"" +
+                           param + "\"");
+  }
+  for (BufferPart& part : rank_buffers(recipe->layout, Side::kReceiver, rank)) {
+    if (part.name != param) continue;
+    part.exact_bytes = true;
+    if (dtype && *dtype != part.dtype) {
+      // A recipe's buffer is dense in the recipe's dtype, and its segments
+      // name none: the same elements in `dtype`.
+      const int64_t from = dtype_bytes(*parse_dtype(part.dtype)), to = dtype_bytes(*parse_dtype(*dtype));
+      part.bytes = part.bytes / from * to;
+      part.dtype = *dtype;
+    }
+    return std::move(part);
+  }
+  return Status::not_found("buffer description: the recipe gives receiver rank " + std::to_string(rank) +
+                           " no buffer \"" + param + "\"");
+}
+
+}  // namespace
+
 Result<BufferPart> parse_receiver_buffer(std::string_view json_text, int32_t rank, const RecipeLayout* recipe) {
   Result<Json> parsed = parse_object(json_text, "buffer description");
   if (!parsed.is_ok()) return parsed.status();
   const Json& d = *parsed;
   JsonReader r("buffer description");
   r.object(d, "", {"name", "dtype", "shape", "dtensor", "segments", "recipe"});
-  if (const Json* name = r.member(d, "", "recipe", false)) {
-    if (d.size() != 1) return Status::invalid("buffer description: \"recipe\" takes no other key");
-    const std::string param = r.string(d, "", "recipe", std::nullopt);
-    if (!r.ok()) return r.status();
-    (void)name;
-    if (!recipe) {
-      return Status::invalid("buffer description: \"recipe\": the receiver's config has no \"recipe\" to lay out \"" +
-                             param + "\"");
-    }
-    for (BufferPart& part : rank_buffers(recipe->layout, Side::kReceiver, rank)) {
-      if (part.name != param) continue;
-      part.exact_bytes = true;
-      return std::move(part);
-    }
-    return Status::not_found("buffer description: the recipe gives receiver rank " + std::to_string(rank) +
-                             " no buffer \"" + param + "\"");
-  }
+  if (r.member(d, "", "recipe", false)) return recipe_buffer(r, d, rank, recipe);
   BufferPart part;
   part.name = r.string(d, "", "name", std::nullopt);
   // A buffer is bytes: with "segments", "dtype" is only the default of

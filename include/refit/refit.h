@@ -484,8 +484,10 @@ REFIT_EXPORT refit_status_t refit_receiver_create(const char* config_json, refit
  *   a DTensor spec (the buffer holds this rank's shard, contiguous):
  *     {"name": "w", "dtype": "BF16", "shape": [10, 6],
  *      "dtensor": {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]}}
- *   a recipe parameter name (the config's "recipe" says how it is laid out):
+ *   a recipe parameter name (the config's "recipe" says how it is laid out),
+ *   in the sources' dtype or, with "dtype", in one refit converts to (below):
  *     {"recipe": "model.layers.0.self_attn.qkv_proj.weight"}
+ *     {"recipe": "model.layers.0.self_attn.qkv_proj.weight", "dtype": "BF16"}
  *
  * A buffer is bytes: each segment's elements are of its tensor's dtype,
  * which the segment may name ("dtype" in the segment; the buffer's

@@ -121,7 +121,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         receiver: Receiver | None = None
         error: BaseException | None = None
         try:
-            self._check_dtypes(params, init_info.manifest)
             receiver = Receiver(config)
             for name, param in params:
                 self._add(receiver, name, param)
@@ -153,20 +152,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         flag = torch.tensor([1 if failed_here else 0], dtype=torch.int64)
         dist.all_reduce(flag, group=get_world_group().cpu_group)
         return int(flag.item()) - (1 if failed_here else 0)
-
-    @staticmethod
-    def _check_dtypes(params: list[tuple[str, Any]], manifest: dict[str, Any]) -> None:
-        """Every parameter must have the trainer's dtype: refit moves bytes,
-        it does not convert."""
-        trainer = {t["dtype"] for n, t in manifest.items() if not n.endswith("_scale_inv")}
-        for name, param in params:
-            ours = dtype_name(param.dtype, f"vLLM parameter \"{name}\"")
-            if name.endswith("_scale_inv") or name.endswith("weight_scale"):
-                continue
-            if trainer and ours not in trainer:
-                raise errors.invalid(f"vLLM parameter \"{name}\" is {ours}, the trainer's tensors are "
-                                     f"{', '.join(sorted(trainer))}: refit does not convert dtypes; start vLLM "
-                                     "with the trainer's dtype")
 
     @staticmethod
     def _add(receiver: Receiver, name: str, param: Any) -> None:

@@ -229,7 +229,9 @@ class Receiver:
 
         `layout` says what lands where:
           - "recipe": the buffer is the parameter `name` of the config's
-            "recipe" (vLLM's layout of the model);
+            "recipe" (vLLM's layout of the model), in `tensor`'s dtype:
+            the trainer's, or one refit casts it to (F32 to BF16 or F16,
+            BF16 to F16; any other pair is refused at join);
           - {"dtensor": {"mesh", "ranks", "placements"}, "shape": [...]}: the
             buffer is this rank's shard of the tensor `name` of that shape;
           - {"segments": [...]}: explicit boxes of named tensors (refit.h);
@@ -250,7 +252,9 @@ class Receiver:
         check_device(local, what)
         check_contiguous(local, what)
         if layout == "recipe":
-            description: dict[str, Any] = {"recipe": name}
+            # The tensor's dtype may differ from the trainer's where refit
+            # converts on the way (docs/conversion.md).
+            description: dict[str, Any] = {"recipe": name, "dtype": dtype}
         elif isinstance(layout, Mapping):
             description = {"name": name, "dtype": dtype, **dict(layout)}
             if "dtensor" in layout and "shape" not in layout:

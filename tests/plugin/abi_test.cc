@@ -224,6 +224,20 @@ TEST_F(Abi, ARecipeParameterMustHaveTheRecipesSize) {
   EXPECT_EQ(refit_receiver_add_buffer(r, qkv, memory.data(), qkv_bytes), REFIT_OK) << refit_last_error();
   EXPECT_EQ(refit_receiver_add_buffer(r, embed, memory.data() + qkv_bytes, embed_bytes), REFIT_OK)
       << refit_last_error();
+  // The same parameter held in another dtype ("dtype"): its size is the
+  // recipe's elements in that dtype, F8_E4M3's half of BF16's.
+  const char* o_f8 = R"J({"recipe": "model.layers.0.self_attn.o_proj.weight", "dtype": "F8_E4M3"})J";
+  EXPECT_EQ(refit_receiver_add_buffer(r, o_f8, memory.data(), 128 * 64 * 2), REFIT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(refit_last_error()).find("in 8192 bytes"), std::string::npos) << refit_last_error();
+  EXPECT_EQ(refit_receiver_add_buffer(r, o_f8, memory.data() + qkv_bytes + embed_bytes, 128 * 64), REFIT_OK)
+      << refit_last_error();
+  for (const char* bad : {R"J({"recipe": "model.norm.weight", "dtype": "F9"})J",
+                          R"J({"recipe": "model.norm.weight", "shape": [128]})J"}) {
+    EXPECT_EQ(refit_receiver_add_buffer(r, bad, memory.data(), 256), REFIT_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(refit_last_error()).find(std::string(bad).find("F9") != std::string::npos ? "F9" : "\"shape\""),
+              std::string::npos)
+        << refit_last_error();
+  }
   refit_receiver_destroy(r);
   for (const char* f : {"/m.json", "/m.config.json"}) std::remove((dir + f).c_str());
   ::rmdir(dir.c_str());

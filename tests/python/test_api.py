@@ -86,6 +86,26 @@ def test_mistakes_are_refused_before_anything_is_registered(coordinator):
         assert rx.names == []
 
 
+def test_a_buffer_in_another_dtype_is_cast_or_refused_at_join(coordinator):
+    w = torch.randn(8, 6, dtype=torch.float32)
+    b = torch.arange(8, dtype=torch.bfloat16)
+    whole = {"dtensor": {"mesh": [1], "ranks": [0], "placements": ["R"]}}
+    with refit.Source(source_config(coordinator)) as src:
+        src.add("model.w", w)
+        src.add("model.b", b)
+        src.publish(1)
+        with refit.Receiver(receiver_config(coordinator)) as rx:
+            w16 = torch.zeros(8, 6, dtype=torch.bfloat16)  # the trainer's F32, served as BF16
+            rx.add("model.w", w16, {**whole, "shape": [8, 6]})
+            rx.refresh(1, timeout=30)
+            assert rx.commit() == 1
+            assert torch.equal(w16, w.to(torch.bfloat16)), "round to nearest even, as torch casts"
+        with refit.Receiver(receiver_config(coordinator)) as rx:
+            rx.add("model.b", torch.zeros(8, dtype=torch.float32), {**whole, "shape": [8]})
+            with pytest.raises(refit.InvalidArgumentError, match=r'"model.b".*BF16.*F32|"model.b".*F32.*BF16'):
+                rx.join()
+
+
 def test_library_errors_are_typed_and_carry_the_message(coordinator):
     with pytest.raises(refit.InvalidArgumentError, match="netwrok") as e:
         refit.Receiver({"rank": 0, "netwrok": {}, "coordinator": coordinator.config()})

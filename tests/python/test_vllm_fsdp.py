@@ -3,7 +3,7 @@ engine, on the CPU, every process real: trainer ranks (torch.distributed
 gloo, fully_shard on a mesh of 2, or FSDP2 with TP on 2x2, which gives
 _StridedShard), vLLM workers at tp 2 or 4 (gloo), and refit-coordinator, all
 on 127.0.0.1. Three versions land bit for bit as vLLM's own load_weights
-puts them; a version one trainer rank never published is refused and leaves
+puts them, also where vLLM serves BF16 from the trainer's F32 (refit casts); a version one trainer rank never published is refused and leaves
 every parameter at the old one. The scripts say what each process does.
 """
 
@@ -34,9 +34,14 @@ def llama_config(tied: bool) -> dict:
 
 # vLLM at tp 4 splits the 2 KV heads over 4 workers: each KV head goes to
 # two of them, which hold the same k and v rows.
-@pytest.mark.parametrize("trainers,tp,tied,vllm_tp", [(2, 1, True, 2), (4, 2, False, 2), (2, 1, True, 4)],
-                         ids=["fsdp2-tied", "fsdp2-tp2-untied", "fsdp2-tied-vllm-tp4"])
-def test_fsdp2_trainer_refreshes_vllm_bit_exact(coordinator, tmp_path, trainers, tp, tied, vllm_tp):
+# A trainer's F32 masters to a vLLM serving BF16: refit casts on the way
+# (round to nearest even), and the reference is vLLM's loader copying the
+# F32 state dict into its BF16 parameters.
+@pytest.mark.parametrize("trainers,tp,tied,vllm_tp,dtype",
+                         [(2, 1, True, 2, "float32"), (4, 2, False, 2, "float32"), (2, 1, True, 4, "float32"),
+                          (2, 1, False, 2, "bfloat16")],
+                         ids=["fsdp2-tied", "fsdp2-tp2-untied", "fsdp2-tied-vllm-tp4", "fsdp2-f32-to-vllm-bf16"])
+def test_fsdp2_trainer_refreshes_vllm_bit_exact(coordinator, tmp_path, trainers, tp, tied, vllm_tp, dtype):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(llama_config(tied)))
     (tmp_path / "coordinator.json").write_text(json.dumps(coordinator.config()))
@@ -44,7 +49,8 @@ def test_fsdp2_trainer_refreshes_vllm_bit_exact(coordinator, tmp_path, trainers,
     procs = [start(tmp_path, f"trainer{r}", "fsdp_trainer.py", r, trainers, tp, train_port, tmp_path, VERSIONS,
                    vllm_tp)
              for r in range(trainers)]
-    procs += [start(tmp_path, f"receiver{r}", "vllm_receiver.py", r, serve_port, tmp_path, VERSIONS, vllm_tp)
+    procs += [start(tmp_path, f"receiver{r}", "vllm_receiver.py", r, serve_port, tmp_path, VERSIONS, vllm_tp,
+                    dtype)
               for r in range(vllm_tp)]
     logs, failed = wait_all(tmp_path, procs)
     assert not failed, explain(logs, failed)
@@ -52,5 +58,6 @@ def test_fsdp2_trainer_refreshes_vllm_bit_exact(coordinator, tmp_path, trainers,
         placements = json.loads((tmp_path / "placements.json").read_text())
         assert any("_StridedShard" in p for ps in placements.values() for p in ps), placements
     for r in range(vllm_tp):
+        assert f"parameters (torch.{dtype})" in logs[f"receiver{r}"]
         assert f"version {VERSIONS} bit-exact" in logs[f"receiver{r}"]
         assert f"every parameter still at version {VERSIONS}" in logs[f"receiver{r}"]

@@ -6,7 +6,11 @@ package's vllm.general_plugins entry point), then compared bit for bit with
 a second instance of the same model loaded by vLLM's own load_weights from
 the trainer's full state dict.
 
-    vllm_receiver.py RANK PORT DIR VERSIONS [TP]
+    vllm_receiver.py RANK PORT DIR VERSIONS [TP [DTYPE]]
+
+DTYPE is vLLM's (default float32, the trainer's); bfloat16 makes refit cast
+the trainer's F32 on the way, and the reference is then vLLM's own loader
+copying F32 into BF16 parameters.
 """
 
 import os
@@ -25,6 +29,7 @@ from vllm.config import (DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, 
 from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # noqa: E402
 from vllm.model_executor.model_loader.utils import initialize_model  # noqa: E402
+from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 import refit  # noqa: E402
@@ -42,29 +47,31 @@ def mismatches(model, reference):
     ours = dict(model.named_parameters())
     theirs = dict(reference.named_parameters())
     assert ours.keys() == theirs.keys()
-    return [n for n in ours if not torch.equal(ours[n].data.view(torch.int32), theirs[n].data.view(torch.int32))]
+    return [n for n in ours if not torch.equal(ours[n].data.view(torch.uint8), theirs[n].data.view(torch.uint8))]
 
 
-def vllm_config(out, tp):
-    return VllmConfig(model_config=ModelConfig(model=str(out / "hf"), dtype="float32", skip_tokenizer_init=True,
+def vllm_config(out, tp, dtype="float32"):
+    return VllmConfig(model_config=ModelConfig(model=str(out / "hf"), dtype=dtype, skip_tokenizer_init=True,
                                                enforce_eager=True),
                       load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp),
                       weight_transfer_config=WeightTransferConfig(backend="refit"))
 
 
-def build(rank, port, out, tp):
+def build(rank, port, out, tp, dtype="float32"):
     """vLLM's model for this rank and a reference instance of it (zeroed, equal)."""
-    vc = vllm_config(out, tp)
+    vc = vllm_config(out, tp, dtype)
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
         initialize_model_parallel(tp, 1)
-        model = initialize_model(vllm_config=vc)
+        # As vLLM's model loader does: parameters in the model config's dtype.
+        with set_default_torch_dtype(vc.model_config.dtype):
+            model = initialize_model(vllm_config=vc)
     # The reference: the same model class under a config of its own (vLLM
     # registers each attention layer's name once per config).
-    ref_config = vllm_config(out, tp)
-    with set_current_vllm_config(ref_config):
+    ref_config = vllm_config(out, tp, dtype)
+    with set_current_vllm_config(ref_config), set_default_torch_dtype(ref_config.model_config.dtype):
         reference = initialize_model(vllm_config=ref_config)
     with set_current_vllm_config(vc):
         with torch.no_grad():
@@ -88,13 +95,14 @@ def make_engine(vc, model, out, rank, config=None):
     engine.init_transfer_engine(engine.parse_init_info(init))
     assert engine.rank == rank
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if n.startswith("model.layers.0.")}
-    print(f"receiver {rank}: registered {len(list(model.parameters()))} parameters; layer 0: {shapes}",
-          flush=True)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    print(f"receiver {rank}: registered {len(list(model.parameters()))} parameters ({', '.join(dtypes)}); "
+          f"layer 0: {shapes}", flush=True)
     return engine
 
 
-def main(rank, port, out, versions, tp):
-    vc, model, reference = build(rank, port, out, tp)
+def main(rank, port, out, versions, tp, dtype):
+    vc, model, reference = build(rank, port, out, tp, dtype)
     with set_current_vllm_config(vc):
         engine = make_engine(vc, model, out, rank)
 
@@ -133,4 +141,5 @@ def main(rank, port, out, versions, tp):
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), Path(a[2]), int(a[3]), int(a[4]) if len(a) > 4 else 2)
+    main(int(a[0]), int(a[1]), Path(a[2]), int(a[3]), int(a[4]) if len(a) > 4 else 2,
+         a[5] if len(a) > 5 else "float32")
