@@ -48,6 +48,7 @@ struct Segment {
   Box box;
   int64_t offset = 0;
   Index strides{};
+  bool converted = false;  // a source's copy in the receivers' dtype (Tensor::converted_sources)
 };
 
 // Explicit buffers with the same side, name, dtype, size and segments on
@@ -412,7 +413,16 @@ class Parser {
     // and all its receivers hold that dtype.
     if (side == Side::kReceiver && t.dtype != dtype && !t.receiver_dtype && t.receivers.empty())
       t.receiver_dtype = dtype;
-    if (t.dtype_on(side) != dtype)
+    // A source segment in another dtype than the tensor's is a copy its
+    // source converted ("quantize": "source", docs/conversion.md): kept
+    // apart from the sources, resolve_conversions decides its use.
+    out->converted = side == Side::kSource && dtype != t.dtype && conversion_for(t.name, t.dtype, dtype).is_ok();
+    if (out->converted && t.converted_dtype && *t.converted_dtype != dtype)
+      return fail(path, "the sources' converted copies of the tensor are " +
+                            std::string(dtype_name(*t.converted_dtype)) + " and " + std::string(dtype_name(dtype)) +
+                            "; all of them hold one dtype");
+    if (out->converted) t.converted_dtype = dtype;
+    if (!out->converted && t.dtype_on(side) != dtype)
       return fail(path, "the tensor is " + std::string(dtype_name(t.dtype_on(side))) + " on the " + side_name(side) +
                              " side but the " + (own_dtype ? "segment" : "buffer") + " is " +
                              std::string(dtype_name(dtype)) + "; all of a tensor's " + (own_dtype ? "segments" : "buffers") +
@@ -481,6 +491,7 @@ class Parser {
     for (const Segment& s : g.segments) {
       put(&s.tensor, sizeof s.tensor);
       put(&s.offset, sizeof s.offset);
+      key += static_cast<char>(s.converted);
       const int nd = s.box.ndim;
       put(s.box.start.data(), nd * sizeof(int64_t));
       put(s.box.size.data(), nd * sizeof(int64_t));
@@ -503,6 +514,10 @@ class Parser {
         r.buffer = bi;
         r.offset = s.offset;
         r.strides = s.strides;
+        if (s.converted) {
+          L_.tensors[s.tensor].converted_sources.push_back(r);  // buffer index absolute: the list has no base
+          continue;
+        }
         L_.regions(s.tensor, g.side).push_back(r);
       }
     }
