@@ -262,8 +262,10 @@ Status SourceAgent::publish(int64_t version) {
                            std::to_string(published_) + ", the last this source published");
   }
   REFIT_RETURN_IF_ERROR(join());
+  // "quantize": "source" rewrites its copies, or registers other ones, at
+  // every publish: it waits as a snapshot does.
   const bool copies = std::any_of(buffers_.begin(), buffers_.end(), [](const Buf& b) { return b.copied_at_publish(); }) ||
-                      (converted_ && !converted_->segments.empty());
+                      config_.quantize_at_source;
   if (copies) {
     // The copy receivers read must not change under a lease on it.
     if (published_ > 0) {

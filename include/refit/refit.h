@@ -116,7 +116,9 @@
  *                    the network then carries (FP8 plus scales instead of
  *                    BF16); what cuts a block, or does not fit, is converted
  *                    by the receiver as by default (docs/conversion.md,
- *                    "At the source")
+ *                    "At the source"). A publish first waits, as in
+ *                    snapshot mode, until no receiver reads the previous
+ *                    version (up to coordinator.timeout_ms)
  *     "quantize_source_bytes" integer [1073741824]: with "quantize": "source",
  *                    the most host memory the copies and their scales hold,
  *                    0 to 1 TiB; a copy past it is left out (logged)
