@@ -80,6 +80,16 @@ Status check_quantized(Layout& L, uint32_t ti) {
                            std::string(dtype_name(s.dtype_on(Side::kReceiver))) + " [" + gs + "], expected F32 [" + ws +
                            "] for blocks of " + block_text(block));
   }
+  // A scale tensor's source segments are the scales a source computed with
+  // its quantized copies ("quantize": "source"): converted sources too.
+  if (!s.sources.empty() && !t.converted_sources.empty()) {
+    for (Region r : s.sources) {
+      r.buffer += s.source_base;
+      s.converted_sources.push_back(r);
+    }
+    s.sources.clear();
+    s.converted_dtype = DType::kF32;
+  }
   if (!s.sources.empty())
     return Status::invalid(what + ": its scale tensor " + quoted(sname) +
                            " has sources, but the sources hold the weight unquantized; refit computes the scales");
@@ -114,6 +124,65 @@ Status check_quantized(Layout& L, uint32_t ti) {
                                " but not its scales " + sb.to_string() + " of " + quoted(sname));
     }
   }
+  return Status::ok();
+}
+
+// Whether every rank of `ranks` (source side) holds a region of `list`
+// whose box is `box`.
+bool every_rank_holds(const Layout& L, const RegionList& list, RankSetId ranks, const Box& box) {
+  for (int32_t x : L.source_sets.get(ranks)) {
+    bool found = false;
+    for (const Region& r : list) {
+      if (!(r.box == box)) continue;
+      const std::vector<int32_t>& rs = L.source_sets.get(r.ranks);
+      found = found || std::binary_search(rs.begin(), rs.end(), x);
+    }
+    if (!found) return false;
+  }
+  return true;
+}
+
+// The sources' converted copies of tensor `ti` ("quantize": "source",
+// docs/conversion.md) that a plan may read: of the receivers' dtype; for
+// F8_E4M3, whole blocks of the layout's block whose ranks also hold exactly
+// those blocks' scales. A copy made for another block or dtype (the
+// receivers changed since the source made it) is dropped: the tensor then
+// travels unconverted and the receiver converts it. A copy outside its
+// buffer or tensor is refused, naming the tensor.
+Status keep_converted(Layout& L, uint32_t ti) {
+  Tensor& t = L.tensors[ti];
+  if (t.converted_sources.empty()) return Status::ok();
+  const DType to = t.dtype_on(Side::kReceiver);
+  const bool quantized = to == DType::kF8E4M3 && t.dtype != to;
+  Tensor* scales = nullptr;
+  if (quantized) {
+    const int64_t si = L.find_tensor(scale_tensor_name(t.name));
+    if (si >= 0 && L.tensors[si].derived_from == ti) scales = &L.tensors[si];
+  }
+  auto checked = [&L](const Tensor& of, DType dtype, const Region& r) {
+    Tensor view;  // the region's elements are `dtype`, its buffer index absolute
+    view.name = of.name + " (a source's converted copy)";
+    view.dtype = dtype;
+    view.shape = of.shape;
+    return check_region(L, view, r, Side::kSource);
+  };
+  RegionList kept_scales;
+  if (scales) {
+    for (const Region& r : scales->converted_sources)
+      if (checked(*scales, DType::kF32, r).is_ok()) kept_scales.push_back(r);
+  }
+  RegionList kept;
+  if (t.converted_dtype == to && t.dtype != to) {
+    for (const Region& r : t.converted_sources) {
+      REFIT_RETURN_IF_ERROR(checked(t, to, r));
+      if (quantized && (!scales || !whole_blocks(r.box, t.shape, L.weight_block_size, nullptr) ||
+                        !every_rank_holds(L, kept_scales, r.ranks, scale_box(r.box, L.weight_block_size))))
+        continue;
+      kept.push_back(r);
+    }
+  }
+  t.converted_sources = kept.empty() ? RegionList() : kept;
+  if (scales) scales->converted_sources = kept.empty() ? RegionList() : kept_scales;
   return Status::ok();
 }
 
@@ -159,6 +228,46 @@ IndexBox scale_box_of(const std::vector<int64_t>& start, const std::vector<int64
   return b;
 }
 
+BlockSplit split_whole_blocks(const Box& box, const std::vector<int64_t>& shape, const std::array<int64_t, 2>& block) {
+  BlockSplit out;
+  out.whole = box;
+  out.whole.size.fill(0);  // no whole block until found
+  const int n = box.ndim;
+  if (n < 2) {
+    out.rest.push_back(box);
+    return out;
+  }
+  Box w = box;
+  for (int k = 0; k < 2; ++k) {
+    const int d = n - 2 + k;
+    const int64_t lo = (box.start[d] + block[k] - 1) / block[k] * block[k];
+    const int64_t hi = box.end(d) == shape[d] ? box.end(d) : box.end(d) / block[k] * block[k];
+    if (hi <= lo) {
+      out.rest.push_back(box);
+      return out;
+    }
+    w.start[d] = lo;
+    w.size[d] = hi - lo;
+  }
+  out.whole = w;
+  const int r = n - 2, c = n - 1;
+  auto slab = [&](int d, int64_t lo, int64_t hi, const Box& from) {
+    if (hi <= lo) return;
+    Box b = from;
+    b.start[d] = lo;
+    b.size[d] = hi - lo;
+    out.rest.push_back(b);
+  };
+  slab(r, box.start[r], w.start[r], box);  // rows above
+  slab(r, w.end(r), box.end(r), box);      // rows below
+  Box mid = box;
+  mid.start[r] = w.start[r];
+  mid.size[r] = w.size[r];
+  slab(c, box.start[c], w.start[c], mid);  // columns left, beside `whole`
+  slab(c, w.end(c), box.end(c), mid);      // columns right
+  return out;
+}
+
 bool has_conversions(const Layout& L) {
   for (const Tensor& t : L.tensors)
     if (t.dtype_on(Side::kReceiver) != t.dtype) return true;
@@ -172,6 +281,7 @@ Status resolve_conversions(Layout& L) {
     auto kind = conversion_for(t.name, t.dtype, t.dtype_on(Side::kReceiver));
     if (!kind) return kind.status();
     if (*kind == ConversionKind::kQuantizeE4M3) REFIT_RETURN_IF_ERROR(check_quantized(L, ti));
+    REFIT_RETURN_IF_ERROR(keep_converted(L, ti));
   }
   return validate(L);
 }
@@ -246,20 +356,24 @@ ConversionBytes count_conversion_bytes(const Plan& plan, ConvertAt at) {
       if (quantized) c.quantized_at_receiver_bytes += box.numel() * from_eb;
       continue;
     }
-    // At the source: a cast anywhere; a quantization where the piece (all of
-    // it from one holder region) is whole blocks.
+    // At the source: a cast anywhere; a quantization of the whole blocks of
+    // each piece (a piece lies in one holder region, which holds them), the
+    // rest of the piece at the receiver.
     for (const Piece& p : plan.pull_set(u).pieces) {
       if (!quantized) {
         c.network_bytes += p.box.numel() * to_eb;
-      } else if (whole_blocks(p.box, t.shape, block, nullptr)) {
-        const int64_t s = blocks_of(p.box, block) * 4;
-        c.network_bytes += p.box.numel() * to_eb + s;
-        c.network_scale_bytes += s;
-        c.quantized_at_source_bytes += p.box.numel() * from_eb;
-      } else {
-        c.network_bytes += p.box.numel() * from_eb;
-        c.quantized_at_receiver_bytes += p.box.numel() * from_eb;
+        continue;
       }
+      const BlockSplit split = split_whole_blocks(p.box, t.shape, block);
+      if (!split.whole.empty()) {
+        const int64_t s = blocks_of(split.whole, block) * 4;
+        c.network_bytes += split.whole.numel() * to_eb + s;
+        c.network_scale_bytes += s;
+        c.quantized_at_source_bytes += split.whole.numel() * from_eb;
+      }
+      const int64_t rest = p.box.numel() - split.whole.numel();
+      c.network_bytes += rest * from_eb;
+      c.quantized_at_receiver_bytes += rest * from_eb;
     }
   }
   return c;

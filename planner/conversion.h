@@ -59,6 +59,18 @@ struct IndexBox {
 IndexBox scale_box_of(const std::vector<int64_t>& start, const std::vector<int64_t>& size,
                       const std::array<int64_t, 2>& block);
 
+// A box of a tensor quantized on the way cut by blocks (docs/conversion.md,
+// "At the source"): `whole`, its largest sub-box of whole blocks of `block`
+// in the last two dims (a block at the tensor's edge may be partial; empty
+// when the box holds no whole block), and `rest`, the box less `whole` in
+// at most four boxes, each in blocks the box cuts. A box of whole blocks is
+// all `whole`.
+struct BlockSplit {
+  Box whole;
+  std::vector<Box> rest;
+};
+BlockSplit split_whole_blocks(const Box& box, const std::vector<int64_t>& shape, const std::array<int64_t, 2>& block);
+
 // Checks every tensor whose receivers hold another dtype than its sources,
 // and marks the scale tensors derived (Tensor::derived_from). Refused, with
 // the tensor named: an unsupported conversion (conversion_for); a quantized

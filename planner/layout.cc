@@ -158,6 +158,8 @@ bool is_subset(const std::vector<int32_t>& small, const std::vector<int32_t>& bi
   return std::includes(big.begin(), big.end(), small.begin(), small.end());
 }
 
+}  // namespace
+
 Status check_region(const Layout& L, const Tensor& t, const Region& r, Side side) {
   const std::string where = std::string(side_name(side)) + " region of tensor \"" + t.name + "\"";
   if (r.box.ndim != static_cast<int>(t.shape.size()))
@@ -191,8 +193,6 @@ Status check_region(const Layout& L, const Tensor& t, const Region& r, Side side
                            "place in buffer \"" + b.name + "\"");
   return Status::ok();
 }
-
-}  // namespace
 
 Status validate(const Layout& L) {
   for (size_t i = 0; i < L.sources.size(); ++i)

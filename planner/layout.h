@@ -119,6 +119,15 @@ struct Tensor {
   // F8_E4M3 on the way. It has no sources, and a plan has no units of it.
   // -1 for every other tensor.
   int64_t derived_from = -1;
+  // Sources that serve the tensor already converted (the source config's
+  // "quantize": "source", docs/conversion.md): of a tensor quantized to
+  // F8_E4M3, F8_E4M3 copies of whole blocks; of its derived scale tensor,
+  // those blocks' F32 scales. Their elements are the receivers' dtype and
+  // their buffer indices absolute (Layout::buffers, no base). Set by the
+  // layout file's source segments of the receivers' dtype, kept or dropped
+  // by resolve_conversions; empty for every other tensor.
+  RegionList converted_sources;
+  std::optional<DType> converted_dtype;  // the dtype of converted_sources' elements
   int64_t bytes() const;
   DType dtype_on(Side s) const { return s == Side::kReceiver && receiver_dtype ? *receiver_dtype : dtype; }
   uint32_t base(Side s) const { return s == Side::kSource ? source_base : receiver_base; }
@@ -187,6 +196,12 @@ Index row_major_strides(const std::vector<int64_t>& shape);
 // must be a whole number of.
 // Does not check that sources cover what receivers need: the planner does.
 Status validate(const Layout& layout);
+
+// One region's part of validate(): its box inside tensor `t`, its buffer of
+// side `side` held by all its ranks, every element inside the buffer (elements
+// of t.dtype_on(side), region.buffer counted from t.base(side)), no two
+// elements at one place. The error names the tensor and the region.
+Status check_region(const Layout& layout, const Tensor& t, const Region& region, Side side);
 
 // The bytes [*lo, *hi) a region of elements of `elem_bytes` spans in its
 // buffer, from its lowest to its highest element.

@@ -48,6 +48,7 @@ struct Segment {
   Box box;
   int64_t offset = 0;
   Index strides{};
+  bool converted = false;  // a source's copy in the receivers' dtype (Tensor::converted_sources)
 };
 
 // Explicit buffers with the same side, name, dtype, size and segments on
@@ -391,6 +392,30 @@ class Parser {
     return Status::ok();
   }
 
+  // What a segment of `dtype` on `side` says of tensor `t`. A receiver
+  // segment may hold the tensor in another dtype than its sources: the
+  // tensor is converted on the way (planner/conversion.h), and all its
+  // receivers hold that dtype. A source segment in another dtype than the
+  // tensor's is a copy its source converted ("quantize": "source",
+  // docs/conversion.md): kept apart from the sources (out->converted),
+  // resolve_conversions decides its use.
+  Status segment_dtype(Tensor& t, Side side, DType dtype, bool own_dtype, const std::string& path, Segment* out) {
+    if (side == Side::kReceiver && t.dtype != dtype && !t.receiver_dtype && t.receivers.empty())
+      t.receiver_dtype = dtype;
+    out->converted = side == Side::kSource && dtype != t.dtype && conversion_for(t.name, t.dtype, dtype).is_ok();
+    if (out->converted && t.converted_dtype && *t.converted_dtype != dtype)
+      return fail(path, "the sources' converted copies of the tensor are " +
+                            std::string(dtype_name(*t.converted_dtype)) + " and " + std::string(dtype_name(dtype)) +
+                            "; all of them hold one dtype");
+    if (out->converted) t.converted_dtype = dtype;
+    if (!out->converted && t.dtype_on(side) != dtype)
+      return fail(path, "the tensor is " + std::string(dtype_name(t.dtype_on(side))) + " on the " + side_name(side) +
+                             " side but the " + (own_dtype ? "segment" : "buffer") + " is " +
+                             std::string(dtype_name(dtype)) + "; all of a tensor's " + (own_dtype ? "segments" : "buffers") +
+                             " on one side hold one dtype");
+    return Status::ok();
+  }
+
   // A buffer is bytes: a segment's "dtype" (the buffer's when left out) is
   // its tensor's, and its offset and strides count elements of it.
   Status parse_segment(const json& s, const std::string& path, Side side, DType buffer_dtype, int64_t bytes,
@@ -407,16 +432,7 @@ class Parser {
     DType dtype = buffer_dtype;
     const bool own_dtype = s.contains("dtype");
     if (own_dtype) REFIT_RETURN_IF_ERROR(dtype_field(s, path, &dtype));
-    // A receiver segment may hold the tensor in another dtype than its
-    // sources: the tensor is converted on the way (planner/conversion.h),
-    // and all its receivers hold that dtype.
-    if (side == Side::kReceiver && t.dtype != dtype && !t.receiver_dtype && t.receivers.empty())
-      t.receiver_dtype = dtype;
-    if (t.dtype_on(side) != dtype)
-      return fail(path, "the tensor is " + std::string(dtype_name(t.dtype_on(side))) + " on the " + side_name(side) +
-                             " side but the " + (own_dtype ? "segment" : "buffer") + " is " +
-                             std::string(dtype_name(dtype)) + "; all of a tensor's " + (own_dtype ? "segments" : "buffers") +
-                             " on one side hold one dtype");
+    REFIT_RETURN_IF_ERROR(segment_dtype(t, side, dtype, own_dtype, path, out));
     const int64_t elems = bytes / dtype_bytes(dtype);
     const int nd = static_cast<int>(t.shape.size());
     std::vector<int64_t> start, size, strides;
@@ -481,6 +497,7 @@ class Parser {
     for (const Segment& s : g.segments) {
       put(&s.tensor, sizeof s.tensor);
       put(&s.offset, sizeof s.offset);
+      key += static_cast<char>(s.converted);
       const int nd = s.box.ndim;
       put(s.box.start.data(), nd * sizeof(int64_t));
       put(s.box.size.data(), nd * sizeof(int64_t));
@@ -503,6 +520,10 @@ class Parser {
         r.buffer = bi;
         r.offset = s.offset;
         r.strides = s.strides;
+        if (s.converted) {
+          L_.tensors[s.tensor].converted_sources.push_back(r);  // buffer index absolute: the list has no base
+          continue;
+        }
         L_.regions(s.tensor, g.side).push_back(r);
       }
     }

@@ -1,8 +1,10 @@
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "planner/box.h"
+#include "planner/conversion.h"
 #include "planner/plan.h"
 
 namespace refit {
@@ -85,149 +87,373 @@ std::string box_text(const Box& b) {
   return s + "]";
 }
 
+// Hands runs on, merging each with the next where it continues it.
+class Emitter {
+ public:
+  explicit Emitter(const std::function<void(const Run&)>& fn) : fn_(fn) {}
+  void push(const Run& r) {
+    if (have_ && p_.local == r.local && p_.from.side == r.from.side && p_.from.rank == r.from.rank &&
+        p_.from.buffer == r.from.buffer && p_.to.rank == r.to.rank && p_.to.buffer == r.to.buffer &&
+        p_.from.offset + p_.bytes == r.from.offset && p_.to.offset + p_.bytes == r.to.offset) {
+      p_.bytes += r.bytes;
+      return;
+    }
+    flush();
+    p_ = r;
+    have_ = true;
+  }
+  void flush() {
+    if (have_) fn_(p_);
+    have_ = false;
+  }
+  bool pending() const { return have_; }
+
+ private:
+  const std::function<void(const Run&)>& fn_;
+  bool have_ = false;
+  Run p_;
+};
+
+bool whole_blocks_of(const Box& box, const std::vector<int64_t>& shape, const std::array<int64_t, 2>& block) {
+  for (int k = 0; k < 2; ++k) {
+    const int d = box.ndim - 2 + k;
+    if (box.start[d] % block[k] != 0 || (box.end(d) % block[k] != 0 && box.end(d) != shape[d])) return false;
+  }
+  return true;
+}
+
+// A piece a source converted ("quantize": "source", docs/conversion.md):
+// the rank that serves it, its copy in the receivers' dtype and, for
+// F8_E4M3, the copy of its blocks' scales.
+struct ConvertedPick {
+  int32_t rank = 0;
+  const Region* data = nullptr;
+  const Region* scales = nullptr;
+};
+
+bool source_holds(const Layout& L, const Region& r, int32_t rank) {
+  const std::vector<int32_t>& s = L.source_sets.get(r.ranks);
+  return std::binary_search(s.begin(), s.end(), rank);
+}
+
+// The converted copy that holds `box` of `t`, on rank `prefer` (the plan's
+// pick for the piece) where it has one, else on the lowest rank that does;
+// for F8_E4M3 only a box of whole blocks whose scales the rank holds too.
+std::optional<ConvertedPick> converted_holder(const Layout& L, const Tensor& t, const Tensor* scale, const Box& box,
+                                              int32_t prefer) {
+  if (t.converted_sources.empty()) return std::nullopt;
+  if (scale && !whole_blocks_of(box, t.shape, L.weight_block_size)) return std::nullopt;
+  const Box blocks = scale ? block_box(box, L.weight_block_size) : Box{};
+  auto pick_on = [&](const Region& r, int32_t rank) -> std::optional<ConvertedPick> {
+    if (!scale) return ConvertedPick{rank, &r, nullptr};
+    for (const Region& sr : scale->converted_sources)
+      if (contains(sr.box, blocks) && source_holds(L, sr, rank)) return ConvertedPick{rank, &r, &sr};
+    return std::nullopt;
+  };
+  std::optional<ConvertedPick> best;
+  for (const Region& r : t.converted_sources) {
+    if (!contains(r.box, box)) continue;
+    if (source_holds(L, r, prefer))
+      if (auto p = pick_on(r, prefer)) return p;
+    for (int32_t rank : L.source_sets.get(r.ranks)) {
+      if (best && best->rank <= rank) break;
+      if (auto p = pick_on(r, rank)) best = p;
+    }
+  }
+  return best;
+}
+
+// `box` grown to the blocks it meets (a cast's block is one element).
+Box grown(const Box& box, const std::array<int64_t, 2>& block, const std::vector<int64_t>& shape) {
+  Box g = box;
+  for (int k = 0; k < 2 && box.ndim >= 2; ++k) {
+    const int d = box.ndim - 2 + k;
+    g.start[d] = box.start[d] / block[k] * block[k];
+    g.size[d] = std::min(shape[d], (box.end(d) + block[k] - 1) / block[k] * block[k]) - g.start[d];
+  }
+  return g;
+}
+
+Box bounding(const Box& a, const Box& b) {
+  Box u = a;
+  for (int d = 0; d < a.ndim; ++d) {
+    u.start[d] = std::min(a.start[d], b.start[d]);
+    u.size[d] = std::max(a.end(d), b.end(d)) - u.start[d];
+  }
+  return u;
+}
+
+// A part of a converted unit: a piece, or a piece's whole blocks or the
+// rest of it where a source converted its whole blocks. `q` set: pulled
+// from that source's converted copy; else from `src` and converted by the
+// puller.
+struct Part {
+  Box box;
+  SourcePick src;
+  std::optional<ConvertedPick> q;
+};
+
+// The unit's parts: each piece whose whole blocks a source converted, cut
+// into those blocks (from the copy) and the rest; every other piece whole.
+std::vector<Part> unit_parts(const Plan& plan, const Unit& u, const Tensor* scale) {
+  const Layout& L = plan.layout();
+  const Tensor& t = L.tensors[u.tensor];
+  const PullSet& ps = plan.pull_set(u);
+  std::vector<Part> parts;
+  for (size_t i = 0; i < ps.pieces.size(); ++i) {
+    const SourcePick src = plan.source(u, i);
+    const Box& box = ps.pieces[i].box;
+    if (!scale) {
+      parts.push_back({box, src, converted_holder(L, t, nullptr, box, src.rank)});
+      continue;
+    }
+    const BlockSplit split = split_whole_blocks(box, t.shape, L.weight_block_size);
+    std::optional<ConvertedPick> q;
+    if (!split.whole.empty()) q = converted_holder(L, t, scale, split.whole, src.rank);
+    if (!q) {
+      parts.push_back({box, src, std::nullopt});
+      continue;
+    }
+    parts.push_back({split.whole, src, q});
+    for (const Box& b : split.rest) parts.push_back({b, src, std::nullopt});
+  }
+  return parts;
+}
+
+// The boxes the puller of a unit converts itself: the blocks of each part
+// no source converted, merged into one box while two meet (a block two
+// parts share is converted once). A converted part that a merged box
+// reaches is pulled unconverted and joins it (its `q` cleared). Each part
+// left to convert lies in exactly one of the boxes returned; with no part
+// converted by a source, the box is the unit's.
+std::vector<Box> convert_boxes(const Box& unit, std::vector<Part>& parts, const std::array<int64_t, 2>& block,
+                               const std::vector<int64_t>& shape) {
+  if (std::none_of(parts.begin(), parts.end(), [](const Part& p) { return p.q.has_value(); })) return {unit};
+  std::vector<Box> boxes;
+  for (const Part& p : parts)
+    if (!p.q) boxes.push_back(grown(p.box, block, shape));
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t a = 0; a < boxes.size() && !changed; ++a) {
+      for (size_t b = a + 1; b < boxes.size() && !changed; ++b) {
+        if (!overlaps(boxes[a], boxes[b])) continue;
+        boxes[a] = bounding(boxes[a], boxes[b]);
+        boxes.erase(boxes.begin() + static_cast<std::ptrdiff_t>(b));
+        changed = true;
+      }
+      for (size_t i = 0; i < parts.size() && !changed; ++i) {
+        if (!parts[i].q || !overlaps(boxes[a], parts[i].box)) continue;
+        parts[i].q.reset();
+        boxes[a] = bounding(boxes[a], grown(parts[i].box, block, shape));
+        changed = true;
+      }
+    }
+  }
+  return boxes;
+}
+
+// What convert_unit's steps share about one unit.
+struct UnitCtx {
+  const Plan& plan;
+  const Layout& L;
+  const Unit& u;
+  const Tensor& t;
+  const Consumer& p;    // the puller
+  const Region& dst;    // its region of the tensor
+  const Tensor* scale;  // F8_E4M3: the scale tensor, else null
+  int64_t scale_index;  // its index, or -1
+  const Region* puller_scales;  // F8_E4M3: the puller's region of the unit's scales
+  Emitter& out;
+};
+
+// The unit's pieces a source converted: pulled as they are into the
+// puller's region, then their blocks' scales into its scale region.
+void pull_converted(const UnitCtx& c, const std::vector<Part>& parts) {
+  const int reb = dtype_bytes(c.t.dtype_on(Side::kReceiver));
+  const int64_t chunk_elems = std::max<int64_t>(1, c.plan.options().chunk_bytes / reb);
+  const uint32_t dst_buf = c.t.buffer_of(Side::kReceiver, c.dst);
+  for (const Part& part : parts) {
+    if (!part.q) continue;
+    const ConvertedPick& q = *part.q;
+    for (const Box& chunk : split_row_major(part.box, chunk_elems)) {
+      for_each_copy(chunk, *q.data, c.dst, reb, [&](int64_t fo, int64_t to, int64_t bytes) {
+        c.out.push(Run{false, {Side::kSource, q.rank, q.data->buffer, fo}, {Side::kReceiver, c.p.rank, dst_buf, to}, bytes});
+      });
+    }
+    if (!q.scales) continue;
+    const uint32_t sbuf = c.scale->buffer_of(Side::kReceiver, *c.puller_scales);
+    for_each_copy(block_box(part.box, c.L.weight_block_size), *q.scales, *c.puller_scales, 4,
+                  [&](int64_t fo, int64_t to, int64_t bytes) {
+                    c.out.push(Run{false, {Side::kSource, q.rank, q.scales->buffer, fo},
+                                   {Side::kReceiver, c.p.rank, sbuf, to}, bytes});
+                  });
+  }
+}
+
+// Box `g` of the unit, which the puller converts: the pieces in it land
+// row-major in its staging area, then the conversion step.
+Status stage_and_convert(const UnitCtx& c, const Box& g, const std::vector<Part>& parts,
+                         std::map<int32_t, int64_t>& staged, const std::function<void(const ConvertStep&)>& on_convert) {
+  const int eb = dtype_bytes(c.t.dtype);
+  const int64_t chunk_elems = std::max<int64_t>(1, c.plan.options().chunk_bytes / eb);
+  const int n = g.ndim;
+  ConvertStep step;
+  step.rank = c.p.rank;
+  step.tensor = c.u.tensor;
+  step.box = g;
+  int64_t& end = staged[c.p.rank];
+  step.stage_offset = end;
+  end += (g.numel() * eb + 63) / 64 * 64;
+  step.buffer = c.t.buffer_of(Side::kReceiver, c.dst);
+  step.offset = element_of(c.dst, g);
+  step.strides = c.dst.strides;
+  Region stage;
+  stage.box = g;
+  stage.offset = step.stage_offset / eb;
+  int64_t stride = 1;
+  for (int d = n - 1; d >= 0; --d) {
+    stage.strides[d] = stride;
+    stride *= g.size[d];
+  }
+  if (c.scale) {
+    step.scale_tensor = c.scale_index;
+    step.scale_buffer = c.scale->buffer_of(Side::kReceiver, *c.puller_scales);
+    step.scale_offset = element_of(*c.puller_scales, block_box(g, c.L.weight_block_size));
+    step.scale_strides = c.puller_scales->strides;
+  }
+  for (const Part& part : parts) {
+    if (part.q || !contains(g, part.box)) continue;
+    const Region& sr = c.t.sources[part.src.region];
+    const uint32_t src_buf = c.t.buffer_of(Side::kSource, sr);
+    for (const Box& chunk : split_row_major(part.box, chunk_elems)) {
+      for_each_copy(chunk, sr, stage, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
+        c.out.push(Run{false, {Side::kSource, part.src.rank, src_buf, fo},
+                       {Side::kReceiver, c.p.rank, kStagingBuffer, to}, bytes});
+      });
+    }
+  }
+  c.out.flush();
+  on_convert(step);
+  return Status::ok();
+}
+
+// The converted unit to its other consumers: the receivers' dtype from the
+// puller's region, then the scales of its blocks.
+Status fan_out_converted(const UnitCtx& c, const Box& blocks) {
+  const Box& box = c.plan.box(c.u);
+  const int reb = dtype_bytes(c.t.dtype_on(Side::kReceiver));
+  const uint32_t dst_buf = c.t.buffer_of(Side::kReceiver, c.dst);
+  for (const Consumer& k : c.plan.consumers(c.u)) {
+    if (k.rank == c.p.rank && k.region == c.p.region) continue;
+    const Region& kr = c.t.receivers[k.region];
+    for_each_copy(box, c.dst, kr, reb, [&](int64_t fo, int64_t to, int64_t bytes) {
+      c.out.push(Run{true, {Side::kReceiver, c.p.rank, dst_buf, fo},
+                     {Side::kReceiver, k.rank, c.t.buffer_of(Side::kReceiver, kr), to}, bytes});
+    });
+    if (!c.scale) continue;
+    const Region* from = c.puller_scales;
+    const Region* to = region_holding(c.L, static_cast<uint32_t>(c.scale_index), k.rank, blocks);
+    if (!to) {
+      return Status::invalid("receiver rank " + std::to_string(k.rank) + " holds blocks " + box_text(blocks) +
+                             " of tensor \"" + c.t.name + "\" but not their scales in \"" + c.scale->name + "\"");
+    }
+    if (k.rank == c.p.rank && to == from) continue;
+    for_each_copy(blocks, *from, *to, 4, [&](int64_t fo, int64_t to_off, int64_t bytes) {
+      c.out.push(Run{true, {Side::kReceiver, c.p.rank, c.scale->buffer_of(Side::kReceiver, *from), fo},
+                     {Side::kReceiver, k.rank, c.scale->buffer_of(Side::kReceiver, *to), to_off}, bytes});
+    });
+  }
+  return Status::ok();
+}
+
+// A unit of a tensor converted on the way (docs/conversion.md): the pieces a
+// source converted are pulled as they are, the rest staged and converted by
+// the puller, then the unit fans out in the receivers' dtype.
+Status convert_unit(const Plan& plan, const Unit& u, Emitter& out, std::map<int32_t, int64_t>& staged,
+                    const std::function<void(const ConvertStep&)>& on_convert) {
+  const Layout& L = plan.layout();
+  const Tensor& t = L.tensors[u.tensor];
+  const Consumer& p = plan.puller(u);
+  const Box& box = plan.box(u);
+  const int n = box.ndim;
+  if (n < 1) return Status::invalid("tensor \"" + t.name + "\": a scalar cannot be converted on the way");
+  const bool quantized = t.dtype_on(Side::kReceiver) == DType::kF8E4M3;
+  UnitCtx c{plan, L, u, t, p, t.receivers[p.region], nullptr, -1, nullptr, out};
+  const Box blocks = quantized && n >= 2 ? block_box(box, L.weight_block_size) : Box{};
+  if (quantized) {
+    c.scale_index = L.find_tensor(t.name + "_scale_inv");
+    if (c.scale_index < 0 || n < 2) {
+      return Status::invalid("tensor \"" + t.name + "\" is quantized to F8_E4M3 but the receivers hold no \"" +
+                             t.name + "_scale_inv\"");
+    }
+    for (int k = 0; k < 2; ++k) {
+      const int d = n - 2 + k;
+      const int64_t b = L.weight_block_size[k];
+      if (box.start[d] % b != 0 || (box.end(d) % b != 0 && box.end(d) != t.shape[d])) {
+        return Status::invalid("tensor \"" + t.name + "\": the unit " + box_text(box) + " cuts a block of " +
+                               std::to_string(L.weight_block_size[0]) + "x" + std::to_string(L.weight_block_size[1]) +
+                               " in dim " + std::to_string(d));
+      }
+    }
+    c.scale = &L.tensors[c.scale_index];
+    c.puller_scales = region_holding(L, static_cast<uint32_t>(c.scale_index), p.rank, blocks);
+    if (!c.puller_scales) {
+      return Status::invalid("receiver rank " + std::to_string(p.rank) + " holds blocks " + box_text(blocks) +
+                             " of tensor \"" + t.name + "\" but not their scales in \"" + c.scale->name + "\"");
+    }
+  }
+  std::vector<Part> parts = unit_parts(plan, u, c.scale);
+  const std::array<int64_t, 2> block = quantized ? L.weight_block_size : std::array<int64_t, 2>{1, 1};
+  const std::vector<Box> boxes = convert_boxes(box, parts, block, t.shape);
+  pull_converted(c, parts);
+  for (const Box& g : boxes) REFIT_RETURN_IF_ERROR(stage_and_convert(c, g, parts, staged, on_convert));
+  return fan_out_converted(c, blocks);
+}
+
 // network_only: the network runs alone, as the full walk gives them (its
 // local runs are not made; where one would follow, the network run before it
 // is passed on unmerged, as the local run would have made it).
 Status run_all(const Plan& plan, const std::function<void(const Run&)>& fn,
                const std::function<void(const ConvertStep&)>* on_convert, bool network_only = false) {
   const Layout& L = plan.layout();
-  bool have = false;
-  Run pending;
-  auto push = [&](const Run& r) {
-    if (have && pending.local == r.local && pending.from.side == r.from.side && pending.from.rank == r.from.rank &&
-        pending.from.buffer == r.from.buffer && pending.to.rank == r.to.rank && pending.to.buffer == r.to.buffer &&
-        pending.from.offset + pending.bytes == r.from.offset && pending.to.offset + pending.bytes == r.to.offset) {
-      pending.bytes += r.bytes;
-      return;
-    }
-    if (have) fn(pending);
-    pending = r;
-    have = true;
-  };
+  Emitter out(fn);
   std::map<int32_t, int64_t> staged;  // per puller: its staging area's end
   for (const Unit& u : plan.units()) {
     const Tensor& t = L.tensors[u.tensor];
+    if (on_convert && t.dtype_on(Side::kReceiver) != t.dtype) {
+      REFIT_RETURN_IF_ERROR(convert_unit(plan, u, out, staged, *on_convert));
+      continue;
+    }
     const int eb = dtype_bytes(t.dtype);
     const int64_t chunk_elems = std::max<int64_t>(1, plan.options().chunk_bytes / eb);
     const Consumer& p = plan.puller(u);
     const Region& dst = t.receivers[p.region];
     const uint32_t dst_buf = t.buffer_of(Side::kReceiver, dst);
     const PullSet& ps = plan.pull_set(u);
-    if (on_convert && t.dtype_on(Side::kReceiver) != t.dtype) {
-      // Land in the staging area, convert, then fan out the converted bytes.
-      const Box& box = ps.box;
-      const int n = box.ndim;
-      if (n < 1) return Status::invalid("tensor \"" + t.name + "\": a scalar cannot be converted on the way");
-      ConvertStep step;
-      step.rank = p.rank;
-      step.tensor = u.tensor;
-      step.box = box;
-      int64_t& end = staged[p.rank];
-      step.stage_offset = end;
-      end += (box.numel() * eb + 63) / 64 * 64;
-      step.buffer = dst_buf;
-      step.offset = element_of(dst, box);
-      step.strides = dst.strides;
-      Region stage;
-      stage.box = box;
-      stage.offset = step.stage_offset / eb;
-      int64_t stride = 1;
-      for (int d = n - 1; d >= 0; --d) {
-        stage.strides[d] = stride;
-        stride *= box.size[d];
-      }
-      const Tensor* scale = nullptr;
-      Box blocks;
-      if (t.dtype_on(Side::kReceiver) == DType::kF8E4M3) {
-        const int64_t si = L.find_tensor(t.name + "_scale_inv");
-        if (si < 0 || n < 2) {
-          return Status::invalid("tensor \"" + t.name + "\" is quantized to F8_E4M3 but the receivers hold no \"" +
-                                 t.name + "_scale_inv\"");
-        }
-        for (int k = 0; k < 2; ++k) {
-          const int d = n - 2 + k;
-          const int64_t b = L.weight_block_size[k];
-          if (box.start[d] % b != 0 || ((box.start[d] + box.size[d]) % b != 0 && box.start[d] + box.size[d] != t.shape[d])) {
-            return Status::invalid("tensor \"" + t.name + "\": the unit " + box_text(box) + " cuts a block of " +
-                                   std::to_string(L.weight_block_size[0]) + "x" + std::to_string(L.weight_block_size[1]) +
-                                   " in dim " + std::to_string(d));
-          }
-        }
-        scale = &L.tensors[si];
-        step.scale_tensor = si;
-        blocks = block_box(box, L.weight_block_size);
-        const Region* sr = region_holding(L, static_cast<uint32_t>(si), p.rank, blocks);
-        if (!sr) {
-          return Status::invalid("receiver rank " + std::to_string(p.rank) + " holds blocks " + box_text(blocks) +
-                                 " of tensor \"" + t.name + "\" but not their scales in \"" + scale->name + "\"");
-        }
-        step.scale_buffer = scale->buffer_of(Side::kReceiver, *sr);
-        step.scale_offset = element_of(*sr, blocks);
-        step.scale_strides = sr->strides;
-      }
-      for (size_t i = 0; i < ps.pieces.size(); ++i) {
-        const SourcePick src = plan.source(u, i);
-        const Region& sr = t.sources[src.region];
-        const uint32_t src_buf = t.buffer_of(Side::kSource, sr);
-        for (const Box& c : split_row_major(ps.pieces[i].box, chunk_elems)) {
-          for_each_copy(c, sr, stage, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-            push(Run{false, {Side::kSource, src.rank, src_buf, fo}, {Side::kReceiver, p.rank, kStagingBuffer, to}, bytes});
-          });
-        }
-      }
-      if (have) fn(pending);
-      have = false;
-      (*on_convert)(step);
-      const int reb = dtype_bytes(t.dtype_on(Side::kReceiver));
-      for (const Consumer& k : plan.consumers(u)) {
-        if (k.rank == p.rank && k.region == p.region) continue;
-        const Region& kr = t.receivers[k.region];
-        for_each_copy(box, dst, kr, reb, [&](int64_t fo, int64_t to, int64_t bytes) {
-          push(Run{true, {Side::kReceiver, p.rank, dst_buf, fo},
-                   {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), to}, bytes});
-        });
-        if (!scale) continue;
-        const Region* from = region_holding(L, static_cast<uint32_t>(step.scale_tensor), p.rank, blocks);
-        const Region* to = region_holding(L, static_cast<uint32_t>(step.scale_tensor), k.rank, blocks);
-        if (!to) {
-          return Status::invalid("receiver rank " + std::to_string(k.rank) + " holds blocks " + box_text(blocks) +
-                                 " of tensor \"" + t.name + "\" but not their scales in \"" + scale->name + "\"");
-        }
-        if (k.rank == p.rank && to == from) continue;
-        for_each_copy(blocks, *from, *to, 4, [&](int64_t fo, int64_t to_off, int64_t bytes) {
-          push(Run{true, {Side::kReceiver, p.rank, scale->buffer_of(Side::kReceiver, *from), fo},
-                   {Side::kReceiver, k.rank, scale->buffer_of(Side::kReceiver, *to), to_off}, bytes});
-        });
-      }
-      continue;
-    }
     for (size_t i = 0; i < ps.pieces.size(); ++i) {
       const SourcePick src = plan.source(u, i);
       const Region& sr = t.sources[src.region];
       const uint32_t src_buf = t.buffer_of(Side::kSource, sr);
       for (const Box& c : split_row_major(ps.pieces[i].box, chunk_elems)) {
         for_each_copy(c, sr, dst, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-          push(Run{false, {Side::kSource, src.rank, src_buf, fo}, {Side::kReceiver, p.rank, dst_buf, to}, bytes});
+          out.push(Run{false, {Side::kSource, src.rank, src_buf, fo}, {Side::kReceiver, p.rank, dst_buf, to}, bytes});
         });
         if (network_only) {
-          if (plan.consumers(u).size() > 1 && have) {
-            fn(pending);
-            have = false;
-          }
+          if (plan.consumers(u).size() > 1) out.flush();
           continue;
         }
         for (const Consumer& k : plan.consumers(u)) {
           if (k.rank == p.rank && k.region == p.region) continue;
           const Region& kr = t.receivers[k.region];
           for_each_copy(c, dst, kr, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-            push(Run{true, {Side::kReceiver, p.rank, dst_buf, fo},
-                     {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), to}, bytes});
+            out.push(Run{true, {Side::kReceiver, p.rank, dst_buf, fo},
+                         {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), to}, bytes});
           });
         }
       }
     }
   }
-  if (have) fn(pending);
+  out.flush();
   return Status::ok();
 }
 

@@ -55,6 +55,19 @@ void read_transport(JsonReader& r, const Json& doc, const char* key, bool with_d
   if (r.ok() && out->transports.empty()) r.fail(JsonReader::join(key, "transports"), "must not be empty");
 }
 
+// A source's "quantize" and "quantize_source_bytes": where a tensor
+// quantized on the way is quantized (docs/conversion.md, "At the source"),
+// and the memory the source's copies may hold.
+void parse_quantize(const Json& doc, JsonReader& r, AgentConfig* c) {
+  const std::string quantize = r.string(doc, "", "quantize", std::string("receiver"));
+  if (r.ok() && quantize != "receiver" && quantize != "source") {
+    r.fail("quantize", "must be \"receiver\" or \"source\", got \"" + quantize + "\"");
+  }
+  c->quantize_at_source = quantize == "source";
+  c->quantize_source_bytes = static_cast<uint64_t>(
+      r.integer(doc, "", "quantize_source_bytes", static_cast<int64_t>(c->quantize_source_bytes), 0, int64_t{1} << 40));
+}
+
 }  // namespace
 
 Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver) {
@@ -77,8 +90,9 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.staged = mode == "staged";
   } else {
     r.object(doc, "", {"rank", "domain", "coordinator", "network", "heartbeat_ms", "log_level", "log_format",
-                       "snapshot", "verify", "gather_reply_bytes", "test"});
+                       "snapshot", "verify", "gather_reply_bytes", "quantize", "quantize_source_bytes", "test"});
     c.snapshot = r.boolean(doc, "", "snapshot", false);
+    parse_quantize(doc, r, &c);
     // The memory a source holds for the gathers it serves (docs/refresh.md,
     // "Gathers"): at least 1 MiB.
     c.gather_reply_bytes = static_cast<uint64_t>(r.integer(doc, "", "gather_reply_bytes",

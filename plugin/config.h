@@ -77,6 +77,12 @@ struct AgentConfig {
   // Sources: the most memory held for the replies of the gathers served
   // (transport/ucx/am_rma.h); more waits, and a larger gather is refused.
   uint64_t gather_reply_bytes = 256ull << 20;
+  // Sources: "quantize": "source" (docs/conversion.md, "At the source"):
+  // at publish, quantize (or cast) the whole blocks of the segments whose
+  // receivers hold another dtype, into copies of at most
+  // quantize_source_bytes (copies and scales) that the network then carries.
+  bool quantize_at_source = false;
+  uint64_t quantize_source_bytes = 1ull << 30;
   std::chrono::milliseconds heartbeat{1000};
   LogLevel log_level = LogLevel::kWarn;
   LogFormat log_format = LogFormat::kText;

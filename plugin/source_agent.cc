@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
 #include <optional>
+#include <set>
 #include <cstring>
 
 #include "planner/dtype.h"
@@ -11,10 +13,14 @@
 #include "transport/cuda/cuda_copy_ops.h"
 #endif
 #include "plugin/host_memory.h"
+#include "plugin/source_convert.h"
 #include "plugin/verify.h"
 #include "transport/cuda/pointer_probe.h"
 
 namespace refit::plugin {
+
+// The buffer a source serves its converted copies from ("quantize": "source").
+constexpr const char* kConvertedBuffer = "refit.converted";
 
 using control::MsgType;
 
@@ -67,6 +73,7 @@ SourceAgent::~SourceAgent() {
   stop_progress();
   rma_server_.reset();
   buffers_.clear();  // memory regions before the worker and context
+  converted_.reset();
   worker_.reset();
   context_.reset();
 }
@@ -221,6 +228,16 @@ Status SourceAgent::join() {
     mb.segments = b.segments;
     m.buffers.push_back(std::move(mb));
   }
+  if (converted_ && !converted_->segments.empty()) {
+    control::MemberBuffer mb;
+    mb.name = kConvertedBuffer;
+    mb.dtype = "U8";
+    mb.bytes = static_cast<int64_t>(converted_->bytes);
+    mb.address = reinterpret_cast<uint64_t>(converted_->memory.get());
+    mb.rkey = converted_->region->packed_rkey();
+    mb.segments = converted_->segments;
+    m.buffers.push_back(std::move(mb));
+  }
   REFIT_RETURN_IF_ERROR(start_progress().with_context("join"));
   Result<control::Json> r = link_->request(MsgType::kRegisterSource, control::to_json(m));
   if (!r.is_ok()) return r.status();
@@ -245,7 +262,10 @@ Status SourceAgent::publish(int64_t version) {
                            std::to_string(published_) + ", the last this source published");
   }
   REFIT_RETURN_IF_ERROR(join());
-  const bool copies = std::any_of(buffers_.begin(), buffers_.end(), [](const Buf& b) { return b.copied_at_publish(); });
+  // "quantize": "source" rewrites its copies, or registers other ones, at
+  // every publish: it waits as a snapshot does.
+  const bool copies = std::any_of(buffers_.begin(), buffers_.end(), [](const Buf& b) { return b.copied_at_publish(); }) ||
+                      config_.quantize_at_source;
   if (copies) {
     // The copy receivers read must not change under a lease on it.
     if (published_ > 0) {
@@ -263,6 +283,10 @@ Status SourceAgent::publish(int64_t version) {
     }
   }
   log_.set_version(version);
+  if (config_.quantize_at_source) {
+    REFIT_RETURN_IF_ERROR(convert_at_publish(version).with_context("publish " + std::to_string(version)));
+    REFIT_RETURN_IF_ERROR(join());  // registers the copies when they changed
+  }
   // Twice at most: a source the coordinator declared dead before its
   // heartbeat heard of it (a partition that healed) hears it here, and
   // registers again (join) before the second try.
@@ -281,6 +305,82 @@ Status SourceAgent::publish(int64_t version) {
     published_ = version;
     return Status::ok();
   }
+}
+
+Status SourceAgent::convert_at_publish(int64_t version) {
+  Result<control::Json> reply = link_->request(MsgType::kVerifyBoxes, control::Json::object());
+  if (!reply.is_ok()) return reply.status().with_context("asking which tensors to convert");
+  std::vector<ConvertRequest> requests;
+  for (const control::Json& c : reply->value("convert", control::Json::array())) {
+    const std::optional<DType> to = parse_dtype(c.value("dtype", std::string()));
+    if (!to) continue;
+    requests.push_back({c.value("tensor", std::string()), *to, c.value("block", std::array<int64_t, 2>{128, 128})});
+  }
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const control::TensorDecl& d : tensors_) shapes[d.name] = d.shape;
+  std::vector<ServedBuffer> served;
+  for (const Buf& b : buffers_) served.push_back({b.dtype, b.segments, !b.device || b.mirror});
+  ConvertLayout plan = plan_converted(served, shapes, requests, config_.quantize_source_bytes);
+  for (const std::string& t : plan.left_out) {
+    log_.warn("tensor \"" + t + "\": its converted copies pass \"quantize_source_bytes\" (" +
+              std::to_string(config_.quantize_source_bytes) + "): the rest of it travels unconverted");
+  }
+  // Reuse the memory registered for the same copies (wait_drained has
+  // run: nobody reads it), else fill new memory and register it.
+  const bool same = converted_ && converted_->key == plan.key;
+  std::shared_ptr<uint8_t> memory = same ? converted_->memory : map_host_memory(std::max<uint64_t>(plan.bytes, 64));
+  if (!memory) return Status::invalid("cannot allocate " + std::to_string(plan.bytes) + " bytes for converted copies");
+  std::set<std::string> refused;
+  for (const ConvertJob& j : plan.jobs) {
+    if (refused.count(j.segment.tensor)) continue;
+    const Buf& b = buffers_[j.buffer];
+    bool nan = false;
+    Status st = convert_box(b.served(), b.bytes, j.segment, j.from, j.to, j.block, j.start, j.size,
+                            memory.get() + j.data_offset, reinterpret_cast<float*>(memory.get() + j.scale_offset), &nan);
+    if (st.is_ok()) continue;
+    if (!nan) return st;
+    // NaN or infinity: this version of the tensor is served unconverted, and
+    // the receivers' own conversion refuses it, naming the block.
+    log_.warn("version " + std::to_string(version) + ": not serving a converted copy of tensor \"" + j.segment.tensor +
+              "\": " + st.message());
+    refused.insert(j.segment.tensor);
+  }
+  if (!refused.empty()) {
+    std::vector<ConvertJob> kept;
+    for (ConvertJob& j : plan.jobs)
+      if (!refused.count(j.segment.tensor)) kept.push_back(std::move(j));
+    plan.jobs = std::move(kept);
+  }
+  std::vector<control::Segment> segments = converted_segments(plan);
+  auto text = [](const std::vector<control::Segment>& segs) {
+    control::Json j = control::Json::array();
+    for (const control::Segment& g : segs) j.push_back({g.tensor, g.start, g.size, g.offset, g.strides, g.dtype});
+    return j.dump();
+  };
+  if (same && text(segments) == text(converted_->segments)) return Status::ok();
+  const uint64_t bytes = std::max<uint64_t>(plan.bytes, 64);
+  const bool running = progress_.joinable();
+  stop_progress();  // registration must not race the worker's progress
+  Result<ucx::MemoryRegion> region =
+      ucx::MemoryRegion::map(*context_, memory.get(), bytes, kConvertedBuffer, ucx::Access::kRemoteRead);
+  if (region.is_ok()) {
+    // The AM server holds the region it serves: the old one leaves it
+    // before it is released, the new one joins it where it stays.
+    if (converted_ && converted_->region) rma_server_->unexport_region(*converted_->region);
+    converted_.reset();
+    converted_.emplace();
+    converted_->memory = std::move(memory);
+    converted_->bytes = bytes;
+    converted_->key = plan.key;
+    converted_->segments = std::move(segments);
+    converted_->region.emplace(std::move(region).value());
+    rma_server_->export_region(*converted_->region);
+  }
+  if (running) REFIT_RETURN_IF_ERROR(start_progress());
+  if (!region.is_ok()) return region.status().with_context("registering converted copies");
+  log_.info("serving " + std::to_string(plan.jobs.size()) + " converted copies (" + std::to_string(bytes) + " bytes)");
+  changed_ = true;
+  return Status::ok();
 }
 
 Result<control::Json> SourceAgent::hash_served() {

@@ -78,6 +78,10 @@ class SourceAgent {
   Status progress_error();
   // A GPU shard's pinned host mirror, where it needs one (Buf::mirror).
   Status gpu_mirror(Buf* b);
+  // "quantize": "source" (plugin/source_convert.h): converts, at publish,
+  // the segments the receivers hold in another dtype into converted_, and
+  // marks the agent changed when its copies differ from those registered.
+  Status convert_at_publish(int64_t version);
   // Verification: the hashes of the boxes this rank serves (plugin/verify.h),
   // as publish_version carries them.
   Result<control::Json> hash_served();
@@ -92,6 +96,16 @@ class SourceAgent {
   std::unique_ptr<CoordinatorLink> link_;
   std::vector<control::TensorDecl> tensors_;
   std::deque<Buf> buffers_;  // stable addresses: the AM server holds the regions
+  // The copies "quantize": "source" made at the last publish, served as one
+  // more buffer (kConvertedBuffer) while they have segments.
+  struct Converted {
+    std::shared_ptr<uint8_t> memory;  // plugin/host_memory.h
+    uint64_t bytes = 0;
+    std::string key;  // ConvertLayout::key of what it holds
+    std::vector<control::Segment> segments;
+    std::optional<ucx::MemoryRegion> region;
+  };
+  std::optional<Converted> converted_;
   bool joined_ = false;
   bool changed_ = false;  // tensors added since the last registration
   int64_t published_ = 0;

@@ -81,10 +81,9 @@ Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const co
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
 }
 
-Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
-                                           DType from, DType to, const std::array<int64_t, 2>& block,
-                                           const std::vector<int64_t>& start, const std::vector<int64_t>& size,
-                                           const std::vector<IndexBox>& scale_boxes, bool* refused) {
+Status convert_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg, DType from, DType to,
+                   const std::array<int64_t, 2>& block, const std::vector<int64_t>& start,
+                   const std::vector<int64_t>& size, uint8_t* out, float* scales, bool* refused) {
   *refused = false;
   // The box row-major in the sources' dtype, then converted as a receiver
   // converts it (transport/convert).
@@ -92,15 +91,10 @@ Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffe
   REFIT_RETURN_IF_ERROR(for_each_run(buffer, buffer_bytes, seg, dtype_bytes(from), start, size,
                                      [&](const uint8_t* p, size_t n) { box.insert(box.end(), p, p + n); }));
   const int64_t numel = static_cast<int64_t>(box.size()) / dtype_bytes(from);
-  std::vector<uint8_t> out(static_cast<size_t>(numel * dtype_bytes(to)));
-  ConvertedHashes result;
   if (to != DType::kF8E4M3) {
-    if (Status st = convert::cast(from, to, box.data(), out.data(), numel, seg.tensor); !st.is_ok()) {
-      *refused = true;
-      return st;
-    }
-    result.hash = XXH3_64bits(out.data(), out.size());
-    return result;
+    Status st = convert::cast(from, to, box.data(), out, numel, seg.tensor);
+    *refused = !st.is_ok();
+    return st;
   }
   const size_t n = size.size();
   if (n < 2) return Status::invalid("tensor \"" + seg.tensor + "\": F8_E4M3 needs 2 dims or more");
@@ -110,29 +104,44 @@ Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffe
                            std::to_string(start[n - 1]) + " does not start on a block of " + std::to_string(block[0]) +
                            "x" + std::to_string(block[1]));
   }
-  // The scales of the box's blocks, row-major over their box of the scale
-  // tensor (the box's leading dims, then block rows, block cols): a buffer
-  // that one segment describes, so that a box of it hashes as a receiver's
-  // scale buffer does.
-  const IndexBox grid = scale_box_of(start, size, block);
-  const int64_t brows = grid.size[n - 2], bcols = grid.size[n - 1];
-  std::vector<float> scales(static_cast<size_t>(numel / (rows * cols) * brows * bcols));
   convert::QuantizeArgs a;
   a.src_dtype = from;
   a.src = box.data();
   a.rows = rows;
   a.cols = cols;
-  a.dst = out.data();
-  a.scales = scales.data();
+  a.dst = out;
+  a.scales = scales;
   a.block = {block[0], block[1]};
   a.tensor = seg.tensor;
   a.block_row0 = start[n - 2] / block[0];
   a.block_col0 = start[n - 1] / block[1];
-  if (Status st = convert::quantize_e4m3_matrices(a, numel / (rows * cols)); !st.is_ok()) {
-    *refused = true;
-    return st;
-  }
+  Status st = convert::quantize_e4m3_matrices(a, numel / (rows * cols));
+  *refused = !st.is_ok();
+  return st;
+}
+
+Result<ConvertedHashes> hash_converted_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
+                                           DType from, DType to, const std::array<int64_t, 2>& block,
+                                           const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                                           const std::vector<IndexBox>& scale_boxes, bool* refused) {
+  *refused = false;
+  int64_t numel = 1;
+  for (int64_t x : size) numel *= x;
+  std::vector<uint8_t> out(static_cast<size_t>(numel * dtype_bytes(to)));
+  // The scales of the box's blocks, row-major over their box of the scale
+  // tensor (the box's leading dims, then block rows, block cols): a buffer
+  // that one segment describes, so that a box of it hashes as a receiver's
+  // scale buffer does.
+  const size_t n = size.size();
+  const IndexBox grid = scale_box_of(start, size, block);
+  int64_t nscales = 1;
+  for (int64_t x : grid.size) nscales *= x;
+  std::vector<float> scales(to == DType::kF8E4M3 ? static_cast<size_t>(nscales) : 0);
+  REFIT_RETURN_IF_ERROR(convert_box(buffer, buffer_bytes, seg, from, to, block, start, size, out.data(),
+                                    scales.data(), refused));
+  ConvertedHashes result;
   result.hash = XXH3_64bits(out.data(), out.size());
+  if (to != DType::kF8E4M3) return result;
   control::Segment held{scale_tensor_name(seg.tensor), grid.start, grid.size, 0, std::vector<int64_t>(n, 1)};
   for (size_t d = n - 1; d > 0; --d) held.strides[d - 1] = held.strides[d] * grid.size[d];
   for (const IndexBox& b : scale_boxes) {

@@ -36,6 +36,18 @@ namespace refit::plugin {
 Result<uint64_t> hash_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg,
                           int elem_bytes, const std::vector<int64_t>& start, const std::vector<int64_t>& size);
 
+// Converts the box (start, size) of `seg`'s tensor, read from `buffer`
+// through `seg` in `from`, to `to` as a receiver converts it
+// (docs/conversion.md): the box row-major in `to` at `out`, and to F8_E4M3
+// (`block`; the box starts on a block boundary) one F32 scale per block at
+// `scales`, row-major over scale_box_of(start, size, block). Refuses NaN or
+// infinity in a block, naming the tensor and the block, and sets *refused
+// (the blocks before it may be written); fails as hash_box does on a box
+// outside the segment.
+Status convert_box(const uint8_t* buffer, uint64_t buffer_bytes, const control::Segment& seg, DType from, DType to,
+                   const std::array<int64_t, 2>& block, const std::vector<int64_t>& start,
+                   const std::vector<int64_t>& size, uint8_t* out, float* scales, bool* refused);
+
 // What a receiver holding a box as another dtype hashes: the box's
 // converted bytes and, to F8_E4M3, the boxes of the scale tensor it asked
 // for, in the order asked.

@@ -202,6 +202,7 @@ struct Row {
   std::string mode;
   double refresh_seconds_median = 0;
   double pause_seconds_median = 0;
+  double publish_seconds_median = 0;
   double cpu_seconds_median = 0;
   double machine_cpu_seconds_median = 0;
   int64_t completed = 0;
@@ -717,7 +718,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out,
                  "write {\"scenario\", \"results\": [{\"strategy\", \"seconds_median\", \"gbps\", \"network_bytes\", "
                  "\"minimum_network_bytes\", \"local_bytes\", \"verified\", \"mode\", \"refresh_seconds_median\", "
-                 "\"pause_seconds_median\", \"cpu_seconds_median\", \"machine_cpu_seconds_median\", \"completed\", "
+                 "\"pause_seconds_median\", \"publish_seconds_median\" (the sources' publish), \"cpu_seconds_median\", \"machine_cpu_seconds_median\", \"completed\", "
                  "\"error\" (null when none), with --serve-check "
                  "\"serve_reads\", \"mixed_version_reads\", with --kill \"killed\", \"killed_version\", "
                  "\"kill_error\" (null when every receiver left completed it), \"kill_missed\" (the kill landed after "
@@ -1073,6 +1074,7 @@ int main(int argc, char** argv) {
     row.mode = r.staged ? "staged" : "direct";
     row.refresh_seconds_median = r.median_refresh_seconds();
     row.pause_seconds_median = r.median_pause_seconds();
+    row.publish_seconds_median = r.median_publish_seconds();
     row.cpu_seconds_median = r.median_cpu_seconds();
     row.machine_cpu_seconds_median = r.median_machine_cpu_seconds();
     row.completed = static_cast<int64_t>(r.versions.size());
@@ -1167,6 +1169,7 @@ int main(int argc, char** argv) {
                          {"mode", r.mode},
                          {"refresh_seconds_median", r.refresh_seconds_median},
                          {"pause_seconds_median", r.pause_seconds_median},
+                         {"publish_seconds_median", r.publish_seconds_median},
                          {"cpu_seconds_median", r.cpu_seconds_median},
                          {"machine_cpu_seconds_median", r.machine_cpu_seconds_median},
                          {"completed", r.completed},

@@ -108,6 +108,20 @@
  *                    gather that would pass it waits (its receiver asks again),
  *                    and one larger than it is refused, naming both sizes
  *                    (docs/refresh.md, "Gathers")
+ *     "quantize"     "receiver" | "source" ["receiver"]: where a tensor that
+ *                    the receivers hold in another dtype (F8_E4M3 with block
+ *                    scales, or a cast) is converted. "source": at each
+ *                    publish this source converts the whole blocks of its
+ *                    segments of such tensors into copies of its own, which
+ *                    the network then carries (FP8 plus scales instead of
+ *                    BF16); what cuts a block, or does not fit, is converted
+ *                    by the receiver as by default (docs/conversion.md,
+ *                    "At the source"). A publish first waits, as in
+ *                    snapshot mode, until no receiver reads the previous
+ *                    version (up to coordinator.timeout_ms)
+ *     "quantize_source_bytes" integer [1073741824]: with "quantize": "source",
+ *                    the most host memory the copies and their scales hold,
+ *                    0 to 1 TiB; a copy past it is left out (logged)
  *
  *   Receiver only:
  *     "instance"     integer >= 0 [0]: the inference replica this rank belongs to

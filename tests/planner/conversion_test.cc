@@ -279,5 +279,164 @@ TEST(JoinSides, RefusesAReceiverTensorTheSourcesLack) {
   EXPECT_NE(L.status().message().find("\"extra\""), std::string::npos) << L.status().message();
 }
 
+// "quantize": "source" (docs/conversion.md, "At the source"). w.weight
+// [256, 384] BF16 on explicit source buffers: `rows` gives each source
+// rank's row range; `copies` the ranks that also serve an F8_E4M3 copy of
+// their whole blocks with its scales (buffer "refit.converted").
+json source_quantized_layout(const std::vector<std::pair<int64_t, int64_t>>& rows, const std::vector<int>& copies) {
+  json j = fp8_layout();
+  j["sources"] = json::array();
+  for (size_t r = 0; r < rows.size(); ++r) j["sources"].push_back({{"rank", r}, {"domain", 0}});
+  for (auto& t : j["tensors"]) {
+    if (t["name"] == "w.weight") t.erase("source");
+    if (t["name"] == "norm")
+      t["source"] = {{"mesh", {static_cast<int>(rows.size())}}, {"ranks", json::array()}, {"placements", {"R"}}};
+  }
+  for (size_t r = 0; r < rows.size(); ++r) j["tensors"][2]["source"]["ranks"].push_back(r);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const auto [lo, hi] = rows[r];
+    j["buffers"].push_back({{"side", "source"}, {"rank", r}, {"name", "w"}, {"dtype", "BF16"},
+                            {"bytes", (hi - lo) * 384 * 2},
+                            {"segments", {{{"tensor", "w.weight"}, {"start", {lo, 0}}, {"size", {hi - lo, 384}},
+                                           {"offset", 0}, {"strides", {384, 1}}}}}});
+  }
+  for (int r : copies) {
+    const auto [lo, hi] = rows[r];
+    const int64_t qlo = (lo + 127) / 128 * 128, qhi = hi == 256 ? 256 : hi / 128 * 128;
+    if (qhi <= qlo) continue;  // no whole block
+    const int64_t bytes = (qhi - qlo) * 384;
+    j["buffers"].push_back(
+        {{"side", "source"}, {"rank", r}, {"name", "refit.converted"}, {"dtype", "U8"}, {"bytes", bytes + 64},
+         {"segments",
+          {{{"tensor", "w.weight"}, {"dtype", "F8_E4M3"}, {"start", {qlo, 0}}, {"size", {qhi - qlo, 384}},
+            {"offset", 0}, {"strides", {384, 1}}},
+           {{"tensor", "w.weight_scale_inv"}, {"dtype", "F32"}, {"start", {qlo / 128, 0}},
+            {"size", {(qhi - qlo) / 128, 3}}, {"offset", bytes / 4}, {"strides", {3, 1}}}}}});
+  }
+  return j;
+}
+
+struct Walk {
+  int64_t network = 0, staged = 0, scale_network = 0;
+  std::vector<ConvertStep> steps;
+};
+
+Walk walk(const Plan& plan) {
+  Walk w;
+  const Layout& L = plan.layout();
+  Status st = for_each_run(
+      plan,
+      [&](const Run& r) {
+        if (r.local) return;
+        w.network += r.bytes;
+        if (r.to.buffer == kStagingBuffer) w.staged += r.bytes;
+        else if (L.buffers[r.to.buffer].name == "w_scale_inv") w.scale_network += r.bytes;
+      },
+      [&](const ConvertStep& c) { w.steps.push_back(c); });
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  return w;
+}
+
+TEST(QuantizeAtSource, WholeBlockPiecesArePulledAsFp8WithTheirScales) {
+  auto L = parse(source_quantized_layout({{0, 128}, {128, 256}}, {0, 1}));
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  EXPECT_EQ(L->tensors[L->find_tensor("w.weight")].converted_sources.size(), 2u);
+  EXPECT_EQ(L->tensors[L->find_tensor("w.weight_scale_inv")].converted_sources.size(), 2u);
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const Walk w = walk(*plan);
+  EXPECT_TRUE(w.steps.empty());  // nothing left for the receiver to convert
+  EXPECT_EQ(w.staged, 0);
+  EXPECT_EQ(w.scale_network, 2 * 3 * 4);
+  EXPECT_EQ(w.network, 256 * 384 + 2 * 3 * 4 + 384 * 2);
+  // What refit-plan prints as convert_at_source_* is what the runs move.
+  EXPECT_EQ(w.network, count_conversion_bytes(*plan, ConvertAt::kSource).network_bytes);
+}
+
+TEST(QuantizeAtSource, PiecesCuttingABlockAreConvertedByThePuller) {
+  // Rank 0 holds block row 0 whole; ranks 1 and 2 split block row 1.
+  auto L = parse(source_quantized_layout({{0, 128}, {128, 200}, {200, 256}}, {0}));
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const Walk w = walk(*plan);
+  ASSERT_EQ(w.steps.size(), 1u);
+  EXPECT_EQ(w.steps[0].box.to_string(), "[128:256, 0:384]");
+  EXPECT_EQ(w.staged, 128 * 384 * 2);
+  EXPECT_EQ(w.scale_network, 3 * 4);
+  EXPECT_EQ(w.network, 128 * 384 + 3 * 4 + 128 * 384 * 2 + 384 * 2);
+  const ConversionBytes c = count_conversion_bytes(*plan, ConvertAt::kSource);
+  EXPECT_EQ(w.network, c.network_bytes);
+  EXPECT_EQ(c.quantized_at_source_bytes, 128 * 384 * 2);
+  EXPECT_EQ(c.quantized_at_receiver_bytes, 128 * 384 * 2);
+}
+
+TEST(QuantizeAtSource, APieceIsCutIntoItsWholeBlocksAndTheRest) {
+  // Rank 1 holds rows [100, 256): its whole blocks [128, 256) come from its
+  // copy, rows [100, 128) and rank 0's [0, 100) are converted by the puller.
+  auto L = parse(source_quantized_layout({{0, 100}, {100, 256}}, {0, 1}));
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  EXPECT_EQ(L->tensors[L->find_tensor("w.weight")].converted_sources.size(), 1u);  // rank 0 has no whole block
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const Walk w = walk(*plan);
+  ASSERT_EQ(w.steps.size(), 1u);
+  EXPECT_EQ(w.steps[0].box.to_string(), "[0:128, 0:384]");
+  EXPECT_EQ(w.staged, 128 * 384 * 2);
+  EXPECT_EQ(w.network, 128 * 384 + 3 * 4 + 128 * 384 * 2 + 384 * 2);
+  EXPECT_EQ(w.network, count_conversion_bytes(*plan, ConvertAt::kSource).network_bytes);
+}
+
+TEST(QuantizeAtSource, SplitWholeBlocks) {
+  const std::vector<int64_t> shape{300, 300};
+  Box b;
+  b.ndim = 2;
+  b.start = {10, 0};
+  b.size = {290, 200};
+  const BlockSplit s = split_whole_blocks(b, shape, {128, 128});
+  EXPECT_EQ(s.whole.to_string(), "[128:300, 0:128]");
+  int64_t n = s.whole.numel();
+  for (const Box& r : s.rest) {
+    EXPECT_FALSE(overlaps(r, s.whole)) << r.to_string();
+    n += r.numel();
+  }
+  EXPECT_EQ(n, b.numel());
+  b.start = {10, 10};
+  b.size = {100, 100};
+  EXPECT_TRUE(split_whole_blocks(b, shape, {128, 128}).whole.empty());
+}
+
+TEST(QuantizeAtSource, ACopyOfAnotherBlockOrWithoutScalesIsNotUsed) {
+  // Receivers of 64 x 64 blocks: the copies' scales are of 128 x 128.
+  json j = source_quantized_layout({{0, 128}, {128, 256}}, {0, 1});
+  j["weight_block_size"] = {64, 64};
+  j["tensors"][1]["shape"] = {4, 6};
+  for (auto& b : j["buffers"]) {
+    if (b["name"] == "w_scale_inv") {
+      b["bytes"] = 4 * 6 * 4;
+      b["segments"][0]["size"] = {4, 6};
+      b["segments"][0]["strides"] = {6, 1};
+    }
+  }
+  auto L = parse(j);
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  EXPECT_TRUE(L->tensors[L->find_tensor("w.weight")].converted_sources.empty());
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const Walk w = walk(*plan);
+  EXPECT_EQ(w.network, 256 * 384 * 2 + 384 * 2);  // BF16, converted by the puller
+}
+
+TEST(QuantizeAtSource, PrefersTheCopyOfAnyHolder) {
+  // Both ranks hold all of w; only rank 1 serves a copy: every piece is FP8.
+  auto L = parse(source_quantized_layout({{0, 256}, {0, 256}}, {1}));
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  const Walk w = walk(*plan);
+  EXPECT_TRUE(w.steps.empty());
+  EXPECT_EQ(w.network, 256 * 384 + 2 * 3 * 4 + 384 * 2);
+}
+
 }  // namespace
 }  // namespace refit

@@ -517,8 +517,10 @@ class Runner {
       r = group_.request(sources.children, versioned("fill", v), deadline());
       if (!r) return r.status();
       step(tag + "filled");
+      const int64_t p0 = monotonic_ns();
       r = group_.request(sources.children, versioned("publish", v), deadline());
       if (!r) return r.status();
+      vr.publish_seconds = static_cast<double>(monotonic_ns() - p0) * 1e-9;
       step(tag + "published");
       const std::vector<size_t> rx = active(receivers);
       if (options_.serve_check && !options_.staged) {  // the servers pause before any peer may push
@@ -1035,6 +1037,7 @@ double median_of(const std::vector<VersionResult>& versions, Field field) {
 double RunResult::median_seconds() const { return median_of(versions, &VersionResult::seconds); }
 double RunResult::median_refresh_seconds() const { return median_of(versions, &VersionResult::refresh_seconds); }
 double RunResult::median_pause_seconds() const { return median_of(versions, &VersionResult::pause_seconds); }
+double RunResult::median_publish_seconds() const { return median_of(versions, &VersionResult::publish_seconds); }
 double RunResult::median_cpu_seconds() const { return median_of(versions, &VersionResult::cpu_seconds); }
 double RunResult::median_machine_cpu_seconds() const {
   return median_of(versions, &VersionResult::machine_cpu_seconds);

@@ -210,6 +210,9 @@ struct VersionResult {
   // The slowest receiver's pause: direct, its report's "pause_seconds" (the
   // refresh); staged, the commit's "pause_seconds"; broadcast, its copy out.
   double pause_seconds = 0;
+  // The sources' publish of the version, all at once: from the command to
+  // the last source's return (with "quantize": "source", their conversions).
+  double publish_seconds = 0;
   // CPU time of the run's processes (every rank and refit-bench with its
   // coordinator) over the same span as `seconds` (processes_cpu_seconds):
   // what the strategy's refresh cost in CPU, whatever else the machine ran.
@@ -310,6 +313,7 @@ struct RunResult {
   double median_seconds() const;
   double median_refresh_seconds() const;
   double median_pause_seconds() const;
+  double median_publish_seconds() const;
   double median_cpu_seconds() const;
   double median_machine_cpu_seconds() const;
   double median_rejoin_seconds() const;  // of the versions that had churn

@@ -82,6 +82,11 @@ int64_t numel(const std::vector<int64_t>& size) {
 }
 }  // namespace
 
+bool ControlState::converted_copy(const MemberBuffer& b, const Segment& seg) const {
+  auto it = tensors_.find(seg.tensor);
+  return it == tensors_.end() || segment_dtype(b, seg) != it->second.decl.dtype;
+}
+
 Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::time_point now) {
   if (auto it = sources_.find(m.rank); it != sources_.end()) {
     if (it->second.session != 0 || to_json(it->second.info) == to_json(m)) {
@@ -515,6 +520,9 @@ void ControlState::prune_hashes() {
 
 Result<Json> ControlState::verify_boxes(uint64_t session) const {
   Json boxes = Json::array();
+  // The tensors of the connection's sources that receivers hold in another
+  // dtype: what a source with "quantize": "source" converts at publish.
+  std::map<std::string, Json> converts;
   bool is_source = false;
   std::vector<int64_t> start, size, sstart, ssize;
   // Each receiver's block scale segments by tensor, for a quantized box.
@@ -533,6 +541,7 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
     std::map<std::string, std::pair<size_t, std::set<std::string>>> seen;
     for (const MemberBuffer& b : s.info.buffers) {
       for (const Segment& seg : b.segments) {
+        if (converted_copy(b, seg)) continue;  // "quantize": "source": hashed as the segment it copies
         for (const auto& [rr, r] : receivers_) {
           for (const MemberBuffer& rb : r.info.buffers) {
             for (const Segment& want : rb.segments) {
@@ -543,6 +552,9 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
               const std::string& to = segment_dtype(rb, want);
               const bool convert = to != tensors_.at(seg.tensor).decl.dtype;
               const bool quantize = convert && to == "F8_E4M3";
+              if (convert) {
+                converts[seg.tensor] = {{"tensor", seg.tensor}, {"dtype", to}, {"block", r.info.weight_block_size}};
+              }
               if (quantize && !whole_blocks(start, size, tensors_.at(seg.tensor).decl.shape, r.info.weight_block_size)) {
                 continue;
               }
@@ -578,7 +590,9 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
                              "none (never registered, or declared dead)")
         .with_reason(Reason::kNotRegistered);
   }
-  return Json{{"boxes", std::move(boxes)}};
+  Json convert = Json::array();
+  for (auto& [name, c] : converts) convert.push_back(std::move(c));
+  return Json{{"boxes", std::move(boxes)}, {"convert", std::move(convert)}};
 }
 
 Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes& m) const {
@@ -591,7 +605,8 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
   std::map<std::string, std::vector<const Segment*>> held;
   for (const auto& [rank, s] : sources_) {
     for (const MemberBuffer& b : s.info.buffers) {
-      for (const Segment& seg : b.segments) held[seg.tensor].push_back(&seg);
+      for (const Segment& seg : b.segments)
+        if (!converted_copy(b, seg)) held[seg.tensor].push_back(&seg);
     }
   }
   // The receiver's F8_E4M3 segments by tensor, for its scale segments.
@@ -713,10 +728,37 @@ Status ControlState::subscribe(uint64_t session) {
 
 Json ControlState::layout_document(bool solo) const {
   Json sources = Json::array(), receivers = Json::array(), tensors = Json::array(), buffers = Json::array();
-  auto add_buffers = [&buffers](const char* side, int32_t rank, const std::vector<MemberBuffer>& bs) {
+  std::vector<const Declared*> ordered;
+  ordered.reserve(tensors_.size());
+  for (const auto& [name, d] : tensors_) ordered.push_back(&d);
+  std::sort(ordered.begin(), ordered.end(), [](const Declared* a, const Declared* b) { return a->order < b->order; });
+  for (const Declared* d : ordered) {
+    tensors.push_back({{"name", d->decl.name}, {"dtype", d->decl.dtype}, {"shape", d->decl.shape}});
+  }
+  // The block scale tensors the planned receivers hold: derived, not declared.
+  std::array<int64_t, 2> block{128, 128};
+  std::set<std::string> derived, described;
+  for (int32_t rank : planned_receivers()) {
+    const RegisterReceiver& r = receivers_.at(rank).info;
+    block = r.weight_block_size;
+    for (const MemberBuffer& b : r.buffers) {
+      for (const Segment& s : b.segments) {
+        if (tensors_.count(s.tensor) || !derived.insert(s.tensor).second) continue;
+        if (std::optional<TensorDecl> d = decl_of(s.tensor, block)) {
+          tensors.push_back({{"name", d->name}, {"dtype", d->dtype}, {"shape", d->shape}});
+          described.insert(d->name);
+        }
+      }
+    }
+  }
+  // A source's segment of a tensor the document lacks (the scales of a copy
+  // it quantized, "quantize": "source", that no planned receiver holds) is
+  // left out.
+  auto add_buffers = [&](const char* side, int32_t rank, const std::vector<MemberBuffer>& bs) {
     for (const MemberBuffer& b : bs) {
       Json segs = Json::array();
       for (const Segment& s : b.segments) {
+        if (!tensors_.count(s.tensor) && !described.count(s.tensor)) continue;
         segs.push_back({{"tensor", s.tensor}, {"start", s.start}, {"size", s.size}, {"offset", s.offset},
                         {"strides", s.strides}});
         if (!s.dtype.empty()) segs.back()["dtype"] = s.dtype;
@@ -736,28 +778,6 @@ Json ControlState::layout_document(bool solo) const {
     const Member<RegisterReceiver>& r = receivers_.at(rank);
     receivers.push_back({{"rank", dense}, {"domain", solo ? dense : r.info.domain}, {"instance", r.info.instance}});
     add_buffers("receiver", dense++, r.info.buffers);
-  }
-  std::vector<const Declared*> ordered;
-  ordered.reserve(tensors_.size());
-  for (const auto& [name, d] : tensors_) ordered.push_back(&d);
-  std::sort(ordered.begin(), ordered.end(), [](const Declared* a, const Declared* b) { return a->order < b->order; });
-  for (const Declared* d : ordered) {
-    tensors.push_back({{"name", d->decl.name}, {"dtype", d->decl.dtype}, {"shape", d->decl.shape}});
-  }
-  // The block scale tensors the planned receivers hold: derived, not declared.
-  std::array<int64_t, 2> block{128, 128};
-  std::set<std::string> derived;
-  for (int32_t rank : planned_receivers()) {
-    const RegisterReceiver& r = receivers_.at(rank).info;
-    block = r.weight_block_size;
-    for (const MemberBuffer& b : r.buffers) {
-      for (const Segment& s : b.segments) {
-        if (tensors_.count(s.tensor) || !derived.insert(s.tensor).second) continue;
-        if (std::optional<TensorDecl> d = decl_of(s.tensor, block)) {
-          tensors.push_back({{"name", d->name}, {"dtype", d->dtype}, {"shape", d->shape}});
-        }
-      }
-    }
   }
   return Json{{"format", "refit-layout/1"}, {"sources", std::move(sources)}, {"receivers", std::move(receivers)},
               {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}, {"weight_block_size", block}};

@@ -171,6 +171,9 @@ class ControlState {
   // Verification. What the connection's source ranks hash when they publish:
   // {boxes: [{rank, tensor, start, size}]}, each of their segments cut by
   // every registered receiver segment of its tensor, distinct per rank.
+  // Also {convert: [{tensor, dtype, block}]}: the connection's sources'
+  // tensors that receivers hold in another dtype (and their block), which a
+  // source with "quantize": "source" converts at publish (docs/conversion.md).
   Result<Json> verify_boxes(uint64_t session) const;
   // What receiver `m.rank` checks its copy of `m.version` against: for each
   // of its segments, cut by every live source's segments of the tensor,
@@ -324,6 +327,10 @@ class ControlState {
   // The declaration of `tensor`: a source's, or a block scale tensor
   // "<W>_scale_inv" of a declared weight W, F32 with one value per block.
   std::optional<TensorDecl> decl_of(const std::string& tensor, const std::array<int64_t, 2>& block) const;
+  // Whether a source's segment is a copy it converted ("quantize": "source",
+  // docs/conversion.md): a tensor the sources did not declare (block scales)
+  // or of another dtype than declared. Planned from, never hashed.
+  bool converted_copy(const MemberBuffer& b, const Segment& seg) const;
   // The receivers the plan includes: the plannable ones, in rank order.
   std::vector<int32_t> planned_receivers() const;
   std::string instance_shortfall(int32_t instance) const;

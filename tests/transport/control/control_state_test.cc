@@ -844,6 +844,59 @@ TEST(ControlState, ListsAndServesTheHashesOfBlockScales) {
   EXPECT_EQ((*h)["unverified_bytes"], 12 + 12) << h->dump();
 }
 
+// "quantize": "source" (docs/conversion.md, "At the source"): "w" [4, 6]
+// BF16, rows [0, 2) at source 0, which also serves them as F8_E4M3 with
+// their 2 x 2 blocks' scales in buffer "refit.converted", rows [2, 4) at
+// source 1. verify_boxes lists what each source converts and never hashes
+// a copy; the plan pulls the copy and its scales as they are and leaves
+// rows [2, 4) to the receiver's conversion. Without a receiver holding the
+// scales, the membership document leaves the copy's scales out.
+TEST(ControlState, ListsWhatSourcesConvertAndPlansTheirCopies) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  for (int r = 0; r < 2; ++r) {
+    RegisterSource m = source(r);
+    m.tensors.push_back(TensorDecl{"w", "BF16", {4, 6}});
+    m.buffers.push_back(MemberBuffer{"w", "BF16", 24, 0x1000, {1}, {Segment{"w", {2 * r, 0}, {2, 6}, 0, {6, 1}}}});
+    if (r == 0) {
+      m.buffers.push_back(MemberBuffer{"refit.converted", "U8", 64, 0x2000, {2},
+                                       {Segment{"w", {0, 0}, {2, 6}, 0, {6, 1}, "F8_E4M3"},
+                                        Segment{"w_scale_inv", {0, 0}, {1, 3}, 4, {3, 1}, "F32"}}});
+    }
+    ASSERT_TRUE(s.register_source(1 + r, m, now).is_ok());
+  }
+  EXPECT_EQ(s.layout_document().dump().find("w_scale_inv"), std::string::npos) << s.layout_document().dump();
+  RegisterReceiver rc = receiver(0, 0);
+  rc.weight_block_size = {2, 2};
+  rc.buffers.push_back(MemberBuffer{"w", "F8_E4M3", 24, 0, {}, {Segment{"w", {0, 0}, {4, 6}, 0, {6, 1}}}});
+  rc.buffers.push_back(MemberBuffer{"s", "F32", 24, 0, {}, {Segment{"w_scale_inv", {0, 0}, {2, 3}, 0, {3, 1}}}});
+  Status reg = s.register_receiver(9, rc, now);
+  ASSERT_TRUE(reg.is_ok()) << reg.message();
+
+  Result<Json> boxes = s.verify_boxes(1);
+  ASSERT_TRUE(boxes.is_ok()) << boxes.status().message();
+  EXPECT_EQ((*boxes)["convert"], Json::parse(R"([{"tensor": "w", "dtype": "F8_E4M3", "block": [2, 2]}])"));
+  EXPECT_EQ((*boxes)["boxes"].size(), 1u) << boxes->dump();  // the BF16 segment's box, not the copy's
+
+  auto parts = compute_plan(s.plan_input());
+  ASSERT_TRUE(parts->status.is_ok()) << parts->status.message();
+  const Json& part = parts->parts.at(0);
+  int64_t from_copy = 0, staged = 0, converts = 0;
+  for (const Json& e : part) {
+    if (e["kind"] == "convert") {
+      ++converts;
+      EXPECT_EQ(e["start"], Json::parse("[2, 0]")) << e.dump();
+      continue;
+    }
+    const int64_t bytes = e["bytes"].get<int64_t>() * e.value("count", int64_t{1});
+    if (e["from"]["buffer"] == "refit.converted") from_copy += bytes;
+    if (e["to"].value("stage", false)) staged += bytes;
+  }
+  EXPECT_EQ(converts, 1) << part.dump();
+  EXPECT_EQ(from_copy, 12 + 3 * 4) << part.dump();  // 12 FP8 bytes, 3 scales
+  EXPECT_EQ(staged, 12 * 2) << part.dump();         // rows [2, 4) in BF16
+}
+
 // Two replicas that publish one version with different contents: the second
 // publish is refused, naming both ranks, and changes nothing.
 TEST(ControlState, RefusesReplicasThatDisagreeOnAVersion) {
