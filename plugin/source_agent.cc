@@ -124,6 +124,10 @@ Status SourceAgent::add_tensor(std::string_view description, void* data, uint64_
   for (const control::TensorDecl& d : tensors_) {
     if (d.name == t->decl.name) return Status::invalid("tensor \"" + d.name + "\" was already added");
   }
+  if (t->buffer.name == kConvertedBuffer) {
+    return Status::invalid("tensor \"" + t->decl.name + "\": the buffer name \"" + kConvertedBuffer +
+                           "\" is refit's own (the converted copies of \"quantize\": \"source\"); choose another");
+  }
   if (t->buffer.segments.empty()) {  // this rank holds no part of it
     tensors_.push_back(t->decl);
     changed_ = true;
@@ -206,7 +210,11 @@ Status SourceAgent::join() {
   REFIT_RETURN_IF_ERROR(progress_error());
   if (joined_ && !changed_) return Status::ok();
   if (tensors_.empty()) return Status::invalid("join: add at least one tensor first");
-  if (joined_) {
+  // Only the buffers changed (the converted copies of a publish): the
+  // coordinator replaces them in place, and the source never leaves, so
+  // its tensors never lack a source in between.
+  const bool replace = joined_ && registered_tensors_ == tensors_.size();
+  if (joined_ && !replace) {
     link_->stop_heartbeat();
     Result<control::Json> r =
         link_->request(MsgType::kUnregister, control::to_json(control::MemberRef{control::Role::kSource, config_.rank}));
@@ -243,6 +251,11 @@ Status SourceAgent::join() {
   if (!r.is_ok()) return r.status();
   joined_ = true;
   changed_ = false;
+  registered_tensors_ = tensors_.size();
+  if (replace) {
+    log_.info("registered its buffers again (" + std::to_string(m.buffers.size()) + ")");
+    return Status::ok();
+  }
   const control::MemberRef me{control::Role::kSource, config_.rank};
   if (Status hb = link_->start_heartbeat(me); !hb.is_ok()) {
     // Without heartbeats the coordinator would declare the member dead
@@ -314,7 +327,12 @@ Status SourceAgent::convert_at_publish(int64_t version) {
   for (const control::Json& c : reply->value("convert", control::Json::array())) {
     const std::optional<DType> to = parse_dtype(c.value("dtype", std::string()));
     if (!to) continue;
-    requests.push_back({c.value("tensor", std::string()), *to, c.value("block", std::array<int64_t, 2>{128, 128})});
+    const std::array<int64_t, 2> block = c.value("block", std::array<int64_t, 2>{128, 128});
+    if (block[0] < 1 || block[1] < 1 || block[0] > (1 << 20) || block[1] > (1 << 20)) {
+      return Status::internal("the coordinator's list of tensors to convert has block [" + std::to_string(block[0]) +
+                              ", " + std::to_string(block[1]) + "], outside 1..2^20");
+    }
+    requests.push_back({c.value("tensor", std::string()), *to, block});
   }
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const control::TensorDecl& d : tensors_) shapes[d.name] = d.shape;
@@ -375,6 +393,7 @@ Status SourceAgent::convert_at_publish(int64_t version) {
     converted_->segments = std::move(segments);
     converted_->region.emplace(std::move(region).value());
     rma_server_->export_region(*converted_->region);
+    changed_ = true;  // the coordinator holds the old address: the next join registers this one
   }
   if (running) REFIT_RETURN_IF_ERROR(start_progress());
   if (!region.is_ok()) return region.status().with_context("registering converted copies");

@@ -95,6 +95,9 @@ class SourceAgent {
   std::unique_ptr<ucx::AmRmaServer> rma_server_;
   std::unique_ptr<CoordinatorLink> link_;
   std::vector<control::TensorDecl> tensors_;
+  // How many of tensors_ the coordinator holds (join): with no more, a
+  // join that registers other buffers replaces them in place.
+  size_t registered_tensors_ = 0;
   std::deque<Buf> buffers_;  // stable addresses: the AM server holds the regions
   // The copies "quantize": "source" made at the last publish, served as one
   // more buffer (kConvertedBuffer) while they have segments.

@@ -87,8 +87,28 @@ bool ControlState::converted_copy(const MemberBuffer& b, const Segment& seg) con
   return it == tensors_.end() || segment_dtype(b, seg) != it->second.decl.dtype;
 }
 
+namespace {
+
+bool same_tensors(const std::vector<TensorDecl>& a, const std::vector<TensorDecl>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const TensorDecl& x, const TensorDecl& y) {
+    return x.name == y.name && x.dtype == y.dtype && x.shape == y.shape;
+  });
+}
+
+}  // namespace
+
 Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::time_point now) {
   if (auto it = sources_.find(m.rank); it != sources_.end()) {
+    if (session != 0 && it->second.session == session && same_tensors(it->second.info.tensors, m.tensors) &&
+        it->second.info.worker_address == m.worker_address && it->second.info.domain == m.domain) {
+      // The same source on its own connection, the same tensors, other
+      // buffers (its converted copies changed at a publish): replaced in
+      // place. Its tensors never lose their source, so no version moves.
+      it->second.info = std::move(m);
+      it->second.last_seen = now;
+      membership_changed();
+      return Status::ok();
+    }
     if (it->second.session != 0 || to_json(it->second.info) == to_json(m)) {
       return registered_again("register_source", sources_, Role::kSource, session, m, now);
     }
@@ -726,6 +746,31 @@ Status ControlState::subscribe(uint64_t session) {
   return Status::ok();
 }
 
+ControlState::CopyFilter ControlState::stale_copies(const std::array<int64_t, 2>& block) const {
+  // What the planned receivers hold each converted tensor as.
+  std::map<std::string, std::string> held_as;
+  for (int32_t rank : planned_receivers()) {
+    for (const MemberBuffer& b : receivers_.at(rank).info.buffers) {
+      for (const Segment& s : b.segments) held_as.emplace(s.tensor, segment_dtype(b, s));
+    }
+  }
+  return [this, block, held_as = std::move(held_as)](const MemberBuffer& b, const Segment& s) {
+    auto t = tensors_.find(s.tensor);
+    if (t == tensors_.end()) {  // a copy's scales: inside the scale tensor of today's block
+      const std::optional<TensorDecl> d = decl_of(s.tensor, block);
+      if (!d || d->shape.size() != s.start.size() || s.size.size() != s.start.size()) return true;
+      for (size_t i = 0; i < s.start.size(); ++i) {
+        if (s.start[i] < 0 || s.size[i] < 0 || s.start[i] > d->shape[i] || s.size[i] > d->shape[i] - s.start[i]) return true;
+      }
+      return false;
+    }
+    const std::string dtype = segment_dtype(b, s);
+    if (dtype == t->second.decl.dtype) return false;  // the tensor itself
+    auto h = held_as.find(s.tensor);
+    return h == held_as.end() || h->second != dtype;
+  };
+}
+
 Json ControlState::layout_document(bool solo) const {
   Json sources = Json::array(), receivers = Json::array(), tensors = Json::array(), buffers = Json::array();
   std::vector<const Declared*> ordered;
@@ -753,12 +798,15 @@ Json ControlState::layout_document(bool solo) const {
   }
   // A source's segment of a tensor the document lacks (the scales of a copy
   // it quantized, "quantize": "source", that no planned receiver holds) is
-  // left out.
+  // left out, and so is a copy made for what the receivers held before
+  // (another dtype or block) until the source's next publish replaces it.
+  const CopyFilter stale = stale_copies(block);
   auto add_buffers = [&](const char* side, int32_t rank, const std::vector<MemberBuffer>& bs) {
     for (const MemberBuffer& b : bs) {
       Json segs = Json::array();
       for (const Segment& s : b.segments) {
         if (!tensors_.count(s.tensor) && !described.count(s.tensor)) continue;
+        if (side[0] == 's' && stale(b, s)) continue;
         segs.push_back({{"tensor", s.tensor}, {"start", s.start}, {"size", s.size}, {"offset", s.offset},
                         {"strides", s.strides}});
         if (!s.dtype.empty()) segs.back()["dtype"] = s.dtype;

@@ -54,6 +54,7 @@
 
 #include <array>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -273,6 +274,11 @@ class ControlState {
   // The refit-layout/1 document of the current membership, each side's
   // ranks numbered densely in rank order (PlanInput says how).
   Json layout_document(bool solo = false) const;
+  // Whether a source's segment is a converted copy (or its scales) made for
+  // what the planned receivers no longer hold: another dtype, or another
+  // block than `block` ("quantize": "source", docs/conversion.md).
+  using CopyFilter = std::function<bool(const MemberBuffer&, const Segment&)>;
+  CopyFilter stale_copies(const std::array<int64_t, 2>& block) const;
 
   size_t num_sources() const { return sources_.size(); }
   size_t num_receivers() const { return receivers_.size(); }

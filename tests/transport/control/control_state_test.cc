@@ -897,6 +897,67 @@ TEST(ControlState, ListsWhatSourcesConvertAndPlansTheirCopies) {
   EXPECT_EQ(staged, 12 * 2) << part.dump();         // rows [2, 4) in BF16
 }
 
+// Copies a source made for a smaller block than the receivers now hold (its
+// scale segment lies outside today's scale tensor) or for another dtype are
+// left out of the membership: the plan does not fail, the tensor travels
+// unconverted until the source's next publish replaces them.
+TEST(ControlState, CopiesMadeForWhatReceiversHeldBeforeAreLeftOut) {
+  for (const char* copy_dtype : {"F8_E4M3", "F16"}) {
+    ControlState s(StateLimits{}, 1s);
+    const auto now = Clock::now();
+    RegisterSource m = source(0);
+    m.tensors.push_back(TensorDecl{"w", "BF16", {4, 6}});
+    m.buffers.push_back(MemberBuffer{"w", "BF16", 48, 0x1000, {1}, {Segment{"w", {0, 0}, {4, 6}, 0, {6, 1}}}});
+    m.buffers.push_back(MemberBuffer{"refit.converted", "U8", 128, 0x2000, {2},
+                                     {Segment{"w", {0, 0}, {4, 6}, 0, {6, 1}, copy_dtype},
+                                      Segment{"w_scale_inv", {0, 0}, {2, 3}, 8, {3, 1}, "F32"}}});
+    ASSERT_TRUE(s.register_source(1, m, now).is_ok());
+    RegisterReceiver rc = receiver(0, 0);
+    rc.weight_block_size = {4, 6};  // the copies' scales were for [2, 2]: 2 x 3 of them, today 1 x 1
+    rc.buffers.push_back(MemberBuffer{"w", "F8_E4M3", 24, 0, {}, {Segment{"w", {0, 0}, {4, 6}, 0, {6, 1}}}});
+    rc.buffers.push_back(MemberBuffer{"s", "F32", 4, 0, {}, {Segment{"w_scale_inv", {0, 0}, {1, 1}, 0, {1, 1}}}});
+    ASSERT_TRUE(s.register_receiver(9, rc, now).is_ok());
+    const std::string doc = s.layout_document().dump();
+    EXPECT_EQ(doc.find("\"size\":[2,3]"), std::string::npos) << doc;
+    if (std::string(copy_dtype) == "F16") {
+      EXPECT_EQ(doc.find("\"dtype\":\"F16\""), std::string::npos) << doc;
+    }
+    auto parts = compute_plan(s.plan_input());
+    ASSERT_TRUE(parts->status.is_ok()) << copy_dtype << ": " << parts->status.message();
+    int64_t from_copy = 0;
+    for (const Json& e : parts->parts.at(0)) {
+      if (e.contains("from") && e["from"]["buffer"] == "refit.converted") ++from_copy;
+    }
+    EXPECT_EQ(from_copy, 0) << copy_dtype << ": " << parts->parts.at(0).dump();
+  }
+}
+
+// A source that registers again on its own connection with the same tensors
+// (its converted copies changed) has its buffers replaced in place: its
+// tensors never lack a source, the version does not move. Another
+// connection, or other tensors, is refused as before.
+TEST(ControlState, ASourceReregisteringItsBuffersIsReplacedInPlace) {
+  ControlState s(StateLimits{}, 1s);
+  const auto now = Clock::now();
+  RegisterSource a = source(0), b = source(1);
+  ASSERT_TRUE(s.register_source(1, a, now).is_ok());
+  ASSERT_TRUE(s.register_source(2, b, now).is_ok());
+  ASSERT_TRUE(s.publish(2, 1).is_ok());
+  EXPECT_EQ(s.version(), 0) << "source 0 has not published 1";
+  RegisterSource again = a;
+  again.buffers.push_back(MemberBuffer{"refit.converted", "U8", 64, 0x9000, {7}, {}});
+  Status st = s.register_source(1, again, now);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(s.version(), 0) << "the version moved while source 0 re-registered";
+  EXPECT_NE(s.layout_document().dump().find("refit.converted"), std::string::npos);
+  EXPECT_FALSE(s.register_source(3, again, now).is_ok()) << "another connection while it is held";
+  RegisterSource more = again;
+  more.tensors.push_back(TensorDecl{"extra", "F32", {2}});
+  EXPECT_FALSE(s.register_source(1, more, now).is_ok()) << "other tensors need an unregister first";
+  ASSERT_TRUE(s.publish(1, 1).is_ok());
+  EXPECT_EQ(s.version(), 1);
+}
+
 // Two replicas that publish one version with different contents: the second
 // publish is refused, naming both ranks, and changes nothing.
 TEST(ControlState, RefusesReplicasThatDisagreeOnAVersion) {
