@@ -1,5 +1,7 @@
 #include "transport/ucx/chunking.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 namespace refit::ucx {
@@ -70,6 +72,8 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
     auto& q = s.eps_[r.endpoint].queue;
     q.insert(q.end(), chunks.begin(), chunks.end());
   }
+  for (const EndpointState& ep : s.eps_)
+    if (!ep.queue.empty()) s.min_head_ = std::min(s.min_head_, ep.queue.front().bytes);
   return s;
 }
 
@@ -80,16 +84,30 @@ bool ChunkScheduler::fits(const EndpointState& ep, const Chunk& c) const {
          ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
 }
 
+void ChunkScheduler::advance(EndpointState& ep) {
+  ++ep.head;
+  if (ep.head < ep.queue.size()) min_head_ = std::min(min_head_, ep.queue[ep.head].bytes);
+}
+
 std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
+  // Not even the smallest next chunk fits the window in total: no endpoint
+  // need be tried (a receiver with hundreds of sources asks after every
+  // completion). bytes_in_flight_ never exceeds the limit.
+  if (pending_chunks_ == 0 || ops_in_flight_ >= limits_.max_ops_in_flight ||
+      min_head_ > limits_.max_bytes_in_flight - bytes_in_flight_)
+    return std::nullopt;
   const uint32_t n = static_cast<uint32_t>(eps_.size());
+  uint64_t smallest = UINT64_MAX;  // of every endpoint's next chunk, held or not
   for (uint32_t tried = 0; tried < n; ++tried) {
     uint32_t e = (cursor_ + tried) % n;
     EndpointState& ep = eps_[e];
-    if (ep.head == ep.queue.size() || ep.held) continue;
+    if (ep.head == ep.queue.size()) continue;
+    smallest = std::min(smallest, ep.queue[ep.head].bytes);
+    if (ep.held) continue;
     const Chunk c = ep.queue[ep.head];
     if (!fits(ep, c)) continue;
     if (gate && c.offset == 0 && !gate(c.run)) continue;  // asked before its first chunk only
-    ++ep.head;
+    advance(ep);
     ep.bytes_in_flight += c.bytes;
     ++ep.ops_in_flight;
     bytes_in_flight_ += c.bytes;
@@ -100,6 +118,7 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
     cursor_ = (e + 1) % n;
     return c;
   }
+  min_head_ = smallest;  // every endpoint was tried: exact
   return std::nullopt;
 }
 
@@ -119,6 +138,7 @@ void ChunkScheduler::requeue(const Chunk& c) {
   // The entries before head are spent: the one before it takes the chunk.
   // head > 0, since the chunk was issued from this queue.
   ep.queue[--ep.head] = c;
+  min_head_ = std::min(min_head_, c.bytes);
   ++runs_[c.run].pending;
   ++pending_chunks_;
 }
