@@ -23,11 +23,11 @@ struct Job {
   uint32_t sends_count = 0;
 };
 
-// Fan-out runs from one puller to one peer, read from one job.
+// Fan-out runs from one puller to one peer, read from one job: one send,
+// whatever its runs (a DeepSeek-V3 plan on 2048 GPUs has 160 million).
 struct Send {
   int32_t to = 0;
   int64_t bytes = 0;
-  int64_t runs = 0;
 };
 
 // One resource: free from `free_at` on; what it carried.
@@ -142,11 +142,10 @@ class Sim {
     r_.local_bytes += bytes;
     if (w.last_send_puller == p && job.sends_count > 0 && sends_.back().to == run.to.rank) {
       sends_.back().bytes += bytes;
-      sends_.back().runs += g.count;
       return;
     }
     if (job.sends_count == 0) job.sends_begin = static_cast<uint32_t>(sends_.size());
-    sends_.push_back(Send{run.to.rank, bytes, g.count});
+    sends_.push_back(Send{run.to.rank, bytes});
     ++job.sends_count;
     w.last_send_puller = p;
   }

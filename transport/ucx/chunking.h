@@ -120,6 +120,7 @@ class ChunkScheduler {
   // next() that tried every endpoint, lowered as chunks become next. When it
   // does not fit the total window, next() fails without trying each one.
   uint64_t min_head_ = UINT64_MAX;
+  std::vector<uint32_t> live_;  // the endpoints with chunks pending, ascending
   uint64_t pending_chunks_ = 0;
   uint64_t bytes_in_flight_ = 0;
   uint64_t ops_in_flight_ = 0;
