@@ -1,5 +1,6 @@
 #include "planner/gather.h"
 
+#include <algorithm>
 #include <string>
 
 namespace refit {
@@ -19,48 +20,88 @@ Status validate(const GatherOptions& o) {
   return Status::ok();
 }
 
-GatherGrouper::GatherGrouper(GatherOptions options, std::function<void(std::span<const uint64_t>)> on_gather,
-                             std::function<void(uint64_t)> on_single)
-    : options_(options), on_gather_(std::move(on_gather)), on_single_(std::move(on_single)) {}
+GatherCounter::GatherCounter(GatherOptions options, std::function<void(const GatherClose&)> on_close)
+    : options_(options), on_close_(std::move(on_close)) {}
 
-void GatherGrouper::close(const std::pair<int32_t, int32_t>& key, Open& g) {
-  closing_ = GatherInput{key.first, key.second, g.bytes};
-  if (g.runs.size() == 1) {
-    on_single_(g.runs.front());
-  } else if (g.runs.size() > 1) {
-    ++gathers_;
-    gathered_runs_ += g.runs.size();
-    on_gather_(g.runs);
+void GatherCounter::emit(int32_t receiver, int32_t source, int64_t runs, int64_t bytes, uint64_t tag, int64_t times) {
+  if (runs > 1) {
+    gathers_ += static_cast<uint64_t>(times);
+    gathered_runs_ += static_cast<uint64_t>(runs * times);
   }
-  g.runs.clear();
-  g.bytes = 0;
+  on_close_(GatherClose{receiver, source, bytes, runs, tag, false, times});
 }
 
-void GatherGrouper::add(const GatherInput& run) {
-  const uint64_t index = next_++;
-  if (!options_.enabled || run.bytes >= options_.below_bytes) {
-    closing_ = run;
-    on_single_(index);
-    return;
-  }
-  if (run.bytes > options_.max_bytes) {
-    ++unpacked_;
-    closing_ = run;
-    on_single_(index);
+void GatherCounter::close(const std::pair<int32_t, int32_t>& key, Open& g) {
+  if (g.runs > 0) emit(key.first, key.second, g.runs, g.bytes, g.tag, 1);
+  g = Open{};
+}
+
+void GatherCounter::add(const GatherInput& run, int64_t count, uint64_t tag) {
+  if (count <= 0) return;
+  const int64_t b = run.bytes;
+  if (!options_.enabled || b >= options_.below_bytes || b > options_.max_bytes) {
+    if (options_.enabled && b < options_.below_bytes) unpacked_ += static_cast<uint64_t>(count);
+    on_close_(GatherClose{run.receiver, run.source, b, 1, tag, true, count});
     return;
   }
   const std::pair<int32_t, int32_t> key{run.receiver, run.source};
   Open& g = open_[key];
-  if (!g.runs.empty() && (g.bytes + run.bytes > options_.max_bytes ||
-                          static_cast<int64_t>(g.runs.size()) >= options_.max_entries)) {
-    close(key, g);
+  // A run joins the open gather unless it would take it past max_bytes or
+  // max_entries; then the gather closes and the run opens the next one.
+  if (g.runs > 0 && (g.bytes + b > options_.max_bytes || g.runs >= options_.max_entries)) close(key, g);
+  const int64_t fit = std::min({count, options_.max_entries - g.runs, (options_.max_bytes - g.bytes) / b});
+  g.runs += fit;
+  g.bytes += fit * b;
+  g.tag = tag;
+  int64_t left = count - fit;
+  if (left == 0) return;
+  close(key, g);
+  // Full gathers of `per` runs each, then the last, which stays open.
+  const int64_t per = std::min(options_.max_entries, options_.max_bytes / b);  // >= 1: b <= max_bytes
+  const int64_t full = (left - 1) / per;
+  if (full > 0) emit(key.first, key.second, per, per * b, tag, full);
+  left -= full * per;
+  g.runs = left;
+  g.bytes = left * b;
+  g.tag = tag;
+}
+
+void GatherCounter::finish() {
+  for (auto& [key, g] : open_) close(key, g);  // in key order: deterministic
+  open_.clear();
+}
+
+GatherGrouper::GatherGrouper(GatherOptions options, std::function<void(std::span<const uint64_t>)> on_gather,
+                             std::function<void(uint64_t)> on_single)
+    : on_gather_(std::move(on_gather)),
+      on_single_(std::move(on_single)),
+      counter_(options, [this](const GatherClose& c) { closed(c); }) {}
+
+void GatherGrouper::closed(const GatherClose& c) {
+  closing_ = GatherInput{c.receiver, c.source, c.bytes};
+  if (c.passed) {
+    passed_ = true;
+    on_single_(next_);
+    return;
   }
-  g.runs.push_back(index);
-  g.bytes += run.bytes;
+  std::vector<uint64_t>& runs = open_[{c.receiver, c.source}];
+  if (runs.size() == 1) {
+    on_single_(runs.front());
+  } else {
+    on_gather_(runs);
+  }
+  runs.clear();
+}
+
+void GatherGrouper::add(const GatherInput& run) {
+  passed_ = false;
+  counter_.add(run, 1, 0);
+  if (!passed_) open_[{run.receiver, run.source}].push_back(next_);
+  ++next_;
 }
 
 void GatherGrouper::finish() {
-  for (auto& [key, g] : open_) close(key, g);  // in key order: deterministic
+  counter_.finish();
   open_.clear();
 }
 

@@ -50,9 +50,57 @@ struct GatherInput {
   int64_t bytes = 0;     // > 0
 };
 
-// Runs as they are grouped: each input is either one of a gather's runs or
-// a single (a plain GET). Streaming, so that a plan of a hundred million
-// runs is grouped without holding them all.
+// What the grouping passes on: a gather closed (`runs` >= 2), a gather
+// that closed with one run (`runs` == 1), or a run that travels alone
+// without joining one (`passed`: at least `below_bytes`, grouping off, or
+// unpacked). `times` identical ones in a row.
+struct GatherClose {
+  int32_t receiver = 0;
+  int32_t source = 0;
+  int64_t bytes = 0;  // of one: all its runs' together
+  int64_t runs = 1;   // of one
+  uint64_t tag = 0;   // the tag of the add() that gave its last run
+  bool passed = false;
+  int64_t times = 1;
+};
+
+// The grouping over runs given in groups of equal runs (RunGroup): the same
+// rules and the same result as adding them one by one, at a cost per gather
+// closed, not per run. Streaming; deterministic.
+class GatherCounter {
+ public:
+  GatherCounter(GatherOptions options, std::function<void(const GatherClose&)> on_close);
+  // `count` runs of `run.bytes` each, in order. `tag` is the caller's mark
+  // of these runs, passed back with each closing whose last run they hold.
+  void add(const GatherInput& run, int64_t count, uint64_t tag);
+  // Closes every open gather, in (receiver, source) order. Call once, after
+  // the last add().
+  void finish();
+
+  uint64_t gathers() const { return gathers_; }
+  uint64_t gathered_runs() const { return gathered_runs_; }
+  uint64_t unpacked() const { return unpacked_; }
+
+ private:
+  struct Open {
+    int64_t runs = 0;
+    int64_t bytes = 0;
+    uint64_t tag = 0;
+  };
+  void close(const std::pair<int32_t, int32_t>& key, Open& g);
+  void emit(int32_t receiver, int32_t source, int64_t runs, int64_t bytes, uint64_t tag, int64_t times);
+
+  GatherOptions options_;
+  std::function<void(const GatherClose&)> on_close_;
+  std::map<std::pair<int32_t, int32_t>, Open> open_;  // (receiver, source) -> its open gather
+  uint64_t gathers_ = 0;
+  uint64_t gathered_runs_ = 0;
+  uint64_t unpacked_ = 0;
+};
+
+// Runs as they are grouped, one by one: each input is either one of a
+// gather's runs or a single (a plain GET). Streaming, so that a plan of a
+// hundred million runs is grouped without holding them all.
 class GatherGrouper {
  public:
   // `on_gather(runs)` receives each closed gather: the input indices
@@ -70,27 +118,21 @@ class GatherGrouper {
   // that counts need not remember each run until its gather closes.
   const GatherInput& closing() const { return closing_; }
 
-  uint64_t gathers() const { return gathers_; }
-  uint64_t gathered_runs() const { return gathered_runs_; }
+  uint64_t gathers() const { return counter_.gathers(); }
+  uint64_t gathered_runs() const { return counter_.gathered_runs(); }
   // Runs below `below_bytes` that did not fit `max_bytes` (see the top).
-  uint64_t unpacked() const { return unpacked_; }
+  uint64_t unpacked() const { return counter_.unpacked(); }
 
  private:
-  struct Open {
-    std::vector<uint64_t> runs;
-    int64_t bytes = 0;
-  };
-  void close(const std::pair<int32_t, int32_t>& key, Open& g);
+  void closed(const GatherClose& c);
 
-  GatherOptions options_;
   std::function<void(std::span<const uint64_t>)> on_gather_;
   std::function<void(uint64_t)> on_single_;
-  std::map<std::pair<int32_t, int32_t>, Open> open_;  // (receiver, source) -> its open gather
+  GatherCounter counter_;
+  std::map<std::pair<int32_t, int32_t>, std::vector<uint64_t>> open_;  // the counter's open gathers' runs
   uint64_t next_ = 0;
+  bool passed_ = false;  // the run being added travelled alone
   GatherInput closing_;
-  uint64_t gathers_ = 0;
-  uint64_t gathered_runs_ = 0;
-  uint64_t unpacked_ = 0;
 };
 
 // The same for a list held in memory: the gathers, as lists of indices into

@@ -5,45 +5,47 @@
 namespace refit {
 
 GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather, PlanProgress* progress,
-                   int64_t window_bytes) {
+                   int64_t window_bytes, bool expanded) {
   GetStats s;
   s.per_receiver.assign(plan.layout().receivers.size(), 0);
   if (max_get_bytes <= 0) return s;
-  auto count = [&](int32_t receiver, int64_t bytes, int64_t cut) {
+  // `times` GETs of `bytes`, each cut into pieces of at most `cut`.
+  auto count = [&](int32_t receiver, int64_t bytes, int64_t cut, int64_t times = 1) {
     const int64_t whole = bytes / cut;
     const int64_t rest = bytes % cut;
-    const int64_t n = whole + (rest > 0 ? 1 : 0);
+    const int64_t n = (whole + (rest > 0 ? 1 : 0)) * times;
     s.per_receiver[receiver] += n;
     s.gets += n;
-    if (whole > 0) s.sizes[cut] += whole;
-    if (rest > 0) s.sizes[rest] += 1;
+    if (whole > 0) s.sizes[cut] += whole * times;
+    if (rest > 0) s.sizes[rest] += times;
   };
   GatherOptions off;
   off.enabled = false;
   std::map<std::pair<int32_t, int32_t>, int64_t> gathered;  // (source, receiver) -> gather bytes
-  const GatherGrouper* self = nullptr;
-  GatherGrouper grouper(
-      gather ? *gather : off,
-      [&](std::span<const uint64_t>) {
-        const GatherInput& g = self->closing();
-        count(g.receiver, g.bytes, gather->max_bytes);  // one request: a gather is at most that
-        if (window_bytes > 0) gathered[{g.source, g.receiver}] += g.bytes;
-      },
-      [&](uint64_t) {
-        const GatherInput& r = self->closing();
-        count(r.receiver, r.bytes, max_get_bytes);
-      });
-  self = &grouper;
-  uint64_t next = 0;
-  for_each_network_run(plan, [&](const Run& r) {
-    if (progress && (next & 4095) == 0) progress->set(PlanProgress::kRuns, static_cast<int64_t>(next), 0);
-    ++next;
-    grouper.add(GatherInput{r.to.rank, r.from.rank, r.bytes});
+  GatherCounter counter(gather ? *gather : off, [&](const GatherClose& c) {
+    if (c.runs > 1) {
+      // One request: a gather is at most max_bytes.
+      count(c.receiver, c.bytes, gather->max_bytes, c.times);
+      if (window_bytes > 0) gathered[{c.source, c.receiver}] += c.bytes * c.times;
+    } else {
+      count(c.receiver, c.bytes, max_get_bytes, c.times);
+    }
   });
-  grouper.finish();
-  s.gathers = static_cast<int64_t>(grouper.gathers());
-  s.gathered_runs = static_cast<int64_t>(grouper.gathered_runs());
-  s.unpacked = static_cast<int64_t>(grouper.unpacked());
+  int64_t runs = 0, groups = 0;
+  auto add = [&](const RunGroup& g) {
+    if (progress && (groups & 4095) == 0) progress->set(PlanProgress::kRuns, runs, 0);
+    ++groups;
+    runs += g.count;
+    counter.add(GatherInput{g.run.to.rank, g.run.from.rank, g.run.bytes}, g.count, 0);
+  };
+  for_each_network_run_group(plan, [&](const RunGroup& g) {
+    if (!expanded) return add(g);
+    for (int64_t k = 0; k < g.count; ++k) add(RunGroup{g.at(k)});
+  });
+  counter.finish();
+  s.gathers = static_cast<int64_t>(counter.gathers());
+  s.gathered_runs = static_cast<int64_t>(counter.gathered_runs());
+  s.unpacked = static_cast<int64_t>(counter.unpacked());
   int32_t source = -1;
   int64_t bound = 0;
   for (const auto& [pair, bytes] : gathered) {

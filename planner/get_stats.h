@@ -48,8 +48,11 @@ struct GetStats {
 // `progress` (may be null) counts the network runs read (PlanProgress::kRuns).
 // `window_bytes` > 0: the receivers' "window_bytes", for
 // gather_reply_bytes_wanted.
+// The runs are counted in their groups (for_each_network_run_group), at a
+// cost per group and per gather, not per run; `expanded` counts them one by
+// one instead, for tests that check the two agree.
 GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions* gather = nullptr,
-                   PlanProgress* progress = nullptr, int64_t window_bytes = 0);
+                   PlanProgress* progress = nullptr, int64_t window_bytes = 0, bool expanded = false);
 
 // GETs of the same power-of-two size class, for a short table: the key is
 // the class's upper bound (512 holds 257..512 bytes), the value the count.

@@ -178,6 +178,18 @@ struct Run {
   int64_t bytes = 0;
 };
 
+// `count` runs of `run.bytes` each, the k-th at `run`'s offsets plus k times
+// the strides: the rows of a column slice, passed on as one (a DeepSeek-V3
+// plan at TP32 has billions of runs and a few million groups). No run of a
+// group continues the one before it.
+struct RunGroup {
+  Run run;  // the first
+  int64_t count = 1;
+  int64_t from_stride = 0;  // bytes from one run's start to the next one's
+  int64_t to_stride = 0;
+  Run at(int64_t k) const;  // the k-th run
+};
+
 // Calls `fn` for every contiguous run of `plan` in an order that can be
 // executed one after another: unit by unit, piece by piece, chunk by chunk,
 // each chunk's network runs followed by its local runs to the other
@@ -189,6 +201,12 @@ void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn);
 // (a domain of 8 fans each chunk out 7 times), and counting GETs needs only
 // these.
 void for_each_network_run(const Plan& plan, const std::function<void(const Run&)>& fn);
+
+// The same runs, in the same order, in groups (RunGroup): expanding each
+// group gives for_each_run's (for_each_network_run's) runs exactly. For
+// whatever counts runs and does not need each one's offsets.
+void for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn);
+void for_each_network_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn);
 
 // A unit of a tensor whose receivers hold another dtype (docs/conversion.md,
 // "At the receiver"): its puller lands the unit's box, row-major in the
@@ -231,5 +249,19 @@ Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
 // buffers, in row-major order of the box, merged where contiguous in both.
 void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
                    const std::function<void(int64_t from_offset, int64_t to_offset, int64_t bytes)>& fn);
+
+// The same runs in groups: `count` runs of `bytes`, the k-th at the offsets
+// plus k times the strides (all in bytes). The group is the box's last dim
+// that is not merged into the run, so its runs do not continue each other.
+struct CopyGroup {
+  int64_t from_offset = 0;
+  int64_t to_offset = 0;
+  int64_t bytes = 0;
+  int64_t count = 1;
+  int64_t from_stride = 0;
+  int64_t to_stride = 0;
+};
+void for_each_copy_group(const Box& box, const Region& from, const Region& to, int elem_bytes,
+                         const std::function<void(const CopyGroup&)>& fn);
 
 }  // namespace refit

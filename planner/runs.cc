@@ -9,8 +9,8 @@
 
 namespace refit {
 
-void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
-                   const std::function<void(int64_t, int64_t, int64_t)>& fn) {
+void for_each_copy_group(const Box& box, const Region& from, const Region& to, int elem_bytes,
+                         const std::function<void(const CopyGroup&)>& fn) {
   if (box.empty()) return;
   const int n = box.ndim;
   // Merge trailing dims that are contiguous in both buffers into one run.
@@ -29,15 +29,25 @@ void for_each_copy(const Box& box, const Region& from, const Region& to, int ele
     fbase += (box.start[d] - from.box.start[d]) * from.strides[d];
     tbase += (box.start[d] - to.box.start[d]) * to.strides[d];
   }
+  // The last iterated dim is one group: equal runs at fixed strides. It was
+  // not merged into the run, so its runs do not continue each other.
+  const int g = outer - 1;
+  CopyGroup c;
+  c.bytes = run * elem_bytes;
+  c.count = g >= 0 ? box.size[g] : 1;
+  c.from_stride = g >= 0 ? from.strides[g] * elem_bytes : 0;
+  c.to_stride = g >= 0 ? to.strides[g] * elem_bytes : 0;
   Index idx{};
   for (;;) {
     int64_t fo = fbase, to_off = tbase;
-    for (int d = 0; d < outer; ++d) {
+    for (int d = 0; d < g; ++d) {
       fo += idx[d] * from.strides[d];
       to_off += idx[d] * to.strides[d];
     }
-    fn(fo * elem_bytes, to_off * elem_bytes, run * elem_bytes);
-    int d = outer - 1;
+    c.from_offset = fo * elem_bytes;
+    c.to_offset = to_off * elem_bytes;
+    fn(c);
+    int d = g - 1;
     while (d >= 0) {
       if (++idx[d] < box.size[d]) break;
       idx[d] = 0;
@@ -45,6 +55,13 @@ void for_each_copy(const Box& box, const Region& from, const Region& to, int ele
     }
     if (d < 0) break;
   }
+}
+
+void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
+                   const std::function<void(int64_t, int64_t, int64_t)>& fn) {
+  for_each_copy_group(box, from, to, elem_bytes, [&](const CopyGroup& c) {
+    for (int64_t k = 0; k < c.count; ++k) fn(c.from_offset + k * c.from_stride, c.to_offset + k * c.to_stride, c.bytes);
+  });
 }
 
 namespace {
@@ -87,32 +104,57 @@ std::string box_text(const Box& b) {
   return s + "]";
 }
 
-// Hands runs on, merging each with the next where it continues it.
-class Emitter {
+// Adjacent runs that continue each other merge into one (for_each_run),
+// over groups: a group's runs never continue each other (for_each_copy_group
+// merged such dims into the run), so only the last run of the pending group
+// and the first of the next can merge.
+class Merger {
  public:
-  explicit Emitter(const std::function<void(const Run&)>& fn) : fn_(fn) {}
-  void push(const Run& r) {
-    if (have_ && p_.local == r.local && p_.from.side == r.from.side && p_.from.rank == r.from.rank &&
-        p_.from.buffer == r.from.buffer && p_.to.rank == r.to.rank && p_.to.buffer == r.to.buffer &&
-        p_.from.offset + p_.bytes == r.from.offset && p_.to.offset + p_.bytes == r.to.offset) {
-      p_.bytes += r.bytes;
+  explicit Merger(const std::function<void(const RunGroup&)>& fn) : fn_(fn) {}
+  void push(const RunGroup& g) {
+    if (have_ && continues(pending_.at(pending_.count - 1), g.run)) {
+      if (pending_.count > 1) {
+        RunGroup head = pending_;
+        --head.count;
+        fn_(head);
+        pending_ = RunGroup{pending_.at(pending_.count - 1)};
+      }
+      pending_.run.bytes += g.run.bytes;
+      if (g.count == 1) return;
+      fn_(pending_);
+      pending_ = g;
+      pending_.run = g.at(1);
+      --pending_.count;
       return;
     }
     flush();
-    p_ = r;
+    pending_ = g;
     have_ = true;
   }
+  void push(const Run& r, const CopyGroup& c) {
+    RunGroup g{r, c.count, c.from_stride, c.to_stride};
+    g.run.from.offset = c.from_offset;
+    g.run.to.offset = c.to_offset;
+    g.run.bytes = c.bytes;
+    push(g);
+  }
   void flush() {
-    if (have_) fn_(p_);
+    if (have_) fn_(pending_);
     have_ = false;
   }
-  bool pending() const { return have_; }
+  bool have() const { return have_; }
 
  private:
-  const std::function<void(const Run&)>& fn_;
+  static bool continues(const Run& a, const Run& b) {
+    return a.local == b.local && a.from.side == b.from.side && a.from.rank == b.from.rank &&
+           a.from.buffer == b.from.buffer && a.to.rank == b.to.rank && a.to.buffer == b.to.buffer &&
+           a.from.offset + a.bytes == b.from.offset && a.to.offset + a.bytes == b.to.offset;
+  }
+  const std::function<void(const RunGroup&)>& fn_;
+  RunGroup pending_;
   bool have_ = false;
-  Run p_;
 };
+
 
 bool whole_blocks_of(const Box& box, const std::vector<int64_t>& shape, const std::array<int64_t, 2>& block) {
   for (int k = 0; k < 2; ++k) {
@@ -263,7 +305,7 @@ struct UnitCtx {
   const Tensor* scale;  // F8_E4M3: the scale tensor, else null
   int64_t scale_index;  // its index, or -1
   const Region* puller_scales;  // F8_E4M3: the puller's region of the unit's scales
-  Emitter& out;
+  Merger& out;
 };
 
 // The unit's pieces a source converted: pulled as they are into the
@@ -276,17 +318,17 @@ void pull_converted(const UnitCtx& c, const std::vector<Part>& parts) {
     if (!part.q) continue;
     const ConvertedPick& q = *part.q;
     for (const Box& chunk : split_row_major(part.box, chunk_elems)) {
-      for_each_copy(chunk, *q.data, c.dst, reb, [&](int64_t fo, int64_t to, int64_t bytes) {
-        c.out.push(Run{false, {Side::kSource, q.rank, q.data->buffer, fo}, {Side::kReceiver, c.p.rank, dst_buf, to}, bytes});
+      for_each_copy_group(chunk, *q.data, c.dst, reb, [&](const CopyGroup& g) {
+        c.out.push(Run{false, {Side::kSource, q.rank, q.data->buffer, 0}, {Side::kReceiver, c.p.rank, dst_buf, 0}, 0}, g);
       });
     }
     if (!q.scales) continue;
     const uint32_t sbuf = c.scale->buffer_of(Side::kReceiver, *c.puller_scales);
-    for_each_copy(block_box(part.box, c.L.weight_block_size), *q.scales, *c.puller_scales, 4,
-                  [&](int64_t fo, int64_t to, int64_t bytes) {
-                    c.out.push(Run{false, {Side::kSource, q.rank, q.scales->buffer, fo},
-                                   {Side::kReceiver, c.p.rank, sbuf, to}, bytes});
-                  });
+    for_each_copy_group(block_box(part.box, c.L.weight_block_size), *q.scales, *c.puller_scales, 4,
+                        [&](const CopyGroup& g) {
+                          c.out.push(Run{false, {Side::kSource, q.rank, q.scales->buffer, 0},
+                                         {Side::kReceiver, c.p.rank, sbuf, 0}, 0}, g);
+                        });
   }
 }
 
@@ -326,9 +368,9 @@ Status stage_and_convert(const UnitCtx& c, const Box& g, const std::vector<Part>
     const Region& sr = c.t.sources[part.src.region];
     const uint32_t src_buf = c.t.buffer_of(Side::kSource, sr);
     for (const Box& chunk : split_row_major(part.box, chunk_elems)) {
-      for_each_copy(chunk, sr, stage, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-        c.out.push(Run{false, {Side::kSource, part.src.rank, src_buf, fo},
-                       {Side::kReceiver, c.p.rank, kStagingBuffer, to}, bytes});
+      for_each_copy_group(chunk, sr, stage, eb, [&](const CopyGroup& g) {
+        c.out.push(Run{false, {Side::kSource, part.src.rank, src_buf, 0},
+                       {Side::kReceiver, c.p.rank, kStagingBuffer, 0}, 0}, g);
       });
     }
   }
@@ -346,9 +388,9 @@ Status fan_out_converted(const UnitCtx& c, const Box& blocks) {
   for (const Consumer& k : c.plan.consumers(c.u)) {
     if (k.rank == c.p.rank && k.region == c.p.region) continue;
     const Region& kr = c.t.receivers[k.region];
-    for_each_copy(box, c.dst, kr, reb, [&](int64_t fo, int64_t to, int64_t bytes) {
-      c.out.push(Run{true, {Side::kReceiver, c.p.rank, dst_buf, fo},
-                     {Side::kReceiver, k.rank, c.t.buffer_of(Side::kReceiver, kr), to}, bytes});
+    for_each_copy_group(box, c.dst, kr, reb, [&](const CopyGroup& g) {
+      c.out.push(Run{true, {Side::kReceiver, c.p.rank, dst_buf, 0},
+                     {Side::kReceiver, k.rank, c.t.buffer_of(Side::kReceiver, kr), 0}, 0}, g);
     });
     if (!c.scale) continue;
     const Region* from = c.puller_scales;
@@ -358,9 +400,9 @@ Status fan_out_converted(const UnitCtx& c, const Box& blocks) {
                              " of tensor \"" + c.t.name + "\" but not their scales in \"" + c.scale->name + "\"");
     }
     if (k.rank == c.p.rank && to == from) continue;
-    for_each_copy(blocks, *from, *to, 4, [&](int64_t fo, int64_t to_off, int64_t bytes) {
-      c.out.push(Run{true, {Side::kReceiver, c.p.rank, c.scale->buffer_of(Side::kReceiver, *from), fo},
-                     {Side::kReceiver, k.rank, c.scale->buffer_of(Side::kReceiver, *to), to_off}, bytes});
+    for_each_copy_group(blocks, *from, *to, 4, [&](const CopyGroup& g) {
+      c.out.push(Run{true, {Side::kReceiver, c.p.rank, c.scale->buffer_of(Side::kReceiver, *from), 0},
+                     {Side::kReceiver, k.rank, c.scale->buffer_of(Side::kReceiver, *to), 0}, 0}, g);
     });
   }
   return Status::ok();
@@ -369,7 +411,7 @@ Status fan_out_converted(const UnitCtx& c, const Box& blocks) {
 // A unit of a tensor converted on the way (docs/conversion.md): the pieces a
 // source converted are pulled as they are, the rest staged and converted by
 // the puller, then the unit fans out in the receivers' dtype.
-Status convert_unit(const Plan& plan, const Unit& u, Emitter& out, std::map<int32_t, int64_t>& staged,
+Status convert_unit(const Plan& plan, const Unit& u, Merger& out, std::map<int32_t, int64_t>& staged,
                     const std::function<void(const ConvertStep&)>& on_convert) {
   const Layout& L = plan.layout();
   const Tensor& t = L.tensors[u.tensor];
@@ -413,15 +455,15 @@ Status convert_unit(const Plan& plan, const Unit& u, Emitter& out, std::map<int3
 // network_only: the network runs alone, as the full walk gives them (its
 // local runs are not made; where one would follow, the network run before it
 // is passed on unmerged, as the local run would have made it).
-Status run_all(const Plan& plan, const std::function<void(const Run&)>& fn,
+Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
                const std::function<void(const ConvertStep&)>* on_convert, bool network_only = false) {
   const Layout& L = plan.layout();
-  Emitter out(fn);
+  Merger m(fn);
   std::map<int32_t, int64_t> staged;  // per puller: its staging area's end
   for (const Unit& u : plan.units()) {
     const Tensor& t = L.tensors[u.tensor];
     if (on_convert && t.dtype_on(Side::kReceiver) != t.dtype) {
-      REFIT_RETURN_IF_ERROR(convert_unit(plan, u, out, staged, *on_convert));
+      REFIT_RETURN_IF_ERROR(convert_unit(plan, u, m, staged, *on_convert));
       continue;
     }
     const int eb = dtype_bytes(t.dtype);
@@ -430,46 +472,69 @@ Status run_all(const Plan& plan, const std::function<void(const Run&)>& fn,
     const Region& dst = t.receivers[p.region];
     const uint32_t dst_buf = t.buffer_of(Side::kReceiver, dst);
     const PullSet& ps = plan.pull_set(u);
+
     for (size_t i = 0; i < ps.pieces.size(); ++i) {
       const SourcePick src = plan.source(u, i);
       const Region& sr = t.sources[src.region];
       const uint32_t src_buf = t.buffer_of(Side::kSource, sr);
       for (const Box& c : split_row_major(ps.pieces[i].box, chunk_elems)) {
-        for_each_copy(c, sr, dst, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-          out.push(Run{false, {Side::kSource, src.rank, src_buf, fo}, {Side::kReceiver, p.rank, dst_buf, to}, bytes});
+        for_each_copy_group(c, sr, dst, eb, [&](const CopyGroup& g) {
+          m.push(Run{false, {Side::kSource, src.rank, src_buf, 0}, {Side::kReceiver, p.rank, dst_buf, 0}, 0}, g);
         });
         if (network_only) {
-          if (plan.consumers(u).size() > 1) out.flush();
+          if (plan.consumers(u).size() > 1) m.flush();
           continue;
         }
         for (const Consumer& k : plan.consumers(u)) {
           if (k.rank == p.rank && k.region == p.region) continue;
           const Region& kr = t.receivers[k.region];
-          for_each_copy(c, dst, kr, eb, [&](int64_t fo, int64_t to, int64_t bytes) {
-            out.push(Run{true, {Side::kReceiver, p.rank, dst_buf, fo},
-                         {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), to}, bytes});
+          for_each_copy_group(c, dst, kr, eb, [&](const CopyGroup& g) {
+            m.push(Run{true, {Side::kReceiver, p.rank, dst_buf, 0}, {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), 0}, 0},
+                   g);
           });
         }
       }
     }
   }
-  out.flush();
+  m.flush();
   return Status::ok();
+}
+
+// Each run of a group, in order.
+std::function<void(const RunGroup&)> expand(const std::function<void(const Run&)>& fn) {
+  return [&fn](const RunGroup& g) {
+    for (int64_t k = 0; k < g.count; ++k) fn(g.at(k));
+  };
 }
 
 }  // namespace
 
-void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
+Run RunGroup::at(int64_t k) const {
+  Run r = run;
+  r.from.offset += k * from_stride;
+  r.to.offset += k * to_stride;
+  return r;
+}
+
+void for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn) {
   (void)run_all(plan, fn, nullptr);
 }
 
-void for_each_network_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
+void for_each_network_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn) {
   (void)run_all(plan, fn, nullptr, /*network_only=*/true);
+}
+
+void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
+  (void)run_all(plan, expand(fn), nullptr);
+}
+
+void for_each_network_run(const Plan& plan, const std::function<void(const Run&)>& fn) {
+  (void)run_all(plan, expand(fn), nullptr, /*network_only=*/true);
 }
 
 Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
                     const std::function<void(const ConvertStep&)>& on_convert) {
-  return run_all(plan, fn, &on_convert);
+  return run_all(plan, expand(fn), &on_convert);
 }
 
 }  // namespace refit

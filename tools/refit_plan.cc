@@ -481,7 +481,8 @@ class Loader {
     if (!block) return block.status();
     auto layout = refit::layout_from_scenario_models(s, **train, **infer, *block);
     if (!layout) return layout.status().with_context(path);
-    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0};
+    // The scenario goes with it: its hardware and reported figures.
+    Input in{stem(path), path, std::make_unique<Layout>(std::move(*layout)), 0, s};
     in.layout_seconds = seconds_since(t0);
     return in;
   }

@@ -9,6 +9,8 @@
 #include <map>
 #include <random>
 #include <set>
+#include <tuple>
+#include <vector>
 
 namespace refit {
 namespace {
@@ -69,6 +71,43 @@ TEST(Gather, MatchesTheReferenceOnRandomRuns) {
     ASSERT_EQ(got.gathers, want.gathers) << "trial " << trial;
     ASSERT_EQ(got.singles, want.singles) << "trial " << trial;
     ASSERT_EQ(got.unpacked, want.unpacked) << "trial " << trial;
+  }
+}
+
+// Closings one by one, `times` spelled out: (receiver, source, bytes, runs,
+// tag, passed).
+using Closings = std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t, uint64_t, bool>>;
+
+TEST(Gather, CounterGivesTheSameForGroupsOfEqualRunsAsOneByOne) {
+  // The counter run by run is the grouper above, checked against the
+  // reference; groups must give what their runs give one by one.
+  std::mt19937_64 rng(21);
+  for (int trial = 0; trial < 300; ++trial) {
+    GatherOptions o;
+    o.enabled = trial % 10 != 0;
+    o.below_bytes = int64_t(1) << (8 + rng() % 14);
+    o.max_bytes = int64_t(1) << (6 + rng() % 16);
+    o.max_entries = 2 + static_cast<int64_t>(rng() % 40);
+    const auto runs = random_runs(rng, 1 + rng() % 60);
+    std::vector<int64_t> counts(runs.size());
+    for (int64_t& c : counts) c = rng() % 3 == 0 ? 1 : 1 + static_cast<int64_t>(rng() % 300);
+    auto record = [](Closings& out) {
+      return [&out](const GatherClose& c) {
+        for (int64_t k = 0; k < c.times; ++k) out.emplace_back(c.receiver, c.source, c.bytes, c.runs, c.tag, c.passed);
+      };
+    };
+    Closings grouped, single;
+    GatherCounter a(o, record(grouped)), b(o, record(single));
+    for (size_t i = 0; i < runs.size(); ++i) {
+      a.add(runs[i], counts[i], i);
+      for (int64_t k = 0; k < counts[i]; ++k) b.add(runs[i], 1, i);
+    }
+    a.finish();
+    b.finish();
+    ASSERT_EQ(grouped, single) << "trial " << trial;
+    ASSERT_EQ(a.gathers(), b.gathers()) << "trial " << trial;
+    ASSERT_EQ(a.gathered_runs(), b.gathered_runs()) << "trial " << trial;
+    ASSERT_EQ(a.unpacked(), b.unpacked()) << "trial " << trial;
   }
 }
 

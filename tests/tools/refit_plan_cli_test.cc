@@ -540,6 +540,24 @@ TEST_F(RefitPlanCli, SimulateSaysWhenItUsesTheDefaults) {
   EXPECT_EQ(json::parse(r.out)["hardware"]["from"], "defaults");
 }
 
+// A scenario of two models (a BF16 trainer, an FP8 server) keeps its
+// hardware figures and reported times in the simulation.
+TEST_F(RefitPlanCli, SimulateTwoModelScenarioUsesItsHardwareAndReported) {
+  const fs::path root = REFIT_SOURCE_ROOT;
+  json sc = json::parse(slurp(root / "examples/scenarios/moe-bf16-to-fp8.json"));
+  sc["hardware"]["nic_gbit_per_gpu"] = 200;
+  sc["reported"] = json::array({{{"system", "other"}, {"seconds", 2.5}, {"source", "a paper"}}});
+  const std::string s = write("two.json", sc.dump());
+  const Outcome r = run({"--scenario", s, "--models", (root / "examples/models").string(), "--simulate", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["hardware"]["from"], "scenario");
+  EXPECT_EQ(j["hardware"]["values"]["nic_gbit_per_gpu"], 200);
+  ASSERT_EQ(j["reported"].size(), 1u);
+  EXPECT_EQ(j["reported"][0]["seconds"], 2.5);
+}
+
 TEST_F(RefitPlanCli, SimulateRefusesBadHardware) {
   write("models/tiny.json", manifest().dump());
   write("models/tiny.config.json", refit::testing::small_llama_config().dump());

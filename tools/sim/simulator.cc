@@ -23,11 +23,11 @@ struct Job {
   uint32_t sends_count = 0;
 };
 
-// Fan-out runs from one puller to one peer, read from one job.
+// Fan-out runs from one puller to one peer, read from one job: one send,
+// whatever its runs (a DeepSeek-V3 plan on 2048 GPUs has 160 million).
 struct Send {
   int32_t to = 0;
   int64_t bytes = 0;
-  int64_t runs = 0;
 };
 
 // One resource: free from `free_at` on; what it carried.
@@ -58,8 +58,6 @@ class Sim {
     const int32_t S = L_.num_ranks(Side::kSource);
     jobs_.assign(R, {});
     build_jobs(R, S);
-    in_gather_ = {};
-    charged_ = {};
     src_nic_.assign(S, {});
     rcv_nic_.assign(R, {});
     post_.assign(R, {});
@@ -74,80 +72,82 @@ class Sim {
   }
 
  private:
-  // Walks the plan's runs in execution order and groups them into jobs and
-  // sends (simulator.h). Sends read the last job of their puller: the runs
-  // of a chunk come right before its fan-out (for_each_run's order).
-  // Which network runs (numbered in for_each_run order) travel in a gather,
-  // and which one of each gather is charged its one GET: the grouping the
-  // receiver agents make (planner/gather.h), two bits a run.
-  void group_gathers() {
-    GatherGrouper grouper(
-        opt_.gather,
-        [&](std::span<const uint64_t> runs) {
-          for (uint64_t i : runs) in_gather_[i] = true;
-          charged_[runs.back()] = true;
-          ++r_.gathers;
-        },
-        [](uint64_t) {});
-    for_each_run(plan_, [&](const Run& run) {
-      if (run.local) return;
-      in_gather_.push_back(false);
-      charged_.push_back(false);
-      grouper.add(GatherInput{run.to.rank, run.from.rank, run.bytes});
-    });
-    grouper.finish();
-  }
-
+  // Walks the plan's runs in execution order, in their groups (RunGroup),
+  // and makes them jobs and sends (simulator.h). Sends read the last job of
+  // their puller: the runs of a chunk come right before its fan-out
+  // (for_each_run's order). Small runs are grouped into gathers as the
+  // receiver agents group them (planner/gather.h); a gather's one GET is
+  // charged to the job that holds its last run, once it closes.
   void build_jobs(int32_t R, int32_t S) {
-    const int64_t cap = plan_.options().chunk_bytes;
     const int64_t get_chunk = static_cast<int64_t>(hw_.get_chunk_bytes);
-    if (opt_.gather.enabled) group_gathers();
-    uint64_t network_run = 0;
-    std::vector<int32_t> open(static_cast<size_t>(R) * S, -1);
-    std::vector<int32_t> last(R, -1);
     std::vector<int64_t> gets(R, 0);
-    int64_t last_send_puller = -1;
-    for_each_run(plan_, [&](const Run& run) {
-      const int32_t p = run.local ? run.from.rank : run.to.rank;
-      std::vector<Job>& jobs = jobs_[p];
-      if (!run.local) {
-        const int32_t s = run.from.rank;
-        int32_t& j = open[static_cast<size_t>(p) * S + s];
-        const uint64_t i = network_run++;
-        const bool gathered = i < in_gather_.size() && in_gather_[i];
-        const int64_t n = gathered ? (charged_[i] ? 1 : 0) : ceil_div(run.bytes, get_chunk);
-        if (j < 0 || jobs[j].closed || jobs[j].bytes + run.bytes > cap) {
-          j = static_cast<int32_t>(jobs.size());
-          jobs.push_back(Job{s, false, 0, 0, 0, 0});
-        }
-        jobs[j].bytes += run.bytes;
-        jobs[j].gets += n;
-        gets[p] += n;
-        r_.gets += n;
-        r_.network_bytes += run.bytes;
-        last[p] = j;
-        last_send_puller = -1;
-        return;
-      }
-      // A send reads bytes this puller pulled: its last job brought them.
-      Job& job = jobs[last[p]];
-      job.closed = true;
-      r_.local_bytes += run.bytes;
-      if (last_send_puller == p && job.sends_count > 0 && sends_.back().to == run.to.rank) {
-        sends_.back().bytes += run.bytes;
-        sends_.back().runs += 1;
-        return;
-      }
-      if (job.sends_count == 0) job.sends_begin = static_cast<uint32_t>(sends_.size());
-      sends_.push_back(Send{run.to.rank, run.bytes, 1});
-      ++job.sends_count;
-      last_send_puller = p;
+    GatherCounter counter(opt_.gather, [&](const GatherClose& c) {
+      const int64_t n = (c.runs > 1 ? 1 : ceil_div(c.bytes, get_chunk)) * c.times;
+      const auto p = static_cast<int32_t>(c.tag >> 32);
+      jobs_[p][static_cast<uint32_t>(c.tag)].gets += n;
+      gets[p] += n;
+      r_.gets += n;
     });
+    Walk w{std::vector<int32_t>(static_cast<size_t>(R) * S, -1), std::vector<int32_t>(R, -1), -1};
+    for_each_run_group(plan_, [&](const RunGroup& g) {
+      if (!opt_.expanded) return add_group(g, S, w, counter);
+      for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, w, counter);
+    });
+    counter.finish();
+    r_.gathers = static_cast<int64_t>(counter.gathers());
     for (int32_t p = 0; p < R; ++p) {
       r_.gets_per_receiver_max = std::max(r_.gets_per_receiver_max, gets[p]);
       r_.jobs += static_cast<int64_t>(jobs_[p].size());
     }
     r_.local_sends = static_cast<int64_t>(sends_.size());
+  }
+
+  // build_jobs' state between groups.
+  struct Walk {
+    std::vector<int32_t> open;  // per (puller, source): its open job
+    std::vector<int32_t> last;  // per puller: its last job
+    int64_t last_send_puller;
+  };
+
+  void add_group(const RunGroup& g, int32_t S, Walk& w, GatherCounter& counter) {
+    const Run& run = g.run;
+    const int32_t p = run.local ? run.from.rank : run.to.rank;
+    std::vector<Job>& jobs = jobs_[p];
+    if (!run.local) {
+      const int64_t cap = plan_.options().chunk_bytes;
+      const int32_t s = run.from.rank;
+      int32_t& j = w.open[static_cast<size_t>(p) * S + s];
+      const int64_t b = run.bytes;
+      // The runs fill the open job up to `cap` bytes, then the next ones
+      // (a run larger than `cap` is a job of its own).
+      for (int64_t left = g.count; left > 0;) {
+        if (j < 0 || jobs[j].closed || jobs[j].bytes + b > cap) {
+          j = static_cast<int32_t>(jobs.size());
+          jobs.push_back(Job{s, false, 0, 0, 0, 0});
+        }
+        const int64_t m = std::min(left, std::max<int64_t>(1, (cap - jobs[j].bytes) / b));
+        jobs[j].bytes += m * b;
+        r_.network_bytes += m * b;
+        counter.add(GatherInput{p, s, b}, m, (static_cast<uint64_t>(p) << 32) | static_cast<uint32_t>(j));
+        left -= m;
+      }
+      w.last[p] = j;
+      w.last_send_puller = -1;
+      return;
+    }
+    // A send reads bytes this puller pulled: its last job brought them.
+    Job& job = jobs[w.last[p]];
+    job.closed = true;
+    const int64_t bytes = run.bytes * g.count;
+    r_.local_bytes += bytes;
+    if (w.last_send_puller == p && job.sends_count > 0 && sends_.back().to == run.to.rank) {
+      sends_.back().bytes += bytes;
+      return;
+    }
+    if (job.sends_count == 0) job.sends_begin = static_cast<uint32_t>(sends_.size());
+    sends_.push_back(Send{run.to.rank, bytes});
+    ++job.sends_count;
+    w.last_send_puller = p;
   }
 
   // Sources that serve a host mirror copy each shard there at publish; a
@@ -340,8 +340,6 @@ class Sim {
     r_.busiest_nvlink_in = busiest(nvl_in_, R);
   }
 
-  std::vector<bool> in_gather_;  // group_gathers()
-  std::vector<bool> charged_;
   const Plan& plan_;
   const Layout& L_;
   const HardwareModel& hw_;

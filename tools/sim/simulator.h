@@ -19,6 +19,8 @@
 //   fan-out send reading them in between, are simulated as one job of up to
 //   the plan's chunk bytes, with the GET count of all its runs. That keeps a
 //   plan of 150 million small runs within memory; the GETs are all counted.
+//   The runs are read in their groups (for_each_run_group), so a plan of
+//   billions of runs costs its millions of groups.
 // - Small runs are grouped into gathers as the receiver agents group them
 //   (planner/gather.h, SimOptions::gather): a gather counts as one GET, at
 //   the job that holds its last run.
@@ -81,6 +83,10 @@ struct SimOptions {
   // keeps a DeepSeek-V3 trace (two million GET chunks) to a size a viewer
   // opens, and is a 1/4000 of its simulated refresh.
   double trace_merge_seconds = 50e-6;
+  // The plan's runs are walked in their groups (RunGroup), at a cost per
+  // group; `expanded` walks them one by one instead, for tests that check
+  // that both give the same result.
+  bool expanded = false;
 };
 
 struct SimResult {

@@ -1,5 +1,7 @@
 #include "transport/ucx/chunking.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 namespace refit::ucx {
@@ -70,6 +72,12 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
     auto& q = s.eps_[r.endpoint].queue;
     q.insert(q.end(), chunks.begin(), chunks.end());
   }
+  for (uint32_t e = 0; e < num_endpoints; ++e) {
+    const EndpointState& ep = s.eps_[e];
+    if (ep.queue.empty()) continue;
+    s.min_head_ = std::min(s.min_head_, ep.queue.front().bytes);
+    s.live_.push_back(e);
+  }
   return s;
 }
 
@@ -80,16 +88,35 @@ bool ChunkScheduler::fits(const EndpointState& ep, const Chunk& c) const {
          ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
 }
 
+void ChunkScheduler::advance(EndpointState& ep) {
+  ++ep.head;
+  if (ep.head < ep.queue.size()) min_head_ = std::min(min_head_, ep.queue[ep.head].bytes);
+}
+
 std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
+  // Not even the smallest next chunk fits the window in total: no endpoint
+  // need be tried (a receiver with hundreds of sources asks after every
+  // completion). bytes_in_flight_ never exceeds the limit.
+  if (pending_chunks_ == 0 || ops_in_flight_ >= limits_.max_ops_in_flight ||
+      min_head_ > limits_.max_bytes_in_flight - bytes_in_flight_)
+    return std::nullopt;
   const uint32_t n = static_cast<uint32_t>(eps_.size());
-  for (uint32_t tried = 0; tried < n; ++tried) {
-    uint32_t e = (cursor_ + tried) % n;
+  uint64_t smallest = UINT64_MAX;  // of every endpoint's next chunk, held or not
+  // The endpoints with chunks pending, from the cursor on, round robin; the
+  // others would be passed over.
+  const size_t live = live_.size();
+  const size_t first = static_cast<size_t>(std::lower_bound(live_.begin(), live_.end(), cursor_) - live_.begin());
+  for (size_t tried = 0; tried < live; ++tried) {
+    const size_t i = (first + tried) % live;
+    const uint32_t e = live_[i];
     EndpointState& ep = eps_[e];
-    if (ep.head == ep.queue.size() || ep.held) continue;
+    smallest = std::min(smallest, ep.queue[ep.head].bytes);
+    if (ep.held) continue;
     const Chunk c = ep.queue[ep.head];
     if (!fits(ep, c)) continue;
     if (gate && c.offset == 0 && !gate(c.run)) continue;  // asked before its first chunk only
-    ++ep.head;
+    advance(ep);
+    if (ep.head == ep.queue.size()) live_.erase(live_.begin() + static_cast<ptrdiff_t>(i));
     ep.bytes_in_flight += c.bytes;
     ++ep.ops_in_flight;
     bytes_in_flight_ += c.bytes;
@@ -100,6 +127,7 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
     cursor_ = (e + 1) % n;
     return c;
   }
+  min_head_ = smallest;  // every endpoint was tried: exact
   return std::nullopt;
 }
 
@@ -118,7 +146,9 @@ void ChunkScheduler::requeue(const Chunk& c) {
   EndpointState& ep = eps_[c.endpoint];
   // The entries before head are spent: the one before it takes the chunk.
   // head > 0, since the chunk was issued from this queue.
+  if (ep.head == ep.queue.size()) live_.insert(std::lower_bound(live_.begin(), live_.end(), c.endpoint), c.endpoint);
   ep.queue[--ep.head] = c;
+  min_head_ = std::min(min_head_, c.bytes);
   ++runs_[c.run].pending;
   ++pending_chunks_;
 }
@@ -126,6 +156,7 @@ void ChunkScheduler::requeue(const Chunk& c) {
 std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
   std::vector<uint32_t> finished;
   EndpointState& ep = eps_[endpoint];
+  if (ep.head < ep.queue.size()) live_.erase(std::lower_bound(live_.begin(), live_.end(), endpoint));
   for (size_t i = ep.head; i < ep.queue.size(); ++i) {
     RunState& r = runs_[ep.queue[i].run];
     --r.pending;

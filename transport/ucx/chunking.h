@@ -110,11 +110,17 @@ class ChunkScheduler {
     bool held = false;
   };
   bool fits(const EndpointState& ep, const Chunk& c) const;
+  void advance(EndpointState& ep);  // issues the head chunk of `ep`'s queue
 
   WindowLimits limits_;
   std::vector<RunState> runs_;
   std::vector<EndpointState> eps_;
   uint32_t cursor_ = 0;  // next endpoint to try
+  // At most the bytes of every endpoint's next pending chunk: exact after a
+  // next() that tried every endpoint, lowered as chunks become next. When it
+  // does not fit the total window, next() fails without trying each one.
+  uint64_t min_head_ = UINT64_MAX;
+  std::vector<uint32_t> live_;  // the endpoints with chunks pending, ascending
   uint64_t pending_chunks_ = 0;
   uint64_t bytes_in_flight_ = 0;
   uint64_t ops_in_flight_ = 0;

@@ -1,0 +1,200 @@
+// The run walk in groups (RunGroup) against the walk one run at a time: the
+// same GET statistics and the same simulated refresh, on the example
+// scenarios (column slices, MoE with and without expert parallelism, FSDP
+// row cuts, a dtype conversion) and on larger variants of them
+// (docs/simulator.md, "What is simulated").
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "planner/conversion.h"
+#include "planner/get_stats.h"
+#include "planner/manifest.h"
+#include "planner/scenario.h"
+#include "tools/sim/simulator.h"
+
+namespace refit {
+namespace {
+
+using nlohmann::json;
+
+std::string read(const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f.good()) << path;
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+json scenario_json(const std::string& name) {
+  return json::parse(read(std::string(REFIT_SOURCE_ROOT) + "/examples/scenarios/" + name + ".json"));
+}
+
+// The manifest of an example model with its config.
+Manifest model(const std::string& name) {
+  const std::string path = std::string(REFIT_SOURCE_ROOT) + "/examples/models/" + name;
+  auto m = parse_manifest_json(read(path + ".json"), name);
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  auto c = parse_model_config(read(path + ".config.json"), name);
+  EXPECT_TRUE(c.is_ok()) << c.status().message();
+  m->config = std::move(*c);
+  return std::move(*m);
+}
+
+Layout layout_of(const json& scenario) {
+  auto s = parse_scenario(scenario.dump(), "scenario");
+  EXPECT_TRUE(s.is_ok()) << s.status().message();
+  auto layout = layout_from_scenario_models(*s, model(s->train.model), model(s->infer.model), {128, 128});
+  EXPECT_TRUE(layout.is_ok()) << layout.status().message();
+  return std::move(*layout);
+}
+
+// A scenario of the examples with its sides resized.
+json resized(const std::string& name, const json& train, const json& infer) {
+  json j = scenario_json(name);
+  j["train"].update(train);
+  j["infer"].update(infer);
+  return j;
+}
+
+void expect_same(const GetStats& a, const GetStats& b, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_EQ(a.gets, b.gets);
+  EXPECT_EQ(a.per_receiver, b.per_receiver);
+  EXPECT_EQ(a.gets_per_receiver_max, b.gets_per_receiver_max);
+  EXPECT_EQ(a.busiest_receiver, b.busiest_receiver);
+  EXPECT_EQ(a.get_bytes_median, b.get_bytes_median);
+  EXPECT_EQ(a.sizes, b.sizes);
+  EXPECT_EQ(a.gathers, b.gathers);
+  EXPECT_EQ(a.gathered_runs, b.gathered_runs);
+  EXPECT_EQ(a.unpacked, b.unpacked);
+  EXPECT_EQ(a.gather_reply_bytes_wanted, b.gather_reply_bytes_wanted);
+  EXPECT_EQ(a.gather_reply_wanted_source, b.gather_reply_wanted_source);
+}
+
+void expect_same(const sim::SimResult& a, const sim::SimResult& b, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_EQ(a.predicted_seconds, b.predicted_seconds);  // the same events: bit for bit
+  EXPECT_EQ(a.phases.network.end, b.phases.network.end);
+  EXPECT_EQ(a.phases.fanout.end, b.phases.fanout.end);
+  EXPECT_EQ(a.network_bytes, b.network_bytes);
+  EXPECT_EQ(a.local_bytes, b.local_bytes);
+  EXPECT_EQ(a.gets, b.gets);
+  EXPECT_EQ(a.gathers, b.gathers);
+  EXPECT_EQ(a.gets_per_receiver_max, b.gets_per_receiver_max);
+  EXPECT_EQ(a.local_sends, b.local_sends);
+  EXPECT_EQ(a.jobs, b.jobs);
+  EXPECT_EQ(a.events, b.events);
+  EXPECT_EQ(a.busiest_receiver_nic.rank, b.busiest_receiver_nic.rank);
+  EXPECT_EQ(a.busiest_receiver_nic.busy_seconds, b.busiest_receiver_nic.busy_seconds);
+  EXPECT_EQ(a.busiest_posting.bytes, b.busiest_posting.bytes);
+  EXPECT_EQ(a.busiest_nvlink_out.busy_seconds, b.busiest_nvlink_out.busy_seconds);
+}
+
+// Grouping options: the agents' defaults, off, and bounds small enough that
+// gathers close inside a group, by bytes and by entries.
+std::vector<std::pair<std::string, GatherOptions>> gather_options() {
+  GatherOptions off;
+  off.enabled = false;
+  GatherOptions by_bytes;
+  by_bytes.max_bytes = 3000;
+  GatherOptions by_entries;
+  by_entries.max_entries = 3;
+  GatherOptions unpacked;  // runs between max_bytes and below_bytes
+  unpacked.max_bytes = 64;
+  return {{"defaults", GatherOptions{}}, {"off", off}, {"bytes", by_bytes}, {"entries", by_entries},
+          {"unpacked", unpacked}};
+}
+
+// Checks one layout under both strategies and every grouping; returns the
+// runs that the groups held beyond their first (0: nothing was grouped).
+int64_t check(const Layout& L, const std::string& name) {
+  int64_t grouped = 0;
+  for (Strategy st : {Strategy::kRefit, Strategy::kNoDedup}) {
+    PlanOptions po;
+    po.strategy = st;
+    po.chunk_bytes = 8192;  // small chunks: jobs and chunks cut the groups
+    auto plan = make_plan(L, po);
+    EXPECT_TRUE(plan.is_ok()) << plan.status().message();
+    if (!plan.is_ok()) return 0;
+    // The walk: expanding the groups gives the runs one by one, and no run
+    // continues the one before it (they would have merged).
+    std::vector<Run> runs;
+    for_each_run_group(*plan, [&](const RunGroup& g) {
+      grouped += g.count - 1;
+      for (int64_t k = 0; k < g.count; ++k) runs.push_back(g.at(k));
+    });
+    std::vector<Run> one_by_one;
+    for_each_run(*plan, [&](const Run& r) { one_by_one.push_back(r); });
+    EXPECT_EQ(runs.size(), one_by_one.size()) << name;
+    for (size_t i = 1; i < runs.size(); ++i) {
+      const Run& a = runs[i - 1];
+      const Run& b = runs[i];
+      const bool merges = a.local == b.local && a.from.rank == b.from.rank && a.from.buffer == b.from.buffer &&
+                          a.to.rank == b.to.rank && a.to.buffer == b.to.buffer &&
+                          a.from.offset + a.bytes == b.from.offset && a.to.offset + a.bytes == b.to.offset;
+      EXPECT_FALSE(merges) << name << ": runs " << i - 1 << " and " << i << " continue each other";
+      if (merges) break;
+    }
+    for (const auto& [gname, g] : gather_options()) {
+      const std::string what = name + ", " + strategy_name(st) + ", gathers " + gname;
+      expect_same(get_stats(*plan, 1024, &g, nullptr, 4096), get_stats(*plan, 1024, &g, nullptr, 4096, true), what);
+      HardwareModel hw = default_hardware();
+      hw.get_chunk_bytes = 2048;
+      hw.window_bytes = 16384;
+      sim::SimOptions so;
+      so.gather = g;
+      auto a = sim::simulate(*plan, hw, so);
+      so.expanded = true;
+      auto b = sim::simulate(*plan, hw, so);
+      EXPECT_TRUE(a.is_ok() && b.is_ok());
+      if (a.is_ok() && b.is_ok()) expect_same(*a, *b, what);
+    }
+  }
+  return grouped;
+}
+
+TEST(RunGroups, ExampleScenariosGiveTheSameStatsAndSimulationGroupedAndOneByOne) {
+  int64_t grouped = 0;
+  for (const char* name : {"fsdp-to-tp", "moe-ep", "moe-bf16-to-fp8", "pp2-to-tp2", "tp2-to-tp2x2", "tp2-to-tp4",
+                           "local-3hosts-replica"}) {
+    grouped += check(layout_of(scenario_json(name)), name);
+  }
+  EXPECT_GT(grouped, 0) << "no run was grouped: the test checks nothing";
+}
+
+TEST(RunGroups, LargerLayoutsGiveTheSameStatsAndSimulationGroupedAndOneByOne) {
+  struct Case {
+    std::string name;
+    json train, infer;
+  };
+  const std::vector<Case> cases = {
+      // FSDP row cuts over 16 ranks to TP4 in domains of 8.
+      {"fsdp-to-tp", {{"gpus", 16}, {"dp", 16}, {"gpus_per_domain", 8}},
+       {{"gpus", 16}, {"tp", 4}, {"dp", 4}, {"gpus_per_domain", 8}}},
+      // MoE, expert parallel training to TP4 without expert parallelism:
+      // column slices of every expert.
+      {"moe-ep", {{"gpus", 16}, {"tp", 2}, {"dp", 8}, {"ep", 4}, {"gpus_per_domain", 8}},
+       {{"gpus", 16}, {"tp", 4}, {"dp", 4}, {"expert_parallel", false}, {"gpus_per_domain", 4}}},
+      // The same to expert parallel serving, domains of 8.
+      {"moe-ep", {{"gpus", 16}, {"tp", 2}, {"dp", 8}, {"ep", 4}, {"gpus_per_domain", 8}},
+       {{"gpus", 16}, {"tp", 4}, {"dp", 4}, {"expert_parallel", true}, {"gpus_per_domain", 8}}},
+      // BF16 FSDP training over 8 ranks to FP8 servers, quantized on the way.
+      {"moe-bf16-to-fp8", {{"gpus", 8}, {"tp", 1}, {"dp", 8}, {"ep", 1}, {"fsdp", true}, {"gpus_per_domain", 8}},
+       {{"gpus", 8}, {"tp", 1}, {"dp", 8}, {"gpus_per_domain", 4}}},
+  };
+  int64_t grouped = 0;
+  for (const Case& c : cases) {
+    const json j = resized(c.name, c.train, c.infer);
+    grouped += check(layout_of(j), c.name + " " + j["train"].dump() + " -> " + j["infer"].dump());
+  }
+  EXPECT_GT(grouped, 0);
+}
+
+}  // namespace
+}  // namespace refit
