@@ -247,11 +247,18 @@ Status SourceAgent::join() {
     m.buffers.push_back(std::move(mb));
   }
   REFIT_RETURN_IF_ERROR(start_progress().with_context("join"));
-  Result<control::Json> r = link_->request(MsgType::kRegisterSource, control::to_json(m));
+  const control::Json body = control::to_json(m);
+  std::string text = body.dump();
+  if (replace && text == registered_) {  // nothing the coordinator does not hold
+    changed_ = false;
+    return Status::ok();
+  }
+  Result<control::Json> r = link_->request(MsgType::kRegisterSource, body);
   if (!r.is_ok()) return r.status();
   joined_ = true;
   changed_ = false;
   registered_tensors_ = tensors_.size();
+  registered_ = std::move(text);
   if (replace) {
     log_.info("registered its buffers again (" + std::to_string(m.buffers.size()) + ")");
     return Status::ok();

@@ -98,6 +98,7 @@ class SourceAgent {
   // How many of tensors_ the coordinator holds (join): with no more, a
   // join that registers other buffers replaces them in place.
   size_t registered_tensors_ = 0;
+  std::string registered_;  // the registration the coordinator holds, as sent
   std::deque<Buf> buffers_;  // stable addresses: the AM server holds the regions
   // The copies "quantize": "source" made at the last publish, served as one
   // more buffer (kConvertedBuffer) while they have segments.

@@ -100,10 +100,11 @@ bool same_tensors(const std::vector<TensorDecl>& a, const std::vector<TensorDecl
 Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::time_point now) {
   if (auto it = sources_.find(m.rank); it != sources_.end()) {
     if (session != 0 && it->second.session == session && same_tensors(it->second.info.tensors, m.tensors) &&
-        it->second.info.worker_address == m.worker_address && it->second.info.domain == m.domain) {
+        it->second.info.worker_address == m.worker_address && it->second.info.domain == m.domain &&
+        to_json(it->second.info) != to_json(m)) {
       // The same source on its own connection, the same tensors, other
       // buffers (its converted copies changed at a publish): replaced in
-      // place. Its tensors never lose their source, so no version moves.
+      // place. The very same registration again is refused below. Its tensors never lose their source, so no version moves.
       it->second.info = std::move(m);
       it->second.last_seen = now;
       membership_changed();

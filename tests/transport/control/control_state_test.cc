@@ -951,6 +951,7 @@ TEST(ControlState, ASourceReregisteringItsBuffersIsReplacedInPlace) {
   EXPECT_EQ(s.version(), 0) << "the version moved while source 0 re-registered";
   EXPECT_NE(s.layout_document().dump().find("refit.converted"), std::string::npos);
   EXPECT_FALSE(s.register_source(3, again, now).is_ok()) << "another connection while it is held";
+  EXPECT_EQ(s.register_source(1, again, now).reason(), Reason::kRankHeld) << "the very same registration again";
   RegisterSource more = again;
   more.tensors.push_back(TensorDecl{"extra", "F32", {2}});
   EXPECT_FALSE(s.register_source(1, more, now).is_ok()) << "other tensors need an unregister first";
