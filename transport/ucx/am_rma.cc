@@ -7,6 +7,7 @@
 #include <memory>
 #include <thread>
 
+#include "transport/ucx/by_copy.h"
 #include "transport/ucx/ucx_status.h"
 
 namespace refit::ucx {
@@ -43,8 +44,8 @@ void on_reply_sent(void* request, ucs_status_t /*status*/, void* user_data) {
 // completes with an error status: no abort, unlike UCX's own RMA emulation.
 // `owned`, if given, holds `data` until the send completes.
 // `budget`, if given, gets `length` back then (a gather's piece).
-bool send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, uint64_t offset,
-                const void* data, size_t length,
+bool send_reply(ucp_ep_h ep, bool by_copy, unsigned id, uint64_t token, ucs_status_t status,
+                uint64_t offset, const void* data, size_t length,
                 const std::shared_ptr<std::atomic<uint64_t>>& inflight,
                 std::unique_ptr<uint8_t[]> owned = nullptr,
                 const std::shared_ptr<std::atomic<uint64_t>>& budget = nullptr) {
@@ -65,6 +66,7 @@ bool send_reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status, u
   param.flags = UCP_AM_SEND_FLAG_EAGER;
   param.cb.send = &on_reply_sent;
   param.user_data = p;
+  set_payload_datatype(param, by_copy, length);
   ucs_status_ptr_t req =
       ucp_am_send_nbx(ep, id, &p->header, sizeof(p->header), data, length, &param);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
@@ -87,7 +89,7 @@ ucs_status_t refuse_request(void* arg, const void* header, size_t header_length,
   uint64_t token = 0;
   std::memcpy(&token, static_cast<const uint8_t*>(header) + offsetof(am_rma::RequestHeader, token), sizeof(token));
   const unsigned reply_id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
-  (void)send_reply(param->reply_ep, reply_id, token, UCS_ERR_UNSUPPORTED, 0, nullptr, 0, nullptr);
+  (void)send_reply(param->reply_ep, false, reply_id, token, UCS_ERR_UNSUPPORTED, 0, nullptr, 0, nullptr);
   return UCS_OK;
 }
 
@@ -186,7 +188,7 @@ bool AmRmaServer::quiesce(std::chrono::steady_clock::time_point deadline) {
 }
 
 void AmRmaServer::reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status) {
-  (void)send_reply(ep, id, token, status, 0, nullptr, 0, inflight_);
+  (void)send_reply(ep, false, id, token, status, 0, nullptr, 0, inflight_);
 }
 
 void AmRmaServer::reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, uint64_t length, Words words) {
@@ -205,7 +207,7 @@ void AmRmaServer::reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, u
       }
       from = snapshot.get();
     }
-    if (!send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, from, n, inflight_, std::move(snapshot))) {
+    if (!send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, from, n, inflight_, std::move(snapshot))) {
       return;  // the puller is gone; its deadline covers the rest
     }
   }
@@ -295,7 +297,7 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
       if (filled == am_rma::kReplyPieceBytes) {
         const uint8_t* p = piece.get();
         unsent.bytes -= filled;
-        if (!send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_,
+        if (!send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_,
                         std::move(piece), reply_bytes_)) {
           return;  // the puller is gone
         }
@@ -307,7 +309,7 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
   if (filled > 0) {
     const uint8_t* p = piece.get();
     unsent.bytes -= filled;
-    (void)send_reply(ep, am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_, std::move(piece),
+    (void)send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_, std::move(piece),
                      reply_bytes_);
   }
 }
@@ -358,7 +360,7 @@ ucs_status_t AmRmaServer::on_gather(void* arg, const void* header, size_t header
     // Larger than the bound: never servable. The reply's offset carries the
     // bound, so that the puller's error can name it.
     self->refused_.fetch_add(1, std::memory_order_relaxed);
-    (void)send_reply(param->reply_ep, am_rma::kGetReply, h.token, st, self->gather_reply_limit_, nullptr, 0,
+    (void)send_reply(param->reply_ep, false, am_rma::kGetReply, h.token, st, self->gather_reply_limit_, nullptr, 0,
                      self->inflight_);
     return UCS_OK;
   }

@@ -172,6 +172,10 @@ Result<Context> Context::create(const ContextConfig& asked) {
   }
   Context context(handle, config.name);
   context.devices_ = config.devices;
+  context.am_by_copy_ = !config.transports.empty() &&
+                        std::all_of(config.transports.begin(), config.transports.end(), [](const std::string& t) {
+                          return t == "tcp" || t == "shm" || t == "self";
+                        });
   REFIT_RETURN_IF_ERROR(check_devices(context, config, *tls));
   return context;
 }
@@ -215,7 +219,10 @@ Status Context::check_devices(const Context& context, const ContextConfig& confi
 }
 
 Context::Context(Context&& other) noexcept
-    : handle_(other.handle_), name_(std::move(other.name_)), devices_(std::move(other.devices_)) {
+    : handle_(other.handle_),
+      name_(std::move(other.name_)),
+      devices_(std::move(other.devices_)),
+      am_by_copy_(other.am_by_copy_) {
   other.handle_ = nullptr;
 }
 
@@ -225,6 +232,7 @@ Context& Context::operator=(Context&& other) noexcept {
     handle_ = other.handle_;
     name_ = std::move(other.name_);
     devices_ = std::move(other.devices_);
+    am_by_copy_ = other.am_by_copy_;
     other.handle_ = nullptr;
   }
   return *this;

@@ -63,6 +63,9 @@ class Context {
   // The devices the context was created with: those configured, or the one
   // picked from route_to; empty means all of UCX's.
   const std::vector<std::string>& devices() const { return devices_; }
+  // Active-message payloads go by copy, never zero-copy (by_copy.h): the
+  // transports are only tcp, shared memory and self.
+  bool am_by_copy() const { return am_by_copy_; }
 
  private:
   Context(ucp_context_h handle, std::string name) : handle_(handle), name_(std::move(name)) {}
@@ -71,6 +74,7 @@ class Context {
   ucp_context_h handle_ = nullptr;
   std::string name_;
   std::vector<std::string> devices_;
+  bool am_by_copy_ = false;
 };
 
 // The UCX TLS string a refit transport list maps to, or an error naming the

@@ -24,6 +24,7 @@ Result<Worker> Worker::create(const Context& context, ThreadMode mode) {
     return from_ucs(st, "ucx context \"" + context.name() + "\": ucp_worker_create");
   }
   Worker worker(handle, mode);
+  worker.am_by_copy_ = context.am_by_copy();
   // Every refit worker answers refit's AM ids, so that a request to a
   // process without an AmRmaServer is refused instead of crashing it.
   REFIT_RETURN_IF_ERROR(am_rma::install_fallback_handlers(handle).with_context(
@@ -33,13 +34,17 @@ Result<Worker> Worker::create(const Context& context, ThreadMode mode) {
   return worker;
 }
 
-Worker::Worker(Worker&& other) noexcept : handle_(other.handle_), mode_(other.mode_) { other.handle_ = nullptr; }
+Worker::Worker(Worker&& other) noexcept
+    : handle_(other.handle_), mode_(other.mode_), am_by_copy_(other.am_by_copy_) {
+  other.handle_ = nullptr;
+}
 
 Worker& Worker::operator=(Worker&& other) noexcept {
   if (this != &other) {
     if (handle_) ucp_worker_destroy(handle_);
     handle_ = other.handle_;
     mode_ = other.mode_;
+    am_by_copy_ = other.am_by_copy_;
     other.handle_ = nullptr;
   }
   return *this;

@@ -34,6 +34,8 @@ class Worker {
 
   ucp_worker_h get() const { return handle_; }
   ThreadMode mode() const { return mode_; }
+  // Its context's Context::am_by_copy().
+  bool am_by_copy() const { return am_by_copy_; }
 
   // This worker's address as opaque framed bytes (see wire_blob.h), for the
   // control plane to carry to peers.
@@ -60,6 +62,7 @@ class Worker {
   Worker(ucp_worker_h handle, ThreadMode mode) : handle_(handle), mode_(mode) {}
   ucp_worker_h handle_ = nullptr;
   ThreadMode mode_ = ThreadMode::kSingle;
+  bool am_by_copy_ = false;
 };
 
 // Registers `cb` (with `arg`) for active messages with `id` on `worker`,
