@@ -82,6 +82,9 @@ void expect_same(const sim::SimResult& a, const sim::SimResult& b, const std::st
   EXPECT_EQ(a.predicted_seconds, b.predicted_seconds);  // the same events: bit for bit
   EXPECT_EQ(a.phases.network.end, b.phases.network.end);
   EXPECT_EQ(a.phases.fanout.end, b.phases.fanout.end);
+  EXPECT_EQ(a.phases.convert.end, b.phases.convert.end);
+  EXPECT_EQ(a.converts, b.converts);
+  EXPECT_EQ(a.convert_bytes, b.convert_bytes);
   EXPECT_EQ(a.network_bytes, b.network_bytes);
   EXPECT_EQ(a.local_bytes, b.local_bytes);
   EXPECT_EQ(a.gets, b.gets);
