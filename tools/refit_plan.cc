@@ -865,6 +865,7 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["gathers"] = r.gathers;
   j["gets_per_receiver_max"] = r.gets_per_receiver_max;
   j["local_sends"] = r.local_sends;
+  j["local_runs"] = r.local_runs;
   j["jobs"] = r.jobs;
   j["events"] = r.events;
   j["converts"] = r.converts;

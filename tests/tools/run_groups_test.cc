@@ -91,6 +91,7 @@ void expect_same(const sim::SimResult& a, const sim::SimResult& b, const std::st
   EXPECT_EQ(a.gathers, b.gathers);
   EXPECT_EQ(a.gets_per_receiver_max, b.gets_per_receiver_max);
   EXPECT_EQ(a.local_sends, b.local_sends);
+  EXPECT_EQ(a.local_runs, b.local_runs);
   EXPECT_EQ(a.jobs, b.jobs);
   EXPECT_EQ(a.events, b.events);
   EXPECT_EQ(a.busiest_receiver_nic.rank, b.busiest_receiver_nic.rank);

@@ -346,6 +346,7 @@ TEST(Simulator, ConversionStagesConvertsAndFansOutTheReceiversDtype) {
   EXPECT_EQ(r.network_bytes, 32768);      // BF16 over the network
   EXPECT_EQ(r.local_bytes, 16384 + 4);    // E4M3 and the block's scale to the peer
   EXPECT_EQ(r.local_sends, 1);
+  EXPECT_EQ(r.local_runs, 2);  // the FP8 box and its scale: two sends of the fabric
   EXPECT_EQ(r.converts, 1);
   EXPECT_EQ(r.convert_bytes, 32768);
   const double landed = (1 + 32.768 + 2) * kUs;
@@ -362,6 +363,12 @@ TEST(Simulator, ConversionStagesConvertsAndFansOutTheReceiversDtype) {
   bool lane = false;
   for (const TraceSpan& t : r.trace) lane |= t.lane == Lane::kConvert && t.rank == 0 && t.bytes == 32768;
   EXPECT_TRUE(lane);
+  // The bound: the domain's BF16 over its two NICs; a GPU's FP8 (no
+  // scales: a puller computes them) over its NIC and NVLink.
+  auto lb = lower_bound(*plan, hw);
+  ASSERT_TRUE(lb.is_ok());
+  EXPECT_NEAR(lb->domain_nic_seconds, 32768 / 2e9, 1e-15);
+  EXPECT_NEAR(lb->gpu_ingress_seconds, 16384 / (1e9 + 4.096e9), 1e-15);
 
   // GETs that land in host memory: the staging area is host memory, only
   // the conversion's copy goes to the GPU.
@@ -394,6 +401,39 @@ TEST(Simulator, CastIntoGpuMemoryRunsOnTheHostThenCopiesItsOutput) {
   // send (5 us + 8 us).
   EXPECT_NEAR(r.phases.convert.end, landed + (8 + 16) * kUs, 1e-12);
   EXPECT_NEAR(r.predicted_seconds, landed + (8 + 16 + 5 + 8) * kUs, 1e-12);
+}
+
+TEST(Simulator, SourcesQuantizeTheirCopiesAtPublishAndServeThemAsTheyAre) {
+  // The BF16 weight on explicit source buffers, with an F8_E4M3 copy and its
+  // scale ("quantize": "source", docs/conversion.md).
+  json l = json::parse(write_layout_json(converted("BF16", "F8_E4M3")));
+  json& t = l["tensors"][0];
+  t.erase("source");
+  l["buffers"].push_back({{"side", "source"}, {"rank", 0}, {"name", "w"}, {"dtype", "BF16"}, {"bytes", 32768},
+                          {"segments", {{{"tensor", "w.weight"}, {"start", {0, 0}}, {"size", {128, 128}},
+                                         {"offset", 0}, {"strides", {128, 1}}}}}});
+  l["buffers"].push_back(
+      {{"side", "source"}, {"rank", 0}, {"name", "refit.converted"}, {"dtype", "U8"}, {"bytes", 16384 + 64},
+       {"segments",
+        {{{"tensor", "w.weight"}, {"dtype", "F8_E4M3"}, {"start", {0, 0}}, {"size", {128, 128}}, {"offset", 0},
+          {"strides", {128, 1}}},
+         {{"tensor", "w.weight_scale_inv"}, {"dtype", "F32"}, {"start", {0, 0}}, {"size", {1, 1}},
+          {"offset", 16384 / 4}, {"strides", {1, 1}}}}}});
+  auto L = parse_layout_json(l.dump(), "source-quantized layout");
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareModel hw = unit_hardware();
+  hw.host_convert_gbyte = 2.048;  // the source's 32768 BF16 bytes in 16 us
+  const SimResult r = simulated(*plan, hw);
+  EXPECT_EQ(r.source_convert_bytes, 32768);
+  EXPECT_NEAR(r.phases.publish.end, 16 * kUs, 1e-12);
+  EXPECT_EQ(r.converts, 0);               // nothing left to the puller
+  EXPECT_EQ(r.network_bytes, 16384 + 4);  // E4M3 and the scale over the network
+  EXPECT_EQ(r.local_bytes, 16384 + 4);
+  // Nothing is served before the copy is made.
+  EXPECT_GE(r.phases.network.end, (16 + 16.388 + 2) * kUs);
+  EXPECT_GE(r.busiest_source_nic.busy_seconds, 16.388 * kUs - 1e-12);
 }
 
 }  // namespace

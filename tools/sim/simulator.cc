@@ -204,6 +204,7 @@ class Sim {
       return;
     }
     const int64_t bytes = run.bytes * g.count;
+    r_.local_runs += g.count;
     if (w.converting) {
       w.touched[p] = -1;
       if (w.step[p] >= 0) {  // the unit a step converted: its sends wait for it

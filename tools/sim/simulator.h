@@ -112,6 +112,7 @@ struct SimResult {
   int64_t gathers = 0;              // gathers among them
   int64_t gets_per_receiver_max = 0;
   int64_t local_sends = 0;          // fan-out sends (runs to one peer after one network job)
+  int64_t local_runs = 0;           // the contiguous runs in them: the fabric's sends (one each)
   int64_t jobs = 0;                 // network jobs simulated
   int64_t events = 0;               // GET chunks simulated
   int64_t converts = 0;             // conversion steps (ConvertStep) the pullers run
