@@ -567,6 +567,34 @@ SimResult estimate_broadcast(const Plan& plan, const HardwareModel& hw) {
   return r;
 }
 
+namespace {
+
+// The bound's third term (docs/simulator.md, "The lower bound"): per
+// receiving GPU, everything it needs comes in through its NIC or its
+// NVLink, at least in the narrower of the two sides' dtypes (a converted
+// tensor's fan-out carries the receivers'); block scales can be computed
+// from what came in, so they are not counted.
+void gpu_ingress(const Layout& L, double bytes_per_s, LowerBound& lb) {
+  std::vector<int64_t> need(L.receivers.size(), 0);
+  for (const Tensor& t : L.tensors) {
+    if (t.derived_from >= 0) continue;
+    const int eb = std::min(dtype_bytes(t.dtype), dtype_bytes(t.dtype_on(Side::kReceiver)));
+    for (const Region& reg : t.receivers) {
+      const int64_t b = reg.box.numel() * eb;
+      for (int32_t r : L.receiver_sets.get(reg.ranks)) need[r] += b;
+    }
+  }
+  for (size_t g = 0; g < need.size(); ++g) {
+    const double t = static_cast<double>(need[g]) / bytes_per_s;
+    if (t > lb.gpu_ingress_seconds) {
+      lb.gpu_ingress_seconds = t;
+      lb.gpu = static_cast<int32_t>(g);
+    }
+  }
+}
+
+}  // namespace
+
 Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
   if (plan.options().strategy != Strategy::kRefit)
     return Status::invalid("the lower bound is computed from a refit plan (its units carry the domains)");
@@ -619,26 +647,7 @@ Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
   }
   if (!L.sources.empty())
     lb.source_nics_seconds = static_cast<double>(network_bytes) / (static_cast<double>(L.sources.size()) * nic);
-  // Per receiving GPU: everything it needs comes in through its NIC or its
-  // NVLink, at least in the narrower of the two sides' dtypes (a converted
-  // tensor's fan-out carries the receivers'); block scales can be computed
-  // from what came in, so they are not counted.
-  std::vector<int64_t> need(L.receivers.size(), 0);
-  for (const Tensor& t : L.tensors) {
-    if (t.derived_from >= 0) continue;
-    const int eb = std::min(dtype_bytes(t.dtype), dtype_bytes(t.dtype_on(Side::kReceiver)));
-    for (const Region& reg : t.receivers) {
-      const int64_t b = reg.box.numel() * eb;
-      for (int32_t r : L.receiver_sets.get(reg.ranks)) need[r] += b;
-    }
-  }
-  for (size_t g = 0; g < need.size(); ++g) {
-    const double t = static_cast<double>(need[g]) / (nic + nvl);
-    if (t > lb.gpu_ingress_seconds) {
-      lb.gpu_ingress_seconds = t;
-      lb.gpu = static_cast<int32_t>(g);
-    }
-  }
+  gpu_ingress(L, nic + nvl, lb);
   for (size_t s = 0; s < exclusive.size(); ++s) {
     const double t = static_cast<double>(exclusive[s]) / nic;
     if (t > lb.source_exclusive_seconds) {
