@@ -919,6 +919,7 @@ std::string simulation_table(const ordered_json& j) {
                                   secs(j["busiest"]["get_posting"]["busy_seconds"].get<double>())},
       {"busiest NVLink out", link(j["busiest"]["nvlink_out"])},
       {"busiest NVLink in", link(j["busiest"]["nvlink_in"])},
+      {"busiest conversion", j["converts"].get<int64_t>() == 0 ? std::string("-") : link(j["busiest"]["convert"])},
       {"GETs", std::to_string(j["gets"].get<int64_t>()) + " (at most " +
                    std::to_string(j["gets_per_receiver_max"].get<int64_t>()) + " per receiver; " +
                    (j["gather"].get<bool>() ? std::to_string(j["gathers"].get<int64_t>()) + " of them gathers)"
