@@ -390,8 +390,7 @@ class Sim {
   // them); into GPU memory an F8_E4M3 quantization copies the
   // staged box to the GPU and runs the CUDA kernel; a cast runs the CPU
   // kernel and copies its output over; into host memory (convert_on_host)
-  // the CPU kernel alone. Then its sends go, and the next step of its unit
-  // may run.
+  // the CPU kernel alone. Then its sends go.
   void run_convert(int32_t k, double ready) {
     const Convert& c = converts_[k];
     const int32_t p = c.puller;
@@ -422,7 +421,7 @@ class Sim {
     send(p, c.sends_begin, c.sends_count, end);
   }
 
-  // Resource `r` busy from `start` to `end` (a host copy).
+  // Resource `r`, a host-to-GPU copy, busy from `start` to `end`.
   void hold(Resource& r, Lane lane, int32_t rank, double start, double end, int64_t bytes) {
     r.free_at = end;
     r.busy += end - start;
