@@ -42,12 +42,25 @@ const std::vector<HardwareKey> kKeys = {
     {"source_host_mirror", "bool", 0,
      "true where sources serve a pinned host mirror of their GPU shards, filled by a device-to-host copy at "
      "publish (docs/refresh.md)"},
+    {"convert_gbyte_per_gpu", "GB/s", 500,
+     "not measured: the CUDA block quantization kernel (transport/convert) has not run on a GPU yet; it reads 2 "
+     "bytes and writes about 1 per element, memory bound, and 500 GB/s is a conservative 15% of an H100's 3.35 TB/s "
+     "HBM3. GB/s of source bytes read; the staged box's copy to the GPU is charged at h2d_gbyte_per_gpu"},
+    {"host_convert_gbyte", "GB/s", 2.1,
+     "refit_convert_bench on the project's 2-core test machine, one thread: BF16 to F8_E4M3 in 128x128 blocks "
+     "reads 2.03 to 2.16 GB/s (three runs, best of 5 each); its casts read 3.2 to 14.5 GB/s, so charging them this rate is conservative. "
+     "Used for casts into GPU memory (done on the host), for receivers in host memory and for the sources' "
+     "converted copies"},
+    {"convert_on_host", "bool", 0,
+     "true where the receivers' buffers are host memory (refit-bench on one machine): the CPU kernel converts from "
+     "the staging area, nothing is copied to a GPU"},
     {"window_bytes", "bytes", 64.0 * (1 << 20), "the receiver agent's default window_bytes (plugin/config.h)"},
     {"get_chunk_bytes", "bytes", 1.0 * (1 << 20), "the receiver agent's default chunk_bytes (plugin/config.h)"},
 };
 
 bool is_bool_key(const char* key) {
-  return std::strcmp(key, "gets_land_in_host") == 0 || std::strcmp(key, "source_host_mirror") == 0;
+  return std::strcmp(key, "gets_land_in_host") == 0 || std::strcmp(key, "source_host_mirror") == 0 ||
+         std::strcmp(key, "convert_on_host") == 0;
 }
 
 // The field of `m` that `key` names; bools are handled apart.
@@ -61,6 +74,8 @@ double* field(HardwareModel& m, const std::string& key) {
   if (key == "local_op_us") return &m.local_op_us;
   if (key == "h2d_gbyte_per_gpu") return &m.h2d_gbyte_per_gpu;
   if (key == "d2h_gbyte_per_gpu") return &m.d2h_gbyte_per_gpu;
+  if (key == "convert_gbyte_per_gpu") return &m.convert_gbyte_per_gpu;
+  if (key == "host_convert_gbyte") return &m.host_convert_gbyte;
   if (key == "window_bytes") return &m.window_bytes;
   if (key == "get_chunk_bytes") return &m.get_chunk_bytes;
   return nullptr;
@@ -69,6 +84,7 @@ double* field(HardwareModel& m, const std::string& key) {
 bool* flag(HardwareModel& m, const std::string& key) {
   if (key == "gets_land_in_host") return &m.gets_land_in_host;
   if (key == "source_host_mirror") return &m.source_host_mirror;
+  if (key == "convert_on_host") return &m.convert_on_host;
   return nullptr;
 }
 
@@ -135,7 +151,8 @@ Status check_hardware(const HardwareModel& model, const std::string& origin, con
   // 100 TB/s per GPU is far beyond any link of today: a unit mistake.
   constexpr double kMaxGbyte = 100'000;
   if (m.nic_gbit_per_gpu / 8 > kMaxGbyte) return bad("nic_gbit_per_gpu", "is above 100 TB/s: check the unit (Gbit/s)");
-  for (const char* k : {"nvlink_gbyte_per_gpu", "h2d_gbyte_per_gpu", "d2h_gbyte_per_gpu"})
+  for (const char* k : {"nvlink_gbyte_per_gpu", "h2d_gbyte_per_gpu", "d2h_gbyte_per_gpu", "convert_gbyte_per_gpu",
+                        "host_convert_gbyte"})
     if (*field(m, k) > kMaxGbyte) return bad(k, "is above 100 TB/s: check the unit (GB/s)");
   if (m.nic_gbit_per_gpu / 8 > 100 * m.nvlink_gbyte_per_gpu)
     return bad("nic_gbit_per_gpu", "(" + std::to_string(m.nic_gbit_per_gpu) +

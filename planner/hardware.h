@@ -31,6 +31,10 @@ struct HardwareModel {
   double d2h_gbyte_per_gpu = 0;  // the source's publish copy (source_host_mirror)
   bool gets_land_in_host = false;   // UCX without GPU memory support: GETs land in a host ring
   bool source_host_mirror = false;  // sources serve a host mirror filled at publish
+  // Conversion on the way (docs/conversion.md): GB/s of source bytes read.
+  double convert_gbyte_per_gpu = 0;  // the CUDA kernel: F8_E4M3 block quantization into GPU memory
+  double host_convert_gbyte = 0;     // the CPU kernel, one thread: casts, host receivers, sources' copies
+  bool convert_on_host = false;      // receivers' buffers are host memory: the CPU kernel, no copy
   // The receiver agent's GET window (plugin/config.h defaults).
   double window_bytes = 0;     // bytes in flight per receiver
   double get_chunk_bytes = 0;  // largest single GET
@@ -39,6 +43,8 @@ struct HardwareModel {
   double nvlink_bytes_per_s() const { return nvlink_gbyte_per_gpu * 1e9 * nvlink_achievable; }
   double h2d_bytes_per_s() const { return h2d_gbyte_per_gpu * 1e9; }
   double d2h_bytes_per_s() const { return d2h_gbyte_per_gpu * 1e9; }
+  double convert_bytes_per_s() const { return convert_gbyte_per_gpu * 1e9; }
+  double host_convert_bytes_per_s() const { return host_convert_gbyte * 1e9; }
 };
 
 // One documented parameter: its key, unit, default and where the default

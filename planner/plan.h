@@ -243,6 +243,10 @@ inline constexpr uint32_t kStagingBuffer = UINT32_MAX;
 // consumer lacks the scales of its blocks.
 Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
                     const std::function<void(const ConvertStep&)>& on_convert);
+// The same, in groups (RunGroup), as for_each_run_group gives them: for
+// whatever counts runs (the simulator, docs/simulator.md).
+Status for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
+                          const std::function<void(const ConvertStep&)>& on_convert);
 
 // The contiguous runs that copy `box` from region `from` to region `to` (both
 // of a tensor with elements of `elem_bytes`), as byte offsets within their

@@ -537,4 +537,9 @@ Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
   return run_all(plan, expand(fn), &on_convert);
 }
 
+Status for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
+                          const std::function<void(const ConvertStep&)>& on_convert) {
+  return run_all(plan, fn, &on_convert);
+}
+
 }  // namespace refit

@@ -788,11 +788,13 @@ ordered_json hardware_json(const HardwareChoice& h) {
       {"nvlink_gbyte_per_gpu", m.nvlink_gbyte_per_gpu}, {"nvlink_achievable", m.nvlink_achievable},
       {"local_op_us", m.local_op_us},             {"h2d_gbyte_per_gpu", m.h2d_gbyte_per_gpu},
       {"d2h_gbyte_per_gpu", m.d2h_gbyte_per_gpu}, {"window_bytes", m.window_bytes},
+      {"convert_gbyte_per_gpu", m.convert_gbyte_per_gpu}, {"host_convert_gbyte", m.host_convert_gbyte},
       {"get_chunk_bytes", m.get_chunk_bytes}};
   for (const refit::HardwareKey& k : refit::hardware_keys()) {
     const std::string key = k.key;
     if (key == "gets_land_in_host") values[key] = m.gets_land_in_host;
     else if (key == "source_host_mirror") values[key] = m.source_host_mirror;
+    else if (key == "convert_on_host") values[key] = m.convert_on_host;
     else values[key] = v.at(key);
   }
   j["values"] = std::move(values);
@@ -842,6 +844,7 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   ph["network"] = span_json(r.phases.network);
   ph["h2d"] = span_json(r.phases.h2d);
   ph["fanout"] = span_json(r.phases.fanout);
+  ph["convert"] = span_json(r.phases.convert);
   j["phases"] = std::move(ph);
   ordered_json busiest;
   busiest["source_nic"] = link_json(r.busiest_source_nic);
@@ -853,6 +856,7 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   busiest["get_posting"] = std::move(posting);
   busiest["nvlink_out"] = link_json(r.busiest_nvlink_out);
   busiest["nvlink_in"] = link_json(r.busiest_nvlink_in);
+  busiest["convert"] = link_json(r.busiest_convert);
   j["busiest"] = std::move(busiest);
   j["network_bytes"] = r.network_bytes;
   j["local_bytes"] = r.local_bytes;
@@ -861,8 +865,12 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["gathers"] = r.gathers;
   j["gets_per_receiver_max"] = r.gets_per_receiver_max;
   j["local_sends"] = r.local_sends;
+  j["local_runs"] = r.local_runs;
   j["jobs"] = r.jobs;
   j["events"] = r.events;
+  j["converts"] = r.converts;
+  j["convert_bytes"] = r.convert_bytes;
+  j["source_convert_bytes"] = r.source_convert_bytes;
   ordered_json rep = ordered_json::array();
   if (in.scenario) {
     for (const refit::Reported& x : in.scenario->reported) {
@@ -903,6 +911,7 @@ std::string simulation_table(const ordered_json& j) {
       {"network", span(j["phases"]["network"])},
       {"host to GPU", span(j["phases"]["h2d"])},
       {"fan-out", span(j["phases"]["fanout"])},
+      {"conversion", span(j["phases"]["convert"])},
       {"busiest source NIC", link(j["busiest"]["source_nic"])},
       {"busiest receiver NIC", link(j["busiest"]["receiver_nic"])},
       {"busiest GET posting", "rank " + std::to_string(j["busiest"]["get_posting"]["rank"].get<int64_t>()) + ", " +
@@ -910,6 +919,7 @@ std::string simulation_table(const ordered_json& j) {
                                   secs(j["busiest"]["get_posting"]["busy_seconds"].get<double>())},
       {"busiest NVLink out", link(j["busiest"]["nvlink_out"])},
       {"busiest NVLink in", link(j["busiest"]["nvlink_in"])},
+      {"busiest conversion", j["converts"].get<int64_t>() == 0 ? std::string("-") : link(j["busiest"]["convert"])},
       {"GETs", std::to_string(j["gets"].get<int64_t>()) + " (at most " +
                    std::to_string(j["gets_per_receiver_max"].get<int64_t>()) + " per receiver; " +
                    (j["gather"].get<bool>() ? std::to_string(j["gathers"].get<int64_t>()) + " of them gathers)"
@@ -1171,7 +1181,8 @@ int main(int argc, char** argv) {
       "  refit-plan --compare --models examples/models --scenario a.json --scenario b.json\n"
       "  refit-plan --simulate --scenario examples/scenarios/moe-ep.json --models examples/models --trace t.json\n"
       "A scenario whose train.model and infer.model differ (a BF16 trainer, an FP8 server) converts on the way\n"
-      "(docs/conversion.md): the summary then adds the bytes with conversion at the receiver and at the source.\n"
+      "(docs/conversion.md): the summary then adds the bytes with conversion at the receiver and at the source,\n"
+      "and --simulate runs the conversion as the agents do (the pullers convert, the fan-out carries FP8).\n"
       "A run longer than 2 s (--progress-after) shows its progress on stderr (the step, tensors planned,\n"
       "seconds): a line redrawn in place on a terminal, else a line every 5 s; --quiet shows none.\n"
       "Exit status: 0 success, 2 bad input (one line on stderr), 1 internal error.");

@@ -142,7 +142,8 @@ TEST(Scenario, UnknownKeysAreNamed) {
   d["hardware"]["nic"] = 1;
   EXPECT_EQ(error_of(d), R"(s.json: unknown key "hardware.nic" (known: nic_gbit_per_gpu, nic_achievable, latency_us, get_op_us, )"
             R"(nvlink_gbyte_per_gpu, nvlink_achievable, local_op_us, h2d_gbyte_per_gpu, d2h_gbyte_per_gpu, )"
-            R"(gets_land_in_host, source_host_mirror, window_bytes, get_chunk_bytes))");
+            R"(gets_land_in_host, source_host_mirror, convert_gbyte_per_gpu, host_convert_gbyte, convert_on_host, )"
+            R"(window_bytes, get_chunk_bytes))");
   d = full();
   d["reported"][0]["url"] = "x";
   EXPECT_EQ(error_of(d),

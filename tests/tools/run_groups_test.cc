@@ -82,12 +82,16 @@ void expect_same(const sim::SimResult& a, const sim::SimResult& b, const std::st
   EXPECT_EQ(a.predicted_seconds, b.predicted_seconds);  // the same events: bit for bit
   EXPECT_EQ(a.phases.network.end, b.phases.network.end);
   EXPECT_EQ(a.phases.fanout.end, b.phases.fanout.end);
+  EXPECT_EQ(a.phases.convert.end, b.phases.convert.end);
+  EXPECT_EQ(a.converts, b.converts);
+  EXPECT_EQ(a.convert_bytes, b.convert_bytes);
   EXPECT_EQ(a.network_bytes, b.network_bytes);
   EXPECT_EQ(a.local_bytes, b.local_bytes);
   EXPECT_EQ(a.gets, b.gets);
   EXPECT_EQ(a.gathers, b.gathers);
   EXPECT_EQ(a.gets_per_receiver_max, b.gets_per_receiver_max);
   EXPECT_EQ(a.local_sends, b.local_sends);
+  EXPECT_EQ(a.local_runs, b.local_runs);
   EXPECT_EQ(a.jobs, b.jobs);
   EXPECT_EQ(a.events, b.events);
   EXPECT_EQ(a.busiest_receiver_nic.rank, b.busiest_receiver_nic.rank);

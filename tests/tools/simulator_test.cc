@@ -309,5 +309,132 @@ TEST(Simulator, TraceIsChromeTraceEventJson) {
   EXPECT_EQ(j["otherData"]["title"], "t \"1\"");
 }
 
+
+// One BF16 weight [128, 128] (32768 bytes) on one source, held in F8_E4M3
+// with its one block scale by two receivers of one domain (`dtype` the
+// receivers'; a cast to BF16 from F32 has no scales).
+Layout converted(const std::string& from, const std::string& to) {
+  const int64_t rb = to == "F8_E4M3" ? 1 : 2;
+  json l = json::parse(R"J({"format": "refit-layout/1", "weight_block_size": [128, 128],
+     "sources": [{"rank": 0, "domain": 0}],
+     "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0}],
+     "tensors": [{"name": "w.weight", "shape": [128, 128], "source": {"mesh": [1], "ranks": [0], "placements": ["R"]}}],
+     "buffers": []})J");
+  l["tensors"][0]["dtype"] = from;
+  if (to == "F8_E4M3") l["tensors"].push_back({{"name", "w.weight_scale_inv"}, {"dtype", "F32"}, {"shape", {1, 1}}});
+  for (int r = 0; r < 2; ++r) {
+    l["buffers"].push_back({{"side", "receiver"}, {"rank", r}, {"name", "w"}, {"dtype", to}, {"bytes", 16384 * rb},
+                            {"segments", {{{"tensor", "w.weight"}, {"start", {0, 0}}, {"size", {128, 128}},
+                                           {"offset", 0}, {"strides", {128, 1}}}}}});
+    if (to != "F8_E4M3") continue;
+    l["buffers"].push_back({{"side", "receiver"}, {"rank", r}, {"name", "s"}, {"dtype", "F32"}, {"bytes", 4},
+                            {"segments", {{{"tensor", "w.weight_scale_inv"}, {"start", {0, 0}}, {"size", {1, 1}},
+                                           {"offset", 0}, {"strides", {1, 1}}}}}});
+  }
+  auto layout = parse_layout_json(l.dump(), "converted layout");
+  EXPECT_TRUE(layout.is_ok()) << layout.status().message();
+  return std::move(*layout);
+}
+
+TEST(Simulator, ConversionStagesConvertsAndFansOutTheReceiversDtype) {
+  const Layout L = converted("BF16", "F8_E4M3");
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareModel hw = unit_hardware();
+  hw.convert_gbyte_per_gpu = 4.096;  // 32768 bytes in 8 us
+  const SimResult r = simulated(*plan, hw, /*trace=*/true);
+  EXPECT_EQ(r.network_bytes, 32768);      // BF16 over the network
+  EXPECT_EQ(r.local_bytes, 16384 + 4);    // E4M3 and the block's scale to the peer
+  EXPECT_EQ(r.local_sends, 1);
+  EXPECT_EQ(r.local_runs, 2);  // the FP8 box and its scale: two sends of the fabric
+  EXPECT_EQ(r.converts, 1);
+  EXPECT_EQ(r.convert_bytes, 32768);
+  const double landed = (1 + 32.768 + 2) * kUs;
+  EXPECT_NEAR(r.phases.network.end, landed, 1e-12);
+  // The staged box to the GPU (16 us at 2048 bytes/us), the kernel (8 us).
+  EXPECT_NEAR(r.phases.convert.start, landed, 1e-12);
+  EXPECT_NEAR(r.phases.convert.end, landed + (16 + 8) * kUs, 1e-12);
+  EXPECT_NEAR(r.phases.h2d.seconds(), 16 * kUs, 1e-12);
+  EXPECT_EQ(r.busiest_convert.rank, 0);
+  EXPECT_EQ(r.busiest_convert.bytes, 32768);
+  // Then the send: 5 us and 16388 bytes at 4096 bytes/us.
+  EXPECT_NEAR(r.phases.fanout.start, landed + 24 * kUs, 1e-12);
+  EXPECT_NEAR(r.predicted_seconds, landed + (24 + 5 + 16388.0 / 4096) * kUs, 1e-12);
+  bool lane = false;
+  for (const TraceSpan& t : r.trace) lane |= t.lane == Lane::kConvert && t.rank == 0 && t.bytes == 32768;
+  EXPECT_TRUE(lane);
+  // The bound: the domain's BF16 over its two NICs; a GPU's FP8 (no
+  // scales: a puller computes them) over its NIC and NVLink.
+  auto lb = lower_bound(*plan, hw);
+  ASSERT_TRUE(lb.is_ok());
+  EXPECT_NEAR(lb->domain_nic_seconds, 32768 / 2e9, 1e-15);
+  EXPECT_NEAR(lb->gpu_ingress_seconds, 16384 / (1e9 + 4.096e9), 1e-15);
+
+  // GETs that land in host memory: the staging area is host memory, only
+  // the conversion's copy goes to the GPU.
+  hw.gets_land_in_host = true;
+  const SimResult h = simulated(*plan, hw);
+  EXPECT_NEAR(h.phases.h2d.seconds(), 16 * kUs, 1e-12);
+  EXPECT_NEAR(h.predicted_seconds, r.predicted_seconds, 1e-12);
+
+  // Receivers in host memory: the CPU kernel alone (32768 bytes in 16 us).
+  hw.gets_land_in_host = false;
+  hw.convert_on_host = true;
+  hw.host_convert_gbyte = 2.048;
+  const SimResult c = simulated(*plan, hw);
+  EXPECT_EQ(c.phases.h2d.end, 0);
+  EXPECT_NEAR(c.phases.convert.end, landed + 16 * kUs, 1e-12);
+  EXPECT_NEAR(c.predicted_seconds, landed + (16 + 5 + 16388.0 / 4096) * kUs, 1e-12);
+}
+
+TEST(Simulator, CastIntoGpuMemoryRunsOnTheHostThenCopiesItsOutput) {
+  const Layout L = converted("F32", "BF16");
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareModel hw = unit_hardware();
+  hw.host_convert_gbyte = 8.192;  // 65536 bytes of F32 in 8 us
+  const SimResult r = simulated(*plan, hw);
+  EXPECT_EQ(r.network_bytes, 65536);
+  EXPECT_EQ(r.local_bytes, 32768);
+  const double landed = (1 + 65.536 + 2) * kUs;
+  // The cast (8 us), then its 32768 BF16 bytes to the GPU (16 us), then the
+  // send (5 us + 8 us).
+  EXPECT_NEAR(r.phases.convert.end, landed + (8 + 16) * kUs, 1e-12);
+  EXPECT_NEAR(r.predicted_seconds, landed + (8 + 16 + 5 + 8) * kUs, 1e-12);
+}
+
+TEST(Simulator, SourcesQuantizeTheirCopiesAtPublishAndServeThemAsTheyAre) {
+  // The BF16 weight on explicit source buffers, with an F8_E4M3 copy and its
+  // scale ("quantize": "source", docs/conversion.md).
+  json l = json::parse(write_layout_json(converted("BF16", "F8_E4M3")));
+  json& t = l["tensors"][0];
+  t.erase("source");
+  l["buffers"].push_back({{"side", "source"}, {"rank", 0}, {"name", "w"}, {"dtype", "BF16"}, {"bytes", 32768},
+                          {"segments", {{{"tensor", "w.weight"}, {"start", {0, 0}}, {"size", {128, 128}},
+                                         {"offset", 0}, {"strides", {128, 1}}}}}});
+  l["buffers"].push_back(
+      {{"side", "source"}, {"rank", 0}, {"name", "refit.converted"}, {"dtype", "U8"}, {"bytes", 16384 + 64},
+       {"segments",
+        {{{"tensor", "w.weight"}, {"dtype", "F8_E4M3"}, {"start", {0, 0}}, {"size", {128, 128}}, {"offset", 0},
+          {"strides", {128, 1}}},
+         {{"tensor", "w.weight_scale_inv"}, {"dtype", "F32"}, {"start", {0, 0}}, {"size", {1, 1}},
+          {"offset", 16384 / 4}, {"strides", {1, 1}}}}}});
+  auto L = parse_layout_json(l.dump(), "source-quantized layout");
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareModel hw = unit_hardware();
+  hw.host_convert_gbyte = 2.048;  // the source's 32768 BF16 bytes in 16 us
+  const SimResult r = simulated(*plan, hw);
+  EXPECT_EQ(r.source_convert_bytes, 32768);
+  EXPECT_NEAR(r.phases.publish.end, 16 * kUs, 1e-12);
+  EXPECT_EQ(r.converts, 0);               // nothing left to the puller
+  EXPECT_EQ(r.network_bytes, 16384 + 4);  // E4M3 and the scale over the network
+  EXPECT_EQ(r.local_bytes, 16384 + 4);
+  // Nothing is served before the copy is made.
+  EXPECT_GE(r.phases.network.end, (16 + 16.388 + 2) * kUs);
+  EXPECT_GE(r.busiest_source_nic.busy_seconds, 16.388 * kUs - 1e-12);
+}
+
 }  // namespace
 }  // namespace refit::sim

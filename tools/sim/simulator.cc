@@ -21,6 +21,7 @@ struct Job {
   int64_t gets = 0;          // GETs of all its runs
   uint32_t sends_begin = 0;  // into Sim::sends_
   uint32_t sends_count = 0;
+  bool staged = true;        // all its runs land in the conversion staging area
 };
 
 // Fan-out runs from one puller to one peer, read from one job: one send,
@@ -28,6 +29,24 @@ struct Job {
 struct Send {
   int32_t to = 0;
   int64_t bytes = 0;
+};
+
+// A conversion step (ConvertStep) of one puller. It waits until every job
+// of its puller up to `wait_job` has landed: the jobs that staged its box
+// are among them (they are the jobs the puller added runs to since its last
+// send or step, and those jobs are not closed: later runs may still join
+// them, up to the plan's chunk). A puller's steps run in their order, on
+// its fan-out thread, as the agent's conversions do
+// (plugin/receiver/transfer_executor.cc); its sends (the unit's fan-out, in
+// the receivers' dtype, then the scales) go after it.
+struct Convert {
+  int32_t puller = 0;
+  bool cast = false;            // a cast, not an F8_E4M3 quantization
+  int32_t wait_job = -1;        // into Sim::jobs_[puller]
+  int64_t staged_bytes = 0;     // what the kernel reads, in the sources' dtype
+  int64_t out_bytes = 0;        // what it writes, in the receivers' dtype
+  uint32_t sends_begin = 0;     // into Sim::sends_
+  uint32_t sends_count = 0;
 };
 
 // One resource: free from `free_at` on; what it carried.
@@ -57,14 +76,15 @@ class Sim {
     const int32_t R = L_.num_ranks(Side::kReceiver);
     const int32_t S = L_.num_ranks(Side::kSource);
     jobs_.assign(R, {});
-    build_jobs(R, S);
+    REFIT_RETURN_IF_ERROR(build_jobs(R, S));
     src_nic_.assign(S, {});
     rcv_nic_.assign(R, {});
     post_.assign(R, {});
     h2d_.assign(R, {});
     nvl_out_.assign(R, {});
     nvl_in_.assign(R, {});
-    last_span_.assign(7, std::vector<int64_t>(std::max(R, S), -1));
+    conv_.assign(R, {});
+    last_span_.assign(static_cast<size_t>(Lane::kConvert) + 1, std::vector<int64_t>(std::max(R, S), -1));
     publish(S);
     REFIT_RETURN_IF_ERROR(simulate_network(R));
     finish(R, S);
@@ -78,7 +98,7 @@ class Sim {
   // (for_each_run's order). Small runs are grouped into gathers as the
   // receiver agents group them (planner/gather.h); a gather's one GET is
   // charged to the job that holds its last run, once it closes.
-  void build_jobs(int32_t R, int32_t S) {
+  Status build_jobs(int32_t R, int32_t S) {
     const int64_t get_chunk = static_cast<int64_t>(hw_.get_chunk_bytes);
     std::vector<int64_t> gets(R, 0);
     GatherCounter counter(opt_.gather, [&](const GatherClose& c) {
@@ -89,10 +109,17 @@ class Sim {
       r_.gets += n;
     });
     Walk w{std::vector<int32_t>(static_cast<size_t>(R) * S, -1), std::vector<int32_t>(R, -1), -1};
-    for_each_run_group(plan_, [&](const RunGroup& g) {
-      if (!opt_.expanded) return add_group(g, S, w, counter);
-      for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, w, counter);
-    });
+    w.touched.assign(R, -1);
+    w.step.assign(R, -1);
+    steps_.assign(R, {});
+    for (const Tensor& t : L_.tensors) w.converting |= t.dtype_on(Side::kReceiver) != t.dtype;
+    REFIT_RETURN_IF_ERROR(for_each_run_group(
+        plan_,
+        [&](const RunGroup& g) {
+          if (!opt_.expanded) return add_group(g, S, w, counter);
+          for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, w, counter);
+        },
+        [&](const ConvertStep& c) { add_convert(c, w); }));
     counter.finish();
     r_.gathers = static_cast<int64_t>(counter.gathers());
     for (int32_t p = 0; p < R; ++p) {
@@ -100,6 +127,8 @@ class Sim {
       r_.jobs += static_cast<int64_t>(jobs_[p].size());
     }
     r_.local_sends = static_cast<int64_t>(sends_.size());
+    r_.converts = static_cast<int64_t>(converts_.size());
+    return Status::ok();
   }
 
   // build_jobs' state between groups.
@@ -107,7 +136,43 @@ class Sim {
     std::vector<int32_t> open;  // per (puller, source): its open job
     std::vector<int32_t> last;  // per puller: its last job
     int64_t last_send_puller;
+    bool converting = false;      // some tensor converts: track what follows
+    std::vector<int32_t> touched;  // per puller: the last job it added runs to since its last send or step
+    std::vector<int32_t> step;     // per puller: the step its next sends follow (no GET since), or -1
   };
+
+  // A conversion step: it reads the jobs the puller added runs to since its
+  // last send or step (the runs that staged its box, and the pieces of the
+  // unit a source converted): it waits for the puller's jobs up to the
+  // last of them, and for the puller's steps before it.
+  void add_convert(const ConvertStep& c, Walk& w) {
+    const Tensor& t = L_.tensors[c.tensor];
+    const int32_t p = c.rank;
+    Convert cv;
+    cv.puller = p;
+    cv.cast = t.dtype_on(Side::kReceiver) != DType::kF8E4M3;
+    cv.wait_job = w.touched[p];
+    cv.staged_bytes = c.box.numel() * dtype_bytes(t.dtype);
+    cv.out_bytes = c.box.numel() * dtype_bytes(t.dtype_on(Side::kReceiver));
+    w.step[p] = static_cast<int32_t>(converts_.size());
+    steps_[p].push_back(w.step[p]);
+    converts_.push_back(cv);
+    r_.convert_bytes += cv.staged_bytes;
+  }
+
+  // A send of `bytes` to `to` from a job's or a step's sends (they are
+  // contiguous in sends_); runs to the same peer in a row are one send.
+  void add_send(uint32_t& begin, uint32_t& count, int32_t p, int32_t to, int64_t bytes, Walk& w) {
+    r_.local_bytes += bytes;
+    if (w.last_send_puller == p && count > 0 && sends_.back().to == to) {
+      sends_.back().bytes += bytes;
+      return;
+    }
+    if (count == 0) begin = static_cast<uint32_t>(sends_.size());
+    sends_.push_back(Send{to, bytes});
+    ++count;
+    w.last_send_puller = p;
+  }
 
   void add_group(const RunGroup& g, int32_t S, Walk& w, GatherCounter& counter) {
     const Run& run = g.run;
@@ -127,44 +192,58 @@ class Sim {
         }
         const int64_t m = std::min(left, std::max<int64_t>(1, (cap - jobs[j].bytes) / b));
         jobs[j].bytes += m * b;
+        jobs[j].staged &= run.to.buffer == kStagingBuffer;
         r_.network_bytes += m * b;
         counter.add(GatherInput{p, s, b}, m, (static_cast<uint64_t>(p) << 32) | static_cast<uint32_t>(j));
+        if (w.converting) w.touched[p] = std::max(w.touched[p], j);
         left -= m;
       }
       w.last[p] = j;
       w.last_send_puller = -1;
+      if (w.converting) w.step[p] = -1;
       return;
+    }
+    const int64_t bytes = run.bytes * g.count;
+    r_.local_runs += g.count;
+    if (w.converting) {
+      w.touched[p] = -1;
+      if (w.step[p] >= 0) {  // the unit a step converted: its sends wait for it
+        Convert& cv = converts_[w.step[p]];
+        return add_send(cv.sends_begin, cv.sends_count, p, run.to.rank, bytes, w);
+      }
     }
     // A send reads bytes this puller pulled: its last job brought them.
     Job& job = jobs[w.last[p]];
     job.closed = true;
-    const int64_t bytes = run.bytes * g.count;
-    r_.local_bytes += bytes;
-    if (w.last_send_puller == p && job.sends_count > 0 && sends_.back().to == run.to.rank) {
-      sends_.back().bytes += bytes;
-      return;
-    }
-    if (job.sends_count == 0) job.sends_begin = static_cast<uint32_t>(sends_.size());
-    sends_.push_back(Send{run.to.rank, bytes});
-    ++job.sends_count;
-    w.last_send_puller = p;
+    add_send(job.sends_begin, job.sends_count, p, run.to.rank, bytes, w);
   }
 
-  // Sources that serve a host mirror copy each shard there at publish; a
-  // source's NIC serves nothing before its copy is done.
+  // Sources that serve a host mirror copy each shard there at publish, and
+  // sources that serve converted copies (Tensor::converted_sources, made by
+  // "quantize": "source") convert them with the CPU kernel, one thread per
+  // source (docs/conversion.md, "At the source"); a source's NIC serves
+  // nothing before its publish is done.
   void publish(int32_t S) {
-    if (!hw_.source_host_mirror) return;
-    std::vector<int64_t> shard(S, 0);
+    std::vector<int64_t> shard(S, 0), converted(S, 0);
     for (const Tensor& t : L_.tensors) {
       const int eb = dtype_bytes(t.dtype);
-      for (const Region& reg : t.sources) {
+      if (hw_.source_host_mirror) {
+        for (const Region& reg : t.sources) {
+          const int64_t b = reg.box.numel() * eb;
+          for (int32_t s : L_.source_sets.get(reg.ranks)) shard[s] += b;
+        }
+      }
+      if (t.derived_from >= 0) continue;  // scales: computed with their weight's copy
+      for (const Region& reg : t.converted_sources) {
         const int64_t b = reg.box.numel() * eb;
-        for (int32_t s : L_.source_sets.get(reg.ranks)) shard[s] += b;
+        for (int32_t s : L_.source_sets.get(reg.ranks)) converted[s] += b;
       }
     }
     for (int32_t s = 0; s < S; ++s) {
-      if (shard[s] == 0) continue;
-      const double end = static_cast<double>(shard[s]) / hw_.d2h_bytes_per_s();
+      if (shard[s] == 0 && converted[s] == 0) continue;
+      r_.source_convert_bytes += converted[s];
+      const double end = static_cast<double>(shard[s]) / hw_.d2h_bytes_per_s() +
+                         static_cast<double>(converted[s]) / hw_.host_convert_bytes_per_s();
       src_nic_[s].free_at = end;
       r_.phases.publish.end = std::max(r_.phases.publish.end, end);
       span(Lane::kPublish, s, 0, end, shard[s]);
@@ -182,6 +261,7 @@ class Sim {
     scheds_.clear();
     scheds_.reserve(R);
     ready_.assign(R, {});
+    done_.assign(R, {});
     for (int32_t p = 0; p < R; ++p) {
       // Endpoints: this receiver's sources, densely numbered.
       std::vector<int32_t> dense;
@@ -201,7 +281,15 @@ class Sim {
       scheds_.push_back(std::move(*s));
       ready_[p].assign(jobs_[p].size(), 0.0);
     }
-    for (int32_t p = 0; p < R; ++p) pump(p, 0.0);
+    landed_jobs_.assign(R, 0);
+    landed_at_.assign(R, 0.0);
+    next_step_.assign(R, 0);
+    thread_from_.assign(R, 0.0);
+    for (int32_t p = 0; p < R; ++p) {
+      done_[p].assign(jobs_[p].size(), 0);
+      run_steps(p);
+      pump(p, 0.0);
+    }
     while (!events_.empty()) {
       const Event e = events_.top();
       events_.pop();
@@ -268,30 +356,91 @@ class Sim {
   void landed(const Event& e) {
     const int32_t p = e.receiver;
     r_.phases.network.end = std::max(r_.phases.network.end, e.t);
+    const Job& job = jobs_[p][e.chunk.run];
     double ready = e.t;
-    if (hw_.gets_land_in_host) {
-      Resource& h = h2d_[p];
-      const double start = std::max(e.t, h.free_at);
-      const double d = static_cast<double>(e.chunk.bytes) / hw_.h2d_bytes_per_s();
-      h.free_at = start + d;
-      h.busy += d;
-      h.bytes += static_cast<int64_t>(e.chunk.bytes);
-      span(Lane::kH2d, p, start, start + d, static_cast<int64_t>(e.chunk.bytes));
-      ready = start + d;
-      if (h2d_first_ < 0 || start < h2d_first_) h2d_first_ = start;
-      r_.phases.h2d.end = std::max(r_.phases.h2d.end, ready);
+    // The conversion staging area is host memory: what lands there is not
+    // copied on by the landing ring (a job that also landed elsewhere is).
+    if (hw_.gets_land_in_host && !job.staged) {
+      const double start = std::max(e.t, h2d_[p].free_at);
+      ready = start + static_cast<double>(e.chunk.bytes) / hw_.h2d_bytes_per_s();
+      hold(h2d_[p], Lane::kH2d, p, start, ready, static_cast<int64_t>(e.chunk.bytes));
     }
     double& job_ready = ready_[p][e.chunk.run];
     job_ready = std::max(job_ready, ready);
     if (!scheds_[p].complete(e.chunk)) return;
-    const Job& job = jobs_[p][e.chunk.run];
+    send(p, job.sends_begin, job.sends_count, job_ready);
+    if (steps_[p].empty()) return;
+    done_[p][e.chunk.run] = 1;
+    int32_t& n = landed_jobs_[p];
+    for (; n < static_cast<int32_t>(done_[p].size()) && done_[p][n]; ++n)
+      landed_at_[p] = std::max(landed_at_[p], ready_[p][n]);
+    run_steps(p);
+  }
+
+  // Runs puller `p`'s conversion steps, in order, while the jobs each waits
+  // for have landed.
+  void run_steps(int32_t p) {
+    size_t& k = next_step_[p];
+    for (; k < steps_[p].size() && converts_[steps_[p][k]].wait_job < landed_jobs_[p]; ++k)
+      run_convert(steps_[p][k], landed_at_[p]);
+  }
+
+  // Conversion step `k` runs on its puller's fan-out thread, which passes
+  // no send meanwhile (sends passed before it go on: the fabric moves
+  // them); into GPU memory an F8_E4M3 quantization copies the
+  // staged box to the GPU and runs the CUDA kernel; a cast runs the CPU
+  // kernel and copies its output over; into host memory (convert_on_host)
+  // the CPU kernel alone. Then its sends go.
+  void run_convert(int32_t k, double ready) {
+    const Convert& c = converts_[k];
+    const int32_t p = c.puller;
+    Resource& thread = conv_[p];
+    Resource& h2d = h2d_[p];
+    const double start = std::max(ready, thread.free_at);
+    thread_from_[p] = start;
+    const auto staged = static_cast<double>(c.staged_bytes);
+    double end = start;
+    if (hw_.convert_on_host) {
+      end = start + staged / hw_.host_convert_bytes_per_s();
+    } else if (!c.cast) {
+      const double copied = std::max(start, h2d.free_at) + staged / hw_.h2d_bytes_per_s();
+      hold(h2d, Lane::kH2d, p, copied - staged / hw_.h2d_bytes_per_s(), copied, c.staged_bytes);
+      end = copied + staged / hw_.convert_bytes_per_s();
+    } else {
+      const double cast = start + staged / hw_.host_convert_bytes_per_s();
+      const double copied = std::max(cast, h2d.free_at) + static_cast<double>(c.out_bytes) / hw_.h2d_bytes_per_s();
+      hold(h2d, Lane::kH2d, p, copied - static_cast<double>(c.out_bytes) / hw_.h2d_bytes_per_s(), copied, c.out_bytes);
+      end = copied;
+    }
+    thread.free_at = end;
+    thread.busy += end - start;
+    thread.bytes += c.staged_bytes;
+    span(Lane::kConvert, p, start, end, c.staged_bytes);
+    if (convert_first_ < 0 || start < convert_first_) convert_first_ = start;
+    r_.phases.convert.end = std::max(r_.phases.convert.end, end);
+    send(p, c.sends_begin, c.sends_count, end);
+  }
+
+  // Resource `r`, a host-to-GPU copy, busy from `start` to `end`.
+  void hold(Resource& r, Lane lane, int32_t rank, double start, double end, int64_t bytes) {
+    r.free_at = end;
+    r.busy += end - start;
+    r.bytes += bytes;
+    span(lane, rank, start, end, bytes);
+    if (h2d_first_ < 0 || start < h2d_first_) h2d_first_ = start;
+    r_.phases.h2d.end = std::max(r_.phases.h2d.end, end);
+  }
+
+  // Puller `p`'s sends [begin, begin + count), their bytes ready at `ready`.
+  void send(int32_t p, uint32_t begin, uint32_t count, double ready) {
+    if (ready >= thread_from_[p] && ready < conv_[p].free_at) ready = conv_[p].free_at;  // passed after it
     const double nvl = hw_.nvlink_bytes_per_s();
     const double op = hw_.local_op_us * 1e-6;
-    for (uint32_t k = 0; k < job.sends_count; ++k) {
-      const Send& s = sends_[job.sends_begin + k];
+    for (uint32_t k = 0; k < count; ++k) {
+      const Send& s = sends_[begin + k];
       Resource& out = nvl_out_[p];
       Resource& in = nvl_in_[s.to];
-      const double start = std::max({job_ready, out.free_at, in.free_at});
+      const double start = std::max({ready, out.free_at, in.free_at});
       const double d = op + static_cast<double>(s.bytes) / nvl;
       out.free_at = in.free_at = start + d;
       out.busy += d;
@@ -326,7 +475,8 @@ class Sim {
     if (first_get_ >= 0) ph.network.start = first_get_;
     if (h2d_first_ >= 0) ph.h2d.start = h2d_first_;
     if (fan_first_ >= 0) ph.fanout.start = fan_first_;
-    r_.predicted_seconds = std::max({ph.publish.end, ph.network.end, ph.h2d.end, ph.fanout.end});
+    if (convert_first_ >= 0) ph.convert.start = convert_first_;
+    r_.predicted_seconds = std::max({ph.publish.end, ph.network.end, ph.h2d.end, ph.fanout.end, ph.convert.end});
     auto busiest = [](const std::vector<Resource>& v, int32_t n) {
       LinkLoad best;
       for (int32_t i = 0; i < n; ++i)
@@ -338,6 +488,7 @@ class Sim {
     r_.busiest_posting = busiest(post_, R);
     r_.busiest_nvlink_out = busiest(nvl_out_, R);
     r_.busiest_nvlink_in = busiest(nvl_in_, R);
+    r_.busiest_convert = busiest(conv_, R);
   }
 
   const Plan& plan_;
@@ -347,13 +498,20 @@ class Sim {
   SimResult r_;
   std::vector<std::vector<Job>> jobs_;  // per receiver, in its execution order
   std::vector<Send> sends_;
+  std::vector<Convert> converts_;
+  std::vector<std::vector<int32_t>> steps_;  // per puller: its conversion steps, in order
+  std::vector<std::vector<uint8_t>> done_;   // per puller and job: all its GETs landed
+  std::vector<int32_t> landed_jobs_;         // per puller: its first jobs, all landed
+  std::vector<double> landed_at_;            // per puller: when they were all usable
+  std::vector<size_t> next_step_;            // per puller: its next step to run
+  std::vector<double> thread_from_;          // per puller: when its last conversion started
   std::vector<ucx::ChunkScheduler> scheds_;
   std::vector<std::vector<double>> ready_;  // per receiver and job: when its bytes are usable
-  std::vector<Resource> src_nic_, rcv_nic_, post_, h2d_, nvl_out_, nvl_in_;
+  std::vector<Resource> src_nic_, rcv_nic_, post_, h2d_, nvl_out_, nvl_in_, conv_;
   std::vector<std::vector<int64_t>> last_span_;  // per lane and rank: its last trace span
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
   uint64_t seq_ = 0;
-  double first_get_ = -1, h2d_first_ = -1, fan_first_ = -1;
+  double first_get_ = -1, h2d_first_ = -1, fan_first_ = -1, convert_first_ = -1;
 };
 
 }  // namespace
@@ -367,6 +525,7 @@ const char* lane_name(Lane lane) {
     case Lane::kH2d: return "host to GPU (receiver)";
     case Lane::kNvlinkOut: return "NVLink out (receiver)";
     case Lane::kNvlinkIn: return "NVLink in (receiver)";
+    case Lane::kConvert: return "conversion (receiver)";
   }
   return "?";
 }
@@ -407,6 +566,34 @@ SimResult estimate_broadcast(const Plan& plan, const HardwareModel& hw) {
   return r;
 }
 
+namespace {
+
+// The bound's third term (docs/simulator.md, "The lower bound"): per
+// receiving GPU, everything it needs comes in through its NIC or its
+// NVLink, at least in the narrower of the two sides' dtypes (a converted
+// tensor's fan-out carries the receivers'); block scales can be computed
+// from what came in, so they are not counted.
+void gpu_ingress(const Layout& L, double bytes_per_s, LowerBound& lb) {
+  std::vector<int64_t> need(L.receivers.size(), 0);
+  for (const Tensor& t : L.tensors) {
+    if (t.derived_from >= 0) continue;
+    const int eb = std::min(dtype_bytes(t.dtype), dtype_bytes(t.dtype_on(Side::kReceiver)));
+    for (const Region& reg : t.receivers) {
+      const int64_t b = reg.box.numel() * eb;
+      for (int32_t r : L.receiver_sets.get(reg.ranks)) need[r] += b;
+    }
+  }
+  for (size_t g = 0; g < need.size(); ++g) {
+    const double t = static_cast<double>(need[g]) / bytes_per_s;
+    if (t > lb.gpu_ingress_seconds) {
+      lb.gpu_ingress_seconds = t;
+      lb.gpu = static_cast<int32_t>(g);
+    }
+  }
+}
+
+}  // namespace
+
 Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
   if (plan.options().strategy != Strategy::kRefit)
     return Status::invalid("the lower bound is computed from a refit plan (its units carry the domains)");
@@ -424,11 +611,19 @@ Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
   }
   domain_bytes.assign(domain_gpus.size(), 0);
   std::vector<int64_t> exclusive(L.sources.size(), 0);
+  // A tensor that sources also serve converted (docs/conversion.md, "At the
+  // source") may cross in the receivers' dtype where that is narrower.
+  auto network_elem_bytes = [](const Tensor& t) {
+    const int eb = dtype_bytes(t.dtype);
+    return t.converted_sources.empty() ? eb : std::min(eb, dtype_bytes(t.dtype_on(Side::kReceiver)));
+  };
+  int64_t network_bytes = 0;
   for (const Unit& u : plan.units()) {
-    domain_bytes[u.domain] += plan.bytes(u);
     const PullSet& ps = plan.pull_set(u);
     const Tensor& t = L.tensors[u.tensor];
-    const int eb = dtype_bytes(t.dtype);
+    const int eb = network_elem_bytes(t);
+    domain_bytes[u.domain] += plan.box(u).numel() * eb;
+    network_bytes += plan.box(u).numel() * eb;
     for (const Piece& p : ps.pieces) {
       int32_t only = -1;
       bool one = true;
@@ -450,25 +645,8 @@ Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
     }
   }
   if (!L.sources.empty())
-    lb.source_nics_seconds = static_cast<double>(plan.summary().minimum_network_bytes) /
-                             (static_cast<double>(L.sources.size()) * nic);
-  // Per receiving GPU: everything it needs comes in through its NIC or its
-  // NVLink.
-  std::vector<int64_t> need(L.receivers.size(), 0);
-  for (const Tensor& t : L.tensors) {
-    const int eb = dtype_bytes(t.dtype);
-    for (const Region& reg : t.receivers) {
-      const int64_t b = reg.box.numel() * eb;
-      for (int32_t r : L.receiver_sets.get(reg.ranks)) need[r] += b;
-    }
-  }
-  for (size_t g = 0; g < need.size(); ++g) {
-    const double t = static_cast<double>(need[g]) / (nic + nvl);
-    if (t > lb.gpu_ingress_seconds) {
-      lb.gpu_ingress_seconds = t;
-      lb.gpu = static_cast<int32_t>(g);
-    }
-  }
+    lb.source_nics_seconds = static_cast<double>(network_bytes) / (static_cast<double>(L.sources.size()) * nic);
+  gpu_ingress(L, nic + nvl, lb);
   for (size_t s = 0; s < exclusive.size(); ++s) {
     const double t = static_cast<double>(exclusive[s]) / nic;
     if (t > lb.source_exclusive_seconds) {
@@ -500,7 +678,7 @@ bool write_trace_json(const SimResult& r, const std::string& title, const TextSi
                     "\", \"simulated\": true}, \"traceEvents\": [\n";
   bool first = true;
   char buf[256];
-  for (int lane = 0; lane <= static_cast<int>(Lane::kNvlinkIn); ++lane) {
+  for (int lane = 0; lane <= static_cast<int>(Lane::kConvert); ++lane) {
     std::snprintf(buf, sizeof buf, "%s{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": \"%s\"}}",
                   first ? "" : ",\n", lane, lane_name(static_cast<Lane>(lane)));
     out += buf;

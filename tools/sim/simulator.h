@@ -24,6 +24,12 @@
 // - Small runs are grouped into gathers as the receiver agents group them
 //   (planner/gather.h, SimOptions::gather): a gather counts as one GET, at
 //   the job that holds its last run.
+// - Tensors the receivers hold in another dtype are walked as the agents
+//   run them (for_each_run_group with its conversion step): the puller
+//   stages a unit in the sources' dtype, converts it on its fan-out thread
+//   once the unit's GETs have landed, and the fan-out carries the
+//   receivers' dtype and the block scales. Sources that serve converted
+//   copies (docs/conversion.md, "At the source") make them at publish.
 //
 // Pure computation, no I/O. Not thread-safe; one simulation per call.
 
@@ -59,11 +65,12 @@ struct Phases {
   Span network;  // first GET posted to last GET landed
   Span h2d;      // landed GET bytes copied to the GPU
   Span fanout;   // the local fabric's sends
+  Span convert;  // the pullers' conversions of staged units
 };
 
 // One busy interval of one resource, for the trace. Adjacent intervals of
 // one resource are merged.
-enum class Lane : uint8_t { kPublish, kSourceNic, kPosting, kReceiverNic, kH2d, kNvlinkOut, kNvlinkIn };
+enum class Lane : uint8_t { kPublish, kSourceNic, kPosting, kReceiverNic, kH2d, kNvlinkOut, kNvlinkIn, kConvert };
 const char* lane_name(Lane lane);
 struct TraceSpan {
   Lane lane;
@@ -98,14 +105,19 @@ struct SimResult {
   LinkLoad busiest_posting;  // `bytes` counts GETs here
   LinkLoad busiest_nvlink_out;
   LinkLoad busiest_nvlink_in;
+  LinkLoad busiest_convert;  // `bytes`: staged bytes (sources' dtype) it converted
   int64_t network_bytes = 0;
   int64_t local_bytes = 0;
   int64_t gets = 0;                 // GETs posted, all receivers (a gather is one)
   int64_t gathers = 0;              // gathers among them
   int64_t gets_per_receiver_max = 0;
   int64_t local_sends = 0;          // fan-out sends (runs to one peer after one network job)
+  int64_t local_runs = 0;           // the contiguous runs in them: the fabric's sends (one each)
   int64_t jobs = 0;                 // network jobs simulated
   int64_t events = 0;               // GET chunks simulated
+  int64_t converts = 0;             // conversion steps (ConvertStep) the pullers run
+  int64_t convert_bytes = 0;        // what they read, in the sources' dtype
+  int64_t source_convert_bytes = 0; // what the sources quantize at publish, in their dtype
   std::vector<TraceSpan> trace;
 };
 
