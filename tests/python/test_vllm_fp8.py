@@ -1,0 +1,84 @@
+"""A BF16 FSDP2 trainer refreshing vLLM's own model class served in block
+FP8 (quantization_config {"quant_method": "fp8", "weight_block_size":
+[128, 128]}) through refit's vLLM engine, on the CPU, every process real:
+trainer ranks (gloo, fully_shard on a mesh of 2), vLLM workers at tp 2 and
+refit-coordinator. refit quantizes on the way (docs/conversion.md): three
+versions land in vLLM's float8_e4m3fn weights and float32 weight_scale_inv
+bit for bit as vLLM's load_weights puts the trainer's state dict quantized
+by the torch reference; a version one trainer rank never published is
+refused and leaves every parameter at the old one. A model whose shards cut
+the 128x128 blocks, or with a scale parameter missing, is refused naming
+the parameter, with nothing registered. vllm_fp8_receiver.py says what each
+vLLM worker does, and why this vLLM needs a stand-in for its FP8 kernel.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("vllm")
+
+from hf_models import manifest  # noqa: E402
+from processes import explain, free_port, start, wait_all  # noqa: E402
+
+VERSIONS = 3
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def qwen2_fp8_config(head_dim: int, heads: int) -> dict:
+    # 2 KV heads of head_dim over tp 2: k and v rows per worker are head_dim,
+    # a whole number of 128-row blocks with head_dim 128, half a block with 64.
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 512,
+            "intermediate_size": 1024, "num_attention_heads": heads, "num_key_value_heads": 2,
+            "head_dim": head_dim, "num_hidden_layers": 2, "vocab_size": 1000, "tie_word_embeddings": False,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+            "torch_dtype": "bfloat16", "quantization_config": FP8}
+
+
+def write_files(tmp_path, coordinator, config):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "coordinator.json").write_text(json.dumps(coordinator.config()))
+
+
+def test_bf16_fsdp2_trainer_refreshes_vllm_block_fp8_bit_exact(coordinator, tmp_path):
+    write_files(tmp_path, coordinator, qwen2_fp8_config(128, 4))
+    train_port, serve_port = free_port(), free_port()
+    procs = [start(tmp_path, f"trainer{r}", "fsdp_trainer.py", r, 2, 1, train_port, tmp_path, VERSIONS, 2,
+                   "bfloat16")
+             for r in range(2)]
+    procs += [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, serve_port, tmp_path, VERSIONS, 2,
+                    "refresh")
+              for r in range(2)]
+    logs, failed = wait_all(tmp_path, procs)
+    assert not failed, explain(logs, failed)
+    for r in range(2):
+        assert "parameters (torch.bfloat16, torch.float32, torch.float8_e4m3fn)" in logs[f"receiver{r}"]
+        assert f"version {VERSIONS} bit-exact" in logs[f"receiver{r}"]
+        assert f"every parameter still at version {VERSIONS}" in logs[f"receiver{r}"]
+
+
+def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
+    config = qwen2_fp8_config(64, 8)
+    write_files(tmp_path, coordinator, config)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(config)))
+    port = free_port()
+    procs = [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, port, tmp_path, 0, 2, "refused")
+             for r in range(2)]
+    logs, failed = wait_all(tmp_path, procs, timeout=600)
+    assert not failed, explain(logs, failed)
+    for r in range(2):
+        log = logs[f"receiver{r}"]
+        assert ('without a scale: refused: InvalidArgumentError: refit: REFIT_INVALID_ARGUMENT: vLLM parameter '
+                '"model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3) has no '
+                '"model.layers.0.self_attn.qkv_proj.weight_scale_inv" beside it') in log, log[-4000:]
+        # vLLM allows a fused parameter whose parts cut its blocks; refit does not.
+        assert ('as vLLM built it: refused: InvalidArgumentError: refit_receiver_create: REFIT_INVALID_ARGUMENT: '
+                'config: "recipe": vllm: tensor "model.layers.0.self_attn.k_proj.weight": its shard rows [0, 64) at '
+                '256 of buffer "model.layers.0.self_attn.qkv_proj.weight" cut its 128x128 FP8 scale blocks') in log, \
+            log[-4000:]
+        assert "no receiver left: refit: init_transfer_engine has not been called" in log, log[-4000:]
