@@ -7,8 +7,8 @@ versions land in vLLM's float8_e4m3fn weights and float32 weight_scale_inv
 bit for bit as vLLM's load_weights puts the trainer's state dict quantized
 by the torch reference; a version one trainer rank never published is
 refused and leaves every parameter at the old one. A model whose shards cut
-the 128x128 blocks, or with a scale parameter missing, is refused naming
-the parameter, with nothing registered. vllm_fp8_receiver.py says what each
+the 128x128 blocks, with a scale parameter missing, or in blocks other
+than 128x128, is refused naming the parameter, with nothing registered. vllm_fp8_receiver.py says what each
 vLLM worker does, and why this vLLM needs a stand-in for its FP8 kernel.
 """
 
@@ -76,6 +76,9 @@ def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
         assert ('without a scale: refused: InvalidArgumentError: refit: REFIT_INVALID_ARGUMENT: vLLM parameter '
                 '"model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3) has no '
                 '"model.layers.0.self_attn.qkv_proj.weight_scale_inv" beside it') in log, log[-4000:]
+        assert ('in 64x64 blocks: refused: UnsupportedError: refit: REFIT_UNSUPPORTED: vLLM parameter '
+                '"model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3) is quantized in blocks of [64, 64]') in log, \
+            log[-4000:]
         # vLLM allows a fused parameter whose parts cut its blocks; refit does not.
         assert ('as vLLM built it: refused: InvalidArgumentError: refit_receiver_create: REFIT_INVALID_ARGUMENT: '
                 'config: "recipe": vllm: tensor "model.layers.0.self_attn.k_proj.weight": its shard rows [0, 64) at '

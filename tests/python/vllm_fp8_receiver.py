@@ -17,9 +17,10 @@ the torch reference of docs/conversion.md (reference_quantize of
 tests/transport/convert/torch_reference_test.py): FP8 weights, block scales
 and the BF16 parameters alike (vllm_receiver.main).
 
-refused: the engine's init on a model with one scale parameter removed, then
-on the model as it is, whose shards cut the 128x128 blocks: each is refused
-with the error printed, and nothing is registered.
+refused: the engine's init on a model with one scale parameter removed, with
+one layer's weight_block_size set to [64, 64], then on the model as it is,
+whose shards cut the 128x128 blocks: each is refused with the error
+printed, and nothing is registered.
 
 This vLLM has no FP8 kernel on the CPU (its CPU kernels need the compiled
 vllm._C ops), and Fp8LinearMethod.create_weights picks one after it has
@@ -106,14 +107,18 @@ def refused(rank, port, out, tp):
         loaded_like_vllm(model)
         engine = base.create_engine(vc, model)
         scale = qkv._parameters.pop("weight_scale_inv")
-        for case in ("without a scale", "as vLLM built it"):
+        for case in ("without a scale", "in 64x64 blocks", "as vLLM built it"):
             try:
                 engine.init_transfer_engine(base.init_info(engine, out))
             except refit.Error as e:
                 print(f"receiver {rank}: {case}: refused: {type(e).__name__}: {e}", flush=True)
             else:
                 raise SystemExit(f"receiver {rank}: {case}: the engine registered the model")
-            qkv._parameters["weight_scale_inv"] = scale
+            if case == "without a scale":  # the scale back, the block other than the recipe's
+                qkv._parameters["weight_scale_inv"] = scale
+                qkv.weight_block_size = [64, 64]
+            else:
+                qkv.weight_block_size = list(BLOCK)
         # Nothing was left registered: the engine holds no receiver.
         try:
             engine.update_weights({"version": 1})
