@@ -118,8 +118,7 @@ def _with_scales(manifest: dict[str, Any], fp8: dict[str, list[str]]) -> dict[st
     for param, weights in fp8.items():
         for w in weights:
             if w not in manifest:
-                raise errors.NotFoundError(
-                    "init_transfer_engine", 0, "REFIT_NOT_FOUND",
+                raise errors.invalid(
                     f"vLLM parameter \"{param}\" (F8_E4M3) holds \"{w}\", which the trainer's manifest does not have")
             shape = [int(d) for d in manifest[w]["shape"]]
             if len(shape) != 2:

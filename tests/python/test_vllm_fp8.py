@@ -10,6 +10,9 @@ refused and leaves every parameter at the old one. A model whose shards cut
 the 128x128 blocks, with a scale parameter missing, or in blocks other
 than 128x128, is refused naming the parameter, with nothing registered. vllm_fp8_receiver.py says what each
 vLLM worker does, and why this vLLM needs a stand-in for its FP8 kernel.
+The engine's own checks, on a module tree shaped like vLLM's: the trainer
+weights an FP8 parameter fuses and their scale shapes; UE8M0 scales, FP8
+fused experts and a weight the trainer lacks refused naming the parameter.
 """
 
 from __future__ import annotations
@@ -86,3 +89,76 @@ def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
             log[-4000:]
         assert ("no receiver left: refit: REFIT_INVALID_ARGUMENT: refit: init_transfer_engine has not been called"
                 in log), log[-4000:]
+
+
+# The engine's checks of a model's FP8 parameters, on a module tree shaped
+# like vLLM's (names, dtypes, weight_block_size, packed_modules_mapping).
+
+def fp8_model(scale_dtype="float32", experts=False):
+    import torch
+
+    def linear(rows, cols):
+        m = torch.nn.Module()
+        m.weight = torch.nn.Parameter(torch.zeros(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
+        scales = torch.zeros(-(-rows // 128), -(-cols // 128), dtype=getattr(torch, scale_dtype))
+        m.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+        m.weight_block_size = [128, 128]
+        return m
+
+    root = torch.nn.Module()
+    root.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.qkv_proj = linear(512, 1000)
+    layer.mlp = torch.nn.Module()
+    layer.mlp.down_proj = linear(1000, 256)
+    if experts:
+        layer.mlp.experts = torch.nn.Module()
+        layer.mlp.experts.w13_weight = torch.nn.Parameter(torch.zeros(4, 256, 1000, dtype=torch.float8_e4m3fn),
+                                                          requires_grad=False)
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList([layer])
+    return root
+
+
+def fp8_manifest(**left_out):
+    p = "model.layers.0."
+    m = {p + "self_attn.q_proj.weight": [256, 1000], p + "self_attn.k_proj.weight": [128, 1000],
+         p + "self_attn.v_proj.weight": [128, 1000], p + "mlp.down_proj.weight": [1000, 256],
+         p + "input_layernorm.weight": [1000]}
+    return {n: {"dtype": "BF16", "shape": s} for n, s in m.items() if n not in left_out.values()}
+
+
+def test_fp8_parameters_give_the_trainer_weights_their_scales():
+    from refit._vllm_engine import _fp8_weights, _with_scales
+    model = fp8_model()
+    fp8 = _fp8_weights(model, list(model.named_parameters()))
+    p = "model.layers.0."
+    assert fp8 == {p + "self_attn.qkv_proj.weight": [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                                      p + "self_attn.v_proj.weight"],
+                   p + "mlp.down_proj.weight": [p + "mlp.down_proj.weight"]}
+    out = _with_scales(fp8_manifest(), fp8)
+    added = {n: v for n, v in out.items() if n not in fp8_manifest()}
+    # 1000 columns: 7 full blocks and a partial one.
+    assert added == {p + "self_attn.q_proj.weight_scale_inv": {"dtype": "F32", "shape": [2, 8]},
+                     p + "self_attn.k_proj.weight_scale_inv": {"dtype": "F32", "shape": [1, 8]},
+                     p + "self_attn.v_proj.weight_scale_inv": {"dtype": "F32", "shape": [1, 8]},
+                     p + "mlp.down_proj.weight_scale_inv": {"dtype": "F32", "shape": [8, 2]}}
+
+
+@pytest.mark.parametrize("case", ["ue8m0", "experts", "manifest"])
+def test_fp8_parameters_refused_naming_them(case):
+    import refit
+    from refit._vllm_engine import _fp8_weights, _with_scales
+    model = fp8_model(scale_dtype="float8_e8m0fnu" if case == "ue8m0" else "float32", experts=case == "experts")
+    left_out = {"k": "model.layers.0.self_attn.k_proj.weight"} if case == "manifest" else {}
+    with pytest.raises(refit.Error) as e:
+        _with_scales(fp8_manifest(**left_out), _fp8_weights(model, list(model.named_parameters())))
+    want = {"ue8m0": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3): '
+                      'its scales "model.layers.0.self_attn.qkv_proj.weight_scale_inv" are torch.float8_e8m0fnu'),
+            "experts": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.mlp.experts.w13_weight" (F8_E4M3): '
+                        "refit's vLLM engine lands FP8 weights of linear layers only"),
+            "manifest": (refit.InvalidArgumentError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" '
+                         '(F8_E4M3) holds "model.layers.0.self_attn.k_proj.weight", which the trainer\'s manifest '
+                         'does not have')}[case]
+    assert isinstance(e.value, want[0]) and want[1] in e.value.message, e.value
