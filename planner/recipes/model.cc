@@ -639,7 +639,7 @@ Status LayoutWriter::place_scale(int32_t tensor, const Box& box, const BufferRef
       return Status::invalid(quoted(model_, tensor) + ": its shard " + kDimName[k] + " [" + std::to_string(lo) +
                              ", " + std::to_string(hi) + ") at " + std::to_string(at) + " of buffer \"" + buf.name +
                              "\" cut its 128x128 FP8 scale blocks (\"" + model_[s].name +
-                             "\"); the framework refuses such a split too: choose a parallelism whose shards are "
+                             "\"): one scale cannot belong to two shards; choose a parallelism whose shards are "
                              "multiples of 128");
     sb.start[k] = lo / kFp8Block;
     sb.size[k] = ceil_div(hi, kFp8Block) - sb.start[k];

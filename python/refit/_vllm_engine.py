@@ -70,6 +70,65 @@ def _config_json(hf_config: Any) -> dict[str, Any]:
     return out
 
 
+# refit's vLLM recipe lays out FP8 block scales of 128x128 blocks only
+# (planner/recipes/model.h); vLLM names a block-FP8 weight's scales so.
+FP8_BLOCK = (128, 128)
+_SCALE = "_scale_inv"
+
+
+def _fp8_weights(model: Any, params: list[tuple[str, Any]]) -> dict[str, list[str]]:
+    """The vLLM parameters held in F8_E4M3 with 128x128 block scales, each
+    with the trainer's (Hugging Face) names of the weights it fuses, from the
+    model's packed_modules_mapping (qkv_proj: q_proj, k_proj, v_proj, ...).
+    Raises, naming the parameter, for an FP8 parameter without its
+    "<name>_scale_inv" beside it (F32), another block, or one that is not a
+    linear layer's weight."""
+    by_name = dict(params)
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    out: dict[str, list[str]] = {}
+    for name, param in params:
+        if str(param.dtype) != "torch.float8_e4m3fn":
+            continue
+        what = f"vLLM parameter \"{name}\" (F8_E4M3)"
+        if not name.endswith(".weight"):
+            raise errors.unsupported(f"{what}: refit's vLLM engine lands FP8 weights of linear layers only")
+        scale = by_name.get(name + _SCALE)
+        if scale is None:
+            raise errors.invalid(f"{what} has no \"{name}{_SCALE}\" beside it: refit lands an FP8 weight with "
+                                 "its block scales (docs/conversion.md), and the model has none for it")
+        if str(scale.dtype) != "torch.float32":
+            raise errors.unsupported(f"{what}: its scales \"{name}{_SCALE}\" are {scale.dtype}; refit computes "
+                                     "F32 block scales (docs/conversion.md)")
+        module = model.get_submodule(name[: -len(".weight")])
+        block = getattr(module, "weight_block_size", None)
+        if block is None or tuple(int(b) for b in block) != FP8_BLOCK:
+            raise errors.unsupported(f"{what} is quantized in blocks of {block}; refit's vLLM recipe lays out "
+                                     f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks only")
+        prefix, _, leaf = recipe_name(name)[: -len(".weight")].rpartition(".")
+        out[name] = [f"{prefix}.{part}.weight" for part in packed.get(leaf, [leaf])]
+    return out
+
+
+def _with_scales(manifest: dict[str, Any], fp8: dict[str, list[str]]) -> dict[str, Any]:
+    """The trainer's manifest with "<W>_scale_inv" (F32, one per 128x128
+    block of W) for each weight W that vLLM holds in FP8: the recipe then
+    lays out the scale parameters beside the weights, and the library
+    computes them on the way (docs/conversion.md, "At the receiver")."""
+    out = dict(manifest)
+    for param, weights in fp8.items():
+        for w in weights:
+            if w not in manifest:
+                raise errors.invalid(
+                    f"vLLM parameter \"{param}\" (F8_E4M3) holds \"{w}\", which the trainer's manifest does not have")
+            shape = [int(d) for d in manifest[w]["shape"]]
+            if len(shape) != 2:
+                raise errors.invalid(f"vLLM parameter \"{param}\" (F8_E4M3): \"{w}\" has shape {shape}; "
+                                     "block scales need 2 dims")
+            out.setdefault(w + _SCALE, {"dtype": "F32", "shape": [-(-shape[0] // FP8_BLOCK[0]),
+                                                                   -(-shape[1] // FP8_BLOCK[1])]})
+    return out
+
+
 def _expert_parallel(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
 
@@ -113,14 +172,17 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         params = list(self.model.named_parameters())
 
         self._files = tempfile.TemporaryDirectory(prefix="refit-vllm-")
-        model_path = write_model_files(self._files.name, init_info.manifest, hf_config)
-        config = {**init_info.config, "rank": self.rank, "domain": int(init_info.domain), "instance": instance,
-                  "mode": "staged", "coordinator": dict(init_info.coordinator),
-                  "recipe": {"model": model_path, "framework": "vllm", "tp": tp, "pp": pp, "dp": instances,
-                             "expert_parallel": _expert_parallel(self.vllm_config)}}
         receiver: Receiver | None = None
         error: BaseException | None = None
         try:
+            # The FP8 parameters are checked before the receiver exists: a
+            # bad FP8 model registers nothing.
+            manifest = _with_scales(init_info.manifest, _fp8_weights(self.model, params))
+            model_path = write_model_files(self._files.name, manifest, hf_config)
+            config = {**init_info.config, "rank": self.rank, "domain": int(init_info.domain), "instance": instance,
+                      "mode": "staged", "coordinator": dict(init_info.coordinator),
+                      "recipe": {"model": model_path, "framework": "vllm", "tp": tp, "pp": pp, "dp": instances,
+                                 "expert_parallel": _expert_parallel(self.vllm_config)}}
             receiver = Receiver(config)
             for name, param in params:
                 self._add(receiver, name, param)

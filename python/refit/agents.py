@@ -230,8 +230,10 @@ class Receiver:
         `layout` says what lands where:
           - "recipe": the buffer is the parameter `name` of the config's
             "recipe" (vLLM's layout of the model), in `tensor`'s dtype:
-            the trainer's, or one refit casts it to (F32 to BF16 or F16,
-            BF16 to F16; any other pair is refused at join);
+            the trainer's, or one refit converts it to (F32 to BF16 or F16,
+            BF16 to F16, BF16 or F32 to F8_E4M3 where the recipe's manifest
+            has the weight's "<name>_scale_inv", whose parameter is then
+            registered too; any other pair is refused at join);
           - {"dtensor": {"mesh", "ranks", "placements"}, "shape": [...]}: the
             buffer is this rank's shard of the tensor `name` of that shape;
           - {"segments": [...]}: explicit boxes of named tensors (refit.h);

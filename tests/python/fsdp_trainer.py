@@ -3,13 +3,14 @@ Qwen2 built by transformers from a config (no download), sharded with FSDP2 (ful
 --tp 2, tensor parallel first, which gives _StridedShard), trained with
 AdamW, and published through refit.Source.add_module after each step.
 
-    fsdp_trainer.py RANK WORLD TP PORT DIR VERSIONS [RECEIVERS]
+    fsdp_trainer.py RANK WORLD TP PORT DIR VERSIONS [RECEIVERS [DTYPE]]
 
 DIR holds hf/config.json and coordinator.json; this script writes
 manifest.json and v<N>.pt (the full state dict of version N, from rank 0)
 and waits for the receivers' ack<N>.<rank> files before training on. After
 VERSIONS versions, rank 0 publishes one more while the other ranks leave
-without publishing it: the receivers must refuse to commit that one.
+without publishing it: the receivers must refuse to commit that one. DTYPE
+is the trainer's parameters' (default float32; bfloat16 for a BF16 trainer).
 """
 
 import json
@@ -37,11 +38,14 @@ def wait_for(paths, seconds=600):
         time.sleep(0.05)
 
 
-def main(rank, world, tp, port, out, versions, receivers=2):
+DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16")}
+
+
+def main(rank, world, tp, port, out, versions, receivers=2, dtype="float32"):
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(out / "hf")
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(DTYPES[dtype][0])
     if tp == 1:
         mesh = init_device_mesh("cpu", (world,))
         dp_mesh = mesh
@@ -62,7 +66,7 @@ def main(rank, world, tp, port, out, versions, receivers=2):
     placements = {n: [type(p).__name__ for p in t.placements] for n, t in model.named_parameters()
                   if isinstance(t, DTensor)}
     if rank == 0:
-        manifest = {n: {"dtype": "F32", "shape": list(p.shape)} for n, p in model.named_parameters()}
+        manifest = {n: {"dtype": DTYPES[dtype][1], "shape": list(p.shape)} for n, p in model.named_parameters()}
         (out / "manifest.json").write_text(json.dumps(manifest))
         (out / "placements.json").write_text(json.dumps(placements))
 
@@ -103,4 +107,4 @@ def main(rank, world, tp, port, out, versions, receivers=2):
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), int(a[5]), *map(int, a[6:7]))
+    main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), int(a[5]), *map(int, a[6:7]), *a[7:8])

@@ -81,18 +81,29 @@ def build(rank, port, out, tp, dtype="float32"):
     return vc, model, reference
 
 
-def make_engine(vc, model, out, rank, config=None):
+def create_engine(vc, model):
     """refit's engine, created by vLLM's factory (backend "refit", registered
-    by the package's entry point) and initialized for this worker."""
+    by the package's entry point)."""
     load_general_plugins()
     engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
     assert type(engine).__module__ == "refit._vllm_engine", type(engine)
+    return engine
+
+
+def init_info(engine, out, config=None):
+    """The engine's init info: the coordinator and the trainer's manifest in `out`."""
     wait_for(out / "manifest.json")
     init = {"coordinator": json.loads((out / "coordinator.json").read_text()),
             "manifest": json.loads((out / "manifest.json").read_text()),
             "config": {"network": {"transports": ["tcp"], "devices": ["lo"]}, **(config or {})},
             "timeout_s": 20.0}
-    engine.init_transfer_engine(engine.parse_init_info(init))
+    return engine.parse_init_info(init)
+
+
+def make_engine(vc, model, out, rank, config=None):
+    """refit's engine, created by vLLM's factory and initialized for this worker."""
+    engine = create_engine(vc, model)
+    engine.init_transfer_engine(init_info(engine, out, config))
     assert engine.rank == rank
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if n.startswith("model.layers.0.")}
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
@@ -101,9 +112,13 @@ def make_engine(vc, model, out, rank, config=None):
     return engine
 
 
-def main(rank, port, out, versions, tp, dtype):
+def main(rank, port, out, versions, tp, dtype, prepare=None, loaded=None):
+    """`prepare` turns the trainer's state dict into what the reference loads
+    (default: as it is); `loaded(model, reference)` runs after they are built."""
     vc, model, reference = build(rank, port, out, tp, dtype)
     with set_current_vllm_config(vc):
+        if loaded:
+            loaded(model, reference)
         engine = make_engine(vc, model, out, rank)
 
         for version in range(1, versions + 1):
@@ -112,7 +127,8 @@ def main(rank, port, out, versions, tp, dtype):
             engine.finish_weight_update()
             wait_for(out / f"v{version}.pt")
             state = torch.load(out / f"v{version}.pt")
-            reference.load_weights(state.items())  # vLLM's own loaders, from the full state dict
+            reference_state = prepare(state) if prepare else state
+            reference.load_weights(reference_state.items())  # vLLM's own loaders, from the full state dict
             bad = mismatches(model, reference)
             assert not bad, f"version {version}: {bad} differ from vLLM's load_weights"
             report = engine.report()

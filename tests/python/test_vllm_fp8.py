@@ -1,0 +1,164 @@
+"""A BF16 FSDP2 trainer refreshing vLLM's own model class served in block
+FP8 (quantization_config {"quant_method": "fp8", "weight_block_size":
+[128, 128]}) through refit's vLLM engine, on the CPU, every process real:
+trainer ranks (gloo, fully_shard on a mesh of 2), vLLM workers at tp 2 and
+refit-coordinator. refit quantizes on the way (docs/conversion.md): three
+versions land in vLLM's float8_e4m3fn weights and float32 weight_scale_inv
+bit for bit as vLLM's load_weights puts the trainer's state dict quantized
+by the torch reference; a version one trainer rank never published is
+refused and leaves every parameter at the old one. A model whose shards cut
+the 128x128 blocks, with a scale parameter missing, or in blocks other
+than 128x128, is refused naming the parameter, with nothing registered. vllm_fp8_receiver.py says what each
+vLLM worker does, and why this vLLM needs a stand-in for its FP8 kernel.
+The engine's own checks, on a module tree shaped like vLLM's: the trainer
+weights an FP8 parameter fuses and their scale shapes; UE8M0 scales, FP8
+fused experts and a weight the trainer lacks refused naming the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("vllm")
+
+from hf_models import manifest  # noqa: E402
+from processes import explain, free_port, start, wait_all  # noqa: E402
+
+VERSIONS = 3
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def qwen2_fp8_config(head_dim: int, heads: int) -> dict:
+    # 2 KV heads of head_dim over tp 2: k and v rows per worker are head_dim,
+    # a whole number of 128-row blocks with head_dim 128, half a block with 64.
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 512,
+            "intermediate_size": 1024, "num_attention_heads": heads, "num_key_value_heads": 2,
+            "head_dim": head_dim, "num_hidden_layers": 2, "vocab_size": 1000, "tie_word_embeddings": False,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+            "torch_dtype": "bfloat16", "quantization_config": FP8}
+
+
+def write_files(tmp_path, coordinator, config):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "coordinator.json").write_text(json.dumps(coordinator.config()))
+
+
+def test_bf16_fsdp2_trainer_refreshes_vllm_block_fp8_bit_exact(coordinator, tmp_path):
+    write_files(tmp_path, coordinator, qwen2_fp8_config(128, 4))
+    train_port, serve_port = free_port(), free_port()
+    procs = [start(tmp_path, f"trainer{r}", "fsdp_trainer.py", r, 2, 1, train_port, tmp_path, VERSIONS, 2,
+                   "bfloat16")
+             for r in range(2)]
+    procs += [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, serve_port, tmp_path, VERSIONS, 2,
+                    "refresh")
+              for r in range(2)]
+    logs, failed = wait_all(tmp_path, procs)
+    assert not failed, explain(logs, failed)
+    for r in range(2):
+        assert "parameters (torch.bfloat16, torch.float32, torch.float8_e4m3fn)" in logs[f"receiver{r}"]
+        assert f"version {VERSIONS} bit-exact" in logs[f"receiver{r}"]
+        assert f"every parameter still at version {VERSIONS}" in logs[f"receiver{r}"]
+
+
+def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
+    config = qwen2_fp8_config(64, 8)
+    write_files(tmp_path, coordinator, config)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(config)))
+    port = free_port()
+    procs = [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, port, tmp_path, 0, 2, "refused")
+             for r in range(2)]
+    logs, failed = wait_all(tmp_path, procs, timeout=600)
+    assert not failed, explain(logs, failed)
+    for r in range(2):
+        log = logs[f"receiver{r}"]
+        assert ('without a scale: refused: InvalidArgumentError: refit: REFIT_INVALID_ARGUMENT: vLLM parameter '
+                '"model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3) has no '
+                '"model.layers.0.self_attn.qkv_proj.weight_scale_inv" beside it') in log, log[-4000:]
+        assert ('in 64x64 blocks: refused: UnsupportedError: refit: REFIT_UNSUPPORTED: vLLM parameter '
+                '"model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3) is quantized in blocks of [64, 64]') in log, \
+            log[-4000:]
+        # vLLM allows a fused parameter whose parts cut its blocks; refit does not.
+        assert ('as vLLM built it: refused: InvalidArgumentError: refit_receiver_create: REFIT_INVALID_ARGUMENT: '
+                'config: "recipe": vllm: tensor "model.layers.0.self_attn.k_proj.weight": its shard rows [0, 64) at '
+                '256 of buffer "model.layers.0.self_attn.qkv_proj.weight" cut its 128x128 FP8 scale blocks') in log, \
+            log[-4000:]
+        assert ("no receiver left: refit: REFIT_INVALID_ARGUMENT: refit: init_transfer_engine has not been called"
+                in log), log[-4000:]
+
+
+# The engine's checks of a model's FP8 parameters, on a module tree shaped
+# like vLLM's (names, dtypes, weight_block_size, packed_modules_mapping).
+
+def fp8_model(scale_dtype="float32", experts=False):
+    import torch
+
+    def linear(rows, cols):
+        m = torch.nn.Module()
+        m.weight = torch.nn.Parameter(torch.zeros(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
+        scales = torch.zeros(-(-rows // 128), -(-cols // 128), dtype=getattr(torch, scale_dtype))
+        m.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+        m.weight_block_size = [128, 128]
+        return m
+
+    root = torch.nn.Module()
+    root.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.qkv_proj = linear(512, 1000)
+    layer.mlp = torch.nn.Module()
+    layer.mlp.down_proj = linear(1000, 256)
+    if experts:
+        layer.mlp.experts = torch.nn.Module()
+        layer.mlp.experts.w13_weight = torch.nn.Parameter(torch.zeros(4, 256, 1000, dtype=torch.float8_e4m3fn),
+                                                          requires_grad=False)
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList([layer])
+    return root
+
+
+def fp8_manifest(**left_out):
+    p = "model.layers.0."
+    m = {p + "self_attn.q_proj.weight": [256, 1000], p + "self_attn.k_proj.weight": [128, 1000],
+         p + "self_attn.v_proj.weight": [128, 1000], p + "mlp.down_proj.weight": [1000, 256],
+         p + "input_layernorm.weight": [1000]}
+    return {n: {"dtype": "BF16", "shape": s} for n, s in m.items() if n not in left_out.values()}
+
+
+def test_fp8_parameters_give_the_trainer_weights_their_scales():
+    from refit._vllm_engine import _fp8_weights, _with_scales
+    model = fp8_model()
+    fp8 = _fp8_weights(model, list(model.named_parameters()))
+    p = "model.layers.0."
+    assert fp8 == {p + "self_attn.qkv_proj.weight": [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                                      p + "self_attn.v_proj.weight"],
+                   p + "mlp.down_proj.weight": [p + "mlp.down_proj.weight"]}
+    out = _with_scales(fp8_manifest(), fp8)
+    added = {n: v for n, v in out.items() if n not in fp8_manifest()}
+    # 1000 columns: 7 full blocks and a partial one.
+    assert added == {p + "self_attn.q_proj.weight_scale_inv": {"dtype": "F32", "shape": [2, 8]},
+                     p + "self_attn.k_proj.weight_scale_inv": {"dtype": "F32", "shape": [1, 8]},
+                     p + "self_attn.v_proj.weight_scale_inv": {"dtype": "F32", "shape": [1, 8]},
+                     p + "mlp.down_proj.weight_scale_inv": {"dtype": "F32", "shape": [8, 2]}}
+
+
+@pytest.mark.parametrize("case", ["ue8m0", "experts", "manifest"])
+def test_fp8_parameters_refused_naming_them(case):
+    import refit
+    from refit._vllm_engine import _fp8_weights, _with_scales
+    model = fp8_model(scale_dtype="float8_e8m0fnu" if case == "ue8m0" else "float32", experts=case == "experts")
+    left_out = {"k": "model.layers.0.self_attn.k_proj.weight"} if case == "manifest" else {}
+    with pytest.raises(refit.Error) as e:
+        _with_scales(fp8_manifest(**left_out), _fp8_weights(model, list(model.named_parameters())))
+    want = {"ue8m0": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3): '
+                      'its scales "model.layers.0.self_attn.qkv_proj.weight_scale_inv" are torch.float8_e8m0fnu'),
+            "experts": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.mlp.experts.w13_weight" (F8_E4M3): '
+                        "refit's vLLM engine lands FP8 weights of linear layers only"),
+            "manifest": (refit.InvalidArgumentError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" '
+                         '(F8_E4M3) holds "model.layers.0.self_attn.k_proj.weight", which the trainer\'s manifest '
+                         'does not have')}[case]
+    assert isinstance(e.value, want[0]) and want[1] in e.value.message, e.value
