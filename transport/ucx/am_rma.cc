@@ -19,6 +19,7 @@ struct PendingReply {
   am_rma::ReplyHeader header;
   std::shared_ptr<std::atomic<uint64_t>> inflight;  // may be null
   std::unique_ptr<uint8_t[]> bytes;  // a gather's piece, else null
+  CopySource source;                 // the payload, for a send by copy (by_copy.h)
   // A gather's piece: the reply memory it holds, given back to `budget`
   // when the send completes.
   std::shared_ptr<std::atomic<uint64_t>> budget;
@@ -66,9 +67,10 @@ bool send_reply(ucp_ep_h ep, bool by_copy, unsigned id, uint64_t token, ucs_stat
   param.flags = UCP_AM_SEND_FLAG_EAGER;
   param.cb.send = &on_reply_sent;
   param.user_data = p;
-  set_payload_datatype(param, by_copy, length);
+  p->source = CopySource{data, length};
+  const void* buffer = payload_buffer(param, by_copy, &p->source);
   ucs_status_ptr_t req =
-      ucp_am_send_nbx(ep, id, &p->header, sizeof(p->header), data, length, &param);
+      ucp_am_send_nbx(ep, id, &p->header, sizeof(p->header), buffer, length, &param);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     // Sent in place, or failed at once: either way no callback follows.
     release(p);

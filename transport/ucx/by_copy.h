@@ -13,9 +13,14 @@
 // death inside UCX", says where it applies and what it costs.
 //
 // Zero-copy is taken off only where the context's transports are tcp or
-// shared memory (ContextConfig::transports: tcp, shm, self): those are the
-// endpoints that carry refit's own GETs (am_rma.h). A context that may
-// reach RDMA transports keeps UCX's choice.
+// shared memory (Context::am_by_copy): those are the endpoints that carry
+// refit's own GETs (am_rma.h). A context that may reach RDMA transports
+// keeps UCX's choice.
+//
+// UCX does not call the datatype's finish() for a send it completes with an
+// error (seen with 1.13.1: a peer killed with sends pending), so the pack
+// state is no allocation: it is the CopySource the caller keeps until the
+// send's callback, which UCX calls for every send, failed or not.
 
 #include <ucp/api/ucp.h>
 
@@ -23,15 +28,24 @@
 
 namespace refit::ucx {
 
-// The generic datatype whose elements are bytes, packed with memcpy from a
-// contiguous buffer; created once per process. Falls back to contiguous
-// bytes (UCX's default, zero-copy allowed) if UCX cannot create it.
+// The bytes of one send. Must stay where it is, and its bytes valid, until
+// the send completes (its callback ran, or ucp_am_send_nbx returned no
+// request).
+struct CopySource {
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// The generic datatype whose buffer is a CopySource and whose elements are
+// its bytes, packed with memcpy; created once per process. Falls back to
+// contiguous bytes (UCX's default, zero-copy allowed) if UCX cannot create
+// it, which happens only without memory.
 ucp_datatype_t bytes_by_copy();
 
-// Sets `param`'s datatype so that a send of `length` bytes goes by copy
-// when `by_copy` holds (and the payload is not empty), else leaves UCX's
-// contiguous default. The count UCX takes is then `length` either way.
-void set_payload_datatype(ucp_request_param_t &param, bool by_copy,
-                          size_t length);
+// Sets `param`'s datatype for a send of `source` and returns the buffer to
+// hand ucp_am_send_nbx with `source->bytes` as the count: `source` itself
+// with the by-copy datatype when `by_copy` holds and the payload is not
+// empty, else `source->data` with UCX's contiguous default.
+const void* payload_buffer(ucp_request_param_t& param, bool by_copy, const CopySource* source);
 
-} // namespace refit::ucx
+}  // namespace refit::ucx

@@ -114,6 +114,10 @@ Result<std::string> ucx_tls_string(const std::vector<std::string>& transports,
   return join(tls);
 }
 
+// UCX's tcp send buffer for refit's contexts that send by copy: a GET
+// reply's piece and its headers in one (am_rma::kReplyPieceBytes is 63 KiB).
+constexpr const char* kTcpSendSegment = "64K";
+
 Result<Context> Context::create(const ContextConfig& asked) {
   ContextConfig config = asked;
   if (config.devices.empty() && !config.route_to.empty() && network_is_tcp(config.transports)) {
@@ -150,6 +154,17 @@ Result<Context> Context::create(const ContextConfig& asked) {
   if (!config.devices.empty()) {
     REFIT_RETURN_IF_ERROR(modify("NET_DEVICES", join(config.devices), "devices"));
   }
+  // refit's active messages go by copy where the transports are tcp and
+  // shared memory only (by_copy.h); tcp's send buffers then take a GET
+  // reply's piece (am_rma::kReplyPieceBytes) in one message instead of
+  // eight of UCX's default 8 KiB. "TX_SEG_SIZE" is tcp's alone
+  // (UCX_TCP_TX_SEG_SIZE; UCX matches a transport's key without its prefix).
+  const bool by_copy =
+      !config.transports.empty() &&
+      std::all_of(config.transports.begin(), config.transports.end(), [](const std::string& t) {
+        return t == "tcp" || t == "shm" || t == "self" || t == "posix" || t == "sysv" || t == "cma";
+      });
+  if (by_copy) REFIT_RETURN_IF_ERROR(modify("TX_SEG_SIZE", kTcpSendSegment, "tcp send segment"));
   if (config.keepalive_interval.count() > 0) {
     REFIT_RETURN_IF_ERROR(modify("KEEPALIVE_INTERVAL",
                                  std::to_string(config.keepalive_interval.count()) + "ms",
@@ -172,10 +187,7 @@ Result<Context> Context::create(const ContextConfig& asked) {
   }
   Context context(handle, config.name);
   context.devices_ = config.devices;
-  context.am_by_copy_ = !config.transports.empty() &&
-                        std::all_of(config.transports.begin(), config.transports.end(), [](const std::string& t) {
-                          return t == "tcp" || t == "shm" || t == "self";
-                        });
+  context.am_by_copy_ = by_copy;
   REFIT_RETURN_IF_ERROR(check_devices(context, config, *tls));
   return context;
 }

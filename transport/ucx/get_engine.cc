@@ -705,11 +705,11 @@ void GetEngine::issue_am_locked(Slot* slot, const GetRun& r) {
   param.cb.send = &GetEngine::on_op_done;
   param.user_data = slot;
   const bool put = r.op == Op::kPut;
-  set_payload_datatype(param, worker_.am_by_copy(), put ? c.bytes : 0);
+  slot->am_payload = CopySource{put ? run_local_[c.run] + c.offset : nullptr, put ? c.bytes : 0};
+  const void* buffer = payload_buffer(param, worker_.am_by_copy(), &slot->am_payload);
   ucs_status_ptr_t req = ucp_am_send_nbx(
       r.endpoint->get(), put ? am_rma::kPutRequest : am_rma::kGetRequest, &slot->am_header,
-      sizeof(slot->am_header), put ? run_local_[c.run] + c.offset : nullptr,
-      put ? c.bytes : 0, &param);
+      sizeof(slot->am_header), buffer, slot->am_payload.bytes, &param);
   if (req == nullptr) {
     slot->am_sent = true;  // sent in place; the reply completes the slot
   } else if (UCS_PTR_IS_ERR(req)) {
@@ -749,11 +749,12 @@ void GetEngine::issue_gather_locked(Slot* slot, const GetRun& r) {
   param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;  // as issue_am_locked says why
   param.cb.send = &GetEngine::on_op_done;
   param.user_data = slot;
-  set_payload_datatype(param, worker_.am_by_copy(),
-                       slot->gather_entries.size() * sizeof(am_rma::GatherEntry));
-  ucs_status_ptr_t req = ucp_am_send_nbx(
-      r.endpoint->get(), am_rma::kGatherRequest, &slot->gather_header, sizeof(slot->gather_header),
-      slot->gather_entries.data(), slot->gather_entries.size() * sizeof(am_rma::GatherEntry), &param);
+  slot->am_payload =
+      CopySource{slot->gather_entries.data(), slot->gather_entries.size() * sizeof(am_rma::GatherEntry)};
+  const void* buffer = payload_buffer(param, worker_.am_by_copy(), &slot->am_payload);
+  ucs_status_ptr_t req =
+      ucp_am_send_nbx(r.endpoint->get(), am_rma::kGatherRequest, &slot->gather_header,
+                      sizeof(slot->gather_header), buffer, slot->am_payload.bytes, &param);
   if (req == nullptr) {
     slot->am_sent = true;
   } else if (UCS_PTR_IS_ERR(req)) {

@@ -79,6 +79,7 @@
 #include "planner/status.h"
 #include "transport/common/threads.h"
 #include "transport/ucx/am_rma.h"
+#include "transport/ucx/by_copy.h"
 #include "transport/ucx/chunking.h"
 #include "transport/ucx/endpoint.h"
 #include "transport/ucx/memory.h"
@@ -240,6 +241,7 @@ class GetEngine {
     // A gather's request: its header and entries, likewise.
     am_rma::GatherHeader gather_header;
     std::vector<am_rma::GatherEntry> gather_entries;
+    CopySource am_payload;  // a PUT's bytes or a gather's entries, for a send by copy
   };
 
   GetEngine(Worker& worker, GetEngineOptions options);
