@@ -640,30 +640,51 @@ TEST_F(Coordinators, NotifiesAVersionOnlyWhenEverySourcePublishedIt) {
   EXPECT_EQ(st->version, 1);
 }
 
+// The child is forked before the coordinator starts its threads: a child
+// forked from a process with other threads may find a lock of the
+// allocator held by one of them, forever (AddressSanitizer's allocator has
+// no fork handlers; this test hung until its timeout under ASan). It gets
+// the port through a pipe.
 TEST_F(Coordinators, DeclaresAKilledClientDeadByHeartbeatTimeout) {
-  CoordinatorConfig c;
-  c.heartbeat_timeout = 400ms;
-  start(c);
-  const uint16_t port = co_->port();
-  int pipefd[2];
-  ASSERT_EQ(pipe(pipefd), 0);
+  int port_pipe[2];
+  int ok_pipe[2];
+  ASSERT_EQ(pipe(port_pipe), 0);
+  ASSERT_EQ(pipe(ok_pipe), 0);
   pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     // Child: register, heartbeat, say so, then hang until killed.
-    close(pipefd[0]);
+    close(port_pipe[1]);
+    close(ok_pipe[0]);
+    uint16_t port = 0;
+    if (read(port_pipe[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) _exit(1);
     auto cl = Client::connect("127.0.0.1", port, kToken);
     if (!cl.is_ok()) _exit(2);
     if (!(*cl)->request(MsgType::kRegisterReceiver, receiver_body(999)).is_ok()) _exit(3);
     if (!(*cl)->request(MsgType::kHeartbeat, Json{{"role", "receiver"}, {"rank", 999}}).is_ok()) _exit(4);
     char ok = 1;
-    if (write(pipefd[1], &ok, 1) != 1) _exit(5);
+    if (write(ok_pipe[1], &ok, 1) != 1) _exit(5);
     for (;;) pause();
   }
-  close(pipefd[1]);
+  close(port_pipe[0]);
+  close(ok_pipe[1]);
+  struct KillChild {  // whatever fails below, no child is left behind
+    pid_t pid;
+    ~KillChild() {
+      if (pid > 0 && ::kill(pid, SIGKILL) == 0) ::waitpid(pid, nullptr, 0);
+    }
+  } guard{pid};
+  CoordinatorConfig c;
+  c.heartbeat_timeout = 400ms;
+  start(c);
+  ASSERT_TRUE(co_) << "the coordinator did not start";
+  const uint16_t port = co_->port();
+  ASSERT_EQ(write(port_pipe[1], &port, sizeof port), static_cast<ssize_t>(sizeof port));
+  close(port_pipe[1]);
   char ok = 0;
-  ASSERT_EQ(read(pipefd[0], &ok, 1), 1) << "the child did not register";
-  close(pipefd[0]);
+  // A child that failed exits, and its end of the pipe closes: read gives 0.
+  ASSERT_EQ(read(ok_pipe[0], &ok, 1), 1) << "the child did not register";
+  close(ok_pipe[0]);
   auto st = co_->stats();
   ASSERT_TRUE(st.is_ok());
   EXPECT_EQ(st->receivers, 1u);
@@ -671,6 +692,7 @@ TEST_F(Coordinators, DeclaresAKilledClientDeadByHeartbeatTimeout) {
   ASSERT_EQ(kill(pid, SIGKILL), 0);
   int wstatus = 0;
   ASSERT_EQ(waitpid(pid, &wstatus, 0), pid);
+  guard.pid = -1;
   EXPECT_NE(wait_log({"receiver rank 999 declared dead after", "its state is removed"}, 5s), "");
   const auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_LT(took, 3s);
