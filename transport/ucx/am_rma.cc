@@ -209,7 +209,8 @@ void AmRmaServer::reply_data(ucp_ep_h ep, uint64_t token, const uint8_t* data, u
       }
       from = snapshot.get();
     }
-    if (!send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, from, n, inflight_, std::move(snapshot))) {
+    if (!send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, from, n, inflight_,
+                    std::move(snapshot))) {
       return;  // the puller is gone; its deadline covers the rest
     }
   }
@@ -299,8 +300,8 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
       if (filled == am_rma::kReplyPieceBytes) {
         const uint8_t* p = piece.get();
         unsent.bytes -= filled;
-        if (!send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_,
-                        std::move(piece), reply_bytes_)) {
+        if (!send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled,
+                        inflight_, std::move(piece), reply_bytes_)) {
           return;  // the puller is gone
         }
         offset += filled;
@@ -311,8 +312,8 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
   if (filled > 0) {
     const uint8_t* p = piece.get();
     unsent.bytes -= filled;
-    (void)send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_, std::move(piece),
-                     reply_bytes_);
+    (void)send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_,
+                     std::move(piece), reply_bytes_);
   }
 }
 
@@ -362,8 +363,8 @@ ucs_status_t AmRmaServer::on_gather(void* arg, const void* header, size_t header
     // Larger than the bound: never servable. The reply's offset carries the
     // bound, so that the puller's error can name it.
     self->refused_.fetch_add(1, std::memory_order_relaxed);
-    (void)send_reply(param->reply_ep, false, am_rma::kGetReply, h.token, st, self->gather_reply_limit_, nullptr, 0,
-                     self->inflight_);
+    (void)send_reply(param->reply_ep, false, am_rma::kGetReply, h.token, st, self->gather_reply_limit_, nullptr,
+                     0, self->inflight_);
     return UCS_OK;
   }
   self->served_.fetch_add(1, std::memory_order_relaxed);

@@ -27,6 +27,7 @@ ucs_status_t unpack(void* /*state*/, size_t /*offset*/, const void* /*src*/, siz
 
 void finish(void* /*state*/) {}  // the CopySource is the caller's
 
+// The by-copy datatype, or 0 when UCX could not create it (no memory).
 ucp_datatype_t create() {
   ucp_generic_dt_ops_t ops = {};
   ops.start_pack = &start_pack;
@@ -42,15 +43,9 @@ ucp_datatype_t create() {
 
 }  // namespace
 
-ucp_datatype_t bytes_by_copy() {
-  static const ucp_datatype_t dt = create();
-  return dt != 0 ? dt : ucp_dt_make_contig(1);
-}
-
 const void* payload_buffer(ucp_request_param_t& param, bool by_copy, const CopySource* source) {
-  if (!by_copy || source->bytes == 0) return source->data;
-  static const ucp_datatype_t dt = bytes_by_copy();
-  if (dt == ucp_dt_make_contig(1)) return source->data;  // no generic datatype: UCX's default
+  static const ucp_datatype_t dt = create();
+  if (!by_copy || source->bytes == 0 || dt == 0) return source->data;
   param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
   param.datatype = dt;
   return source;

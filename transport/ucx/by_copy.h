@@ -36,16 +36,12 @@ struct CopySource {
   size_t bytes = 0;
 };
 
-// The generic datatype whose buffer is a CopySource and whose elements are
-// its bytes, packed with memcpy; created once per process. Falls back to
-// contiguous bytes (UCX's default, zero-copy allowed) if UCX cannot create
-// it, which happens only without memory.
-ucp_datatype_t bytes_by_copy();
-
 // Sets `param`'s datatype for a send of `source` and returns the buffer to
 // hand ucp_am_send_nbx with `source->bytes` as the count: `source` itself
-// with the by-copy datatype when `by_copy` holds and the payload is not
-// empty, else `source->data` with UCX's contiguous default.
+// with the by-copy datatype (a generic datatype whose buffer is a
+// CopySource, packed with memcpy, created once per process) when `by_copy`
+// holds and the payload is not empty, else `source->data` with UCX's
+// contiguous default. Without memory to create the datatype, the default.
 const void* payload_buffer(ucp_request_param_t& param, bool by_copy, const CopySource* source);
 
 }  // namespace refit::ucx

@@ -61,19 +61,21 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 
+// Whether every transport is tcp, shared memory or self: none is RDMA.
+bool tcp_or_local_only(const std::vector<std::string>& transports) {
+  return !transports.empty() && std::all_of(transports.begin(), transports.end(), [](const std::string& t) {
+    return t == "tcp" || t == "shm" || t == "self" || t == "posix" || t == "sysv" || t == "cma" || t == "sm" ||
+           t == "mm";
+  });
+}
+
 // Whether the transports reach other hosts only through tcp, whose devices
 // are the kernel's interfaces: then the interface toward the coordinator is
 // a UCX device name. rc, dc, ud and "all" name HCA ports instead.
 bool network_is_tcp(const std::vector<std::string>& transports) {
-  bool tcp = false;
-  for (const auto& t : transports) {
-    if (t == "tcp" || t == "shm") {
-      tcp = true;
-    } else if (t != "self" && t != "posix" && t != "sysv" && t != "cma" && t != "sm" && t != "mm") {
-      return false;
-    }
-  }
-  return tcp;
+  return tcp_or_local_only(transports) && std::any_of(transports.begin(), transports.end(), [](const std::string& t) {
+           return t == "tcp" || t == "shm";
+         });
 }
 
 }  // namespace
@@ -159,11 +161,7 @@ Result<Context> Context::create(const ContextConfig& asked) {
   // reply's piece (am_rma::kReplyPieceBytes) in one message instead of
   // eight of UCX's default 8 KiB. "TX_SEG_SIZE" is tcp's alone
   // (UCX_TCP_TX_SEG_SIZE; UCX matches a transport's key without its prefix).
-  const bool by_copy =
-      !config.transports.empty() &&
-      std::all_of(config.transports.begin(), config.transports.end(), [](const std::string& t) {
-        return t == "tcp" || t == "shm" || t == "self" || t == "posix" || t == "sysv" || t == "cma";
-      });
+  const bool by_copy = tcp_or_local_only(config.transports);
   if (by_copy) REFIT_RETURN_IF_ERROR(modify("TX_SEG_SIZE", kTcpSendSegment, "tcp send segment"));
   if (config.keepalive_interval.count() > 0) {
     REFIT_RETURN_IF_ERROR(modify("KEEPALIVE_INTERVAL",

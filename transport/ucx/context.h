@@ -64,7 +64,7 @@ class Context {
   // picked from route_to; empty means all of UCX's.
   const std::vector<std::string>& devices() const { return devices_; }
   // Active-message payloads go by copy, never zero-copy (by_copy.h): the
-  // transports are only tcp, shared memory (shm, posix, sysv, cma) and
+  // transports are only tcp, shared memory (shm, posix, sysv, cma, sm, mm) and
   // self. Such a context's tcp sends buffers of 64 KiB (UCX's 8 KiB
   // otherwise), so that a GET reply's piece goes as one message.
   bool am_by_copy() const { return am_by_copy_; }
