@@ -59,3 +59,19 @@ def test_the_vllm_engine_names_the_parameter_and_its_shape(coordinator, tmp_path
         assert "in 16384 bytes, the buffer given has 25600" in message, message
         RefitWeightTransferEngine._add(rx, "model.embed_tokens.weight", param[:64])
         assert rx.names == ["model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.qkv.weight",  # a name the trainer does not serve
+                                  "model.layers.0.mlp.experts.routed_experts.w13_weight"])  # a later vLLM's MoE name
+def test_the_vllm_engine_names_a_parameter_the_recipe_lacks(coordinator, tmp_path, name):
+    # The names vLLM gives its parameters drift between versions; one the
+    # recipe does not lay out is refused naming it, and nothing is registered.
+    pytest.importorskip("vllm")
+    from refit.vllm import RefitWeightTransferEngine
+    with receiver(coordinator, tmp_path) as rx:
+        param = torch.nn.Parameter(torch.zeros(128, 128, dtype=torch.bfloat16), requires_grad=False)
+        with pytest.raises(refit.NotFoundError) as e:
+            RefitWeightTransferEngine._add(rx, name, param)
+        message = e.value.message
+        assert message.startswith(f'vLLM parameter "{name}" has no counterpart in refit\'s vLLM recipe'), message
+        assert rx.names == []
