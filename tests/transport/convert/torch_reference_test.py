@@ -137,6 +137,52 @@ def test_at_least_a_million_blocks_compared():
     print(f"\ntotal: {totals['blocks']} blocks, {totals['bytes']} bytes compared, {totals['differing']} differ")
 
 
+def vllm_quantizer():
+    """vLLM's own per_block_cast_to_fp8 (vllm/utils/deep_gemm.py), run
+    eagerly: vLLM wraps it in torch.compile, whose original Python body is
+    the function itself. None when vLLM is not installed."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        from vllm.utils import deep_gemm
+    except ImportError:
+        return None
+    f = deep_gemm.per_block_cast_to_fp8
+    return getattr(f, "_torchdynamo_orig_callable", f)
+
+
+# (dtype, tensor rows, tensor cols, block rows, block cols): 263,576 blocks.
+VLLM_CASES = [
+    ("BF16", 2048, 2048, 4, 4),        # 262,144 blocks
+    ("BF16", 4096, 4096, 128, 128),    # 1,024
+    ("BF16", 576, 7168, 128, 128),     # 280: partial last block row
+    ("F32", 1000, 1100, 128, 128),     # 72: partial in both dimensions
+]
+
+
+@pytest.mark.parametrize("dtype,rows,cols,bm,bn", VLLM_CASES)
+def test_quantize_matches_vllms_own_function(tmp_path, dtype, rows, cols, bm, bn):
+    """Bit for bit against vLLM's quantizer itself, not only against the
+    reference written after it above."""
+    quantize = vllm_quantizer()
+    if quantize is None:
+        pytest.skip("vLLM is not installed in this Python (scripts/python-env installs it)")
+    rng = np.random.default_rng(rows * 104729 + cols + bm)
+    brows, bcols = -(-rows // bm), -(-cols // bn)
+    x = random_blocks(rng, brows, bm, bcols, bn, dtype)[:rows, :cols].contiguous()
+    want_values, want_scales = quantize(x, [bm, bn])
+    proc, vals, scales = run_tool(tmp_path, x, dtype, (bm, bn))
+    assert proc.returncode == 0, proc.stderr
+    got_values = np.fromfile(vals, dtype=np.uint8)
+    got_scales = np.fromfile(scales, dtype=np.uint8)
+    want_v = want_values.view(torch.uint8).numpy().reshape(-1)
+    want_s = want_scales.contiguous().float().numpy().view(np.uint8).reshape(-1)
+    assert got_values.size == want_v.size and got_scales.size == want_s.size
+    differing = int(np.count_nonzero(got_values != want_v)) + int(np.count_nonzero(got_scales != want_s))
+    print(f"\nvLLM's per_block_cast_to_fp8, {dtype} {rows}x{cols} in {bm}x{bn} blocks: {brows * bcols} blocks, "
+          f"{want_v.size + want_s.size} bytes, {differing} differ")
+    assert differing == 0
+
+
 def test_nan_and_inf_are_refused_naming_the_block(tmp_path):
     x = torch.ones((256, 384), dtype=torch.bfloat16)
     x[130, 260] = float("nan")  # block (1, 2)
