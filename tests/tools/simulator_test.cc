@@ -29,6 +29,7 @@ HardwareModel unit_hardware() {
   h.local_op_us = 5;
   h.h2d_gbyte_per_gpu = 2.048;  // 4096 bytes in 2 us
   h.d2h_gbyte_per_gpu = 1.024;  // 4096 bytes in 4 us
+  h.fanout_pack_bytes = 0;      // one op per send (the packed fan-out has tests of its own)
   return h;
 }
 
