@@ -327,23 +327,10 @@ void NcclFabric::rounds() {
   const size_t n = ranks_.size();
   const bool need_comm = n > 1 || !self_.empty();
   if (need_comm) {
-    Status st = ensure_comm();
+    Status st = start_rounds();
     if (!st.is_ok()) {
       result_ = st;
       return;
-    }
-    comm_->set_deadline(deadline_);
-    if (comm_->word_count() < 4 * n) {
-      result_ = Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
-                                 " count words, a round needs " + std::to_string(4 * n));
-      return;
-    }
-    if (share_ > 0) {
-      Status st = prepare_packs();
-      if (!st.is_ok()) {
-        result_ = st;
-        return;
-      }
     }
   }
   Status peer_failed;
@@ -394,22 +381,9 @@ void NcclFabric::rounds() {
     const bool self_left = self_next_ < self_.size() && !failing;
     if (act_out.empty() && act_in.empty() && !self_left) break;
 
-    // Counts.
     uint64_t* host = need_comm ? comm_->host_words() : nullptr;
     if (!act_out.empty() || !act_in.empty()) {
-      group.clear();
-      for (int32_t p : act_out) {
-        host[2 * p] = out_count[p];
-        host[2 * p + 1] = out_bytes[p];
-        group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 2 * p, 16});
-      }
-      for (int32_t p : act_in) {
-        group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 2 * n + 2 * p, 16});
-      }
-      Status st = comm_->put_words(2 * n);
-      if (st.is_ok()) st = comm_->issue(group);
-      if (st.is_ok()) st = comm_->get_words(2 * n, 2 * n);
-      if (st.is_ok()) st = wait_idle("exchanging the counts of a round");
+      Status st = exchange_counts(act_out, act_in, out_count, out_bytes, group);
       if (!st.is_ok()) {
         if (comm_) drop_comm();
         result_ = st;
@@ -449,22 +423,7 @@ void NcclFabric::rounds() {
         }
         continue;
       }
-      uint64_t sum = 0;
-      const size_t end = in_next_[p] + count;
-      if (count <= in_[p].size() - in_next_[p]) {
-        for (size_t i = in_next_[p]; i < end; ++i) sum += s.recvs[in_[p][i]].bytes;
-      }
-      if (count > in_[p].size() - in_next_[p] || sum != bytes) {
-        // The peer's plan is not this rank's: receiving would write the
-        // wrong bytes, or wait for bytes that never come.
-        drop_comm();
-        result_ = Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
-                                  std::to_string(count) + " slices of " + std::to_string(bytes) +
-                                  " bytes, this rank's plan expects other sizes from it; the ranks ran " +
-                                  "different plans, retry the refresh");
-        return;
-      }
-      Status st = add_recvs(p, count, group);
+      Status st = add_recvs(p, count, bytes, group);
       if (!st.is_ok()) {
         drop_comm();
         result_ = st;
@@ -517,6 +476,40 @@ void NcclFabric::rounds() {
 
 namespace refit::fabric {
 
+// The communicator, its count words, and the pack areas where packing is on.
+Status NcclFabric::start_rounds() {
+  REFIT_RETURN_IF_ERROR(ensure_comm());
+  comm_->set_deadline(deadline_);
+  const size_t n = ranks_.size();
+  if (comm_->word_count() < 4 * n) {
+    return Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
+                            " count words, a round needs " + std::to_string(4 * n));
+  }
+  return share_ > 0 ? prepare_packs() : Status::ok();
+}
+
+// A round's counts: (n, bytes) to every peer it sends to, theirs from every
+// peer it receives from, into the host words [2n, 4n).
+Status NcclFabric::exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
+                                   const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
+                                   std::vector<cuda::P2p>& group) {
+  const size_t n = ranks_.size();
+  uint64_t* host = comm_->host_words();
+  group.clear();
+  for (int32_t p : act_out) {
+    host[2 * p] = out_count[p];
+    host[2 * p + 1] = out_bytes[p];
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 2 * p, 16});
+  }
+  for (int32_t p : act_in) {
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 2 * n + 2 * p, 16});
+  }
+  REFIT_RETURN_IF_ERROR(comm_->put_words(2 * n));
+  REFIT_RETURN_IF_ERROR(comm_->issue(group));
+  REFIT_RETURN_IF_ERROR(comm_->get_words(2 * n, 2 * n));
+  return wait_idle("exchanging the counts of a round");
+}
+
 Status NcclFabric::prepare_packs() {
   Result<cuda::DomainComm::PackAreas> a = comm_->pack_areas(pack_.pack_bytes);
   if (!a.is_ok()) {
@@ -565,11 +558,23 @@ void NcclFabric::add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& gr
   }
 }
 
-// The round's `count` receives from peer p, laid out as the peer laid out
-// its sends: the pack first (scattered into place after the group), then
-// the unpacked ones.
-Status NcclFabric::add_recvs(int32_t p, uint64_t count, std::vector<cuda::P2p>& group) {
+// The round's `count` receives from peer p, of `bytes` as the peer
+// announced, laid out as the peer laid out its sends: the pack first
+// (scattered into place after the group), then the unpacked ones.
+Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vector<cuda::P2p>& group) {
   const Schedule& s = *schedule_;
+  uint64_t sum = 0;
+  if (count <= in_[p].size() - in_next_[p]) {
+    for (size_t i = in_next_[p]; i < in_next_[p] + count; ++i) sum += s.recvs[in_[p][i]].bytes;
+  }
+  if (count > in_[p].size() - in_next_[p] || sum != bytes) {
+    // The peer's plan is not this rank's: receiving would write the wrong
+    // bytes, or wait for bytes that never come.
+    return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
+                           std::to_string(count) + " slices of " + std::to_string(bytes) +
+                           " bytes, this rank's plan expects other sizes from it; the ranks ran " +
+                           "different plans, retry the refresh");
+  }
   PackLayout l;
   if (share_ > 0) {
     sizes_.clear();

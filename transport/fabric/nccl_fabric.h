@@ -145,10 +145,14 @@ class NcclFabric final : public LocalFabric {
       : config_(config), factory_(std::move(factory)) {}
   void rounds();
   Status check_packing(const ContactInfo& c, int32_t rank) const;
+  Status start_rounds();
+  Status exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
+                         const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
+                         std::vector<cuda::P2p>& group);
   Status prepare_packs();
   void pack_round(int32_t p, uint64_t* count, uint64_t* bytes);
   void add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& group);
-  Status add_recvs(int32_t p, uint64_t count, std::vector<cuda::P2p>& group);
+  Status add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vector<cuda::P2p>& group);
   Status ensure_comm();
   Status wait_idle(const char* what);
   void drop_comm();
