@@ -33,6 +33,17 @@ const std::vector<HardwareKey> kKeys = {
      "nccl-tests point-to-point and all_gather bus bandwidth on NVSwitch systems reaches about 80% of the "
      "per-direction link rate"},
     {"local_op_us", "us", 5, "launching one fan-out send (an NCCL group of send/recv): a few microseconds"},
+    {"fanout_pack_bytes", "bytes", 64.0 * (1 << 20),
+     "the nccl fabric's default pack_bytes (transport/fabric/pack.h): the small sends of one round to one peer "
+     "travel as one pack of at most pack_bytes / (domain GPUs - 1); 0 models the unpacked fan-out, one send per run"},
+    {"fanout_pack_threshold", "bytes", 1.0 * (1 << 20),
+     "the nccl fabric's default pack_threshold (transport/fabric/pack.h): sends of at least this go unpacked"},
+    {"gpu_memory_gbyte_per_gpu", "GB/s", 3350,
+     "datasheet HBM bandwidth: H100 SXM HBM3 3.35 TB/s; B200 (GB200) HBM3e 8 TB/s. The packed fan-out's gather "
+     "and scatter kernels copy at it"},
+    {"gpu_memory_achievable", "fraction", 0.8,
+     "not measured here: device-to-device copy kernels (BabelStream's copy, nvbandwidth) typically reach 80-90% "
+     "of the datasheet HBM rate; a copy reads and writes each byte, so it moves bytes at half of this"},
     {"h2d_gbyte_per_gpu", "GB/s", 50,
      "PCIe Gen5 x16 is 64 GB/s each way; CUDA bandwidthTest reaches about 50 GB/s from pinned memory"},
     {"d2h_gbyte_per_gpu", "GB/s", 50, "as h2d_gbyte_per_gpu, the other way"},
@@ -58,6 +69,9 @@ const std::vector<HardwareKey> kKeys = {
     {"get_chunk_bytes", "bytes", 1.0 * (1 << 20), "the receiver agent's default chunk_bytes (plugin/config.h)"},
 };
 
+// Keys for which 0 means "off" rather than a missing figure.
+bool may_be_zero(const char* key) { return std::strcmp(key, "fanout_pack_bytes") == 0; }
+
 bool is_bool_key(const char* key) {
   return std::strcmp(key, "gets_land_in_host") == 0 || std::strcmp(key, "source_host_mirror") == 0 ||
          std::strcmp(key, "convert_on_host") == 0;
@@ -72,6 +86,10 @@ double* field(HardwareModel& m, const std::string& key) {
   if (key == "nvlink_gbyte_per_gpu") return &m.nvlink_gbyte_per_gpu;
   if (key == "nvlink_achievable") return &m.nvlink_achievable;
   if (key == "local_op_us") return &m.local_op_us;
+  if (key == "fanout_pack_bytes") return &m.fanout_pack_bytes;
+  if (key == "fanout_pack_threshold") return &m.fanout_pack_threshold;
+  if (key == "gpu_memory_gbyte_per_gpu") return &m.gpu_memory_gbyte_per_gpu;
+  if (key == "gpu_memory_achievable") return &m.gpu_memory_achievable;
   if (key == "h2d_gbyte_per_gpu") return &m.h2d_gbyte_per_gpu;
   if (key == "d2h_gbyte_per_gpu") return &m.d2h_gbyte_per_gpu;
   if (key == "convert_gbyte_per_gpu") return &m.convert_gbyte_per_gpu;
@@ -127,9 +145,10 @@ Status apply_hardware(const json& obj, const std::string& origin, const std::str
                                json_util::show(*it));
       *flag(*model, k.key) = it->get<bool>();
     } else {
-      if (!it->is_number() || !(it->get<double>() > 0) || !std::isfinite(it->get<double>()))
-        return Status::invalid(origin + ": \"" + name(k.key) + "\" must be a positive number, got " +
-                               json_util::show(*it));
+      const bool zero_ok = may_be_zero(k.key) && it->is_number() && it->get<double>() == 0;
+      if (!zero_ok && (!it->is_number() || !(it->get<double>() > 0) || !std::isfinite(it->get<double>())))
+        return Status::invalid(origin + ": \"" + name(k.key) + "\" must be a positive number" +
+                               (may_be_zero(k.key) ? " or 0" : "") + ", got " + json_util::show(*it));
       *field(*model, k.key) = it->get<double>();
     }
     if (given) given->push_back(k.key);
@@ -144,15 +163,20 @@ Status check_hardware(const HardwareModel& model, const std::string& origin, con
   for (const HardwareKey& k : kKeys) {
     if (is_bool_key(k.key)) continue;
     const double v = *field(m, k.key);
+    if (may_be_zero(k.key) && v == 0) continue;
     if (!(v > 0) || !std::isfinite(v)) return bad(k.key, "must be a positive number, got " + std::to_string(v));
   }
   if (m.nic_achievable > 1) return bad("nic_achievable", "is a fraction of the line rate: at most 1");
   if (m.nvlink_achievable > 1) return bad("nvlink_achievable", "is a fraction of the link rate: at most 1");
+  if (m.gpu_memory_achievable > 1) return bad("gpu_memory_achievable", "is a fraction of the HBM rate: at most 1");
+  // A pack area below 64 KiB (other than 0) is refused by the fabric too (transport/fabric/pack.h).
+  if (m.fanout_pack_bytes != 0 && m.fanout_pack_bytes < 65536)
+    return bad("fanout_pack_bytes", "must be 0 (packing off) or at least 65536, got " + std::to_string(m.fanout_pack_bytes));
   // 100 TB/s per GPU is far beyond any link of today: a unit mistake.
   constexpr double kMaxGbyte = 100'000;
   if (m.nic_gbit_per_gpu / 8 > kMaxGbyte) return bad("nic_gbit_per_gpu", "is above 100 TB/s: check the unit (Gbit/s)");
   for (const char* k : {"nvlink_gbyte_per_gpu", "h2d_gbyte_per_gpu", "d2h_gbyte_per_gpu", "convert_gbyte_per_gpu",
-                        "host_convert_gbyte"})
+                        "host_convert_gbyte", "gpu_memory_gbyte_per_gpu"})
     if (*field(m, k) > kMaxGbyte) return bad(k, "is above 100 TB/s: check the unit (GB/s)");
   if (m.nic_gbit_per_gpu / 8 > 100 * m.nvlink_gbyte_per_gpu)
     return bad("nic_gbit_per_gpu", "(" + std::to_string(m.nic_gbit_per_gpu) +

@@ -26,6 +26,13 @@ struct HardwareModel {
   double nvlink_gbyte_per_gpu = 0;  // per GPU and direction, GB/s
   double nvlink_achievable = 0;     // fraction that point-to-point sends reach
   double local_op_us = 0;           // launching one fan-out send
+  // The packed fan-out (docs/refresh.md, "Packed fan-out"): the nccl
+  // fabric's pack area per rank (0: packing off) and the GPU memory
+  // bandwidth its gather and scatter kernels copy at.
+  double fanout_pack_bytes = 0;
+  double fanout_pack_threshold = 0;     // sends of at least this go unpacked
+  double gpu_memory_gbyte_per_gpu = 0;  // HBM, GB/s
+  double gpu_memory_achievable = 0;     // fraction a device-to-device copy kernel reaches
   // Host copies, where they happen.
   double h2d_gbyte_per_gpu = 0;  // landed GET bytes to the GPU (gets_land_in_host)
   double d2h_gbyte_per_gpu = 0;  // the source's publish copy (source_host_mirror)
@@ -41,6 +48,8 @@ struct HardwareModel {
 
   double nic_bytes_per_s() const { return nic_gbit_per_gpu * 1e9 / 8 * nic_achievable; }
   double nvlink_bytes_per_s() const { return nvlink_gbyte_per_gpu * 1e9 * nvlink_achievable; }
+  // A copy within GPU memory reads and writes each byte: bytes copied per second.
+  double gpu_copy_bytes_per_s() const { return gpu_memory_gbyte_per_gpu * 1e9 * gpu_memory_achievable / 2; }
   double h2d_bytes_per_s() const { return h2d_gbyte_per_gpu * 1e9; }
   double d2h_bytes_per_s() const { return d2h_gbyte_per_gpu * 1e9; }
   double convert_bytes_per_s() const { return convert_gbyte_per_gpu * 1e9; }

@@ -43,7 +43,7 @@ void read_transport(JsonReader& r, const Json& doc, const char* key, bool with_d
   if (with_devices) {
     r.object(*t, key, {"transports", "devices"});
   } else {
-    r.object(*t, key, {"fabric", "transports", "device"});
+    r.object(*t, key, {"fabric", "transports", "device", "pack_bytes", "pack_threshold"});
     *fabric = r.string(*t, key, "fabric", *fabric);
     if (r.ok() && *fabric != "cma" && *fabric != "ucx" && *fabric != "nccl") {
       r.fail(JsonReader::join(key, "fabric"), "must be \"cma\", \"ucx\" or \"nccl\", got \"" + *fabric + "\"");
@@ -53,6 +53,21 @@ void read_transport(JsonReader& r, const Json& doc, const char* key, bool with_d
   out->transports = r.strings(*t, key, "transports", out->transports);
   if (with_devices) out->devices = r.strings(*t, key, "devices", out->devices);
   if (r.ok() && out->transports.empty()) r.fail(JsonReader::join(key, "transports"), "must not be empty");
+}
+
+// The nccl fabric's packed fan-out (docs/refresh.md, "Packed fan-out"):
+// "local": {"pack_bytes", "pack_threshold"}.
+void read_pack(JsonReader& r, const Json& doc, AgentConfig* c) {
+  const Json* t = r.member(doc, "", "local", false);
+  if (!t || !r.ok()) return;
+  c->local_pack_bytes = static_cast<uint64_t>(
+      r.integer(*t, "local", "pack_bytes", static_cast<int64_t>(c->local_pack_bytes), 0, int64_t{1} << 40));
+  c->local_pack_threshold = static_cast<uint64_t>(
+      r.integer(*t, "local", "pack_threshold", static_cast<int64_t>(c->local_pack_threshold), 1, int64_t{1} << 40));
+  if (r.ok() && c->local_pack_bytes != 0 && c->local_pack_bytes < fabric::kMinPackBytes) {
+    r.fail("local.pack_bytes", "must be 0 (packing off) or at least " + std::to_string(fabric::kMinPackBytes) +
+                                   ", got " + std::to_string(c->local_pack_bytes));
+  }
 }
 
 // A source's "quantize" and "quantize_source_bytes": where a tensor
@@ -147,6 +162,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   read_transport(r, doc, "network", true, &c.network);
   if (receiver) {
     read_transport(r, doc, "local", false, &c.local, &c.local_fabric, &c.local_device);
+    read_pack(r, doc, &c);
     if (r.ok() && c.verify && c.local_fabric == "nccl") {
       r.fail("verify", "hashes host memory; the \"nccl\" local fabric's buffers are GPU memory");
     }

@@ -15,6 +15,7 @@
 
 #include "planner/gather.h"
 #include "planner/status.h"
+#include "transport/fabric/pack.h"
 
 namespace refit::plugin {
 
@@ -68,6 +69,11 @@ struct AgentConfig {
   TransportConfig local{{"shm"}, {}};  // receivers: the UCX fabric's transports
   std::string local_fabric = "cma";    // receivers: "cma", "ucx" or "nccl"
   int local_device = -1;               // receivers, "nccl": the CUDA device; -1: the current one
+  // Receivers, "nccl": the packed fan-out's two areas of device memory
+  // (0: off) and the size from which a send goes unpacked
+  // (transport/fabric/pack.h). Every rank of a domain the same.
+  uint64_t local_pack_bytes = fabric::kDefaultPackBytes;
+  uint64_t local_pack_threshold = fabric::kDefaultPackThreshold;
   // Receivers: GET bytes in flight, and the largest plain GET (a gather is
   // one request of up to its "gather_bytes"; docs/refresh.md, "Gathers").
   uint64_t window_bytes = 64ull << 20;

@@ -787,6 +787,9 @@ ordered_json hardware_json(const HardwareChoice& h) {
       {"latency_us", m.latency_us},               {"get_op_us", m.get_op_us},
       {"nvlink_gbyte_per_gpu", m.nvlink_gbyte_per_gpu}, {"nvlink_achievable", m.nvlink_achievable},
       {"local_op_us", m.local_op_us},             {"h2d_gbyte_per_gpu", m.h2d_gbyte_per_gpu},
+      {"fanout_pack_bytes", m.fanout_pack_bytes}, {"fanout_pack_threshold", m.fanout_pack_threshold},
+      {"gpu_memory_gbyte_per_gpu", m.gpu_memory_gbyte_per_gpu},
+      {"gpu_memory_achievable", m.gpu_memory_achievable},
       {"d2h_gbyte_per_gpu", m.d2h_gbyte_per_gpu}, {"window_bytes", m.window_bytes},
       {"convert_gbyte_per_gpu", m.convert_gbyte_per_gpu}, {"host_convert_gbyte", m.host_convert_gbyte},
       {"get_chunk_bytes", m.get_chunk_bytes}};
@@ -866,6 +869,8 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["gets_per_receiver_max"] = r.gets_per_receiver_max;
   j["local_sends"] = r.local_sends;
   j["local_runs"] = r.local_runs;
+  j["local_ops"] = r.local_ops;
+  j["local_packed"] = r.local_packed;
   j["jobs"] = r.jobs;
   j["events"] = r.events;
   j["converts"] = r.converts;

@@ -40,6 +40,8 @@ Result<std::unique_ptr<fabric::LocalFabric>> make_nccl_fabric(const AgentConfig&
   fabric::NcclFabricConfig nc;
   nc.rank = config.rank;
   nc.threads = threads;
+  nc.pack.pack_bytes = config.local_pack_bytes;
+  nc.pack.pack_threshold = config.local_pack_threshold;
   Result<std::unique_ptr<fabric::NcclFabric>> f = fabric::NcclFabric::create(nc, std::move(comms).value());
   if (!f.is_ok()) return f.status();
   return std::unique_ptr<fabric::LocalFabric>(std::move(f).value());

@@ -10,6 +10,7 @@
 
 #include "planner/get_stats.h"
 #include "planner/layout_json.h"
+#include "transport/fabric/pack.h"
 
 namespace refit::sim {
 namespace {
@@ -29,6 +30,7 @@ HardwareModel unit_hardware() {
   h.local_op_us = 5;
   h.h2d_gbyte_per_gpu = 2.048;  // 4096 bytes in 2 us
   h.d2h_gbyte_per_gpu = 1.024;  // 4096 bytes in 4 us
+  h.fanout_pack_bytes = 0;      // one op per send (the packed fan-out has tests of its own)
   return h;
 }
 
@@ -434,6 +436,86 @@ TEST(Simulator, SourcesQuantizeTheirCopiesAtPublishAndServeThemAsTheyAre) {
   // Nothing is served before the copy is made.
   EXPECT_GE(r.phases.network.end, (16 + 16.388 + 2) * kUs);
   EXPECT_GE(r.busiest_source_nic.busy_seconds, 16.388 * kUs - 1e-12);
+}
+
+// `n` copies of the replicated tensor ("w0", "w1", ...): many small sends
+// from each puller to its peers.
+Layout many_replicated(int n, const std::vector<int>& receiver_domains, int64_t elems) {
+  json l = json::parse(R"({"format": "refit-layout/1"})");
+  json src = json::array({{{"rank", 0}, {"domain", 0}}});
+  json rcv = json::array(), rranks = json::array();
+  for (size_t r = 0; r < receiver_domains.size(); ++r) {
+    rcv.push_back({{"rank", r}, {"domain", receiver_domains[r]}, {"instance", r}});
+    rranks.push_back(r);
+  }
+  l["sources"] = src;
+  l["receivers"] = rcv;
+  l["tensors"] = json::array();
+  for (int i = 0; i < n; ++i) {
+    l["tensors"].push_back({{"name", "w" + std::to_string(i)},
+                            {"dtype", "F32"},
+                            {"shape", {elems}},
+                            {"source", {{"mesh", {1}}, {"ranks", {0}}, {"placements", {"R"}}}},
+                            {"receiver",
+                             {{"mesh", {static_cast<int>(receiver_domains.size())}},
+                              {"ranks", rranks},
+                              {"placements", {"R"}}}}});
+  }
+  auto layout = parse_layout_json(l.dump(), "test layout");
+  EXPECT_TRUE(layout.is_ok()) << layout.status().message();
+  return std::move(*layout);
+}
+
+TEST(Simulator, PackedFanOutMergesSendsReadyWhileTheLinkIsBusy) {
+  // 200 tensors of 4 KiB, one domain of 4: every puller passes many small
+  // sends to each peer, faster than one launch each can go.
+  const Layout L = many_replicated(200, {0, 0, 0, 0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  HardwareModel off = unit_hardware();
+  HardwareModel on = off;
+  on.fanout_pack_bytes = 64 << 20;
+  const SimResult a = simulated(*plan, off);
+  const SimResult b = simulated(*plan, on);
+  EXPECT_EQ(a.local_ops, a.local_sends);
+  EXPECT_EQ(a.local_packed, 0);
+  EXPECT_EQ(b.local_sends, a.local_sends);
+  EXPECT_EQ(b.local_bytes, a.local_bytes);
+  EXPECT_EQ(b.local_ops + b.local_packed, b.local_sends);
+  EXPECT_GT(b.local_packed, 0);
+  EXPECT_LT(b.predicted_seconds, a.predicted_seconds);
+  // The link's busy time: one launch per op, every byte over NVLink, and
+  // each small send copied twice in GPU memory (gather and scatter).
+  const double busy = b.busiest_nvlink_out.busy_seconds;
+  const double per_byte = 1 / on.nvlink_bytes_per_s() + 2 / on.gpu_copy_bytes_per_s();
+  EXPECT_GT(busy, static_cast<double>(b.busiest_nvlink_out.bytes) * per_byte);
+
+  // Sends at or above the threshold go as they are: the unpacked model.
+  HardwareModel large = on;
+  large.fanout_pack_threshold = 4096;
+  const SimResult c = simulated(*plan, large);
+  EXPECT_EQ(c.local_packed, 0);
+  EXPECT_EQ(c.local_ops, a.local_ops);
+  EXPECT_DOUBLE_EQ(c.predicted_seconds, a.predicted_seconds);
+}
+
+TEST(Simulator, PackKeysAreCheckedNamingTheKey) {
+  HardwareModel hw = unit_hardware();
+  hw.fanout_pack_bytes = 1000;
+  Status st = check_hardware(hw, "h.json", "hardware");
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("\"hardware.fanout_pack_bytes\""), std::string::npos) << st.message();
+  hw = unit_hardware();
+  hw.gpu_memory_achievable = 1.5;
+  st = check_hardware(hw, "h.json", "hardware");
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("\"hardware.gpu_memory_achievable\""), std::string::npos) << st.message();
+  hw = unit_hardware();
+  hw.fanout_pack_bytes = 0;  // off
+  EXPECT_TRUE(check_hardware(hw, "h.json", "hardware").is_ok());
+  // The simulator's defaults are the fabric's (transport/fabric/pack.h).
+  EXPECT_EQ(default_hardware().fanout_pack_bytes, static_cast<double>(fabric::kDefaultPackBytes));
+  EXPECT_EQ(default_hardware().fanout_pack_threshold, static_cast<double>(fabric::kDefaultPackThreshold));
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 #include <limits>
 #include <queue>
 #include <span>
+#include <unordered_map>
 
+#include "transport/fabric/pack.h"
 #include "transport/ucx/chunking.h"
 
 namespace refit::sim {
@@ -29,6 +31,14 @@ struct Job {
 struct Send {
   int32_t to = 0;
   int64_t bytes = 0;
+};
+
+// The fan-out op a puller's sends to one peer last opened (packed fan-out):
+// a send ready by `start` joins it, while it has room.
+struct Pack {
+  double start = -1;
+  uint64_t bytes = 0;
+  uint32_t count = 0;
 };
 
 // A conversion step (ConvertStep) of one puller. It waits until every job
@@ -84,6 +94,15 @@ class Sim {
     nvl_out_.assign(R, {});
     nvl_in_.assign(R, {});
     conv_.assign(R, {});
+    domain_size_.assign(R, 0);
+    {
+      std::vector<int32_t> gpus;
+      for (const ReceiverRank& r : L_.receivers) {
+        if (static_cast<size_t>(r.domain) >= gpus.size()) gpus.resize(r.domain + 1, 0);
+        ++gpus[r.domain];
+      }
+      for (int32_t p = 0; p < R; ++p) domain_size_[p] = gpus[L_.receivers[p].domain];
+    }
     last_span_.assign(static_cast<size_t>(Lane::kConvert) + 1, std::vector<int64_t>(std::max(R, S), -1));
     publish(S);
     REFIT_RETURN_IF_ERROR(simulate_network(R));
@@ -432,16 +451,39 @@ class Sim {
   }
 
   // Puller `p`'s sends [begin, begin + count), their bytes ready at `ready`.
+  // Packed (simulator.h): a small send joins the last pack to its peer if
+  // that has not started by `ready`; the pack's extra time goes at the end
+  // of both links' timelines (their busy time is exact, the order of what
+  // follows on them is approximate).
   void send(int32_t p, uint32_t begin, uint32_t count, double ready) {
     if (ready >= thread_from_[p] && ready < conv_[p].free_at) ready = conv_[p].free_at;  // passed after it
     const double nvl = hw_.nvlink_bytes_per_s();
     const double op = hw_.local_op_us * 1e-6;
+    const fabric::PackLimits limits{static_cast<uint64_t>(hw_.fanout_pack_bytes),
+                                    static_cast<uint64_t>(hw_.fanout_pack_threshold)};
+    const uint64_t share = fabric::pack_share(limits, static_cast<size_t>(domain_size_[p]));
     for (uint32_t k = 0; k < count; ++k) {
       const Send& s = sends_[begin + k];
       Resource& out = nvl_out_[p];
       Resource& in = nvl_in_[s.to];
-      const double start = std::max({ready, out.free_at, in.free_at});
-      const double d = op + static_cast<double>(s.bytes) / nvl;
+      const auto b = static_cast<uint64_t>(s.bytes);
+      const bool small = share > 0 && b < limits.pack_threshold && b <= share;
+      // Gathered into the pack at the puller, scattered out of it at the peer.
+      const double copies = small ? 2.0 * static_cast<double>(b) / hw_.gpu_copy_bytes_per_s() : 0;
+      Pack* pk = small ? &packs_[(static_cast<uint64_t>(p) << 32) | static_cast<uint32_t>(s.to)] : nullptr;
+      const uint64_t at = pk ? (pk->bytes + fabric::kPackAlign - 1) / fabric::kPackAlign * fabric::kPackAlign : 0;
+      double start = std::max({ready, out.free_at, in.free_at});
+      double d = op + static_cast<double>(s.bytes) / nvl + copies;
+      if (pk && pk->start >= ready && at + b <= share && pk->count < fabric::kDefaultMaxSendsPerRound) {
+        d -= op;
+        start = std::max(out.free_at, in.free_at);
+        pk->bytes = at + b;
+        ++pk->count;
+        ++r_.local_packed;
+      } else {
+        if (pk) *pk = Pack{start, b, 1};
+        ++r_.local_ops;
+      }
       out.free_at = in.free_at = start + d;
       out.busy += d;
       in.busy += d;
@@ -508,6 +550,8 @@ class Sim {
   std::vector<ucx::ChunkScheduler> scheds_;
   std::vector<std::vector<double>> ready_;  // per receiver and job: when its bytes are usable
   std::vector<Resource> src_nic_, rcv_nic_, post_, h2d_, nvl_out_, nvl_in_, conv_;
+  std::vector<int32_t> domain_size_;               // per receiver: the GPUs of its domain
+  std::unordered_map<uint64_t, Pack> packs_;       // per (puller, peer): its last pack
   std::vector<std::vector<int64_t>> last_span_;  // per lane and rank: its last trace span
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
   uint64_t seq_ = 0;

@@ -15,6 +15,11 @@
 //   posted, and its receiver's NIC takes the bytes in at its own rate; a
 //   fan-out send holds the sender's NVLink out and the receiver's NVLink in;
 //   host copies hold the GPU's PCIe link.
+// - With `fanout_pack_bytes` (the nccl fabric's packed fan-out,
+//   transport/fabric/pack.h), a small send to a peer that is ready before
+//   the puller's last pack to that peer has started joins that pack: no
+//   `local_op_us` of its own, its bytes over NVLink plus its gather and
+//   scatter copies in GPU memory, up to the pack's share of the area.
 // - Consecutive network runs of one receiver from one source, with no
 //   fan-out send reading them in between, are simulated as one job of up to
 //   the plan's chunk bytes, with the GET count of all its runs. That keeps a
@@ -113,6 +118,8 @@ struct SimResult {
   int64_t gets_per_receiver_max = 0;
   int64_t local_sends = 0;          // fan-out sends (runs to one peer after one network job)
   int64_t local_runs = 0;           // the contiguous runs in them: the fabric's sends (one each)
+  int64_t local_ops = 0;            // fan-out operations charged local_op_us: sends, or packs of them
+  int64_t local_packed = 0;         // sends that joined a pack another send opened (no op of their own)
   int64_t jobs = 0;                 // network jobs simulated
   int64_t events = 0;               // GET chunks simulated
   int64_t converts = 0;             // conversion steps (ConvertStep) the pullers run

@@ -25,6 +25,7 @@
 
 #include "planner/status.h"
 #include "transport/cuda/copy_plan.h"
+#include "transport/cuda/scatter_kernel.h"
 
 namespace refit::cuda {
 
@@ -95,6 +96,26 @@ class DomainComm {
   // Abandons everything in flight; the communicator is unusable afterwards.
   // Must return even while a peer is gone (ncclCommAbort).
   virtual void abort() = 0;
+
+  // The packed fan-out (transport/fabric/pack.h), where the factory
+  // can_scatter(). pack_areas: two areas of `bytes` in the communicator's
+  // memory (device memory for NCCL), one to gather sends into, one to
+  // receive packs in; kept with the communicator, the same two while
+  // `bytes` is unchanged. scatter: copies the pieces on the stream after
+  // everything issued before it (CUDA: the scatter kernel, which serves as
+  // the gather too); the caller's array may be reused once it returns.
+  struct PackAreas {
+    uint8_t* send = nullptr;
+    uint8_t* recv = nullptr;
+  };
+  virtual Result<PackAreas> pack_areas(uint64_t bytes) {
+    (void)bytes;
+    return Status::unsupported("this communicator has no pack areas");
+  }
+  virtual Status scatter(std::span<const ScatterPiece> pieces) {
+    (void)pieces;
+    return Status::unsupported("this communicator cannot scatter");
+  }
 };
 
 class CommFactory {
@@ -108,6 +129,9 @@ class CommFactory {
   // was started is aborted.
   virtual Result<std::unique_ptr<DomainComm>> connect(const std::vector<uint8_t>& id, int32_t size,
                                                       int32_t rank, Clock::time_point deadline) = 0;
+  // Whether its communicators implement pack_areas() and scatter() (NCCL:
+  // when the scatter kernel is compiled in, REFIT_HAVE_SCATTER_KERNEL).
+  virtual bool can_scatter() const { return false; }
 };
 
 }  // namespace refit::cuda

@@ -53,6 +53,7 @@ class NcclDomainComm final : public DomainComm {
     if (stream_) cudaStreamDestroy(as_stream(stream_));
     if (words_) cudaFree(words_);
     if (host_words_) cudaFreeHost(host_words_);
+    free_packs();
   }
 
   Status init() {
@@ -148,6 +149,62 @@ class NcclDomainComm final : public DomainComm {
     launching_ = pending_ = false;
   }
 
+#ifdef REFIT_HAVE_SCATTER_KERNEL
+  Result<PackAreas> pack_areas(uint64_t bytes) override {
+    REFIT_RETURN_IF_ERROR(launched());
+    REFIT_RETURN_IF_ERROR(current());
+    if (areas_.send != nullptr && area_bytes_ == bytes) return areas_;
+    // A new size: the old areas are idle once the stream is (the fabric asks
+    // before its first round).
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaStreamSynchronize(as_stream(stream_)), "cudaStreamSynchronize(pack areas)"));
+    free_areas();
+    void* a = nullptr;
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&a, bytes), "cudaMalloc(send pack area, " + std::to_string(bytes) + " bytes)"));
+    areas_.send = static_cast<uint8_t*>(a);
+    Status st = from_cuda(cudaMalloc(&a, bytes), "cudaMalloc(receive pack area, " + std::to_string(bytes) + " bytes)");
+    if (!st.is_ok()) {
+      free_areas();
+      return st;
+    }
+    areas_.recv = static_cast<uint8_t*>(a);
+    area_bytes_ = bytes;
+    return areas_;
+  }
+
+  // The pieces go to a pinned, mapped table the kernel reads; two tables
+  // alternate (a round's gather and scatter), each rewritten only once the
+  // stream has passed its last kernel.
+  Status scatter(std::span<const ScatterPiece> pieces) override {
+    if (pieces.empty()) return Status::ok();
+    REFIT_RETURN_IF_ERROR(launched());
+    REFIT_RETURN_IF_ERROR(current());
+    Table& t = tables_[next_table_];
+    next_table_ ^= 1;
+    if (t.event == nullptr) {
+      REFIT_RETURN_IF_ERROR(from_cuda(cudaEventCreateWithFlags(&t.event, cudaEventDisableTiming), "cudaEventCreate"));
+    } else {
+      REFIT_RETURN_IF_ERROR(wait_event(t.event, "a scatter table's last kernel"));
+    }
+    if (t.capacity < pieces.size()) {
+      if (t.data) cudaFreeHost(t.data);
+      t.data = nullptr;
+      t.capacity = 0;
+      void* h = nullptr;
+      REFIT_RETURN_IF_ERROR(from_cuda(cudaHostAlloc(&h, pieces.size() * sizeof(ScatterPiece),
+                                                    cudaHostAllocPortable | cudaHostAllocMapped),
+                                      "cudaHostAlloc(scatter table)"));
+      t.data = static_cast<ScatterPiece*>(h);
+      t.capacity = pieces.size();
+    }
+    std::memcpy(t.data, pieces.data(), pieces.size() * sizeof(ScatterPiece));
+    const auto n = static_cast<uint32_t>(pieces.size());
+    REFIT_RETURN_IF_ERROR(from_cuda(static_cast<cudaError_t>(launch_scatter(t.data, n, stream_)),
+                                    "scatter kernel (" + std::to_string(n) + " pieces of the packed fan-out)"));
+    REFIT_RETURN_IF_ERROR(from_cuda(cudaEventRecord(t.event, as_stream(stream_)), "cudaEventRecord(scatter table)"));
+    return stream_op(cudaSuccess, "scatter kernel");
+  }
+#endif
+
  private:
   // Waits (to the deadline) until the last group is on the stream: nothing
   // may be issued behind a group NCCL is still launching.
@@ -160,6 +217,30 @@ class NcclDomainComm final : public DomainComm {
     REFIT_RETURN_IF_ERROR(settle(comm_, deadline_, "launching a group of sends and receives"));
     launching_ = false;
     return from_cuda(cudaEventRecord(done_, as_stream(stream_)), "cudaEventRecord");
+  }
+  // Polls `event` until the stream passed it, to the deadline.
+  Status wait_event(cudaEvent_t event, const char* what) {
+    while (true) {
+      const cudaError_t q = cudaEventQuery(event);
+      if (q == cudaSuccess) return Status::ok();
+      if (q != cudaErrorNotReady) return from_cuda(q, std::string("cudaEventQuery(") + what + ")");
+      if (Clock::now() >= deadline_) return Status::timeout(std::string("nccl: waiting for ") + what + " at the deadline");
+      std::this_thread::yield();
+    }
+  }
+  void free_areas() {
+    if (areas_.send) cudaFree(areas_.send);
+    if (areas_.recv) cudaFree(areas_.recv);
+    areas_ = PackAreas{};
+    area_bytes_ = 0;
+  }
+  void free_packs() {
+    free_areas();
+    for (Table& t : tables_) {
+      if (t.event) cudaEventDestroy(t.event);
+      if (t.data) cudaFreeHost(t.data);
+      t = Table{};
+    }
   }
   Status stream_op(cudaError_t e, const std::string& what) {
     REFIT_RETURN_IF_ERROR(from_cuda(e, what));
@@ -178,6 +259,16 @@ class NcclDomainComm final : public DomainComm {
   uint64_t* words_ = nullptr;
   uint64_t* host_words_ = nullptr;
   size_t word_count_ = 0;
+  // The packed fan-out's areas (device memory) and scatter tables.
+  struct Table {
+    ScatterPiece* data = nullptr;  // pinned, mapped
+    size_t capacity = 0;
+    cudaEvent_t event = nullptr;   // after its last kernel
+  };
+  PackAreas areas_;
+  uint64_t area_bytes_ = 0;
+  Table tables_[2];
+  int next_table_ = 0;
   bool launching_ = false;  // a group NCCL has not yet put on the stream
   bool pending_ = false;    // something issued since the stream was last idle
   Clock::time_point deadline_ = Clock::time_point::max();
@@ -186,6 +277,9 @@ class NcclDomainComm final : public DomainComm {
 class NcclCommFactory final : public CommFactory {
  public:
   NcclCommFactory(int device, void* upstream) : device_(device), upstream_(upstream) {}
+#ifdef REFIT_HAVE_SCATTER_KERNEL
+  bool can_scatter() const override { return true; }
+#endif
 
   Result<std::vector<uint8_t>> unique_id() override {
     ncclUniqueId id;

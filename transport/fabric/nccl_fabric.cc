@@ -8,7 +8,8 @@ namespace refit::fabric {
 namespace {
 
 constexpr char kMagic[4] = {'R', 'F', 'N', 'C'};
-constexpr uint32_t kFormat = 1;
+constexpr uint32_t kFormat = 2;  // 2: with the packing (pack_bytes, pack_threshold)
+constexpr size_t kHeader = 44;
 
 void put_u32(std::vector<uint8_t>& out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
@@ -25,7 +26,11 @@ Result<std::unique_ptr<NcclFabric>> NcclFabric::create(const NcclFabricConfig& c
   if (config.max_sends_per_round == 0) {
     return Status::invalid("nccl fabric: \"max_sends_per_round\" must be positive, got 0");
   }
+  REFIT_RETURN_IF_ERROR(validate(config.pack));
   std::unique_ptr<NcclFabric> f(new NcclFabric(config, std::move(factory)));
+  f->pack_ = config.pack;
+  // Without a scatter (no kernel compiled in) the fan-out goes unpacked.
+  if (!f->factory_->can_scatter()) f->pack_.pack_bytes = 0;
   std::random_device rd;
   f->instance_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   Result<std::vector<uint8_t>> id = f->factory_->unique_id();
@@ -53,6 +58,8 @@ std::vector<uint8_t> NcclFabric::contact() const {
   put_u32(out, kFormat);
   put_u64(out, instance_);
   put_u64(out, comm_epoch_);
+  put_u64(out, pack_.pack_bytes);
+  put_u64(out, pack_.pack_threshold);
   put_u32(out, static_cast<uint32_t>(id_.size()));
   out.insert(out.end(), id_.begin(), id_.end());
   return out;
@@ -78,15 +85,31 @@ Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(const std::vector<uint
     for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(b[at + i]) << (8 * i);
     return v;
   };
-  if (b.size() < 28 || std::memcmp(b.data(), kMagic, 4) != 0) return bad("wrong magic");
+  if (b.size() < 8 || std::memcmp(b.data(), kMagic, 4) != 0) return bad("wrong magic");
   if (u32(4) != kFormat) return bad("format " + std::to_string(u32(4)) + ", this build reads " + std::to_string(kFormat));
   ContactInfo c;
   c.instance = u64(8);
+  if (b.size() < kHeader) return bad("truncated");
   c.comm_epoch = u64(16);
-  const uint32_t n = u32(24);
-  if (n == 0 || b.size() - 28 != n) return bad("truncated unique id");
-  c.id.assign(b.begin() + 28, b.end());
+  c.pack_bytes = u64(24);
+  c.pack_threshold = u64(32);
+  const uint32_t n = u32(40);
+  if (n == 0 || b.size() - kHeader != n) return bad("truncated unique id");
+  c.id.assign(b.begin() + kHeader, b.end());
   return c;
+}
+
+// Both ends of a pair must lay out a round's pack alike (pack.h).
+Status NcclFabric::check_packing(const ContactInfo& c, int32_t rank) const {
+  if (c.pack_bytes == pack_.pack_bytes && c.pack_threshold == pack_.pack_threshold) return Status::ok();
+  auto show = [](uint64_t bytes, uint64_t threshold) {
+    return bytes == 0 ? std::string("off") : std::to_string(bytes) + " / " + std::to_string(threshold);
+  };
+  return Status::invalid("nccl fabric: receiver rank " + std::to_string(rank) +
+                         " packs its fan-out with \"pack_bytes\" / \"pack_threshold\" " +
+                         show(c.pack_bytes, c.pack_threshold) + ", receiver rank " + std::to_string(config_.rank) +
+                         " with " + show(pack_.pack_bytes, pack_.pack_threshold) +
+                         ": every rank of a domain must use the same (0 where the scatter kernel is not built)");
 }
 
 Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
@@ -105,6 +128,7 @@ Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
     }
     Result<ContactInfo> c = parse_contact(m.contact, m.rank);
     if (!c.is_ok()) return c.status();
+    REFIT_RETURN_IF_ERROR(check_packing(*c, m.rank));
     if (i == 0) root_id_ = c->id;
     key_.emplace_back(m.rank, c->instance, c->comm_epoch);
     ranks_.push_back(m.rank);
@@ -154,6 +178,8 @@ Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   self_next_ = 0;
   out_closed_.assign(n, 0);
   in_failed_.assign(n, 0);
+  share_ = pack_share(pack_, n);
+  out_pack_.assign(n, {});
   schedule_ = &schedule;
   deadline_ = deadline;
   {
@@ -301,15 +327,9 @@ void NcclFabric::rounds() {
   const size_t n = ranks_.size();
   const bool need_comm = n > 1 || !self_.empty();
   if (need_comm) {
-    Status st = ensure_comm();
+    Status st = start_rounds();
     if (!st.is_ok()) {
       result_ = st;
-      return;
-    }
-    comm_->set_deadline(deadline_);
-    if (comm_->word_count() < 4 * n) {
-      result_ = Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
-                                 " count words, a round needs " + std::to_string(4 * n));
       return;
     }
   }
@@ -352,25 +372,18 @@ void NcclFabric::rounds() {
       }
       while (!failing && self_ready < self_.size() && ready_[self_[self_ready]]) ++self_ready;
     }
+    send_used_ = recv_used_ = 0;
+    gather_.clear();
+    scatter_.clear();
+    for (int32_t p : act_out) {
+      if (share_ > 0 && out_count[p] != kFailedMarker) pack_round(p, &out_count[p], &out_bytes[p]);
+    }
     const bool self_left = self_next_ < self_.size() && !failing;
     if (act_out.empty() && act_in.empty() && !self_left) break;
 
-    // Counts.
     uint64_t* host = need_comm ? comm_->host_words() : nullptr;
     if (!act_out.empty() || !act_in.empty()) {
-      group.clear();
-      for (int32_t p : act_out) {
-        host[2 * p] = out_count[p];
-        host[2 * p + 1] = out_bytes[p];
-        group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 2 * p, 16});
-      }
-      for (int32_t p : act_in) {
-        group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 2 * n + 2 * p, 16});
-      }
-      Status st = comm_->put_words(2 * n);
-      if (st.is_ok()) st = comm_->issue(group);
-      if (st.is_ok()) st = comm_->get_words(2 * n, 2 * n);
-      if (st.is_ok()) st = wait_idle("exchanging the counts of a round");
+      Status st = exchange_counts(act_out, act_in, out_count, out_bytes, group);
       if (!st.is_ok()) {
         if (comm_) drop_comm();
         result_ = st;
@@ -394,11 +407,8 @@ void NcclFabric::rounds() {
         moved = true;
         continue;
       }
-      for (uint64_t k = 0; k < out_count[p]; ++k) {
-        const Send& x = s.sends[out_[p][out_next_[p]++]];
-        group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, const_cast<uint8_t*>(x.src), x.bytes});
-        sends = true;
-      }
+      sends |= out_count[p] > 0;
+      add_sends(p, out_count[p], group);
     }
     for (int32_t p : act_in) {
       const uint64_t count = host[2 * n + 2 * p];
@@ -413,30 +423,21 @@ void NcclFabric::rounds() {
         }
         continue;
       }
-      uint64_t sum = 0;
-      const size_t end = in_next_[p] + count;
-      if (count <= in_[p].size() - in_next_[p]) {
-        for (size_t i = in_next_[p]; i < end; ++i) sum += s.recvs[in_[p][i]].bytes;
-      }
-      if (count > in_[p].size() - in_next_[p] || sum != bytes) {
-        // The peer's plan is not this rank's: receiving would write the
-        // wrong bytes, or wait for bytes that never come.
+      Status st = add_recvs(p, count, bytes, group);
+      if (!st.is_ok()) {
         drop_comm();
-        result_ = Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
-                                  std::to_string(count) + " slices of " + std::to_string(bytes) +
-                                  " bytes, this rank's plan expects other sizes from it; the ranks ran " +
-                                  "different plans, retry the refresh");
+        result_ = st;
         return;
-      }
-      for (; in_next_[p] < end; ++in_next_[p]) {
-        const Recv& r = s.recvs[in_[p][in_next_[p]]];
-        group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, r.dst, r.bytes});
       }
     }
     if (!group.empty()) {
       moved = true;
+      // The gather reads what the upstream copies land; the scatter of the
+      // packs received follows their group.
       Status st = sends ? comm_->order_after_upstream() : Status::ok();
+      if (st.is_ok() && !gather_.empty()) st = comm_->scatter(gather_);
       if (st.is_ok()) st = comm_->issue(group);
+      if (st.is_ok() && !scatter_.empty()) st = comm_->scatter(scatter_);
       if (!st.is_ok()) {
         drop_comm();
         result_ = st.with_context("nccl fabric");
@@ -469,6 +470,138 @@ void NcclFabric::rounds() {
     }
   }
   result_ = peer_failed;
+}
+
+}  // namespace refit::fabric
+
+namespace refit::fabric {
+
+// The communicator, its count words, and the pack areas where packing is on.
+Status NcclFabric::start_rounds() {
+  REFIT_RETURN_IF_ERROR(ensure_comm());
+  comm_->set_deadline(deadline_);
+  const size_t n = ranks_.size();
+  if (comm_->word_count() < 4 * n) {
+    return Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
+                            " count words, a round needs " + std::to_string(4 * n));
+  }
+  return share_ > 0 ? prepare_packs() : Status::ok();
+}
+
+// A round's counts: (n, bytes) to every peer it sends to, theirs from every
+// peer it receives from, into the host words [2n, 4n).
+Status NcclFabric::exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
+                                   const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
+                                   std::vector<cuda::P2p>& group) {
+  const size_t n = ranks_.size();
+  uint64_t* host = comm_->host_words();
+  group.clear();
+  for (int32_t p : act_out) {
+    host[2 * p] = out_count[p];
+    host[2 * p + 1] = out_bytes[p];
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 2 * p, 16});
+  }
+  for (int32_t p : act_in) {
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 2 * n + 2 * p, 16});
+  }
+  REFIT_RETURN_IF_ERROR(comm_->put_words(2 * n));
+  REFIT_RETURN_IF_ERROR(comm_->issue(group));
+  REFIT_RETURN_IF_ERROR(comm_->get_words(2 * n, 2 * n));
+  return wait_idle("exchanging the counts of a round");
+}
+
+Status NcclFabric::prepare_packs() {
+  Result<cuda::DomainComm::PackAreas> a = comm_->pack_areas(pack_.pack_bytes);
+  if (!a.is_ok()) {
+    return a.status().with_context("nccl fabric: allocating the two pack areas of \"pack_bytes\" (" +
+                                   std::to_string(pack_.pack_bytes) + " bytes each); 0 turns packing off on " +
+                                   "every rank of the domain");
+  }
+  areas_ = *a;
+  return Status::ok();
+}
+
+// Caps this round's sends to peer p where its pack would pass the share.
+void NcclFabric::pack_round(int32_t p, uint64_t* count, uint64_t* bytes) {
+  const Schedule& s = *schedule_;
+  sizes_.clear();
+  for (uint64_t k = 0; k < *count; ++k) sizes_.push_back(s.sends[out_[p][out_next_[p] + k]].bytes);
+  out_pack_[p] = plan_pack(sizes_, share_, pack_.pack_threshold);
+  if (out_pack_[p].taken == *count) return;
+  ++packs_full_;
+  *count = out_pack_[p].taken;
+  *bytes = 0;
+  for (uint64_t k = 0; k < *count; ++k) *bytes += sizes_[k];
+}
+
+// The round's `count` sends to peer p: the pack first (its pieces gathered
+// into the send area), then the unpacked ones in order.
+void NcclFabric::add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& group) {
+  const Schedule& s = *schedule_;
+  const PackLayout* l = share_ > 0 ? &out_pack_[p] : nullptr;
+  uint8_t* pack = nullptr;
+  if (l && l->bytes > 0) {
+    pack = areas_.send + send_used_;
+    send_used_ += (l->bytes + kPackAlign - 1) / kPackAlign * kPackAlign;
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, pack, l->bytes});
+    ++packs_sent_;
+    packed_sends_ += l->packed;
+  }
+  for (uint64_t k = 0; k < count; ++k) {
+    const Send& x = s.sends[out_[p][out_next_[p]++]];
+    const uint64_t at = l ? l->offset[k] : kUnpacked;
+    if (at == kUnpacked) {
+      group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, const_cast<uint8_t*>(x.src), x.bytes});
+    } else {
+      gather_.push_back(cuda::ScatterPiece{pack + at, x.src, x.bytes});
+    }
+  }
+}
+
+// The round's `count` receives from peer p, of `bytes` as the peer
+// announced, laid out as the peer laid out its sends: the pack first
+// (scattered into place after the group), then the unpacked ones.
+Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vector<cuda::P2p>& group) {
+  const Schedule& s = *schedule_;
+  uint64_t sum = 0;
+  if (count <= in_[p].size() - in_next_[p]) {
+    for (size_t i = in_next_[p]; i < in_next_[p] + count; ++i) sum += s.recvs[in_[p][i]].bytes;
+  }
+  if (count > in_[p].size() - in_next_[p] || sum != bytes) {
+    // The peer's plan is not this rank's: receiving would write the wrong
+    // bytes, or wait for bytes that never come.
+    return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
+                           std::to_string(count) + " slices of " + std::to_string(bytes) +
+                           " bytes, this rank's plan expects other sizes from it; the ranks ran " +
+                           "different plans, retry the refresh");
+  }
+  PackLayout l;
+  if (share_ > 0) {
+    sizes_.clear();
+    for (uint64_t k = 0; k < count; ++k) sizes_.push_back(s.recvs[in_[p][in_next_[p] + k]].bytes);
+    l = plan_pack(sizes_, share_, pack_.pack_threshold);
+    if (l.taken != count) {
+      return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
+                             std::to_string(count) + " slices in one round, this rank's pack layout takes " +
+                             std::to_string(l.taken) + ": the ranks pack differently, retry the refresh");
+    }
+  }
+  uint8_t* pack = nullptr;
+  if (l.bytes > 0) {
+    pack = areas_.recv + recv_used_;
+    recv_used_ += (l.bytes + kPackAlign - 1) / kPackAlign * kPackAlign;
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, pack, l.bytes});
+  }
+  for (uint64_t k = 0; k < count; ++k, ++in_next_[p]) {
+    const Recv& r = s.recvs[in_[p][in_next_[p]]];
+    const uint64_t at = share_ > 0 ? l.offset[k] : kUnpacked;
+    if (at == kUnpacked) {
+      group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, r.dst, r.bytes});
+    } else {
+      scatter_.push_back(cuda::ScatterPiece{r.dst, pack + at, r.bytes});
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace refit::fabric

@@ -55,6 +55,21 @@
 // id_, comm_epoch_ and contact_changed_; cv_ wakes the round thread when
 // sends become ready or the refresh finishes.
 //
+// Packed fan-out (pack.h; docs/refresh.md, "Packed fan-out"): with
+// pack_bytes > 0 and a factory that can_scatter(), the round's sends to a
+// peer are laid out by plan_pack(): the small ones are gathered (one
+// scatter-kernel launch for all peers, on the stream after the upstream
+// copies) into this rank's send pack area and cross as one send per peer,
+// ahead of the large ones; the peer lays out the same from the receives the
+// counts announce, receives the pack into its receive pack area, and
+// scatters it into the receives' places on the stream, so the last round's
+// wait covers it. A peer's pack is at most pack_bytes / (domain size - 1),
+// so the packs of one round fit the areas; the round that would pass it
+// stops there (its count says so). The areas are the communicator's (two
+// of pack_bytes in device memory), kept with it. Every member must pack
+// alike: the contact carries pack_bytes and pack_threshold (0 where the
+// factory cannot scatter), and begin() refuses a domain that differs.
+//
 // Cost: a round is two small groups and a 16-byte count per pair and way;
 // the round thread polls (yields) while a round is in flight.
 
@@ -67,12 +82,16 @@
 #include "transport/common/threads.h"
 #include "transport/cuda/device_ops.h"
 #include "transport/fabric/local_fabric.h"
+#include "transport/fabric/pack.h"
 
 namespace refit::fabric {
 
 struct NcclFabricConfig {
   int32_t rank = 0;
-  uint32_t max_sends_per_round = 256;  // per peer and round
+  uint32_t max_sends_per_round = kDefaultMaxSendsPerRound;  // per peer and round
+  // The packed fan-out (pack.h): pack_bytes per area (0: off), sends of at
+  // least pack_threshold bytes unpacked. Every rank of a domain the same.
+  PackLimits pack;
   std::chrono::microseconds idle_wait{50};  // between rounds that moved nothing
   // Starts each refresh's round thread (tests hand one that refuses;
   // transport/common/threads.h).
@@ -103,11 +122,20 @@ class NcclFabric final : public LocalFabric {
   bool contact_changed() const override;
   // How many communicators this fabric has built (tests).
   uint64_t communicators_built() const { return built_; }
+  // Whether this fabric packs (pack_bytes > 0 and the factory can scatter).
+  bool packing() const { return pack_.pack_bytes > 0; }
+  // Packs sent and the sends that went in them, since the fabric was made.
+  uint64_t packs_sent() const { return packs_sent_; }
+  uint64_t packed_sends() const { return packed_sends_; }
+  // Rounds to a peer that stopped early because its pack was full.
+  uint64_t packs_full() const { return packs_full_; }
 
   struct ContactInfo {
     uint64_t instance = 0;    // random per fabric
     uint64_t comm_epoch = 0;  // goes up when the fabric aborted a communicator
     std::vector<uint8_t> id;  // the NCCL unique id
+    uint64_t pack_bytes = 0;  // its packing (0: off)
+    uint64_t pack_threshold = 0;
   };
   static Result<ContactInfo> parse_contact(const std::vector<uint8_t>& bytes, int32_t rank);
 
@@ -116,6 +144,15 @@ class NcclFabric final : public LocalFabric {
   NcclFabric(NcclFabricConfig config, std::unique_ptr<cuda::CommFactory> factory)
       : config_(config), factory_(std::move(factory)) {}
   void rounds();
+  Status check_packing(const ContactInfo& c, int32_t rank) const;
+  Status start_rounds();
+  Status exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
+                         const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
+                         std::vector<cuda::P2p>& group);
+  Status prepare_packs();
+  void pack_round(int32_t p, uint64_t* count, uint64_t* bytes);
+  void add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& group);
+  Status add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vector<cuda::P2p>& group);
   Status ensure_comm();
   Status wait_idle(const char* what);
   void drop_comm();
@@ -125,6 +162,8 @@ class NcclFabric final : public LocalFabric {
   std::unique_ptr<cuda::CommFactory> factory_;
   uint64_t instance_ = 0;
   std::atomic<uint64_t> built_{0};
+  PackLimits pack_;  // what this rank packs with: config_.pack, off where the factory cannot scatter
+  std::atomic<uint64_t> packs_sent_{0}, packed_sends_{0}, packs_full_{0};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -153,6 +192,13 @@ class NcclFabric final : public LocalFabric {
   std::vector<size_t> out_next_, in_next_;
   size_t self_next_ = 0;
   std::vector<uint8_t> out_closed_, in_failed_;
+  // Packing, per refresh and round (the round thread's).
+  uint64_t share_ = 0;                             // a peer's pack bytes per round; 0: off
+  cuda::DomainComm::PackAreas areas_;
+  uint64_t send_used_ = 0, recv_used_ = 0;         // of the areas, this round
+  std::vector<PackLayout> out_pack_;               // per NCCL rank: this round's sends
+  std::vector<cuda::ScatterPiece> gather_, scatter_;  // this round's
+  std::vector<uint64_t> sizes_;                    // scratch
   std::thread thread_;
   Status result_;                                  // the round thread's, read after join
 };

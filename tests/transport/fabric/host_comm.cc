@@ -15,10 +15,11 @@ struct Op {
 };
 
 struct Item {
-  enum class Kind { kPut, kGet, kGroup } kind = Kind::kGroup;
+  enum class Kind { kPut, kGet, kGroup, kScatter } kind = Kind::kGroup;
   size_t from = 0, n = 0;
   std::vector<std::shared_ptr<Op>> ops;
   bool posted = false;
+  std::vector<ScatterPiece> pieces;  // kScatter
 };
 
 class HostComm;
@@ -58,6 +59,19 @@ class HostComm final : public DomainComm {
     }
     return push(std::move(item));
   }
+  Result<PackAreas> pack_areas(uint64_t bytes) override {
+    if (send_area_.size() != bytes) {
+      send_area_.assign(bytes, 0);
+      recv_area_.assign(bytes, 0);
+    }
+    return PackAreas{send_area_.data(), recv_area_.data()};
+  }
+  Status scatter(std::span<const ScatterPiece> pieces) override {
+    Item item;
+    item.kind = Item::Kind::kScatter;
+    item.pieces.assign(pieces.begin(), pieces.end());
+    return push(std::move(item));
+  }
   Result<bool> idle() override {
     std::lock_guard<std::mutex> lock(world_->mu);
     if (aborted_) return Status::internal("host comm: used after abort");
@@ -95,6 +109,8 @@ class HostComm final : public DomainComm {
         std::memcpy(words_.data(), host_.data(), item.n * 8);
       } else if (item.kind == Item::Kind::kGet) {
         std::memcpy(host_.data() + item.from, words_.data() + item.from, item.n * 8);
+      } else if (item.kind == Item::Kind::kScatter) {
+        for (const ScatterPiece& pc : item.pieces) std::memcpy(pc.dst, pc.src, pc.bytes);
       } else {
         if (!item.posted) {
           for (auto& op : item.ops) {
@@ -135,6 +151,7 @@ class HostComm final : public DomainComm {
   std::vector<uint64_t> words_;
   std::vector<uint64_t> host_;
   std::deque<Item> stream_;
+  std::vector<uint8_t> send_area_, recv_area_;
   bool aborted_ = false;
   Status error_;
 };

@@ -9,7 +9,9 @@
 // disagree are an error at both ends rather than undefined.
 //
 // Progress is made by whichever rank calls idle() or issue(); all state is
-// under one mutex of the world the ranks share.
+// under one mutex of the world the ranks share. It can scatter (the packed
+// fan-out): pack areas are host memory, a scatter a memcpy per piece in
+// stream order; HostCommFactory(false) makes a factory that cannot.
 
 #include <map>
 #include <memory>
@@ -21,6 +23,8 @@ namespace refit::cuda::testing {
 
 class HostCommFactory final : public CommFactory {
  public:
+  explicit HostCommFactory(bool can_scatter = true) : can_scatter_(can_scatter) {}
+  bool can_scatter() const override { return can_scatter_; }
   Result<std::vector<uint8_t>> unique_id() override;
   Result<std::unique_ptr<DomainComm>> connect(const std::vector<uint8_t>& id, int32_t size, int32_t rank,
                                               Clock::time_point deadline) override;
@@ -29,6 +33,7 @@ class HostCommFactory final : public CommFactory {
 
  private:
   int connects_ = 0;
+  bool can_scatter_;
 };
 
 }  // namespace refit::cuda::testing

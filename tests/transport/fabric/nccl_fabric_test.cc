@@ -22,14 +22,20 @@ struct Domain {
   std::vector<RankFabric> fabrics;
   std::vector<NcclFabric*> nccl;
 
-  Domain(int32_t ranks, uint32_t seed) : c(testing::make_case(ranks, 24 << 10, 4096, seed)), buffers(c.start) {
+  PackLimits pack;
+  bool can_scatter = true;
+
+  Domain(int32_t ranks, uint32_t seed, uint64_t half = 24 << 10, uint64_t chunk = 4096, PackLimits limits = {},
+         bool scatter = true)
+      : c(testing::make_case(ranks, half, chunk, seed)), buffers(c.start), pack(limits), can_scatter(scatter) {
     for (int32_t r = 0; r < ranks; ++r) add(r);
   }
   void add(int32_t r) {
     NcclFabricConfig config;
     config.rank = r;
+    config.pack = pack;
     Result<std::unique_ptr<NcclFabric>> f =
-        NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
+        NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>(can_scatter));
     EXPECT_TRUE(f.is_ok()) << f.status().message();
     RankFabric rf;
     rf.contact = (*f)->contact();
@@ -84,6 +90,92 @@ TEST(NcclFabric, KeepsTheCommunicatorWhileTheDomainIsUnchanged) {
   EXPECT_EQ(d.nccl[0]->communicators_built(), 2u);
   EXPECT_EQ(d.nccl[1]->communicators_built(), 2u);
   EXPECT_EQ(d.nccl[2]->communicators_built(), 1u);
+}
+
+// Every byte lands, over as many refreshes as asked; returns the sends
+// (not to itself) of all ranks in one refresh.
+size_t run_ok(Domain& d, int64_t versions) {
+  size_t sends = 0;
+  for (int64_t v = 1; v <= versions; ++v) {
+    std::vector<Schedule> s = d.schedules(v);
+    std::vector<Status> st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 30 + v);
+    sends = 0;
+    for (int32_t r = 0; r < d.c.ranks; ++r) {
+      EXPECT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].message();
+      EXPECT_EQ(d.buffers[r], d.c.expected[r]) << "rank " << r << " version " << v;
+      for (const Send& x : s[r].sends) sends += x.peer != kSelf;
+    }
+  }
+  return sends;
+}
+
+TEST(NcclFabric, PacksTheSmallSendsOfARoundToOnePeer) {
+  Domain d(4, 31);
+  const size_t sends = run_ok(d, 2);
+  uint64_t packs = 0, packed = 0;
+  for (NcclFabric* f : d.nccl) {
+    EXPECT_TRUE(f->packing());
+    packs += f->packs_sent();
+    packed += f->packed_sends();
+  }
+  // Every send of this case is far below the threshold: all went packed,
+  // in fewer packs than sends.
+  EXPECT_EQ(packed, 2 * sends);
+  EXPECT_GT(packs, 0u);
+  EXPECT_LT(packs, packed);
+}
+
+TEST(NcclFabric, ASmallPackAreaSplitsRoundsAndLargeSendsGoUnpacked) {
+  // 5 ranks, 64 KiB areas: a peer's pack is at most 16 KiB a round; sends
+  // are chunks of up to 12 KiB, and those of at least 10000 bytes go unpacked.
+  PackLimits limits;
+  limits.pack_bytes = kMinPackBytes;
+  limits.pack_threshold = 10000;
+  Domain d(5, 32, 1 << 20, 12 << 10, limits);
+  const size_t sends = run_ok(d, 2);
+  uint64_t packs = 0, packed = 0, full = 0;
+  for (NcclFabric* f : d.nccl) {
+    packs += f->packs_sent();
+    packed += f->packed_sends();
+    full += f->packs_full();
+  }
+  EXPECT_GT(full, 0u) << "no round stopped at a full pack";
+  EXPECT_GT(packed, 0u);
+  EXPECT_LT(packed, 2 * sends) << "some sends are above the threshold or the share";
+  EXPECT_GT(packs, 0u);
+}
+
+TEST(NcclFabric, WithoutPackingOrAScatterEverySendGoesAsItIs) {
+  PackLimits off;
+  off.pack_bytes = 0;
+  Domain a(3, 33, 24 << 10, 4096, off);
+  run_ok(a, 1);
+  Domain b(3, 33, 24 << 10, 4096, PackLimits{}, /*scatter=*/false);
+  run_ok(b, 1);
+  for (Domain* d : {&a, &b}) {
+    for (NcclFabric* f : d->nccl) {
+      EXPECT_FALSE(f->packing());
+      EXPECT_EQ(f->packs_sent(), 0u);
+    }
+  }
+}
+
+TEST(NcclFabric, RanksThatPackDifferentlyAreRefusedNamingTheKey) {
+  Domain d(3, 34);
+  d.pack.pack_bytes = 1 << 20;  // rank 1 restarts with another pack area
+  d.add(1);
+  std::vector<Schedule> s = d.schedules(1);
+  const Status st = d.nccl[0]->begin(s[0], Clock::now() + std::chrono::seconds(5));
+  d.nccl[0]->end();
+  ASSERT_EQ(st.code(), Code::kInvalidArgument) << st.message();
+  EXPECT_NE(st.message().find("\"pack_bytes\""), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("receiver rank 1"), std::string::npos) << st.message();
+
+  NcclFabricConfig bad;
+  bad.pack.pack_bytes = 1000;
+  Result<std::unique_ptr<NcclFabric>> f = NcclFabric::create(bad, std::make_unique<cuda::testing::HostCommFactory>());
+  ASSERT_FALSE(f.is_ok());
+  EXPECT_NE(f.status().message().find("\"pack_bytes\""), std::string::npos) << f.status().message();
 }
 
 TEST(NcclFabric, AFailedRankTellsItsPeersAtOnce) {
