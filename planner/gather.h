@@ -36,7 +36,9 @@ struct GatherOptions {
   // The agents' defaults (docs/refresh.md, "Gathers" says why these sizes).
   int64_t below_bytes = int64_t{1} << 20;  // runs smaller than this are grouped
   int64_t max_bytes = int64_t{16} << 20;   // bytes of one gather
-  int64_t max_entries = 4096;              // runs of one gather
+  // Runs of one gather: a request carries 16 bytes per run, 128 KiB at
+  // most; the source serves up to 65,536 (transport/ucx/am_rma.h).
+  int64_t max_entries = 8192;
 };
 
 // Ok, or invalid naming the key ("gather_below_bytes", "gather_bytes",

@@ -8,6 +8,8 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
                    int64_t window_bytes, bool expanded) {
   GetStats s;
   s.per_receiver.assign(plan.layout().receivers.size(), 0);
+  s.per_receiver_gathers.assign(s.per_receiver.size(), 0);
+  s.per_receiver_small_alone.assign(s.per_receiver.size(), 0);
   if (max_get_bytes <= 0) return s;
   // `times` GETs of `bytes`, each cut into pieces of at most `cut`.
   auto count = [&](int32_t receiver, int64_t bytes, int64_t cut, int64_t times = 1) {
@@ -26,9 +28,11 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
     if (c.runs > 1) {
       // One request: a gather is at most max_bytes.
       count(c.receiver, c.bytes, gather->max_bytes, c.times);
+      s.per_receiver_gathers[c.receiver] += c.times;
       if (window_bytes > 0) gathered[{c.source, c.receiver}] += c.bytes * c.times;
     } else {
       count(c.receiver, c.bytes, max_get_bytes, c.times);
+      if (gather && gather->enabled && c.bytes < gather->below_bytes) s.per_receiver_small_alone[c.receiver] += c.times;
     }
   });
   int64_t runs = 0, groups = 0;

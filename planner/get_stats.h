@@ -24,6 +24,11 @@ struct GetStats {
   std::vector<int64_t> per_receiver;  // GETs each receiver rank posts
   int64_t gets_per_receiver_max = 0;
   int32_t busiest_receiver = -1;      // the rank that posts the most (lowest on ties), -1 without GETs
+  // Of each receiver's GETs: its gathers, and its plain GETs of runs below
+  // the gathers' "gather_below_bytes" that travel alone (the rest are the
+  // chunks of larger runs). Zero without `gather`.
+  std::vector<int64_t> per_receiver_gathers;
+  std::vector<int64_t> per_receiver_small_alone;
   int64_t get_bytes_median = 0;       // the lower median over all GETs, 0 without GETs
   int64_t get_bytes_min = 0;
   int64_t get_bytes_max = 0;

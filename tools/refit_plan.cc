@@ -401,6 +401,7 @@ struct Options {
   bool no_gather = false;
   std::string gather_below;
   std::string gather_bytes;
+  std::optional<int64_t> gather_entries;
   bool compare = false;
   bool quiet = false;
   bool simulate = false;
@@ -610,9 +611,20 @@ ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) 
     j["gets"] = p.gets->gets;
     j["gets_per_receiver_max"] = p.gets->gets_per_receiver_max;
     j["gets_busiest_receiver"] = p.gets->busiest_receiver;
+    if (p.gets->busiest_receiver >= 0) {
+      // Its GETs: gathers, small runs alone, and the chunks of larger runs.
+      const auto b = static_cast<size_t>(p.gets->busiest_receiver);
+      j["gets_busiest_receiver_gathers"] = p.gets->per_receiver_gathers[b];
+      j["gets_busiest_receiver_small_alone"] = p.gets->per_receiver_small_alone[b];
+    }
     j["get_bytes_median"] = p.gets->get_bytes_median;
     j["get_bytes_min"] = p.gets->get_bytes_min;
     j["get_bytes_max"] = p.gets->get_bytes_max;
+    // How many GETs of each power-of-two size class, keyed by the class's
+    // upper bound in bytes ("1048576": 524,289 to 1,048,576 bytes).
+    ordered_json classes = ordered_json::object();
+    for (const auto& [bound, count] : refit::size_classes(*p.gets)) classes[std::to_string(bound)] = count;
+    j["get_size_classes"] = std::move(classes);
     // Small runs grouped into gathers (planner/gather.h); the figures
     // without grouping beside them.
     j["gather"] = g_gather.enabled;
@@ -663,6 +675,11 @@ std::string summary_table(const ordered_json& j) {
       value = it->get<bool>() ? "yes" : "no";
     } else if (it->is_number_float()) {
       value = fixed(it->get<double>(), 6);
+    } else if (it->is_object()) {  // get_size_classes: "up to SIZE: COUNT" each
+      for (auto c = it->begin(); c != it->end(); ++c) {
+        value += std::string(value.empty() ? "" : ", ") + "<=" + human_bytes(std::stoll(c.key())) + ": " +
+                 std::to_string(c->get<int64_t>());
+      }
     } else {
       value = std::to_string(it->get<int64_t>());
       for (const char* k : kByteKeys)
@@ -1046,6 +1063,7 @@ int run(const Options& o) {
                                *text + "\"");
     *field = *n;
   }
+  if (o.gather_entries) g_gather.max_entries = *o.gather_entries;
   if (Status st = refit::validate(g_gather); !st.is_ok()) return usage_error(st.message());
   if (o.strategy == "no-dedup") po.strategy = Strategy::kNoDedup;
   if (o.strategy == "broadcast") po.strategy = Strategy::kBroadcast;
@@ -1164,6 +1182,10 @@ int main(int argc, char** argv) {
       ->type_name("SIZE");
   app.add_option("--gather-bytes", o.gather_bytes, "bytes of one gather (the agents' \"gather_bytes\", default 16MiB)")
       ->type_name("SIZE");
+  app.add_option("--gather-entries", o.gather_entries,
+                 "runs of one gather (the agents' \"gather_entries\", default " +
+                     std::to_string(refit::GatherOptions{}.max_entries) + ", at most 65536)")
+      ->type_name("N");
   app.add_flag("--compare", o.compare,
                "plan refit, no-dedup and broadcast for every input; print one row each");
   app.add_flag("--quiet", o.quiet, "print nothing; write only the files asked for");

@@ -176,7 +176,7 @@
  *                    "window_bytes"; a run
  *                    below "gather_below_bytes" but above this travels alone
  *                    and the report counts it ("gathers": {"unpacked"})
- *     "gather_entries" integer [4096]: runs of one gather, 2 to 65536
+ *     "gather_entries" integer [8192]: runs of one gather, 2 to 65536
  *     "landing_bytes" integer [67108864]: pinned host
  *                    memory of the landing ring (GPU buffers that UCX cannot
  *                    write), in slots of "chunk_bytes" but at most 4 MiB each:

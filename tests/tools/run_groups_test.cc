@@ -66,6 +66,8 @@ void expect_same(const GetStats& a, const GetStats& b, const std::string& what) 
   SCOPED_TRACE(what);
   EXPECT_EQ(a.gets, b.gets);
   EXPECT_EQ(a.per_receiver, b.per_receiver);
+  EXPECT_EQ(a.per_receiver_gathers, b.per_receiver_gathers);
+  EXPECT_EQ(a.per_receiver_small_alone, b.per_receiver_small_alone);
   EXPECT_EQ(a.gets_per_receiver_max, b.gets_per_receiver_max);
   EXPECT_EQ(a.busiest_receiver, b.busiest_receiver);
   EXPECT_EQ(a.get_bytes_median, b.get_bytes_median);

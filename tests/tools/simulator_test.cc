@@ -176,14 +176,16 @@ TEST(Simulator, HostLandingAndPublishCopiesAddTheirTime) {
   EXPECT_NEAR(r.predicted_seconds, (4 + 4.096 + 2 + 2) * kUs, 1e-12);
 }
 
-// A column slice of a row-major source: every row is its own run.
-Layout column_slices() {
+// A column slice of a row-major source: every row is its own run, of half
+// a row of `cols` F32 for each of the two receivers.
+Layout column_slices(int64_t rows = 64, int64_t cols = 8) {
   json l = json::parse(R"J({"format": "refit-layout/1",
     "sources": [{"rank": 0, "domain": 0}],
     "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 1, "instance": 1}],
     "tensors": [{"name": "w", "dtype": "F32", "shape": [64, 8],
       "source": {"mesh": [1], "ranks": [0], "placements": ["R"]},
       "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]}}]})J");
+  l["tensors"][0]["shape"] = {rows, cols};
   auto L = parse_layout_json(l.dump(), "t");
   EXPECT_TRUE(L.is_ok()) << L.status().message();
   return L.is_ok() ? std::move(*L) : Layout{};
@@ -224,6 +226,39 @@ TEST(Simulator, GathersCountAsOneGetAsTheAgentsGroupThem) {
   const SimResult plain = simulated(*plan, unit_hardware(), false, /*gather=*/false);
   EXPECT_LT(r.predicted_seconds, plain.predicted_seconds);
   EXPECT_LT(r.predicted_seconds, 8 * kUs);
+}
+
+// The shape behind dsv3-bf16-512-h100's busiest receiver (docs/simulator.md,
+// "GETs in refit-plan --json"): a column slice of a row-major source, each
+// receiver's rows a few hundred bytes or less, so the gathers fill up by
+// their count of runs long before their 16 MiB. Here 40,000 rows of 128
+// bytes for each of two receivers: with the agents' default of 8192 runs a
+// gather, five GETs each (with 4096, ten).
+TEST(GetStats, SmallRowsFillGathersOfTheAgentsDefaultEntries) {
+  const Layout L = column_slices(40000, 64);  // the plan refers to it
+  ASSERT_EQ(L.tensors.size(), 1u);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const GatherOptions agents;
+  const GetStats g = get_stats(*plan, 1 << 20, &agents);
+  EXPECT_EQ(g.gathered_runs, 2 * 40000);
+  EXPECT_EQ(g.gathers, 2 * 5);
+  EXPECT_EQ(g.gets_per_receiver_max, 5);
+  // Four gathers of 8192 rows (1 MiB) and one of the other 7,232 each.
+  EXPECT_EQ(g.sizes, (std::map<int64_t, int64_t>{{7232 * 128, 2}, {8192 * 128, 8}}));
+  EXPECT_EQ(g.get_bytes_median, 8192 * 128);
+  EXPECT_EQ(g.per_receiver_gathers, (std::vector<int64_t>{5, 5}));
+  EXPECT_EQ(g.per_receiver_small_alone, (std::vector<int64_t>{0, 0}));
+  const SimResult r = simulated(*plan, unit_hardware());
+  EXPECT_EQ(r.gets, g.gets);
+  EXPECT_EQ(r.gets_per_receiver_max, g.gets_per_receiver_max);
+  // Gathers too small for a row: every row travels alone.
+  GatherOptions tiny;
+  tiny.max_bytes = 64;
+  const GetStats alone = get_stats(*plan, 1 << 20, &tiny);
+  EXPECT_EQ(alone.per_receiver_small_alone, (std::vector<int64_t>{40000, 40000}));
+  EXPECT_EQ(alone.per_receiver_gathers, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(alone.gets_per_receiver_max, 40000);
 }
 
 // What the one source may be asked to hold for the two receivers' gathers

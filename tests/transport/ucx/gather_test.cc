@@ -134,6 +134,21 @@ TEST_F(GatherFixture, ColumnSliceLandsInOneRequest) {
   expect_landed(parts);
 }
 
+// The most ranges a server takes in one request (the agents' default
+// "gather_entries" is an eighth of it): a request of 1 MiB of entries, sent
+// eager over tcp, served whole.
+TEST_F(GatherFixture, AGatherOfTheMostEntriesLandsInOneRequest) {
+  make_engine(1 << 20);
+  const auto parts = column_slice(am_rma::kMaxGatherEntries, 8, 15);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(20));
+  ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+  EXPECT_EQ(report.gets_issued, 1u);
+  EXPECT_EQ(server_->served(), 1u);
+  EXPECT_EQ(server_->refused(), 0u);
+  expect_landed(parts);
+}
+
 TEST_F(GatherFixture, GatherLargerThanAChunkIsCutAcrossRanges) {
   make_engine(4096);  // chunks end inside ranges
   std::mt19937_64 rng(18);
