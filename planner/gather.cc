@@ -12,10 +12,9 @@ Status validate(const GatherOptions& o) {
   if (o.max_bytes <= 0) {
     return Status::invalid("\"gather_bytes\" must be a positive integer, got " + std::to_string(o.max_bytes));
   }
-  // 65536: the most ranges a source serves in one gather request
-  // (transport/ucx/am_rma.h, kMaxGatherEntries).
-  if (o.max_entries < 2 || o.max_entries > 65536) {
-    return Status::invalid("\"gather_entries\" must lie in [2, 65536], got " + std::to_string(o.max_entries));
+  if (o.max_entries < 2 || o.max_entries > kGatherEntriesMax) {
+    return Status::invalid("\"gather_entries\" must lie in [2, " + std::to_string(kGatherEntriesMax) + "], got " +
+                           std::to_string(o.max_entries));
   }
   return Status::ok();
 }

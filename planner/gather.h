@@ -31,13 +31,18 @@
 
 namespace refit {
 
+// The most runs one gather may hold: what a source serves in one request
+// (transport/ucx/am_rma.h, kMaxGatherEntries, which is asserted equal).
+constexpr int64_t kGatherEntriesMax = 65536;
+
 struct GatherOptions {
   bool enabled = true;
   // The agents' defaults (docs/refresh.md, "Gathers" says why these sizes).
   int64_t below_bytes = int64_t{1} << 20;  // runs smaller than this are grouped
   int64_t max_bytes = int64_t{16} << 20;   // bytes of one gather
-  // Runs of one gather: a request carries 16 bytes per run, 128 KiB at
-  // most; the source serves up to 65,536 (transport/ucx/am_rma.h).
+  // Runs of one gather: a request carries 16 bytes per run, so 128 KiB at
+  // most at this default (1 MiB at kGatherEntriesMax, the most a source
+  // serves).
   int64_t max_entries = 8192;
 };
 

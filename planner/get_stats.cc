@@ -12,6 +12,7 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
   s.per_receiver_small_alone.assign(s.per_receiver.size(), 0);
   if (max_get_bytes <= 0) return s;
   // `times` GETs of `bytes`, each cut into pieces of at most `cut`.
+  // Returns how many GETs that is.
   auto count = [&](int32_t receiver, int64_t bytes, int64_t cut, int64_t times = 1) {
     const int64_t whole = bytes / cut;
     const int64_t rest = bytes % cut;
@@ -20,19 +21,22 @@ GetStats get_stats(const Plan& plan, int64_t max_get_bytes, const GatherOptions*
     s.gets += n;
     if (whole > 0) s.sizes[cut] += whole * times;
     if (rest > 0) s.sizes[rest] += times;
+    return n;
   };
+  // Runs below this travel alone only where they do not join a gather:
+  // grouping off, a gather that closed with one run, or unpacked.
+  const int64_t small_below = gather ? gather->below_bytes : 0;
   GatherOptions off;
   off.enabled = false;
   std::map<std::pair<int32_t, int32_t>, int64_t> gathered;  // (source, receiver) -> gather bytes
   GatherCounter counter(gather ? *gather : off, [&](const GatherClose& c) {
     if (c.runs > 1) {
       // One request: a gather is at most max_bytes.
-      count(c.receiver, c.bytes, gather->max_bytes, c.times);
-      s.per_receiver_gathers[c.receiver] += c.times;
+      s.per_receiver_gathers[c.receiver] += count(c.receiver, c.bytes, gather->max_bytes, c.times);
       if (window_bytes > 0) gathered[{c.source, c.receiver}] += c.bytes * c.times;
     } else {
-      count(c.receiver, c.bytes, max_get_bytes, c.times);
-      if (gather && gather->enabled && c.bytes < gather->below_bytes) s.per_receiver_small_alone[c.receiver] += c.times;
+      const int64_t n = count(c.receiver, c.bytes, max_get_bytes, c.times);
+      if (c.bytes < small_below) s.per_receiver_small_alone[c.receiver] += n;
     }
   });
   int64_t runs = 0, groups = 0;

@@ -25,8 +25,11 @@ struct GetStats {
   int64_t gets_per_receiver_max = 0;
   int32_t busiest_receiver = -1;      // the rank that posts the most (lowest on ties), -1 without GETs
   // Of each receiver's GETs: its gathers, and its plain GETs of runs below
-  // the gathers' "gather_below_bytes" that travel alone (the rest are the
-  // chunks of larger runs). Zero without `gather`.
+  // `gather`'s below_bytes ("gather_below_bytes") that travel alone, each
+  // run as many GETs as its chunks of at most `max_get_bytes`; the rest are
+  // the chunks of runs of at least below_bytes. With `gather` disabled,
+  // every run below below_bytes travels alone and counts here; without
+  // `gather` (null) there is no threshold and both are zero.
   std::vector<int64_t> per_receiver_gathers;
   std::vector<int64_t> per_receiver_small_alone;
   int64_t get_bytes_median = 0;       // the lower median over all GETs, 0 without GETs

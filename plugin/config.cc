@@ -188,7 +188,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
     c.gather.max_bytes = r.integer(doc, "", "gather_bytes",
                                    std::min<int64_t>(c.gather.max_bytes, static_cast<int64_t>(c.window_bytes)), 1,
                                    int64_t{64} << 20);
-    c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, 65536);
+    c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, kGatherEntriesMax);
     // A gather is one request, in flight as a whole.
     if (r.ok() && c.gather.enabled && static_cast<uint64_t>(c.gather.max_bytes) > c.window_bytes) {
       r.fail("gather_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + "), got " +

@@ -1063,7 +1063,8 @@ int main(int argc, char** argv) {
     }
     row.minimum_network_bytes = minimum;
     if (hardware) {
-      auto p = refit::bench::predict(*layout, (*strategies)[i], *hardware, !no_gather);
+      auto p = refit::bench::predict(*layout, (*strategies)[i], *hardware,
+                                     refit::bench::receiver_gathers(options.receiver_config, !no_gather));
       if (!p) {
         std::fprintf(stderr, "refit-bench: %s\n", p.status().message().c_str());
         return 1;

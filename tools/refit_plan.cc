@@ -31,6 +31,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -1064,7 +1065,15 @@ int run(const Options& o) {
     *field = *n;
   }
   if (o.gather_entries) g_gather.max_entries = *o.gather_entries;
-  if (Status st = refit::validate(g_gather); !st.is_ok()) return usage_error(st.message());
+  if (Status st = refit::validate(g_gather); !st.is_ok()) {
+    // The message names the agents' key; say which flag set it.
+    for (const auto& [key, flag] : {std::pair{"\"gather_below_bytes\"", "--gather-below"},
+                                    std::pair{"\"gather_bytes\"", "--gather-bytes"},
+                                    std::pair{"\"gather_entries\"", "--gather-entries"}}) {
+      if (st.message().rfind(key, 0) == 0) return usage_error(std::string(flag) + ": " + st.message());
+    }
+    return usage_error(st.message());
+  }
   if (o.strategy == "no-dedup") po.strategy = Strategy::kNoDedup;
   if (o.strategy == "broadcast") po.strategy = Strategy::kBroadcast;
   if (o.no_dedup) {
@@ -1184,7 +1193,8 @@ int main(int argc, char** argv) {
       ->type_name("SIZE");
   app.add_option("--gather-entries", o.gather_entries,
                  "runs of one gather (the agents' \"gather_entries\", default " +
-                     std::to_string(refit::GatherOptions{}.max_entries) + ", at most 65536)")
+                     std::to_string(refit::GatherOptions{}.max_entries) + ", at most " +
+                     std::to_string(refit::kGatherEntriesMax) + ")")
       ->type_name("N");
   app.add_flag("--compare", o.compare,
                "plan refit, no-dedup and broadcast for every input; print one row each");

@@ -19,6 +19,7 @@
 #include "planner/plan.h"
 #include "tools/bench/agent.h"
 #include "tools/bench/pattern.h"
+#include "tools/bench/predict.h"
 #include "tools/bench/process_group.h"
 #include "tools/bench/rank_buffers.h"
 #include "tools/bench/resident_memory.h"
@@ -230,6 +231,45 @@ TEST(BenchHelpers, NoDedupGivesEveryReceiverItsOwnDomain) {
   ASSERT_TRUE(c.is_ok());
   EXPECT_EQ(b->summary().network_bytes, c->summary().network_bytes);
   EXPECT_GT(b->summary().network_bytes, a->summary().network_bytes);
+}
+
+// refit-bench --hardware predicts with the gathers its receivers are
+// configured with: --no-gather, then --receiver-config's keys, which the
+// bench sets last.
+TEST(BenchHelpers, PredictionGathersAsTheReceiversAreConfigured) {
+  using nlohmann::json;
+  const refit::GatherOptions defaults;
+  refit::GatherOptions g = receiver_gathers(json::object(), true);
+  EXPECT_TRUE(g.enabled);
+  EXPECT_EQ(g.below_bytes, defaults.below_bytes);
+  EXPECT_EQ(g.max_bytes, defaults.max_bytes);
+  EXPECT_EQ(g.max_entries, defaults.max_entries);
+  EXPECT_FALSE(receiver_gathers(json::object(), false).enabled);
+  g = receiver_gathers(json{{"gather_below_bytes", 4096}, {"gather_bytes", 65536}, {"gather_entries", 2}}, true);
+  EXPECT_TRUE(g.enabled);
+  EXPECT_EQ(g.below_bytes, 4096);
+  EXPECT_EQ(g.max_bytes, 65536);
+  EXPECT_EQ(g.max_entries, 2);
+  EXPECT_TRUE(receiver_gathers(json{{"gather_below_bytes", 4096}}, false).enabled);  // the config wins
+  EXPECT_FALSE(receiver_gathers(json{{"gather_below_bytes", 0}}, true).enabled);
+  // "gather_bytes" unset is at most the window, as the agents take it.
+  EXPECT_EQ(receiver_gathers(json{{"window_bytes", 8 << 20}}, true).max_bytes, 8 << 20);
+  EXPECT_EQ(receiver_gathers(json{{"window_bytes", 8 << 20}, {"gather_bytes", 4096}}, true).max_bytes, 4096);
+
+  // The prediction takes them: on kLayout, whose receivers pull rows of a
+  // few bytes, gathers of at most 2 runs are more GETs than the defaults'.
+  const Layout layout = parse(kLayout);
+  const refit::HardwareModel hw = refit::default_hardware();
+  auto a = predict(layout, refit::Strategy::kRefit, hw, defaults);
+  refit::GatherOptions two = defaults;
+  two.max_entries = 2;
+  auto c = predict(layout, refit::Strategy::kRefit, hw, two);
+  ASSERT_TRUE(a.is_ok() && c.is_ok());
+  EXPECT_GT(c->seconds, a->seconds);
+  two.max_entries = 1;
+  auto bad = predict(layout, refit::Strategy::kRefit, hw, two);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("gather_entries"), std::string::npos) << bad.status().message();
 }
 
 // Nothing hangs: a child that stays silent misses its deadline and is

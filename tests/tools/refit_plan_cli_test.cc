@@ -158,7 +158,8 @@ TEST_F(RefitPlanCli, HelpListsTheOptions) {
   EXPECT_EQ(r.code, 0);
   for (const char* opt : {"--layout", "--scenario", "--models", "--model", "--layout-out", "--runs", "--json",
                           "--strategy", "--no-dedup", "--chunk-bytes", "--compare", "--quiet", "--simulate",
-                          "--trace", "--hardware", "--progress-after"})
+                          "--trace", "--hardware", "--progress-after", "--no-gather", "--gather-below",
+                          "--gather-bytes", "--gather-entries"})
     EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
 }
 
@@ -468,6 +469,11 @@ TEST_F(RefitPlanCli, GetStatisticsInTheSummary) {
   EXPECT_EQ(s["gathers"], 4);
   EXPECT_EQ(s["gathered_runs"], 20);
   EXPECT_EQ(s["gather_unpacked"], 0);
+  // Receiver 1's two GETs are gathers; no small run travels alone.
+  EXPECT_EQ(s["gets_busiest_receiver_gathers"], 2);
+  EXPECT_EQ(s["gets_busiest_receiver_small_alone"], 0);
+  // Four gathers of 30 bytes and q's 32: all in the class up to 32 bytes.
+  EXPECT_EQ(s["get_size_classes"], json::parse(R"({"32": 5})"));
   // Each source serves one 30-byte gather to each of receivers 1 and 2:
   // that is what a source may hold for them, well within its bound.
   EXPECT_EQ(s["gather_reply_bytes_wanted"], 60);
@@ -484,6 +490,11 @@ TEST_F(RefitPlanCli, GetStatisticsInTheSummary) {
   EXPECT_EQ(o["get_bytes_median"], 6);
   EXPECT_EQ(o["get_bytes_min"], 6);
   EXPECT_EQ(o["gathers"], 0);
+  // Every GET of receiver 1 is a row below "gather_below_bytes", alone.
+  EXPECT_EQ(o["gets_busiest_receiver"], 1);
+  EXPECT_EQ(o["gets_busiest_receiver_gathers"], 0);
+  EXPECT_EQ(o["gets_busiest_receiver_small_alone"], 10);
+  EXPECT_EQ(o["get_size_classes"], json::parse(R"({"8": 20, "32": 1})"));
   // A gather bound smaller than a row: the 20 rows and q travel unpacked, counted.
   const Outcome small = run({"--layout", l, "--gather-bytes", "4", "--json", "-"});
   ASSERT_EQ(small.code, 0) << small.err;
@@ -492,6 +503,50 @@ TEST_F(RefitPlanCli, GetStatisticsInTheSummary) {
   const Outcome b = run({"--layout", l, "--strategy", "broadcast", "--json", "-"});
   ASSERT_EQ(b.code, 0) << b.err;
   EXPECT_FALSE(json::parse(b.out).contains("gets"));
+}
+
+// --gather-entries sets the agents' "gather_entries": at 2 runs a gather,
+// each source's 5 rows for receivers 1 and 2 (GetStatisticsInTheSummary)
+// travel as gathers of 2, 2 and a row alone.
+TEST_F(RefitPlanCli, GatherEntriesBoundsTheRunsOfAGather) {
+  const std::string l = write("l.json", kLayout);
+  const Outcome r = run({"--layout", l, "--gather-entries", "2", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json s = json::parse(r.out);
+  EXPECT_EQ(s["gathers"], 8);
+  EXPECT_EQ(s["gathered_runs"], 16);
+  EXPECT_EQ(s["gets"], 13);
+  EXPECT_EQ(s["gets_per_receiver_max"], 6);
+  EXPECT_EQ(s["gets_busiest_receiver"], 1);
+  EXPECT_EQ(s["gets_busiest_receiver_gathers"], 4);
+  EXPECT_EQ(s["gets_busiest_receiver_small_alone"], 2);
+  // Rows of 6 bytes, gathers of 12, q's 32.
+  EXPECT_EQ(s["get_size_classes"], json::parse(R"({"8": 4, "16": 8, "32": 1})"));
+  for (const char* bad : {"0", "1", "65537"}) {
+    SCOPED_TRACE(bad);
+    expect_bad({"--layout", l, "--gather-entries", bad},
+               std::string(R"(--gather-entries: "gather_entries" must lie in [2, 65536], got )") + bad);
+  }
+  expect_bad({"--layout", l, "--gather-entries", "abc"}, "--gather-entries");
+}
+
+// The table prints the size classes as "<=BOUND: COUNT" and the busiest
+// receiver's split as plain counts.
+TEST_F(RefitPlanCli, TablePrintsTheGetSizeClassesAndTheBusiestReceiversSplit) {
+  const std::string l = write("l.json", kLayout);
+  const Outcome r = run({"--layout", l, "--gather-entries", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto line = [&](const std::string& key) {
+    const size_t at = r.out.find("\n" + key + " ");
+    if (at == std::string::npos) return std::string("(no line " + key + ")");
+    const size_t end = r.out.find('\n', at + 1);
+    std::string text = r.out.substr(at + 1, end - at - 1);
+    text.erase(0, text.find_first_not_of(' ', key.size()));  // the value, after the padding
+    return text;
+  };
+  EXPECT_EQ(line("get_size_classes"), "<=8 B: 4, <=16 B: 8, <=32 B: 1") << r.out;
+  EXPECT_EQ(line("gets_busiest_receiver_gathers"), "4") << r.out;
+  EXPECT_EQ(line("gets_busiest_receiver_small_alone"), "2") << r.out;
 }
 
 TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {

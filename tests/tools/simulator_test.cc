@@ -261,6 +261,63 @@ TEST(GetStats, SmallRowsFillGathersOfTheAgentsDefaultEntries) {
   EXPECT_EQ(alone.gets_per_receiver_max, 40000);
 }
 
+// One source; two receivers in domains of their own, each pulling for itself:
+// a column slice of "rows" (64 rows of 128 bytes each), "mid" whole (one
+// run of 3 MiB) and "big" whole (8 MiB).
+Layout rows_mid_big() {
+  json l = json::parse(R"J({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 1, "instance": 0}, {"rank": 1, "domain": 2, "instance": 1}],
+    "tensors": [
+      {"name": "rows", "dtype": "F32", "shape": [64, 64],
+       "source": {"mesh": [1], "ranks": [0], "placements": ["R"]},
+       "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["S(1)"]}},
+      {"name": "mid", "dtype": "F32", "shape": [786432],
+       "source": {"mesh": [1], "ranks": [0], "placements": ["R"]},
+       "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["R"]}},
+      {"name": "big", "dtype": "F32", "shape": [2097152],
+       "source": {"mesh": [1], "ranks": [0], "placements": ["R"]},
+       "receiver": {"mesh": [2], "ranks": [0, 1], "placements": ["R"]}}]})J");
+  auto L = parse_layout_json(l.dump(), "t");
+  EXPECT_TRUE(L.is_ok()) << L.status().message();
+  return L.is_ok() ? std::move(*L) : Layout{};
+}
+
+// A receiver's GETs are its gathers, its GETs of small runs that travel
+// alone, and the 1 MiB chunks of the runs of at least "gather_below_bytes"
+// (get_stats.h): the three add up to its GETs, a small run of several
+// chunks counting each.
+TEST(GetStats, GathersSmallRunsAloneAndLargeRunsAddUpToTheGets) {
+  const Layout L = rows_mid_big();  // the plan refers to it
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  // Runs below 4 MiB are grouped, but a gather holds at most 2 MiB: the
+  // 3 MiB run of "mid" travels alone (unpacked), three GETs of 1 MiB.
+  GatherOptions o;
+  o.below_bytes = int64_t{4} << 20;
+  o.max_bytes = int64_t{2} << 20;
+  const GetStats g = get_stats(*plan, 1 << 20, &o);
+  const int64_t big_chunks = 8;
+  EXPECT_EQ(g.unpacked, 2);
+  EXPECT_EQ(g.per_receiver_gathers, (std::vector<int64_t>{1, 1}));  // the 64 rows
+  EXPECT_EQ(g.per_receiver_small_alone, (std::vector<int64_t>{3, 3}));
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(g.per_receiver_gathers[r] + g.per_receiver_small_alone[r] + big_chunks, g.per_receiver[r]) << r;
+  }
+  EXPECT_EQ(g.per_receiver, (std::vector<int64_t>{12, 12}));
+  // Grouping off (refit-plan --no-gather): every run below the threshold
+  // travels alone, the 64 rows one GET each and "mid" three.
+  o.enabled = false;
+  const GetStats off = get_stats(*plan, 1 << 20, &o);
+  EXPECT_EQ(off.per_receiver_gathers, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(off.per_receiver_small_alone, (std::vector<int64_t>{64 + 3, 64 + 3}));
+  EXPECT_EQ(off.per_receiver, (std::vector<int64_t>{64 + 3 + big_chunks, 64 + 3 + big_chunks}));
+  // No gather options at all: no threshold, so nothing counts as small.
+  const GetStats none = get_stats(*plan, 1 << 20);
+  EXPECT_EQ(none.per_receiver_small_alone, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(none.per_receiver, off.per_receiver);
+}
+
 // What the one source may be asked to hold for the two receivers' gathers
 // (1024 bytes each): all of it, or each receiver's window where that is less.
 TEST(GetStats, GatherReplyMemoryWantedIsTheSourcesPullersWindowsAtMost) {

@@ -1,9 +1,8 @@
 #include "tools/bench/predict.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "planner/hardware.h"
 #include "tools/sim/simulator.h"
@@ -28,7 +27,28 @@ Result<HardwareModel> read_hardware_file(const std::string& path) {
   return model;
 }
 
-Result<Prediction> predict(const Layout& layout, Strategy strategy, const HardwareModel& hw, bool gather) {
+GatherOptions receiver_gathers(const nlohmann::json& receiver_config, bool gather) {
+  GatherOptions o;
+  if (!gather) o.below_bytes = 0;
+  auto integer = [&](const char* key, int64_t* into) {
+    const auto it = receiver_config.find(key);
+    if (it == receiver_config.end() || !it->is_number_integer()) return false;
+    *into = it->get<int64_t>();
+    return true;
+  };
+  integer("gather_below_bytes", &o.below_bytes);
+  int64_t window = 0;
+  if (!integer("gather_bytes", &o.max_bytes) && integer("window_bytes", &window)) {
+    o.max_bytes = std::min(o.max_bytes, window);
+  }
+  integer("gather_entries", &o.max_entries);
+  o.enabled = o.below_bytes > 0;
+  return o;
+}
+
+Result<Prediction> predict(const Layout& layout, Strategy strategy, const HardwareModel& hw,
+                           const GatherOptions& gather) {
+  if (Status st = validate(gather); !st.is_ok()) return st.with_context("predicting with the receivers' gathers");
   PlanOptions po;
   po.strategy = strategy;
   auto plan = make_plan(layout, po);
@@ -38,7 +58,7 @@ Result<Prediction> predict(const Layout& layout, Strategy strategy, const Hardwa
     return Prediction{r.predicted_seconds, r.model};
   }
   sim::SimOptions so;
-  so.gather.enabled = gather;
+  so.gather = gather;
   auto r = sim::simulate(*plan, hw, so);
   if (!r) return r.status().with_context("predicting " + std::string(strategy_name(strategy)));
   return Prediction{r->predicted_seconds, r->model};

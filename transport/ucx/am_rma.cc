@@ -7,6 +7,7 @@
 #include <memory>
 #include <thread>
 
+#include "planner/gather.h"
 #include "transport/ucx/by_copy.h"
 #include "transport/ucx/ucx_status.h"
 
@@ -102,6 +103,10 @@ ucs_status_t drop(void*, const void*, size_t, void*, size_t, const ucp_am_recv_p
 }  // namespace
 
 namespace am_rma {
+
+// The receivers' "gather_entries" (planner/gather.h) may go up to what a
+// source serves.
+static_assert(kMaxGatherEntries == refit::kGatherEntriesMax);
 
 Status install_fallback_handler(ucp_worker_h worker, unsigned id) {
   switch (id) {

@@ -868,6 +868,20 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
                                                   std::to_string(c.bytes) +
                                                   "; lower \"gather_bytes\", or raise the source's "
                                                   "\"gather_reply_bytes\""));
+    } else if (am_refused && status == UCS_ERR_INVALID_PARAM && !r.gather.empty()) {
+      // The server refuses a gather's entry list whole when it has too
+      // many entries, too many bytes, or does not add up (am_rma.h); this
+      // side checks the first two against its own bounds before sending,
+      // so a peer that refuses serves less than they say.
+      fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the source refused the gather request of " +
+                                                  std::to_string(c.bytes) + " bytes at offset " +
+                                                  std::to_string(c.offset) +
+                                                  ": too many ranges or bytes for it in one request (sources of "
+                                                  "this version serve " +
+                                                  std::to_string(am_rma::kMaxGatherEntries) + " ranges and " +
+                                                  std::to_string(am_rma::kMaxGatherBytes) +
+                                                  " bytes at most), or a malformed list; lower "
+                                                  "\"gather_entries\" or \"gather_bytes\""));
     } else if (am_refused) {
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer refused the " +
                                                   op_name(r.op) + " of " + std::to_string(c.bytes) +
