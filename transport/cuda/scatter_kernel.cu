@@ -32,6 +32,10 @@ __global__ void scatter(const ScatterPiece* pieces, uint32_t n) {
 int launch_scatter(const ScatterPiece* pieces, uint32_t n, void* stream) {
   if (n == 0) return cudaSuccess;
   const uint32_t blocks = n < 4096 ? n : 4096;
+  // cudaGetLastError() after a launch reports any earlier error of this
+  // thread too (the round thread's cudaEventQuery leaves cudaErrorNotReady):
+  // clear it first, so that what it returns is the launch's.
+  (void)cudaGetLastError();
   scatter<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(pieces, n);
   return cudaGetLastError();
 }
