@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -197,8 +198,10 @@ class NcclDomainComm final : public DomainComm {
       t.capacity = pieces.size();
     }
     std::memcpy(t.data, pieces.data(), pieces.size() * sizeof(ScatterPiece));
+    uint64_t max_bytes = 0;
+    for (const ScatterPiece& pc : pieces) max_bytes = std::max(max_bytes, pc.bytes);
     const auto n = static_cast<uint32_t>(pieces.size());
-    REFIT_RETURN_IF_ERROR(from_cuda(static_cast<cudaError_t>(launch_scatter(t.data, n, stream_)),
+    REFIT_RETURN_IF_ERROR(from_cuda(static_cast<cudaError_t>(launch_scatter(t.data, n, max_bytes, stream_)),
                                     "scatter kernel (" + std::to_string(n) + " pieces of the packed fan-out)"));
     REFIT_RETURN_IF_ERROR(from_cuda(cudaEventRecord(t.event, as_stream(stream_)), "cudaEventRecord(scatter table)"));
     return stream_op(cudaSuccess, "scatter kernel");
