@@ -70,7 +70,7 @@ bool NcclFabric::contact_changed() const {
   return contact_changed_;
 }
 
-Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(const std::vector<uint8_t>& b, int32_t rank) {
+Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(std::span<const uint8_t> b, int32_t rank) {
   auto bad = [rank](const std::string& why) {
     return Status::invalid("receiver rank " + std::to_string(rank) + " registered a contact that is not an NCCL " +
                            "fabric's (" + why + "): every rank of a domain must use the same \"local\" fabric");
@@ -85,16 +85,22 @@ Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(const std::vector<uint
     for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(b[at + i]) << (8 * i);
     return v;
   };
+  // Every read below is inside the bytes checked before it.
   if (b.size() < 8 || std::memcmp(b.data(), kMagic, 4) != 0) return bad("wrong magic");
   if (u32(4) != kFormat) return bad("format " + std::to_string(u32(4)) + ", this build reads " + std::to_string(kFormat));
+  if (b.size() < kHeader) {
+    return bad("truncated: " + std::to_string(b.size()) + " bytes, its header has " + std::to_string(kHeader));
+  }
   ContactInfo c;
   c.instance = u64(8);
-  if (b.size() < kHeader) return bad("truncated");
   c.comm_epoch = u64(16);
   c.pack_bytes = u64(24);
   c.pack_threshold = u64(32);
   const uint32_t n = u32(40);
-  if (n == 0 || b.size() - kHeader != n) return bad("truncated unique id");
+  if (n == 0 || b.size() - kHeader != n) {
+    return bad("a unique id of " + std::to_string(n) + " bytes announced, " + std::to_string(b.size() - kHeader) +
+               " follow");
+  }
   c.id.assign(b.begin() + kHeader, b.end());
   return c;
 }

@@ -76,6 +76,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <tuple>
 
@@ -137,7 +138,11 @@ class NcclFabric final : public LocalFabric {
     uint64_t pack_bytes = 0;  // its packing (0: off)
     uint64_t pack_threshold = 0;
   };
-  static Result<ContactInfo> parse_contact(const std::vector<uint8_t>& bytes, int32_t rank);
+  // Reads receiver rank `rank`'s contact (peer input, untrusted): reads
+  // only inside `bytes`, and refuses (invalid_argument naming the rank) a
+  // contact of another fabric or format, a truncated one, and one whose
+  // unique id is empty or not as long as it says.
+  static Result<ContactInfo> parse_contact(std::span<const uint8_t> bytes, int32_t rank);
 
  private:
   using Key = std::vector<std::tuple<int32_t, uint64_t, uint64_t>>;

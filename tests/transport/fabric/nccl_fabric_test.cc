@@ -4,7 +4,10 @@
 #include "transport/fabric/nccl_fabric.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <thread>
 
 #include "fanout_case.h"
@@ -291,6 +294,70 @@ TEST(NcclFabric, ARoundThreadThatCannotStartFailsBeginNotTheProcess) {
   EXPECT_NE(st.message().find("cannot start the nccl fabric rounds thread"), std::string::npos) << st.message();
   EXPECT_FALSE(fabrics[0].fabric->finish(false).is_ok());
   fabrics[0].fabric->end();
+}
+
+// Bytes that end where a page no one may read begins: a read past them is
+// a SIGSEGV, not a silent look at whatever the heap holds there.
+class GuardedBytes {
+ public:
+  GuardedBytes() {
+    page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    void* m = mmap(nullptr, 2 * page_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    EXPECT_NE(m, MAP_FAILED);
+    base_ = static_cast<uint8_t*>(m);
+    EXPECT_EQ(mprotect(base_ + page_, page_, PROT_NONE), 0);
+  }
+  ~GuardedBytes() { munmap(base_, 2 * page_); }
+  std::span<const uint8_t> hold(std::span<const uint8_t> bytes) {
+    uint8_t* at = base_ + page_ - bytes.size();
+    if (!bytes.empty()) std::memcpy(at, bytes.data(), bytes.size());
+    return {at, bytes.size()};
+  }
+
+ private:
+  size_t page_ = 0;
+  uint8_t* base_ = nullptr;
+};
+
+TEST(NcclFabric, ParseContactReadsOnlyTheBytesItIsGivenAndRefusesWrongLengths) {
+  Result<std::unique_ptr<NcclFabric>> f =
+      NcclFabric::create(NcclFabricConfig{}, std::make_unique<cuda::testing::HostCommFactory>());
+  ASSERT_TRUE(f.is_ok()) << f.status().message();
+  const std::vector<uint8_t> contact = (*f)->contact();
+  Result<NcclFabric::ContactInfo> whole = NcclFabric::parse_contact(contact, 3);
+  ASSERT_TRUE(whole.is_ok()) << whole.status().message();
+  const size_t id_bytes = whole->id.size();
+  ASSERT_GT(id_bytes, 0u);
+  const size_t header = contact.size() - id_bytes;
+  EXPECT_EQ(whole->pack_bytes, kDefaultPackBytes);
+  EXPECT_EQ(whole->pack_threshold, kDefaultPackThreshold);
+
+  GuardedBytes guard;
+  // Every prefix: only the whole contact is one.
+  for (size_t len = 0; len <= contact.size(); ++len) {
+    Result<NcclFabric::ContactInfo> c =
+        NcclFabric::parse_contact(guard.hold(std::span<const uint8_t>(contact.data(), len)), 3);
+    if (len == contact.size()) {
+      ASSERT_TRUE(c.is_ok()) << c.status().message();
+      EXPECT_EQ(c->id, whole->id);
+      continue;
+    }
+    ASSERT_FALSE(c.is_ok()) << len << " bytes";
+    EXPECT_EQ(c.status().code(), Code::kInvalidArgument) << len << " bytes";
+    EXPECT_NE(c.status().message().find("receiver rank 3"), std::string::npos) << c.status().message();
+  }
+  // One byte more than the id it announces.
+  std::vector<uint8_t> longer = contact;
+  longer.push_back(0);
+  EXPECT_FALSE(NcclFabric::parse_contact(guard.hold(longer), 3).is_ok());
+  // An id length field that disagrees with the bytes that follow.
+  for (uint64_t n : {uint64_t{0}, uint64_t{id_bytes - 1}, uint64_t{id_bytes + 1}, uint64_t{UINT32_MAX}}) {
+    std::vector<uint8_t> b = contact;
+    for (int i = 0; i < 4; ++i) b[header - 4 + i] = static_cast<uint8_t>(n >> (8 * i));
+    Result<NcclFabric::ContactInfo> c = NcclFabric::parse_contact(guard.hold(b), 3);
+    ASSERT_FALSE(c.is_ok()) << "id length " << n;
+    EXPECT_NE(c.status().message().find("unique id"), std::string::npos) << c.status().message();
+  }
 }
 
 TEST(NcclFabric, RefusesAScheduleItCannotRun) {
