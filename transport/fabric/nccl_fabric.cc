@@ -105,17 +105,23 @@ Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(std::span<const uint8_
   return c;
 }
 
-// Both ends of a pair must lay out a round's pack alike (pack.h).
+// Both ends of a pair must lay out a round's pack alike (pack.h). Where
+// neither packs, the threshold is unused and need not agree.
 Status NcclFabric::check_packing(const ContactInfo& c, int32_t rank) const {
-  if (c.pack_bytes == pack_.pack_bytes && c.pack_threshold == pack_.pack_threshold) return Status::ok();
-  auto show = [](uint64_t bytes, uint64_t threshold) {
-    return bytes == 0 ? std::string("off") : std::to_string(bytes) + " / " + std::to_string(threshold);
+  const bool same = c.pack_bytes == pack_.pack_bytes &&
+                    (pack_.pack_bytes == 0 || c.pack_threshold == pack_.pack_threshold);
+  if (same) return Status::ok();
+  auto show = [](int32_t r, uint64_t bytes, uint64_t threshold) {
+    const std::string who = "receiver rank " + std::to_string(r);
+    if (bytes == 0) return who + " does not pack (\"pack_bytes\" 0, or no scatter kernel)";
+    return who + " packs with \"pack_bytes\" " + std::to_string(bytes) + " and \"pack_threshold\" " +
+           std::to_string(threshold);
   };
-  return Status::invalid("nccl fabric: receiver rank " + std::to_string(rank) +
-                         " packs its fan-out with \"pack_bytes\" / \"pack_threshold\" " +
-                         show(c.pack_bytes, c.pack_threshold) + ", receiver rank " + std::to_string(config_.rank) +
-                         " with " + show(pack_.pack_bytes, pack_.pack_threshold) +
-                         ": every rank of a domain must use the same (0 where the scatter kernel is not built)");
+  return Status::invalid("nccl fabric: the fan-out of one domain must pack alike: " +
+                         show(rank, c.pack_bytes, c.pack_threshold) + ", " +
+                         show(config_.rank, pack_.pack_bytes, pack_.pack_threshold) +
+                         "; set the same \"pack_bytes\" and \"pack_threshold\" on every rank of the domain " +
+                         "(a build without the scatter kernel packs nothing: \"pack_bytes\" 0 on every rank)");
 }
 
 Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {

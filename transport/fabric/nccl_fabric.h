@@ -67,8 +67,9 @@
 // so the packs of one round fit the areas; the round that would pass it
 // stops there (its count says so). The areas are the communicator's (two
 // of pack_bytes in device memory), kept with it. Every member must pack
-// alike: the contact carries pack_bytes and pack_threshold (0 where the
-// factory cannot scatter), and begin() refuses a domain that differs.
+// alike: the contact carries pack_bytes (0 where packing is off or the
+// factory cannot scatter) and pack_threshold, and begin() refuses a domain
+// whose pack_bytes differ, or whose thresholds differ while it packs.
 //
 // Cost: a round is two small groups and a 16-byte count per pair and way;
 // the round thread polls (yields) while a round is in flight.

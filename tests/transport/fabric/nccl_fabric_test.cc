@@ -181,6 +181,47 @@ TEST(NcclFabric, RanksThatPackDifferentlyAreRefusedNamingTheKey) {
   EXPECT_NE(f.status().message().find("\"pack_bytes\""), std::string::npos) << f.status().message();
 }
 
+// begin() of rank 0 on the domain's contacts: what check_packing says.
+Status begin_status(Domain& d) {
+  std::vector<Schedule> s = d.schedules(1);
+  const Status st = d.nccl[0]->begin(s[0], Clock::now() + std::chrono::seconds(5));
+  d.nccl[0]->end();
+  return st;
+}
+
+TEST(NcclFabric, TheThresholdMustAgreeOnlyWherePackingIsOn) {
+  PackLimits off;
+  off.pack_bytes = 0;
+  off.pack_threshold = 4096;
+  Domain a(3, 35, 24 << 10, 4096, off);
+  a.pack.pack_threshold = 8192;  // unused where nothing packs
+  a.add(1);
+  run_ok(a, 1);
+
+  PackLimits on;
+  on.pack_bytes = kMinPackBytes;
+  on.pack_threshold = 4096;
+  Domain b(3, 36, 24 << 10, 4096, on);
+  b.pack.pack_threshold = 8192;
+  b.add(1);
+  Status st = begin_status(b);
+  ASSERT_EQ(st.code(), Code::kInvalidArgument) << st.message();
+  EXPECT_NE(st.message().find("receiver rank 1 packs with \"pack_bytes\" 65536 and \"pack_threshold\" 8192"),
+            std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("receiver rank 0 packs with \"pack_bytes\" 65536 and \"pack_threshold\" 4096"),
+            std::string::npos)
+      << st.message();
+
+  Domain c(3, 37, 24 << 10, 4096, on);
+  c.pack = off;
+  c.add(1);
+  st = begin_status(c);
+  ASSERT_EQ(st.code(), Code::kInvalidArgument) << st.message();
+  EXPECT_NE(st.message().find("receiver rank 1 does not pack"), std::string::npos) << st.message();
+  EXPECT_EQ(st.message().find("with off"), std::string::npos) << st.message();
+}
+
 TEST(NcclFabric, AFailedRankTellsItsPeersAtOnce) {
   Domain d(3, 4);
   std::vector<Schedule> s = d.schedules(1);
