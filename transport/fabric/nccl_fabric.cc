@@ -18,6 +18,22 @@ void put_u64(std::vector<uint8_t>& out, uint64_t v) {
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
 }
 
+// A round's per-send sizes to one peer, folded into the count it announces:
+// the ends of a pair compute it each over their own sizes (the sender's
+// sends, the receiver's receives), so sizes that differ with an equal sum,
+// which would cross unnoticed and be scattered into the wrong places,
+// differ here. splitmix64's finalizer over a running state; order matters.
+uint64_t sizes_digest(std::span<const uint64_t> sizes) {
+  uint64_t h = 0x9e3779b97f4a7c15ull ^ sizes.size();
+  for (uint64_t v : sizes) {
+    h += v + 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<NcclFabric>> NcclFabric::create(const NcclFabricConfig& config,
@@ -347,7 +363,7 @@ void NcclFabric::rounds() {
   }
   Status peer_failed;
   std::vector<int32_t> act_out, act_in;
-  std::vector<uint64_t> out_count(n, 0), out_bytes(n, 0);
+  std::vector<uint64_t> out_count(n, 0), out_bytes(n, 0), out_digest(n, 0);
   std::vector<cuda::P2p> group;
   bool failing = false;
   while (true) {
@@ -388,14 +404,21 @@ void NcclFabric::rounds() {
     gather_.clear();
     scatter_.clear();
     for (int32_t p : act_out) {
-      if (share_ > 0 && out_count[p] != kFailedMarker) pack_round(p, &out_count[p], &out_bytes[p]);
+      if (out_count[p] == kFailedMarker) {
+        out_digest[p] = 0;
+        continue;
+      }
+      if (share_ > 0) pack_round(p, &out_count[p], &out_bytes[p]);
+      sizes_.clear();
+      for (uint64_t k = 0; k < out_count[p]; ++k) sizes_.push_back(s.sends[out_[p][out_next_[p] + k]].bytes);
+      out_digest[p] = sizes_digest(sizes_);
     }
     const bool self_left = self_next_ < self_.size() && !failing;
     if (act_out.empty() && act_in.empty() && !self_left) break;
 
     uint64_t* host = need_comm ? comm_->host_words() : nullptr;
     if (!act_out.empty() || !act_in.empty()) {
-      Status st = exchange_counts(act_out, act_in, out_count, out_bytes, group);
+      Status st = exchange_counts(act_out, act_in, out_count, out_bytes, out_digest, group);
       if (!st.is_ok()) {
         if (comm_) drop_comm();
         result_ = st;
@@ -423,8 +446,9 @@ void NcclFabric::rounds() {
       add_sends(p, out_count[p], group);
     }
     for (int32_t p : act_in) {
-      const uint64_t count = host[2 * n + 2 * p];
-      const uint64_t bytes = host[2 * n + 2 * p + 1];
+      const uint64_t count = host[3 * n + 3 * p];
+      const uint64_t bytes = host[3 * n + 3 * p + 1];
+      const uint64_t digest = host[3 * n + 3 * p + 2];
       if (count == kFailedMarker) {
         in_failed_[p] = 1;
         moved = true;
@@ -435,7 +459,7 @@ void NcclFabric::rounds() {
         }
         continue;
       }
-      Status st = add_recvs(p, count, bytes, group);
+      Status st = add_recvs(p, count, bytes, digest, group);
       if (!st.is_ok()) {
         drop_comm();
         result_ = st;
@@ -493,32 +517,34 @@ Status NcclFabric::start_rounds() {
   REFIT_RETURN_IF_ERROR(ensure_comm());
   comm_->set_deadline(deadline_);
   const size_t n = ranks_.size();
-  if (comm_->word_count() < 4 * n) {
+  if (comm_->word_count() < 6 * n) {
     return Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
-                            " count words, a round needs " + std::to_string(4 * n));
+                            " count words, a round needs " + std::to_string(6 * n));
   }
   return share_ > 0 ? prepare_packs() : Status::ok();
 }
 
-// A round's counts: (n, bytes) to every peer it sends to, theirs from every
-// peer it receives from, into the host words [2n, 4n).
+// A round's counts: (n, bytes, digest of the n sizes) to every peer it
+// sends to, three words per peer in the host words [0, 3n); theirs from
+// every peer it receives from, into [3n, 6n).
 Status NcclFabric::exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
                                    const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
-                                   std::vector<cuda::P2p>& group) {
+                                   const std::vector<uint64_t>& out_digest, std::vector<cuda::P2p>& group) {
   const size_t n = ranks_.size();
   uint64_t* host = comm_->host_words();
   group.clear();
   for (int32_t p : act_out) {
-    host[2 * p] = out_count[p];
-    host[2 * p + 1] = out_bytes[p];
-    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 2 * p, 16});
+    host[3 * p] = out_count[p];
+    host[3 * p + 1] = out_bytes[p];
+    host[3 * p + 2] = out_digest[p];
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 3 * p, 24});
   }
   for (int32_t p : act_in) {
-    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 2 * n + 2 * p, 16});
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 3 * n + 3 * p, 24});
   }
-  REFIT_RETURN_IF_ERROR(comm_->put_words(2 * n));
+  REFIT_RETURN_IF_ERROR(comm_->put_words(3 * n));
   REFIT_RETURN_IF_ERROR(comm_->issue(group));
-  REFIT_RETURN_IF_ERROR(comm_->get_words(2 * n, 2 * n));
+  REFIT_RETURN_IF_ERROR(comm_->get_words(3 * n, 3 * n));
   return wait_idle("exchanging the counts of a round");
 }
 
@@ -570,16 +596,22 @@ void NcclFabric::add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& gr
   }
 }
 
-// The round's `count` receives from peer p, of `bytes` as the peer
-// announced, laid out as the peer laid out its sends: the pack first
-// (scattered into place after the group), then the unpacked ones.
-Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vector<cuda::P2p>& group) {
+// The round's `count` receives from peer p, of `bytes` and sizes' `digest`
+// as the peer announced, laid out as the peer laid out its sends: the pack
+// first (scattered into place after the group), then the unpacked ones.
+Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t digest,
+                             std::vector<cuda::P2p>& group) {
   const Schedule& s = *schedule_;
+  const bool fits = count <= in_[p].size() - in_next_[p];
+  sizes_.clear();
   uint64_t sum = 0;
-  if (count <= in_[p].size() - in_next_[p]) {
-    for (size_t i = in_next_[p]; i < in_next_[p] + count; ++i) sum += s.recvs[in_[p][i]].bytes;
+  if (fits) {
+    for (size_t i = in_next_[p]; i < in_next_[p] + count; ++i) {
+      sizes_.push_back(s.recvs[in_[p][i]].bytes);
+      sum += sizes_.back();
+    }
   }
-  if (count > in_[p].size() - in_next_[p] || sum != bytes) {
+  if (!fits || sum != bytes) {
     // The peer's plan is not this rank's: receiving would write the wrong
     // bytes, or wait for bytes that never come.
     return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
@@ -587,10 +619,16 @@ Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vec
                            " bytes, this rank's plan expects other sizes from it; the ranks ran " +
                            "different plans, retry the refresh");
   }
+  if (sizes_digest(sizes_) != digest) {
+    // The same count and sum, other sizes: packed, they would be scattered
+    // into the wrong places without an error anywhere.
+    return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
+                           std::to_string(count) + " slices of " + std::to_string(bytes) +
+                           " bytes whose sizes (digest) differ from this rank's plan's; the ranks ran " +
+                           "different plans, retry the refresh");
+  }
   PackLayout l;
   if (share_ > 0) {
-    sizes_.clear();
-    for (uint64_t k = 0; k < count; ++k) sizes_.push_back(s.recvs[in_[p][in_next_[p] + k]].bytes);
     l = plan_pack(sizes_, share_, pack_.pack_threshold);
     if (l.taken != count) {
       return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +

@@ -296,6 +296,40 @@ TEST(NcclFabric, RanksThatRunDifferentPlansFailInsteadOfWritingWrongBytes) {
   EXPECT_TRUE(plan_error);
 }
 
+// Two receives of one round whose sizes differ from the sender's by one
+// byte each way: the count and the byte sum agree, the sizes do not. Packed,
+// the pieces would be scattered one byte off without an error anywhere.
+TEST(NcclFabric, ARoundWhoseSizesDifferWithAnEqualSumIsRefusedNamingThePeer) {
+  uint32_t seed = 40;
+  auto two_from_0 = [](const FanoutCase& c) {
+    int to_1 = 0;
+    for (const testing::Transfer& t : c.plan) to_1 += t.from == 0 && t.to == 1 && t.bytes >= 2;
+    return to_1 >= 2;
+  };
+  while (!two_from_0(testing::make_case(2, 24 << 10, 4096, seed))) ++seed;
+  PackLimits off;
+  off.pack_bytes = 0;
+  PackLimits small;
+  small.pack_bytes = kMinPackBytes;
+  for (const PackLimits& limits : {small, off}) {
+    Domain d(2, seed, 24 << 10, 4096, limits);
+    std::vector<Schedule> s = d.schedules(1);
+    std::vector<Recv>& recvs = s[1].recvs;  // all from rank 0, in its send order
+    ASSERT_GE(recvs.size(), 2u);
+    ASSERT_GE(recvs[0].bytes, 2u);
+    recvs[0].bytes -= 1;
+    recvs[1].bytes += 1;
+    // All sends passed in one call: the two go in the same round.
+    std::vector<Status> st =
+        testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::milliseconds(500), 1, {}, {}, true);
+    ASSERT_FALSE(st[1].is_ok()) << "pack_bytes " << limits.pack_bytes;
+    EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
+    EXPECT_NE(st[1].message().find("receiver rank 0 announced"), std::string::npos) << st[1].message();
+    EXPECT_NE(st[1].message().find("sizes (digest) differ"), std::string::npos) << st[1].message();
+    EXPECT_FALSE(st[0].is_ok()) << "the sender's round cannot complete";
+  }
+}
+
 TEST(NcclFabric, ASingleRankDomainCopiesToItself) {
   FanoutCase c = testing::make_case(1, 16 << 10, 1024, 2);
   std::vector<std::vector<uint8_t>> buffers = c.start;
