@@ -548,12 +548,17 @@ Status NcclFabric::exchange_counts(const std::vector<int32_t>& act_out, const st
   return wait_idle("exchanging the counts of a round");
 }
 
+// A round's gather has at most max_sends_per_round pieces per peer (its
+// count is capped there), and so has its scatter (add_recvs refuses a peer
+// that packs more): the communicator's scatter tables are sized for that
+// once, here, before any work is in flight.
 Status NcclFabric::prepare_packs() {
-  Result<cuda::DomainComm::PackAreas> a = comm_->pack_areas(pack_.pack_bytes);
+  const size_t max_pieces = static_cast<size_t>(config_.max_sends_per_round) * (ranks_.size() - 1);
+  Result<cuda::DomainComm::PackAreas> a = comm_->pack_areas(pack_.pack_bytes, max_pieces);
   if (!a.is_ok()) {
     return a.status().with_context("nccl fabric: allocating the two pack areas of \"pack_bytes\" (" +
-                                   std::to_string(pack_.pack_bytes) + " bytes each); 0 turns packing off on " +
-                                   "every rank of the domain");
+                                   std::to_string(pack_.pack_bytes) + " bytes each); \"pack_bytes\" 0 turns " +
+                                   "packing off, and must then be set on every rank of the domain");
   }
   areas_ = *a;
   return Status::ok();
@@ -634,6 +639,13 @@ Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t
       return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
                              std::to_string(count) + " slices in one round, this rank's pack layout takes " +
                              std::to_string(l.taken) + ": the ranks pack differently, retry the refresh");
+    }
+    if (l.packed > config_.max_sends_per_round) {
+      // More pieces than the scatter tables were sized for (prepare_packs).
+      return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " packed " +
+                             std::to_string(l.packed) + " slices in one round, this rank takes at most " +
+                             std::to_string(config_.max_sends_per_round) +
+                             " (max_sends_per_round): every rank of a domain must use the same");
     }
   }
   uint8_t* pack = nullptr;

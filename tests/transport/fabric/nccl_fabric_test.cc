@@ -27,6 +27,7 @@ struct Domain {
 
   PackLimits pack;
   bool can_scatter = true;
+  uint32_t max_sends = kDefaultMaxSendsPerRound;  // of the ranks add() makes
 
   Domain(int32_t ranks, uint32_t seed, uint64_t half = 24 << 10, uint64_t chunk = 4096, PackLimits limits = {},
          bool scatter = true)
@@ -37,6 +38,7 @@ struct Domain {
     NcclFabricConfig config;
     config.rank = r;
     config.pack = pack;
+    config.max_sends_per_round = max_sends;
     Result<std::unique_ptr<NcclFabric>> f =
         NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>(can_scatter));
     EXPECT_TRUE(f.is_ok()) << f.status().message();
@@ -328,6 +330,31 @@ TEST(NcclFabric, ARoundWhoseSizesDifferWithAnEqualSumIsRefusedNamingThePeer) {
     EXPECT_NE(st[1].message().find("sizes (digest) differ"), std::string::npos) << st[1].message();
     EXPECT_FALSE(st[0].is_ok()) << "the sender's round cannot complete";
   }
+}
+
+// The scatter tables are sized once, for max_sends_per_round pieces per
+// peer: a peer that packs more in one round is refused with a status, not
+// given a bigger table behind work in flight.
+TEST(NcclFabric, APeerThatPacksMoreThanTheTablesHoldIsRefused) {
+  uint32_t seed = 50;
+  auto many_from_0 = [](const FanoutCase& c) {
+    int to_1 = 0;
+    for (const testing::Transfer& t : c.plan) to_1 += t.from == 0 && t.to == 1;
+    return to_1 >= 4;
+  };
+  while (!many_from_0(testing::make_case(2, 24 << 10, 1024, seed))) ++seed;
+  PackLimits small;
+  small.pack_bytes = kMinPackBytes;
+  Domain d(2, seed, 24 << 10, 1024, small);
+  d.max_sends = 2;  // rank 1's tables hold 2 pieces; rank 0 packs up to 256
+  d.add(1);
+  std::vector<Schedule> s = d.schedules(1);
+  std::vector<Status> st =
+      testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::milliseconds(500), 1, {}, {}, true);
+  ASSERT_FALSE(st[1].is_ok());
+  EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
+  EXPECT_NE(st[1].message().find("receiver rank 0 packed"), std::string::npos) << st[1].message();
+  EXPECT_NE(st[1].message().find("max_sends_per_round"), std::string::npos) << st[1].message();
 }
 
 TEST(NcclFabric, ASingleRankDomainCopiesToItself) {
