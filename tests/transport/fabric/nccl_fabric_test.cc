@@ -19,6 +19,14 @@ namespace {
 using testing::FanoutCase;
 using testing::RankFabric;
 
+// Packing on with the smallest areas: a test not about the area's size
+// need not zero-fill 2 x 64 MiB per rank.
+PackLimits small_packs() {
+  PackLimits l;
+  l.pack_bytes = kMinPackBytes;
+  return l;
+}
+
 struct Domain {
   FanoutCase c;
   std::vector<std::vector<uint8_t>> buffers;
@@ -29,8 +37,8 @@ struct Domain {
   bool can_scatter = true;
   uint32_t max_sends = kDefaultMaxSendsPerRound;  // of the ranks add() makes
 
-  Domain(int32_t ranks, uint32_t seed, uint64_t half = 24 << 10, uint64_t chunk = 4096, PackLimits limits = {},
-         bool scatter = true)
+  Domain(int32_t ranks, uint32_t seed, uint64_t half = 24 << 10, uint64_t chunk = 4096,
+         PackLimits limits = small_packs(), bool scatter = true)
       : c(testing::make_case(ranks, half, chunk, seed)), buffers(c.start), pack(limits), can_scatter(scatter) {
     for (int32_t r = 0; r < ranks; ++r) add(r);
   }
@@ -98,12 +106,15 @@ TEST(NcclFabric, KeepsTheCommunicatorWhileTheDomainIsUnchanged) {
 }
 
 // Every byte lands, over as many refreshes as asked; returns the sends
-// (not to itself) of all ranks in one refresh.
-size_t run_ok(Domain& d, int64_t versions) {
+// (not to itself) of all ranks in one refresh. `at_once`: each rank passes
+// all its sends in one call, so that what a round finds ready (none or
+// all) does not depend on timing.
+size_t run_ok(Domain& d, int64_t versions, bool at_once = false) {
   size_t sends = 0;
   for (int64_t v = 1; v <= versions; ++v) {
     std::vector<Schedule> s = d.schedules(v);
-    std::vector<Status> st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 30 + v);
+    std::vector<Status> st =
+        testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 30 + v, {}, {}, at_once);
     sends = 0;
     for (int32_t r = 0; r < d.c.ranks; ++r) {
       EXPECT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].message();
@@ -115,16 +126,18 @@ size_t run_ok(Domain& d, int64_t versions) {
 }
 
 TEST(NcclFabric, PacksTheSmallSendsOfARoundToOnePeer) {
+  // 64 KiB areas, 4 ranks: a peer's share is 21 KiB, sends are up to 4 KiB.
   Domain d(4, 31);
-  const size_t sends = run_ok(d, 2);
+  const size_t sends = run_ok(d, 2, /*at_once=*/true);
   uint64_t packs = 0, packed = 0;
   for (NcclFabric* f : d.nccl) {
     EXPECT_TRUE(f->packing());
     packs += f->packs_sent();
     packed += f->packed_sends();
   }
-  // Every send of this case is far below the threshold: all went packed,
-  // in fewer packs than sends.
+  // Every send of this case is far below the threshold and the share: all
+  // went packed. All sends were ready in one round, so a peer's pack holds
+  // several of them: fewer packs than sends.
   EXPECT_EQ(packed, 2 * sends);
   EXPECT_GT(packs, 0u);
   EXPECT_LT(packs, packed);
@@ -137,7 +150,8 @@ TEST(NcclFabric, ASmallPackAreaSplitsRoundsAndLargeSendsGoUnpacked) {
   limits.pack_bytes = kMinPackBytes;
   limits.pack_threshold = 10000;
   Domain d(5, 32, 1 << 20, 12 << 10, limits);
-  const size_t sends = run_ok(d, 2);
+  // All sends ready in one round: a peer's sends pass its 16 KiB share there.
+  const size_t sends = run_ok(d, 2, /*at_once=*/true);
   uint64_t packs = 0, packed = 0, full = 0;
   for (NcclFabric* f : d.nccl) {
     packs += f->packs_sent();
@@ -155,7 +169,7 @@ TEST(NcclFabric, WithoutPackingOrAScatterEverySendGoesAsItIs) {
   off.pack_bytes = 0;
   Domain a(3, 33, 24 << 10, 4096, off);
   run_ok(a, 1);
-  Domain b(3, 33, 24 << 10, 4096, PackLimits{}, /*scatter=*/false);
+  Domain b(3, 33, 24 << 10, 4096, small_packs(), /*scatter=*/false);
   run_ok(b, 1);
   for (Domain* d : {&a, &b}) {
     for (NcclFabric* f : d->nccl) {
@@ -357,6 +371,33 @@ TEST(NcclFabric, APeerThatPacksMoreThanTheTablesHoldIsRefused) {
   EXPECT_NE(st[1].message().find("max_sends_per_round"), std::string::npos) << st[1].message();
 }
 
+TEST(HostComm, ScatterRefusesPiecesOutsideItsAreasOrBeyondItsTable) {
+  cuda::testing::HostCommFactory factory;
+  Result<std::vector<uint8_t>> id = factory.unique_id();
+  ASSERT_TRUE(id.is_ok());
+  Result<std::unique_ptr<cuda::DomainComm>> comm = factory.connect(*id, 1, 0, Clock::now() + std::chrono::seconds(5));
+  ASSERT_TRUE(comm.is_ok()) << comm.status().message();
+  Result<cuda::DomainComm::PackAreas> a = (*comm)->pack_areas(4096, 2);
+  ASSERT_TRUE(a.is_ok()) << a.status().message();
+  std::vector<uint8_t> buffer(4096, 7);
+  using Piece = cuda::ScatterPiece;
+  auto ok = [&](std::vector<Piece> pieces) { return (*comm)->scatter(pieces).is_ok(); };
+  EXPECT_TRUE(ok({Piece{a->send, buffer.data(), 100}, Piece{a->send + 112, buffer.data() + 100, 50}}));
+  EXPECT_TRUE(ok({Piece{buffer.data(), a->recv, 4096}}));
+  EXPECT_FALSE(ok({Piece{a->send + 4000, buffer.data(), 100}})) << "past the send area";
+  EXPECT_FALSE(ok({Piece{buffer.data(), a->recv + 1, 4096}})) << "past the receive area";
+  EXPECT_FALSE(ok({Piece{buffer.data(), buffer.data() + 10, 10}})) << "neither a gather nor a scatter";
+  EXPECT_FALSE(ok({Piece{a->recv, a->send, 10}})) << "area to area";
+  EXPECT_FALSE(ok({Piece{a->send, buffer.data(), 0}})) << "no bytes";
+  EXPECT_FALSE(ok({Piece{a->send, buffer.data(), 100}, Piece{a->send + 96, buffer.data(), 100}})) << "overlap";
+  EXPECT_FALSE(ok({Piece{a->send, buffer.data(), 1}, Piece{a->send + 16, buffer.data(), 1},
+                   Piece{a->send + 32, buffer.data(), 1}}))
+      << "more pieces than pack_areas() was sized for";
+  Result<bool> idle = (*comm)->idle();
+  ASSERT_TRUE(idle.is_ok()) << idle.status().message();
+  EXPECT_TRUE(*idle);
+}
+
 TEST(NcclFabric, ASingleRankDomainCopiesToItself) {
   FanoutCase c = testing::make_case(1, 16 << 10, 1024, 2);
   std::vector<std::vector<uint8_t>> buffers = c.start;
@@ -515,6 +556,7 @@ TEST(NcclFabric, CancelEndsTheWaitForPeersAtOnce) {
   for (int32_t r = 0; r < 2; ++r) {
     NcclFabricConfig config;
     config.rank = r;
+    config.pack = small_packs();
     Result<std::unique_ptr<NcclFabric>> f =
         NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
     ASSERT_TRUE(f.is_ok());
