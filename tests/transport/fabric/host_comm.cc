@@ -76,8 +76,8 @@ class HostComm final : public DomainComm {
   // outside both areas, and no two pieces write the same bytes.
   Status scatter(std::span<const ScatterPiece> pieces) override {
     if (pieces.size() > max_pieces_) {
-      return Status::invalid("host comm: a scatter of " + std::to_string(pieces.size()) + " pieces, pack_areas() sized " +
-                             std::to_string(max_pieces_));
+      return Status::invalid("host comm: a scatter of " + std::to_string(pieces.size()) +
+                             " pieces, pack_areas() sized " + std::to_string(max_pieces_));
     }
     auto in = [](const std::vector<uint8_t>& area, const uint8_t* p, uint64_t n) {
       const auto a = reinterpret_cast<uintptr_t>(area.data()), x = reinterpret_cast<uintptr_t>(p);
@@ -90,13 +90,13 @@ class HostComm final : public DomainComm {
     std::vector<std::pair<uintptr_t, uint64_t>> writes;
     for (size_t i = 0; i < pieces.size(); ++i) {
       const ScatterPiece& pc = pieces[i];
-      const bool gather = in(send_area_, pc.dst, pc.bytes) && !touches(send_area_, pc.src, pc.bytes) &&
+      const bool into_send = in(send_area_, pc.dst, pc.bytes) && !touches(send_area_, pc.src, pc.bytes) &&
                           !touches(recv_area_, pc.src, pc.bytes);
-      const bool scatter = in(recv_area_, pc.src, pc.bytes) && !touches(send_area_, pc.dst, pc.bytes) &&
+      const bool out_of_recv = in(recv_area_, pc.src, pc.bytes) && !touches(send_area_, pc.dst, pc.bytes) &&
                            !touches(recv_area_, pc.dst, pc.bytes);
       if (pc.bytes == 0 || pc.dst == nullptr || pc.src == nullptr ||
           reinterpret_cast<uintptr_t>(pc.dst) > UINTPTR_MAX - pc.bytes ||
-          reinterpret_cast<uintptr_t>(pc.src) > UINTPTR_MAX - pc.bytes || !(gather || scatter)) {
+          reinterpret_cast<uintptr_t>(pc.src) > UINTPTR_MAX - pc.bytes || !(into_send || out_of_recv)) {
         return Status::invalid("host comm: scatter piece " + std::to_string(i) + " of " + std::to_string(pc.bytes) +
                                " bytes is not a gather into the send area nor a scatter out of the receive area");
       }
