@@ -157,7 +157,8 @@ class NcclDomainComm final : public DomainComm {
     if (max_pieces == 0 || max_pieces > UINT32_MAX) {
       return Status::invalid("nccl: a scatter of " + std::to_string(max_pieces) + " pieces at most");
     }
-    const bool tables_fit = tables_[0].data != nullptr && tables_[0].capacity >= max_pieces;
+    bool tables_fit = true;
+    for (const Table& t : tables_) tables_fit = tables_fit && t.data != nullptr && t.capacity >= max_pieces;
     if (areas_.send != nullptr && area_bytes_ == bytes && tables_fit) return areas_;
     // New sizes: the old areas and tables are idle once the stream is (the
     // fabric asks before its first round, after the last refresh's final
