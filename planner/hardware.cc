@@ -1,6 +1,7 @@
 #include "planner/hardware.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include <nlohmann/json.hpp>
@@ -70,6 +71,8 @@ const std::vector<HardwareKey> kKeys = {
 };
 
 // Keys for which 0 means "off" rather than a missing figure.
+constexpr double kMaxPackBytes = 1099511627776.0;  // 2^40
+
 bool may_be_zero(const char* key) { return std::strcmp(key, "fanout_pack_bytes") == 0; }
 
 bool is_bool_key(const char* key) {
@@ -169,6 +172,16 @@ Status check_hardware(const HardwareModel& model, const std::string& origin, con
   if (m.nic_achievable > 1) return bad("nic_achievable", "is a fraction of the line rate: at most 1");
   if (m.nvlink_achievable > 1) return bad("nvlink_achievable", "is a fraction of the link rate: at most 1");
   if (m.gpu_memory_achievable > 1) return bad("gpu_memory_achievable", "is a fraction of the HBM rate: at most 1");
+  // Byte counts the simulator casts to integers: whole numbers, at most
+  // 2^40 as the fabric's "pack_bytes" and "pack_threshold" (plugin/config.cc).
+  for (const char* k : {"fanout_pack_bytes", "fanout_pack_threshold"}) {
+    const double v = *field(m, k);
+    if (v != std::floor(v) || v > kMaxPackBytes) {
+      char shown[32];
+      std::snprintf(shown, sizeof shown, "%.17g", v);
+      return bad(k, std::string("must be a whole number of bytes, at most 1099511627776 (2^40), got ") + shown);
+    }
+  }
   // A pack area below 64 KiB (other than 0) is refused by the fabric too (transport/fabric/pack.h).
   if (m.fanout_pack_bytes != 0 && m.fanout_pack_bytes < 65536)
     return bad("fanout_pack_bytes", "must be 0 (packing off) or at least 65536, got " + std::to_string(m.fanout_pack_bytes));

@@ -63,6 +63,17 @@ TEST(Hardware, BadValuesAreRefusedNamingTheKey) {
   EXPECT_NE(error_of(json{{"get_op_us", 2e6}}).find("one second"), std::string::npos);
   // More than the default window (64 MiB).
   EXPECT_NE(error_of(json{{"get_chunk_bytes", 128e6}}).find(R"("hardware.get_chunk_bytes")"), std::string::npos);
+  // The pack keys are byte counts the simulator casts to integers.
+  for (const char* k : {"fanout_pack_bytes", "fanout_pack_threshold"}) {
+    for (double v : {1e30, 65536.5, 0.5, 1099511627777.0}) {
+      const std::string e = error_of(json{{k, v}});
+      EXPECT_NE(e.find("\"hardware." + std::string(k) + "\" must be a whole number of bytes"), std::string::npos)
+          << k << " " << v << ": " << e;
+    }
+    EXPECT_EQ(error_of(json{{k, 1099511627776.0}}), "") << k << " at 2^40";
+  }
+  EXPECT_EQ(error_of(json{{"fanout_pack_bytes", 0}}), "");
+  EXPECT_NE(error_of(json{{"fanout_pack_threshold", 0}}).find("positive"), std::string::npos);
   EXPECT_NE(error_of(json{{"nic", 1}}).find(R"(unknown key "hardware.nic")"), std::string::npos);
   EXPECT_EQ(error_of(json{{"nic_gbit_per_gpu", 400}}, /*require=*/true),
             R"(h.json: missing key "hardware.nvlink_gbyte_per_gpu")");

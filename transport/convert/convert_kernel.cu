@@ -76,6 +76,10 @@ int launch_quantize_e4m3(const DeviceQuantize& q, void* stream) {
   if (nblocks == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(nblocks < 65536 ? nblocks : 65536);
   auto s = static_cast<cudaStream_t>(stream);
+  // cudaGetLastError() after a launch reports any earlier error of this
+  // thread too (a cudaEventQuery's cudaErrorNotReady): clear it first, so
+  // that what it returns is the launch's.
+  (void)cudaGetLastError();
   amax_kernel<<<grid, kThreads, 0, s>>>(q, bcols, nblocks);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

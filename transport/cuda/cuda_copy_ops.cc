@@ -118,9 +118,14 @@ Status CudaCopyOps::scatter(std::span<const Copy> run) {
       if (*d) break;
     }
     ScatterPiece* table = static_cast<ScatterPiece*>(tables_) + t * kTablePieces;
-    for (size_t k = 0; k < n; ++k) table[k] = ScatterPiece{run[at + k].dst, run[at + k].src, run[at + k].width};
-    REFIT_RETURN_IF_ERROR(from_cuda(static_cast<cudaError_t>(launch_scatter(table, static_cast<uint32_t>(n), stream_)),
-                                    "scatter kernel (" + std::to_string(n) + " pieces)"));
+    uint64_t max_bytes = 0;
+    for (size_t k = 0; k < n; ++k) {
+      table[k] = ScatterPiece{run[at + k].dst, run[at + k].src, run[at + k].width};
+      max_bytes = std::max(max_bytes, run[at + k].width);
+    }
+    REFIT_RETURN_IF_ERROR(
+        from_cuda(static_cast<cudaError_t>(launch_scatter(table, static_cast<uint32_t>(n), max_bytes, stream_)),
+                  "scatter kernel (" + std::to_string(n) + " pieces)"));
     ++launches_;
     Result<uint64_t> ticket = record();
     if (!ticket.is_ok()) return ticket.status();

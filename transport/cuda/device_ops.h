@@ -100,16 +100,22 @@ class DomainComm {
   // The packed fan-out (transport/fabric/pack.h), where the factory
   // can_scatter(). pack_areas: two areas of `bytes` in the communicator's
   // memory (device memory for NCCL), one to gather sends into, one to
-  // receive packs in; kept with the communicator, the same two while
-  // `bytes` is unchanged. scatter: copies the pieces on the stream after
-  // everything issued before it (CUDA: the scatter kernel, which serves as
-  // the gather too); the caller's array may be reused once it returns.
+  // receive packs in, and room for up to `max_pieces` pieces in one
+  // scatter() call; kept with the communicator, the same while `bytes` and
+  // `max_pieces` do not grow. Call it before the first round, while nothing
+  // is in flight: it is the only place that allocates. scatter: copies the
+  // pieces on the stream after everything issued before it (CUDA: the
+  // scatter kernel, which serves as the gather too); the caller's array may
+  // be reused once it returns. More than `max_pieces` pieces is an error
+  // (a status; nothing is issued), never a reallocation behind work in
+  // flight.
   struct PackAreas {
     uint8_t* send = nullptr;
     uint8_t* recv = nullptr;
   };
-  virtual Result<PackAreas> pack_areas(uint64_t bytes) {
+  virtual Result<PackAreas> pack_areas(uint64_t bytes, size_t max_pieces) {
     (void)bytes;
+    (void)max_pieces;
     return Status::unsupported("this communicator has no pack areas");
   }
   virtual Status scatter(std::span<const ScatterPiece> pieces) {

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -64,7 +65,7 @@ class NcclDomainComm final : public DomainComm {
     REFIT_RETURN_IF_ERROR(from_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate"));
     REFIT_RETURN_IF_ERROR(
         from_cuda(cudaEventCreateWithFlags(&upstream_event_, cudaEventDisableTiming), "cudaEventCreate"));
-    word_count_ = 4 * static_cast<size_t>(size_);
+    word_count_ = 6 * static_cast<size_t>(size_);  // a round's counts: 3 words per peer and way
     void* w = nullptr;
     REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&w, word_count_ * 8), "cudaMalloc(count words)"));
     words_ = static_cast<uint64_t*>(w);
@@ -150,13 +151,38 @@ class NcclDomainComm final : public DomainComm {
   }
 
 #ifdef REFIT_HAVE_SCATTER_KERNEL
-  Result<PackAreas> pack_areas(uint64_t bytes) override {
+  Result<PackAreas> pack_areas(uint64_t bytes, size_t max_pieces) override {
     REFIT_RETURN_IF_ERROR(launched());
     REFIT_RETURN_IF_ERROR(current());
-    if (areas_.send != nullptr && area_bytes_ == bytes) return areas_;
-    // A new size: the old areas are idle once the stream is (the fabric asks
-    // before its first round).
+    if (max_pieces == 0 || max_pieces > UINT32_MAX) {
+      return Status::invalid("nccl: a scatter of " + std::to_string(max_pieces) + " pieces at most");
+    }
+    bool tables_fit = true;
+    for (const Table& t : tables_) tables_fit = tables_fit && t.data != nullptr && t.capacity >= max_pieces;
+    if (areas_.send != nullptr && area_bytes_ == bytes && tables_fit) return areas_;
+    // New sizes: the old areas and tables are idle once the stream is (the
+    // fabric asks before its first round, after the last refresh's final
+    // wait). Nothing allocates after this: cudaFree/cudaFreeHost would wait
+    // for the device, also behind an NCCL kernel whose peer is gone.
     REFIT_RETURN_IF_ERROR(from_cuda(cudaStreamSynchronize(as_stream(stream_)), "cudaStreamSynchronize(pack areas)"));
+    if (!tables_fit) {
+      for (Table& t : tables_) {
+        if (t.data) cudaFreeHost(t.data);
+        t.data = nullptr;
+        t.capacity = 0;
+        void* h = nullptr;
+        REFIT_RETURN_IF_ERROR(from_cuda(cudaHostAlloc(&h, max_pieces * sizeof(ScatterPiece),
+                                                      cudaHostAllocPortable | cudaHostAllocMapped),
+                                        "cudaHostAlloc(scatter table of " + std::to_string(max_pieces) + " pieces)"));
+        t.data = static_cast<ScatterPiece*>(h);
+        t.capacity = max_pieces;
+        if (t.event == nullptr) {
+          REFIT_RETURN_IF_ERROR(
+              from_cuda(cudaEventCreateWithFlags(&t.event, cudaEventDisableTiming), "cudaEventCreate"));
+        }
+      }
+    }
+    if (areas_.send != nullptr && area_bytes_ == bytes) return areas_;
     free_areas();
     void* a = nullptr;
     REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&a, bytes), "cudaMalloc(send pack area, " + std::to_string(bytes) + " bytes)"));
@@ -173,32 +199,25 @@ class NcclDomainComm final : public DomainComm {
 
   // The pieces go to a pinned, mapped table the kernel reads; two tables
   // alternate (a round's gather and scatter), each rewritten only once the
-  // stream has passed its last kernel.
+  // stream has passed its last kernel (a wait bounded by the deadline). The
+  // tables are pack_areas()'s: nothing is allocated here.
   Status scatter(std::span<const ScatterPiece> pieces) override {
     if (pieces.empty()) return Status::ok();
+    Table& t = tables_[next_table_];
+    if (t.data == nullptr) return Status::internal("nccl: scatter() before pack_areas()");
+    if (pieces.size() > t.capacity) {
+      return Status::invalid("nccl: a scatter of " + std::to_string(pieces.size()) + " pieces, the tables hold " +
+                             std::to_string(t.capacity) + " (pack_areas())");
+    }
     REFIT_RETURN_IF_ERROR(launched());
     REFIT_RETURN_IF_ERROR(current());
-    Table& t = tables_[next_table_];
+    REFIT_RETURN_IF_ERROR(wait_event(t.event, "a scatter table's last kernel"));
     next_table_ ^= 1;
-    if (t.event == nullptr) {
-      REFIT_RETURN_IF_ERROR(from_cuda(cudaEventCreateWithFlags(&t.event, cudaEventDisableTiming), "cudaEventCreate"));
-    } else {
-      REFIT_RETURN_IF_ERROR(wait_event(t.event, "a scatter table's last kernel"));
-    }
-    if (t.capacity < pieces.size()) {
-      if (t.data) cudaFreeHost(t.data);
-      t.data = nullptr;
-      t.capacity = 0;
-      void* h = nullptr;
-      REFIT_RETURN_IF_ERROR(from_cuda(cudaHostAlloc(&h, pieces.size() * sizeof(ScatterPiece),
-                                                    cudaHostAllocPortable | cudaHostAllocMapped),
-                                      "cudaHostAlloc(scatter table)"));
-      t.data = static_cast<ScatterPiece*>(h);
-      t.capacity = pieces.size();
-    }
     std::memcpy(t.data, pieces.data(), pieces.size() * sizeof(ScatterPiece));
+    uint64_t max_bytes = 0;
+    for (const ScatterPiece& pc : pieces) max_bytes = std::max(max_bytes, pc.bytes);
     const auto n = static_cast<uint32_t>(pieces.size());
-    REFIT_RETURN_IF_ERROR(from_cuda(static_cast<cudaError_t>(launch_scatter(t.data, n, stream_)),
+    REFIT_RETURN_IF_ERROR(from_cuda(static_cast<cudaError_t>(launch_scatter(t.data, n, max_bytes, stream_)),
                                     "scatter kernel (" + std::to_string(n) + " pieces of the packed fan-out)"));
     REFIT_RETURN_IF_ERROR(from_cuda(cudaEventRecord(t.event, as_stream(stream_)), "cudaEventRecord(scatter table)"));
     return stream_op(cudaSuccess, "scatter kernel");

@@ -17,7 +17,10 @@ struct ScatterPiece {
 
 // Copies pieces[0, n) on `stream` (a cudaStream_t). `pieces` and every dst
 // and src must be device-accessible (device memory, or pinned host memory
-// under unified addressing). Returns the launch's cudaError_t as an int.
-int launch_scatter(const ScatterPiece* pieces, uint32_t n, void* stream);
+// under unified addressing); the pieces must not overlap. `max_bytes` is at
+// least the largest piece's bytes: it sizes the grid, whose blocks split a
+// piece into 64 KiB chunks (a smaller bound leaves a larger piece to fewer
+// blocks, still whole). Returns the launch's cudaError_t as an int.
+int launch_scatter(const ScatterPiece* pieces, uint32_t n, uint64_t max_bytes, void* stream);
 
 }  // namespace refit::cuda

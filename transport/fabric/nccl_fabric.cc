@@ -18,6 +18,22 @@ void put_u64(std::vector<uint8_t>& out, uint64_t v) {
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
 }
 
+// A round's per-send sizes to one peer, folded into the count it announces:
+// the ends of a pair compute it each over their own sizes (the sender's
+// sends, the receiver's receives), so sizes that differ with an equal sum,
+// which would cross unnoticed and be scattered into the wrong places,
+// differ here. splitmix64's finalizer over a running state; order matters.
+uint64_t sizes_digest(std::span<const uint64_t> sizes) {
+  uint64_t h = 0x9e3779b97f4a7c15ull ^ sizes.size();
+  for (uint64_t v : sizes) {
+    h += v + 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<NcclFabric>> NcclFabric::create(const NcclFabricConfig& config,
@@ -70,7 +86,7 @@ bool NcclFabric::contact_changed() const {
   return contact_changed_;
 }
 
-Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(const std::vector<uint8_t>& b, int32_t rank) {
+Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(std::span<const uint8_t> b, int32_t rank) {
   auto bad = [rank](const std::string& why) {
     return Status::invalid("receiver rank " + std::to_string(rank) + " registered a contact that is not an NCCL " +
                            "fabric's (" + why + "): every rank of a domain must use the same \"local\" fabric");
@@ -85,31 +101,43 @@ Result<NcclFabric::ContactInfo> NcclFabric::parse_contact(const std::vector<uint
     for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(b[at + i]) << (8 * i);
     return v;
   };
+  // Every read below is inside the bytes checked before it.
   if (b.size() < 8 || std::memcmp(b.data(), kMagic, 4) != 0) return bad("wrong magic");
   if (u32(4) != kFormat) return bad("format " + std::to_string(u32(4)) + ", this build reads " + std::to_string(kFormat));
+  if (b.size() < kHeader) {
+    return bad("truncated: " + std::to_string(b.size()) + " bytes, its header has " + std::to_string(kHeader));
+  }
   ContactInfo c;
   c.instance = u64(8);
-  if (b.size() < kHeader) return bad("truncated");
   c.comm_epoch = u64(16);
   c.pack_bytes = u64(24);
   c.pack_threshold = u64(32);
   const uint32_t n = u32(40);
-  if (n == 0 || b.size() - kHeader != n) return bad("truncated unique id");
+  if (n == 0 || b.size() - kHeader != n) {
+    return bad("a unique id of " + std::to_string(n) + " bytes announced, " + std::to_string(b.size() - kHeader) +
+               " follow");
+  }
   c.id.assign(b.begin() + kHeader, b.end());
   return c;
 }
 
-// Both ends of a pair must lay out a round's pack alike (pack.h).
+// Both ends of a pair must lay out a round's pack alike (pack.h). Where
+// neither packs, the threshold is unused and need not agree.
 Status NcclFabric::check_packing(const ContactInfo& c, int32_t rank) const {
-  if (c.pack_bytes == pack_.pack_bytes && c.pack_threshold == pack_.pack_threshold) return Status::ok();
-  auto show = [](uint64_t bytes, uint64_t threshold) {
-    return bytes == 0 ? std::string("off") : std::to_string(bytes) + " / " + std::to_string(threshold);
+  const bool same = c.pack_bytes == pack_.pack_bytes &&
+                    (pack_.pack_bytes == 0 || c.pack_threshold == pack_.pack_threshold);
+  if (same) return Status::ok();
+  auto show = [](int32_t r, uint64_t bytes, uint64_t threshold) {
+    const std::string who = "receiver rank " + std::to_string(r);
+    if (bytes == 0) return who + " does not pack (\"pack_bytes\" 0, or no scatter kernel)";
+    return who + " packs with \"pack_bytes\" " + std::to_string(bytes) + " and \"pack_threshold\" " +
+           std::to_string(threshold);
   };
-  return Status::invalid("nccl fabric: receiver rank " + std::to_string(rank) +
-                         " packs its fan-out with \"pack_bytes\" / \"pack_threshold\" " +
-                         show(c.pack_bytes, c.pack_threshold) + ", receiver rank " + std::to_string(config_.rank) +
-                         " with " + show(pack_.pack_bytes, pack_.pack_threshold) +
-                         ": every rank of a domain must use the same (0 where the scatter kernel is not built)");
+  return Status::invalid("nccl fabric: the fan-out of one domain must pack alike: " +
+                         show(rank, c.pack_bytes, c.pack_threshold) + ", " +
+                         show(config_.rank, pack_.pack_bytes, pack_.pack_threshold) +
+                         "; set the same \"pack_bytes\" and \"pack_threshold\" on every rank of the domain " +
+                         "(a build without the scatter kernel packs nothing: \"pack_bytes\" 0 on every rank)");
 }
 
 Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
@@ -335,7 +363,7 @@ void NcclFabric::rounds() {
   }
   Status peer_failed;
   std::vector<int32_t> act_out, act_in;
-  std::vector<uint64_t> out_count(n, 0), out_bytes(n, 0);
+  std::vector<uint64_t> out_count(n, 0), out_bytes(n, 0), out_digest(n, 0);
   std::vector<cuda::P2p> group;
   bool failing = false;
   while (true) {
@@ -376,14 +404,21 @@ void NcclFabric::rounds() {
     gather_.clear();
     scatter_.clear();
     for (int32_t p : act_out) {
-      if (share_ > 0 && out_count[p] != kFailedMarker) pack_round(p, &out_count[p], &out_bytes[p]);
+      if (out_count[p] == kFailedMarker) {
+        out_digest[p] = 0;
+        continue;
+      }
+      if (share_ > 0) pack_round(p, &out_count[p], &out_bytes[p]);
+      sizes_.clear();
+      for (uint64_t k = 0; k < out_count[p]; ++k) sizes_.push_back(s.sends[out_[p][out_next_[p] + k]].bytes);
+      out_digest[p] = sizes_digest(sizes_);
     }
     const bool self_left = self_next_ < self_.size() && !failing;
     if (act_out.empty() && act_in.empty() && !self_left) break;
 
     uint64_t* host = need_comm ? comm_->host_words() : nullptr;
     if (!act_out.empty() || !act_in.empty()) {
-      Status st = exchange_counts(act_out, act_in, out_count, out_bytes, group);
+      Status st = exchange_counts(act_out, act_in, out_count, out_bytes, out_digest, group);
       if (!st.is_ok()) {
         if (comm_) drop_comm();
         result_ = st;
@@ -411,8 +446,9 @@ void NcclFabric::rounds() {
       add_sends(p, out_count[p], group);
     }
     for (int32_t p : act_in) {
-      const uint64_t count = host[2 * n + 2 * p];
-      const uint64_t bytes = host[2 * n + 2 * p + 1];
+      const uint64_t count = host[3 * n + 3 * p];
+      const uint64_t bytes = host[3 * n + 3 * p + 1];
+      const uint64_t digest = host[3 * n + 3 * p + 2];
       if (count == kFailedMarker) {
         in_failed_[p] = 1;
         moved = true;
@@ -423,7 +459,7 @@ void NcclFabric::rounds() {
         }
         continue;
       }
-      Status st = add_recvs(p, count, bytes, group);
+      Status st = add_recvs(p, count, bytes, digest, group);
       if (!st.is_ok()) {
         drop_comm();
         result_ = st;
@@ -481,41 +517,48 @@ Status NcclFabric::start_rounds() {
   REFIT_RETURN_IF_ERROR(ensure_comm());
   comm_->set_deadline(deadline_);
   const size_t n = ranks_.size();
-  if (comm_->word_count() < 4 * n) {
+  if (comm_->word_count() < 6 * n) {
     return Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
-                            " count words, a round needs " + std::to_string(4 * n));
+                            " count words, a round needs " + std::to_string(6 * n));
   }
   return share_ > 0 ? prepare_packs() : Status::ok();
 }
 
-// A round's counts: (n, bytes) to every peer it sends to, theirs from every
-// peer it receives from, into the host words [2n, 4n).
+// A round's counts: (n, bytes, digest of the n sizes) to every peer it
+// sends to, three words per peer in the host words [0, 3n); theirs from
+// every peer it receives from, into [3n, 6n).
 Status NcclFabric::exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
                                    const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
-                                   std::vector<cuda::P2p>& group) {
+                                   const std::vector<uint64_t>& out_digest, std::vector<cuda::P2p>& group) {
   const size_t n = ranks_.size();
   uint64_t* host = comm_->host_words();
   group.clear();
   for (int32_t p : act_out) {
-    host[2 * p] = out_count[p];
-    host[2 * p + 1] = out_bytes[p];
-    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 2 * p, 16});
+    host[3 * p] = out_count[p];
+    host[3 * p + 1] = out_bytes[p];
+    host[3 * p + 2] = out_digest[p];
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 3 * p, 24});
   }
   for (int32_t p : act_in) {
-    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 2 * n + 2 * p, 16});
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 3 * n + 3 * p, 24});
   }
-  REFIT_RETURN_IF_ERROR(comm_->put_words(2 * n));
+  REFIT_RETURN_IF_ERROR(comm_->put_words(3 * n));
   REFIT_RETURN_IF_ERROR(comm_->issue(group));
-  REFIT_RETURN_IF_ERROR(comm_->get_words(2 * n, 2 * n));
+  REFIT_RETURN_IF_ERROR(comm_->get_words(3 * n, 3 * n));
   return wait_idle("exchanging the counts of a round");
 }
 
+// A round's gather has at most max_sends_per_round pieces per peer (its
+// count is capped there), and so has its scatter (add_recvs refuses a peer
+// that packs more): the communicator's scatter tables are sized for that
+// once, here, before any work is in flight.
 Status NcclFabric::prepare_packs() {
-  Result<cuda::DomainComm::PackAreas> a = comm_->pack_areas(pack_.pack_bytes);
+  const size_t max_pieces = static_cast<size_t>(config_.max_sends_per_round) * (ranks_.size() - 1);
+  Result<cuda::DomainComm::PackAreas> a = comm_->pack_areas(pack_.pack_bytes, max_pieces);
   if (!a.is_ok()) {
     return a.status().with_context("nccl fabric: allocating the two pack areas of \"pack_bytes\" (" +
-                                   std::to_string(pack_.pack_bytes) + " bytes each); 0 turns packing off on " +
-                                   "every rank of the domain");
+                                   std::to_string(pack_.pack_bytes) + " bytes each); \"pack_bytes\" 0 turns " +
+                                   "packing off, and must then be set on every rank of the domain");
   }
   areas_ = *a;
   return Status::ok();
@@ -558,16 +601,22 @@ void NcclFabric::add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& gr
   }
 }
 
-// The round's `count` receives from peer p, of `bytes` as the peer
-// announced, laid out as the peer laid out its sends: the pack first
-// (scattered into place after the group), then the unpacked ones.
-Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vector<cuda::P2p>& group) {
+// The round's `count` receives from peer p, of `bytes` and sizes' `digest`
+// as the peer announced, laid out as the peer laid out its sends: the pack
+// first (scattered into place after the group), then the unpacked ones.
+Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t digest,
+                             std::vector<cuda::P2p>& group) {
   const Schedule& s = *schedule_;
+  const bool fits = count <= in_[p].size() - in_next_[p];
+  sizes_.clear();
   uint64_t sum = 0;
-  if (count <= in_[p].size() - in_next_[p]) {
-    for (size_t i = in_next_[p]; i < in_next_[p] + count; ++i) sum += s.recvs[in_[p][i]].bytes;
+  if (fits) {
+    for (size_t i = in_next_[p]; i < in_next_[p] + count; ++i) {
+      sizes_.push_back(s.recvs[in_[p][i]].bytes);
+      sum += sizes_.back();
+    }
   }
-  if (count > in_[p].size() - in_next_[p] || sum != bytes) {
+  if (!fits || sum != bytes) {
     // The peer's plan is not this rank's: receiving would write the wrong
     // bytes, or wait for bytes that never come.
     return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
@@ -575,15 +624,28 @@ Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vec
                            " bytes, this rank's plan expects other sizes from it; the ranks ran " +
                            "different plans, retry the refresh");
   }
+  if (sizes_digest(sizes_) != digest) {
+    // The same count and sum, other sizes: packed, they would be scattered
+    // into the wrong places without an error anywhere.
+    return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
+                           std::to_string(count) + " slices of " + std::to_string(bytes) +
+                           " bytes whose sizes (digest) differ from this rank's plan's; the ranks ran " +
+                           "different plans, retry the refresh");
+  }
   PackLayout l;
   if (share_ > 0) {
-    sizes_.clear();
-    for (uint64_t k = 0; k < count; ++k) sizes_.push_back(s.recvs[in_[p][in_next_[p] + k]].bytes);
     l = plan_pack(sizes_, share_, pack_.pack_threshold);
     if (l.taken != count) {
       return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
                              std::to_string(count) + " slices in one round, this rank's pack layout takes " +
                              std::to_string(l.taken) + ": the ranks pack differently, retry the refresh");
+    }
+    if (l.packed > config_.max_sends_per_round) {
+      // More pieces than the scatter tables were sized for (prepare_packs).
+      return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " packed " +
+                             std::to_string(l.packed) + " slices in one round, this rank takes at most " +
+                             std::to_string(config_.max_sends_per_round) +
+                             " (max_sends_per_round): every rank of a domain must use the same");
     }
   }
   uint8_t* pack = nullptr;

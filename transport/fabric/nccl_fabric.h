@@ -24,10 +24,11 @@
 // units for the others) would each wait in their up-front receives for
 // sends queued behind them: a deadlock. Instead the round thread runs
 // rounds, each two groups on the communicator's stream:
-//   counts  to every peer it still sends to: (n, bytes) of the sends it
-//           passes on in this round (the ready prefix of its plan-order
-//           sends to that peer, capped), or kFailedMarker; from every peer it
-//           still receives from: theirs;
+//   counts  to every peer it still sends to: (n, bytes, digest) of the
+//           sends it passes on in this round (the ready prefix of its
+//           plan-order sends to that peer, capped; the digest is a 64-bit
+//           hash of their sizes in order), or kFailedMarker; from every peer
+//           it still receives from: theirs;
 //   data    those sends, and the receives the counts announce, in per-peer
 //           order (Schedule::recvs is per peer in the order the peer sends,
 //           so the n-th send matches the n-th receive).
@@ -45,8 +46,9 @@
 // timeout naming the ranks still owed; every rank does the same at its own
 // deadline, so no rank hangs. cancel() (LocalFabric) ends the waits the
 // same way, at once, except the building of the communicator, which only
-// its deadline ends. The sizes each round announces are checked
-// against the receives: a mismatch is an error, not a corrupt write.
+// its deadline ends. The count, bytes and sizes' digest each round
+// announces are checked against the receives' (each end hashes its own
+// sizes): a mismatch fails the refresh naming the peer, not a corrupt write.
 //
 // Threads: begin, send, finish and end from the agent's fan-out thread, as
 // LocalFabric says. begin() fills the per-refresh members and starts the
@@ -67,15 +69,17 @@
 // so the packs of one round fit the areas; the round that would pass it
 // stops there (its count says so). The areas are the communicator's (two
 // of pack_bytes in device memory), kept with it. Every member must pack
-// alike: the contact carries pack_bytes and pack_threshold (0 where the
-// factory cannot scatter), and begin() refuses a domain that differs.
+// alike: the contact carries pack_bytes (0 where packing is off or the
+// factory cannot scatter) and pack_threshold, and begin() refuses a domain
+// whose pack_bytes differ, or whose thresholds differ while it packs.
 //
-// Cost: a round is two small groups and a 16-byte count per pair and way;
+// Cost: a round is two small groups and a 24-byte count per pair and way;
 // the round thread polls (yields) while a round is in flight.
 
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <tuple>
 
@@ -137,7 +141,11 @@ class NcclFabric final : public LocalFabric {
     uint64_t pack_bytes = 0;  // its packing (0: off)
     uint64_t pack_threshold = 0;
   };
-  static Result<ContactInfo> parse_contact(const std::vector<uint8_t>& bytes, int32_t rank);
+  // Reads receiver rank `rank`'s contact (peer input, untrusted): reads
+  // only inside `bytes`, and refuses (invalid_argument naming the rank) a
+  // contact of another fabric or format, a truncated one, and one whose
+  // unique id is empty or not as long as it says.
+  static Result<ContactInfo> parse_contact(std::span<const uint8_t> bytes, int32_t rank);
 
  private:
   using Key = std::vector<std::tuple<int32_t, uint64_t, uint64_t>>;
@@ -148,11 +156,11 @@ class NcclFabric final : public LocalFabric {
   Status start_rounds();
   Status exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
                          const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
-                         std::vector<cuda::P2p>& group);
+                         const std::vector<uint64_t>& out_digest, std::vector<cuda::P2p>& group);
   Status prepare_packs();
   void pack_round(int32_t p, uint64_t* count, uint64_t* bytes);
   void add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& group);
-  Status add_recvs(int32_t p, uint64_t count, uint64_t bytes, std::vector<cuda::P2p>& group);
+  Status add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t digest, std::vector<cuda::P2p>& group);
   Status ensure_comm();
   Status wait_idle(const char* what);
   void drop_comm();

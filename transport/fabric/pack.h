@@ -28,7 +28,8 @@
 
 namespace refit::fabric {
 
-// Defaults of the nccl fabric's config keys (plugin/config.h, docs/config.md).
+// Defaults of the nccl fabric's config keys "local": {"pack_bytes",
+// "pack_threshold"} (plugin/config.h; docs/refresh.md, "Packed fan-out").
 // 64 MiB per area: on a 64-GPU NVLink domain each peer's pack is up to 1 MiB
 // a round, the size of one GET chunk; 2 x 64 MiB of device memory per rank.
 inline constexpr uint64_t kDefaultPackBytes = 64ull << 20;

@@ -127,12 +127,14 @@ inline Schedule schedule_of(const FanoutCase& c, int32_t rank, std::vector<std::
 }
 
 // Runs one refresh of `schedules` on `fabrics`, one thread per rank, each
-// passing its sends on in a random order and random batches. `skip` ranks do
-// not take part; `fail` ranks finish(true) after passing half of their sends.
+// passing its sends on in a random order and random batches, or with
+// `at_once` all in one send() call (so that which sends a round finds ready
+// does not depend on timing: none or all). `skip` ranks do not take part;
+// `fail` ranks finish(true) after passing half of their sends.
 inline std::vector<Status> run_refresh(std::vector<RankFabric>& fabrics, const std::vector<Schedule>& schedules,
                                        Clock::time_point deadline, uint32_t seed,
                                        const std::vector<int32_t>& skip = {},
-                                       const std::vector<int32_t>& fail = {}) {
+                                       const std::vector<int32_t>& fail = {}, bool at_once = false) {
   const size_t n = fabrics.size();
   std::vector<Status> out(n);
   std::vector<std::thread> threads;
@@ -154,7 +156,7 @@ inline std::vector<Status> run_refresh(std::vector<RankFabric>& fabrics, const s
       const bool failing = std::find(fail.begin(), fail.end(), static_cast<int32_t>(r)) != fail.end();
       if (failing) order.resize(order.size() / 2);
       for (size_t i = 0; i < order.size() && st.is_ok();) {
-        const size_t k = std::min<size_t>(order.size() - i, 1 + rng() % 8);
+        const size_t k = at_once ? order.size() - i : std::min<size_t>(order.size() - i, 1 + rng() % 8);
         st = f.send(std::span<const uint32_t>(order.data() + i, k));
         i += k;
       }

@@ -24,6 +24,7 @@ Result<RankFabric> make_nccl(int32_t rank, std::vector<uint8_t>& buffer) {
   NcclFabricConfig config;
   config.rank = rank;
   config.max_sends_per_round = 5;  // several rounds per pair
+  config.pack.pack_bytes = kMinPackBytes;  // packs, without 2 x 64 MiB per rank
   Result<std::unique_ptr<NcclFabric>> f = NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
   if (!f.is_ok()) return f.status();
   RankFabric out;

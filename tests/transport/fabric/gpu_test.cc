@@ -158,6 +158,55 @@ TEST_F(Gpu, IrregularPiecesGoThroughTheScatterKernel) {
 #endif
 }
 
+#ifdef REFIT_HAVE_SCATTER_KERNEL
+// launch_scatter itself: pieces from 1 byte to 3 MiB (split across blocks
+// in 64 KiB chunks), source and destination sharing their alignment mod 16
+// or not, launched after a runtime call left an error behind on this
+// thread (as the round thread's cudaEventQuery leaves cudaErrorNotReady),
+// and once with a max_bytes below the largest piece (fewer blocks, still
+// every byte). Bytes between the pieces stay 0.
+TEST_F(Gpu, TheScatterKernelMovesEveryByteOfLargeAndUnalignedPieces) {
+  const std::vector<uint64_t> sizes = {1, 15, 16, 17, 4096, 65535, 65536, 65537, 1 << 20, (1 << 20) + 13, 3 << 20};
+  const uint64_t bytes = 16 << 20;
+  Result<cuda::DeviceBuffer> src = cuda::DeviceBuffer::allocate(0, bytes);
+  Result<cuda::DeviceBuffer> dst = cuda::DeviceBuffer::allocate(0, bytes);
+  ASSERT_TRUE(src.is_ok() && dst.is_ok());
+  std::vector<uint8_t> host(bytes);
+  std::mt19937 rng(11);
+  for (uint8_t& b : host) b = static_cast<uint8_t>(rng() | 1);
+  ASSERT_TRUE(cuda::copy_now(src->data(), host.data(), bytes).is_ok());
+  void* t = nullptr;
+  ASSERT_EQ(cudaHostAlloc(&t, sizes.size() * sizeof(cuda::ScatterPiece), cudaHostAllocPortable | cudaHostAllocMapped),
+            cudaSuccess);
+  auto* table = static_cast<cuda::ScatterPiece*>(t);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (uint64_t max_bytes : {uint64_t{3} << 20, uint64_t{1}}) {
+    ASSERT_EQ(cudaMemset(dst->data(), 0, bytes), cudaSuccess);
+    std::vector<uint8_t> want(bytes, 0);
+    uint64_t s_at = 0, d_at = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      s_at = (s_at + 15) / 16 * 16 + i % 16;                    // src offset i mod 16
+      d_at = (d_at + 15) / 16 * 16 + (i % 2 ? i % 16 : 3);      // same alignment for odd i
+      table[i] = cuda::ScatterPiece{dst->data() + d_at, src->data() + s_at, sizes[i]};
+      std::memcpy(want.data() + d_at, host.data() + s_at, sizes[i]);
+      s_at += sizes[i] + 5;
+      d_at += sizes[i] + 7;
+      ASSERT_LE(s_at, bytes);
+      ASSERT_LE(d_at, bytes);
+    }
+    EXPECT_NE(cudaSetDevice(-1), cudaSuccess);  // leaves cudaErrorInvalidDevice as the last error
+    EXPECT_EQ(cuda::launch_scatter(table, static_cast<uint32_t>(sizes.size()), max_bytes, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<uint8_t> got(bytes);
+    ASSERT_TRUE(cuda::copy_now(got.data(), dst->data(), bytes).is_ok());
+    EXPECT_TRUE(got == want) << "max_bytes " << max_bytes;
+  }
+  cudaStreamDestroy(stream);
+  cudaFreeHost(t);
+}
+#endif
+
 // The fan-out case on device buffers through real NCCL communicators, one
 // rank per device (ranks > devices would put two ranks on one GPU, which
 // NCCL refuses). `skip` ranks never begin.

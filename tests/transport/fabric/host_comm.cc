@@ -1,5 +1,6 @@
 #include "host_comm.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -39,7 +40,7 @@ struct World {
 class HostComm final : public DomainComm {
  public:
   HostComm(std::shared_ptr<World> world, int32_t rank)
-      : world_(std::move(world)), rank_(rank), words_(4 * world_->size), host_(4 * world_->size) {}
+      : world_(std::move(world)), rank_(rank), words_(6 * world_->size), host_(6 * world_->size) {}
   ~HostComm() override { abort(); }
 
   int32_t rank() const override { return rank_; }
@@ -59,14 +60,54 @@ class HostComm final : public DomainComm {
     }
     return push(std::move(item));
   }
-  Result<PackAreas> pack_areas(uint64_t bytes) override {
+  Result<PackAreas> pack_areas(uint64_t bytes, size_t max_pieces) override {
+    std::lock_guard<std::mutex> lock(world_->mu);
+    if (!stream_.empty()) return Status::internal("host comm: pack_areas() while work is in flight");
     if (send_area_.size() != bytes) {
       send_area_.assign(bytes, 0);
       recv_area_.assign(bytes, 0);
     }
+    max_pieces_ = max_pieces;
     return PackAreas{send_area_.data(), recv_area_.data()};
   }
+  // Checked as the kernel's contract asks, so that a fabric bug is an error
+  // here rather than a stray write: each piece gathers into the send area
+  // or scatters out of the receive area, wholly inside it, its other end
+  // outside both areas, and no two pieces write the same bytes.
   Status scatter(std::span<const ScatterPiece> pieces) override {
+    if (pieces.size() > max_pieces_) {
+      return Status::invalid("host comm: a scatter of " + std::to_string(pieces.size()) +
+                             " pieces, pack_areas() sized " + std::to_string(max_pieces_));
+    }
+    auto in = [](const std::vector<uint8_t>& area, const uint8_t* p, uint64_t n) {
+      const auto a = reinterpret_cast<uintptr_t>(area.data()), x = reinterpret_cast<uintptr_t>(p);
+      return x >= a && n <= area.size() && x - a <= area.size() - n;
+    };
+    auto touches = [](const std::vector<uint8_t>& area, const uint8_t* p, uint64_t n) {
+      const auto a = reinterpret_cast<uintptr_t>(area.data()), x = reinterpret_cast<uintptr_t>(p);
+      return x < a + area.size() && a < x + n;
+    };
+    std::vector<std::pair<uintptr_t, uint64_t>> writes;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const ScatterPiece& pc = pieces[i];
+      const bool into_send = in(send_area_, pc.dst, pc.bytes) && !touches(send_area_, pc.src, pc.bytes) &&
+                          !touches(recv_area_, pc.src, pc.bytes);
+      const bool out_of_recv = in(recv_area_, pc.src, pc.bytes) && !touches(send_area_, pc.dst, pc.bytes) &&
+                           !touches(recv_area_, pc.dst, pc.bytes);
+      if (pc.bytes == 0 || pc.dst == nullptr || pc.src == nullptr ||
+          reinterpret_cast<uintptr_t>(pc.dst) > UINTPTR_MAX - pc.bytes ||
+          reinterpret_cast<uintptr_t>(pc.src) > UINTPTR_MAX - pc.bytes || !(into_send || out_of_recv)) {
+        return Status::invalid("host comm: scatter piece " + std::to_string(i) + " of " + std::to_string(pc.bytes) +
+                               " bytes is not a gather into the send area nor a scatter out of the receive area");
+      }
+      writes.emplace_back(reinterpret_cast<uintptr_t>(pc.dst), pc.bytes);
+    }
+    std::sort(writes.begin(), writes.end());
+    for (size_t i = 1; i < writes.size(); ++i) {
+      if (writes[i - 1].first + writes[i - 1].second > writes[i].first) {
+        return Status::invalid("host comm: two scatter pieces write the same bytes");
+      }
+    }
     Item item;
     item.kind = Item::Kind::kScatter;
     item.pieces.assign(pieces.begin(), pieces.end());
@@ -152,6 +193,7 @@ class HostComm final : public DomainComm {
   std::vector<uint64_t> host_;
   std::deque<Item> stream_;
   std::vector<uint8_t> send_area_, recv_area_;
+  size_t max_pieces_ = 0;
   bool aborted_ = false;
   Status error_;
 };

@@ -11,7 +11,10 @@
 // Progress is made by whichever rank calls idle() or issue(); all state is
 // under one mutex of the world the ranks share. It can scatter (the packed
 // fan-out): pack areas are host memory, a scatter a memcpy per piece in
-// stream order; HostCommFactory(false) makes a factory that cannot.
+// stream order, each piece checked first (into the send area or out of the
+// receive area, no two writing the same bytes, no more than pack_areas()
+// was sized for: a status otherwise); HostCommFactory(false) makes a
+// factory that cannot.
 
 #include <map>
 #include <memory>

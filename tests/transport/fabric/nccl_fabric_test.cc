@@ -4,7 +4,10 @@
 #include "transport/fabric/nccl_fabric.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <thread>
 
 #include "fanout_case.h"
@@ -16,6 +19,14 @@ namespace {
 using testing::FanoutCase;
 using testing::RankFabric;
 
+// Packing on with the smallest areas: a test not about the area's size
+// need not zero-fill 2 x 64 MiB per rank.
+PackLimits small_packs() {
+  PackLimits l;
+  l.pack_bytes = kMinPackBytes;
+  return l;
+}
+
 struct Domain {
   FanoutCase c;
   std::vector<std::vector<uint8_t>> buffers;
@@ -24,9 +35,10 @@ struct Domain {
 
   PackLimits pack;
   bool can_scatter = true;
+  uint32_t max_sends = kDefaultMaxSendsPerRound;  // of the ranks add() makes
 
-  Domain(int32_t ranks, uint32_t seed, uint64_t half = 24 << 10, uint64_t chunk = 4096, PackLimits limits = {},
-         bool scatter = true)
+  Domain(int32_t ranks, uint32_t seed, uint64_t half = 24 << 10, uint64_t chunk = 4096,
+         PackLimits limits = small_packs(), bool scatter = true)
       : c(testing::make_case(ranks, half, chunk, seed)), buffers(c.start), pack(limits), can_scatter(scatter) {
     for (int32_t r = 0; r < ranks; ++r) add(r);
   }
@@ -34,6 +46,7 @@ struct Domain {
     NcclFabricConfig config;
     config.rank = r;
     config.pack = pack;
+    config.max_sends_per_round = max_sends;
     Result<std::unique_ptr<NcclFabric>> f =
         NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>(can_scatter));
     EXPECT_TRUE(f.is_ok()) << f.status().message();
@@ -93,12 +106,15 @@ TEST(NcclFabric, KeepsTheCommunicatorWhileTheDomainIsUnchanged) {
 }
 
 // Every byte lands, over as many refreshes as asked; returns the sends
-// (not to itself) of all ranks in one refresh.
-size_t run_ok(Domain& d, int64_t versions) {
+// (not to itself) of all ranks in one refresh. `at_once`: each rank passes
+// all its sends in one call, so that what a round finds ready (none or
+// all) does not depend on timing.
+size_t run_ok(Domain& d, int64_t versions, bool at_once = false) {
   size_t sends = 0;
   for (int64_t v = 1; v <= versions; ++v) {
     std::vector<Schedule> s = d.schedules(v);
-    std::vector<Status> st = testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 30 + v);
+    std::vector<Status> st =
+        testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::seconds(20), 30 + v, {}, {}, at_once);
     sends = 0;
     for (int32_t r = 0; r < d.c.ranks; ++r) {
       EXPECT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].message();
@@ -110,16 +126,18 @@ size_t run_ok(Domain& d, int64_t versions) {
 }
 
 TEST(NcclFabric, PacksTheSmallSendsOfARoundToOnePeer) {
+  // 64 KiB areas, 4 ranks: a peer's share is 21 KiB, sends are up to 4 KiB.
   Domain d(4, 31);
-  const size_t sends = run_ok(d, 2);
+  const size_t sends = run_ok(d, 2, /*at_once=*/true);
   uint64_t packs = 0, packed = 0;
   for (NcclFabric* f : d.nccl) {
     EXPECT_TRUE(f->packing());
     packs += f->packs_sent();
     packed += f->packed_sends();
   }
-  // Every send of this case is far below the threshold: all went packed,
-  // in fewer packs than sends.
+  // Every send of this case is far below the threshold and the share: all
+  // went packed. All sends were ready in one round, so a peer's pack holds
+  // several of them: fewer packs than sends.
   EXPECT_EQ(packed, 2 * sends);
   EXPECT_GT(packs, 0u);
   EXPECT_LT(packs, packed);
@@ -132,7 +150,8 @@ TEST(NcclFabric, ASmallPackAreaSplitsRoundsAndLargeSendsGoUnpacked) {
   limits.pack_bytes = kMinPackBytes;
   limits.pack_threshold = 10000;
   Domain d(5, 32, 1 << 20, 12 << 10, limits);
-  const size_t sends = run_ok(d, 2);
+  // All sends ready in one round: a peer's sends pass its 16 KiB share there.
+  const size_t sends = run_ok(d, 2, /*at_once=*/true);
   uint64_t packs = 0, packed = 0, full = 0;
   for (NcclFabric* f : d.nccl) {
     packs += f->packs_sent();
@@ -150,7 +169,7 @@ TEST(NcclFabric, WithoutPackingOrAScatterEverySendGoesAsItIs) {
   off.pack_bytes = 0;
   Domain a(3, 33, 24 << 10, 4096, off);
   run_ok(a, 1);
-  Domain b(3, 33, 24 << 10, 4096, PackLimits{}, /*scatter=*/false);
+  Domain b(3, 33, 24 << 10, 4096, small_packs(), /*scatter=*/false);
   run_ok(b, 1);
   for (Domain* d : {&a, &b}) {
     for (NcclFabric* f : d->nccl) {
@@ -176,6 +195,47 @@ TEST(NcclFabric, RanksThatPackDifferentlyAreRefusedNamingTheKey) {
   Result<std::unique_ptr<NcclFabric>> f = NcclFabric::create(bad, std::make_unique<cuda::testing::HostCommFactory>());
   ASSERT_FALSE(f.is_ok());
   EXPECT_NE(f.status().message().find("\"pack_bytes\""), std::string::npos) << f.status().message();
+}
+
+// begin() of rank 0 on the domain's contacts: what check_packing says.
+Status begin_status(Domain& d) {
+  std::vector<Schedule> s = d.schedules(1);
+  const Status st = d.nccl[0]->begin(s[0], Clock::now() + std::chrono::seconds(5));
+  d.nccl[0]->end();
+  return st;
+}
+
+TEST(NcclFabric, TheThresholdMustAgreeOnlyWherePackingIsOn) {
+  PackLimits off;
+  off.pack_bytes = 0;
+  off.pack_threshold = 4096;
+  Domain a(3, 35, 24 << 10, 4096, off);
+  a.pack.pack_threshold = 8192;  // unused where nothing packs
+  a.add(1);
+  run_ok(a, 1);
+
+  PackLimits on;
+  on.pack_bytes = kMinPackBytes;
+  on.pack_threshold = 4096;
+  Domain b(3, 36, 24 << 10, 4096, on);
+  b.pack.pack_threshold = 8192;
+  b.add(1);
+  Status st = begin_status(b);
+  ASSERT_EQ(st.code(), Code::kInvalidArgument) << st.message();
+  EXPECT_NE(st.message().find("receiver rank 1 packs with \"pack_bytes\" 65536 and \"pack_threshold\" 8192"),
+            std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("receiver rank 0 packs with \"pack_bytes\" 65536 and \"pack_threshold\" 4096"),
+            std::string::npos)
+      << st.message();
+
+  Domain c(3, 37, 24 << 10, 4096, on);
+  c.pack = off;
+  c.add(1);
+  st = begin_status(c);
+  ASSERT_EQ(st.code(), Code::kInvalidArgument) << st.message();
+  EXPECT_NE(st.message().find("receiver rank 1 does not pack"), std::string::npos) << st.message();
+  EXPECT_EQ(st.message().find("with off"), std::string::npos) << st.message();
 }
 
 TEST(NcclFabric, AFailedRankTellsItsPeersAtOnce) {
@@ -252,6 +312,92 @@ TEST(NcclFabric, RanksThatRunDifferentPlansFailInsteadOfWritingWrongBytes) {
   EXPECT_TRUE(plan_error);
 }
 
+// Two receives of one round whose sizes differ from the sender's by one
+// byte each way: the count and the byte sum agree, the sizes do not. Packed,
+// the pieces would be scattered one byte off without an error anywhere.
+TEST(NcclFabric, ARoundWhoseSizesDifferWithAnEqualSumIsRefusedNamingThePeer) {
+  uint32_t seed = 40;
+  auto two_from_0 = [](const FanoutCase& c) {
+    int to_1 = 0;
+    for (const testing::Transfer& t : c.plan) to_1 += t.from == 0 && t.to == 1 && t.bytes >= 2;
+    return to_1 >= 2;
+  };
+  while (!two_from_0(testing::make_case(2, 24 << 10, 4096, seed))) ++seed;
+  PackLimits off;
+  off.pack_bytes = 0;
+  PackLimits small;
+  small.pack_bytes = kMinPackBytes;
+  for (const PackLimits& limits : {small, off}) {
+    Domain d(2, seed, 24 << 10, 4096, limits);
+    std::vector<Schedule> s = d.schedules(1);
+    std::vector<Recv>& recvs = s[1].recvs;  // all from rank 0, in its send order
+    ASSERT_GE(recvs.size(), 2u);
+    ASSERT_GE(recvs[0].bytes, 2u);
+    recvs[0].bytes -= 1;
+    recvs[1].bytes += 1;
+    // All sends passed in one call: the two go in the same round.
+    std::vector<Status> st =
+        testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::milliseconds(500), 1, {}, {}, true);
+    ASSERT_FALSE(st[1].is_ok()) << "pack_bytes " << limits.pack_bytes;
+    EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
+    EXPECT_NE(st[1].message().find("receiver rank 0 announced"), std::string::npos) << st[1].message();
+    EXPECT_NE(st[1].message().find("sizes (digest) differ"), std::string::npos) << st[1].message();
+    EXPECT_FALSE(st[0].is_ok()) << "the sender's round cannot complete";
+  }
+}
+
+// The scatter tables are sized once, for max_sends_per_round pieces per
+// peer: a peer that packs more in one round is refused with a status, not
+// given a bigger table behind work in flight.
+TEST(NcclFabric, APeerThatPacksMoreThanTheTablesHoldIsRefused) {
+  uint32_t seed = 50;
+  auto many_from_0 = [](const FanoutCase& c) {
+    int to_1 = 0;
+    for (const testing::Transfer& t : c.plan) to_1 += t.from == 0 && t.to == 1;
+    return to_1 >= 4;
+  };
+  while (!many_from_0(testing::make_case(2, 24 << 10, 1024, seed))) ++seed;
+  PackLimits small;
+  small.pack_bytes = kMinPackBytes;
+  Domain d(2, seed, 24 << 10, 1024, small);
+  d.max_sends = 2;  // rank 1's tables hold 2 pieces; rank 0 packs up to 256
+  d.add(1);
+  std::vector<Schedule> s = d.schedules(1);
+  std::vector<Status> st =
+      testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::milliseconds(500), 1, {}, {}, true);
+  ASSERT_FALSE(st[1].is_ok());
+  EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
+  EXPECT_NE(st[1].message().find("receiver rank 0 packed"), std::string::npos) << st[1].message();
+  EXPECT_NE(st[1].message().find("max_sends_per_round"), std::string::npos) << st[1].message();
+}
+
+TEST(HostComm, ScatterRefusesPiecesOutsideItsAreasOrBeyondItsTable) {
+  cuda::testing::HostCommFactory factory;
+  Result<std::vector<uint8_t>> id = factory.unique_id();
+  ASSERT_TRUE(id.is_ok());
+  Result<std::unique_ptr<cuda::DomainComm>> comm = factory.connect(*id, 1, 0, Clock::now() + std::chrono::seconds(5));
+  ASSERT_TRUE(comm.is_ok()) << comm.status().message();
+  Result<cuda::DomainComm::PackAreas> a = (*comm)->pack_areas(4096, 2);
+  ASSERT_TRUE(a.is_ok()) << a.status().message();
+  std::vector<uint8_t> buffer(4096, 7);
+  using Piece = cuda::ScatterPiece;
+  auto ok = [&](std::vector<Piece> pieces) { return (*comm)->scatter(pieces).is_ok(); };
+  EXPECT_TRUE(ok({Piece{a->send, buffer.data(), 100}, Piece{a->send + 112, buffer.data() + 100, 50}}));
+  EXPECT_TRUE(ok({Piece{buffer.data(), a->recv, 4096}}));
+  EXPECT_FALSE(ok({Piece{a->send + 4000, buffer.data(), 100}})) << "past the send area";
+  EXPECT_FALSE(ok({Piece{buffer.data(), a->recv + 1, 4096}})) << "past the receive area";
+  EXPECT_FALSE(ok({Piece{buffer.data(), buffer.data() + 10, 10}})) << "neither a gather nor a scatter";
+  EXPECT_FALSE(ok({Piece{a->recv, a->send, 10}})) << "area to area";
+  EXPECT_FALSE(ok({Piece{a->send, buffer.data(), 0}})) << "no bytes";
+  EXPECT_FALSE(ok({Piece{a->send, buffer.data(), 100}, Piece{a->send + 96, buffer.data(), 100}})) << "overlap";
+  EXPECT_FALSE(ok({Piece{a->send, buffer.data(), 1}, Piece{a->send + 16, buffer.data(), 1},
+                   Piece{a->send + 32, buffer.data(), 1}}))
+      << "more pieces than pack_areas() was sized for";
+  Result<bool> idle = (*comm)->idle();
+  ASSERT_TRUE(idle.is_ok()) << idle.status().message();
+  EXPECT_TRUE(*idle);
+}
+
 TEST(NcclFabric, ASingleRankDomainCopiesToItself) {
   FanoutCase c = testing::make_case(1, 16 << 10, 1024, 2);
   std::vector<std::vector<uint8_t>> buffers = c.start;
@@ -291,6 +437,70 @@ TEST(NcclFabric, ARoundThreadThatCannotStartFailsBeginNotTheProcess) {
   EXPECT_NE(st.message().find("cannot start the nccl fabric rounds thread"), std::string::npos) << st.message();
   EXPECT_FALSE(fabrics[0].fabric->finish(false).is_ok());
   fabrics[0].fabric->end();
+}
+
+// Bytes that end where a page no one may read begins: a read past them is
+// a SIGSEGV, not a silent look at whatever the heap holds there.
+class GuardedBytes {
+ public:
+  GuardedBytes() {
+    page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    void* m = mmap(nullptr, 2 * page_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    EXPECT_NE(m, MAP_FAILED);
+    base_ = static_cast<uint8_t*>(m);
+    EXPECT_EQ(mprotect(base_ + page_, page_, PROT_NONE), 0);
+  }
+  ~GuardedBytes() { munmap(base_, 2 * page_); }
+  std::span<const uint8_t> hold(std::span<const uint8_t> bytes) {
+    uint8_t* at = base_ + page_ - bytes.size();
+    if (!bytes.empty()) std::memcpy(at, bytes.data(), bytes.size());
+    return {at, bytes.size()};
+  }
+
+ private:
+  size_t page_ = 0;
+  uint8_t* base_ = nullptr;
+};
+
+TEST(NcclFabric, ParseContactReadsOnlyTheBytesItIsGivenAndRefusesWrongLengths) {
+  Result<std::unique_ptr<NcclFabric>> f =
+      NcclFabric::create(NcclFabricConfig{}, std::make_unique<cuda::testing::HostCommFactory>());
+  ASSERT_TRUE(f.is_ok()) << f.status().message();
+  const std::vector<uint8_t> contact = (*f)->contact();
+  Result<NcclFabric::ContactInfo> whole = NcclFabric::parse_contact(contact, 3);
+  ASSERT_TRUE(whole.is_ok()) << whole.status().message();
+  const size_t id_bytes = whole->id.size();
+  ASSERT_GT(id_bytes, 0u);
+  const size_t header = contact.size() - id_bytes;
+  EXPECT_EQ(whole->pack_bytes, kDefaultPackBytes);
+  EXPECT_EQ(whole->pack_threshold, kDefaultPackThreshold);
+
+  GuardedBytes guard;
+  // Every prefix: only the whole contact is one.
+  for (size_t len = 0; len <= contact.size(); ++len) {
+    Result<NcclFabric::ContactInfo> c =
+        NcclFabric::parse_contact(guard.hold(std::span<const uint8_t>(contact.data(), len)), 3);
+    if (len == contact.size()) {
+      ASSERT_TRUE(c.is_ok()) << c.status().message();
+      EXPECT_EQ(c->id, whole->id);
+      continue;
+    }
+    ASSERT_FALSE(c.is_ok()) << len << " bytes";
+    EXPECT_EQ(c.status().code(), Code::kInvalidArgument) << len << " bytes";
+    EXPECT_NE(c.status().message().find("receiver rank 3"), std::string::npos) << c.status().message();
+  }
+  // One byte more than the id it announces.
+  std::vector<uint8_t> longer = contact;
+  longer.push_back(0);
+  EXPECT_FALSE(NcclFabric::parse_contact(guard.hold(longer), 3).is_ok());
+  // An id length field that disagrees with the bytes that follow.
+  for (uint64_t n : {uint64_t{0}, uint64_t{id_bytes - 1}, uint64_t{id_bytes + 1}, uint64_t{UINT32_MAX}}) {
+    std::vector<uint8_t> b = contact;
+    for (int i = 0; i < 4; ++i) b[header - 4 + i] = static_cast<uint8_t>(n >> (8 * i));
+    Result<NcclFabric::ContactInfo> c = NcclFabric::parse_contact(guard.hold(b), 3);
+    ASSERT_FALSE(c.is_ok()) << "id length " << n;
+    EXPECT_NE(c.status().message().find("unique id"), std::string::npos) << c.status().message();
+  }
 }
 
 TEST(NcclFabric, RefusesAScheduleItCannotRun) {
@@ -346,6 +556,7 @@ TEST(NcclFabric, CancelEndsTheWaitForPeersAtOnce) {
   for (int32_t r = 0; r < 2; ++r) {
     NcclFabricConfig config;
     config.rank = r;
+    config.pack = small_packs();
     Result<std::unique_ptr<NcclFabric>> f =
         NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>());
     ASSERT_TRUE(f.is_ok());
