@@ -31,6 +31,7 @@
 #include "planner/manifest.h"
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
+#include "tests/e2e/gathers.h"
 #include "tools/bench/rank_buffers.h"
 #include "tools/bench/refresh_run.h"
 
@@ -276,6 +277,9 @@ TEST_F(Membership, KilledSourceWithAReplicaStillCompletesTheVersion) {
   int64_t retries = 0;
   for (const auto& report : r.versions.back().reports) retries += report.value("retries", int64_t{0});
   EXPECT_GT(retries, 0) << "the kill landed after the refresh: nothing was routed around the dead source";
+  // The small runs that were rerouted to the replica still travelled in
+  // gathers.
+  EXPECT_GT(refit::e2e::gathered_runs(r.versions.back()), 0) << "no run of the killed version travelled in a gather";
   EXPECT_EQ(r.mixed_version_reads, 0);
 }
 

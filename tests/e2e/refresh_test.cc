@@ -20,6 +20,7 @@
 #include "planner/plan.h"
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
+#include "tests/e2e/gathers.h"
 #include "tools/bench/refresh_run.h"
 
 namespace {
@@ -64,8 +65,9 @@ class Refresh : public ::testing::Test {
          "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}}]})json");
   }
 
-  // Refreshes `layout` three times and checks every byte and the network bytes.
-  static void refresh_and_check(const Layout& layout, const RunOptions& o = options()) {
+  // Refreshes `layout` three times and checks every byte and the network
+  // bytes; `gathered`: and that small runs travelled in gathers every time.
+  static void refresh_and_check(const Layout& layout, const RunOptions& o = options(), bool gathered = false) {
     ASSERT_FALSE(layout.tensors.empty());
     auto plan = refit::make_plan(layout);
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
@@ -83,6 +85,7 @@ class Refresh : public ::testing::Test {
         EXPECT_EQ(report.value("version", int64_t{-1}), v.version) << report.dump();
         EXPECT_TRUE(report.value("ok", false)) << report.dump();
       }
+      if (gathered) EXPECT_GT(refit::e2e::gathered_runs(v), 0) << "version " << v.version << ": no gather";
     }
   }
 };
@@ -120,7 +123,8 @@ TEST_F(Refresh, CrossDimShardsInTwoDomains) {
        "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(1)"]}},
       {"name": "x", "dtype": "F32", "shape": [6, 9, 4],
        "source":   {"mesh": [3], "ranks": [0, 1, 2], "placements": ["S(1)"]},
-       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(2)"]}}]})json"));
+       "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(2)"]}}]})json"),
+                    options(), /*gathered=*/true);
 }
 
 // Two data-parallel replicas of TP2 on the trainers (every piece has two

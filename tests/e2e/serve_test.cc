@@ -20,6 +20,7 @@
 #include "planner/manifest.h"
 #include "planner/recipes/recipe.h"
 #include "planner/scenario.h"
+#include "tests/e2e/gathers.h"
 #include "tools/bench/pattern.h"
 #include "tools/bench/rank_buffers.h"
 #include "tools/bench/refresh_run.h"
@@ -92,6 +93,9 @@ class ServeCheck : public ::testing::Test {
           EXPECT_TRUE(report.value("committed", false)) << report.dump();
         }
       }
+      // The model's norms and biases are runs below "gather_below_bytes":
+      // they travel in gathers on this path too.
+      EXPECT_GT(refit::e2e::gathered_runs(v), 0) << "version " << v.version << ": no run travelled in a gather";
     }
     EXPECT_GT(r.serve_reads, 0) << "the serving readers never read";
     EXPECT_EQ(r.mixed_version_reads, 0) << "of " << r.serve_reads << " reads";
