@@ -66,6 +66,19 @@ const std::vector<HardwareKey> kKeys = {
     {"convert_on_host", "bool", 0,
      "true where the receivers' buffers are host memory (refit-bench on one machine): the CPU kernel converts from "
      "the staging area, nothing is copied to a GPU"},
+    {"host_cores", "cores", 0,
+     "0: every rank has a machine of its own. refit-bench runs every rank on one machine: its cores are shared, "
+     "and a refresh takes at least the CPU time of its transfers (the *_cpu_ns keys, get_op_us per GET, the CPU "
+     "kernel's conversions) over them; scripts/calibrate writes this machine's count"},
+    {"get_cpu_ns", "ns/byte", 0,
+     "CPU time, source and receiver together, per byte of a plain GET on the shared machine: refit-ucx-bench's "
+     "cpu_ns_per_byte at 64 MiB over tcp (scripts/calibrate)"},
+    {"gather_cpu_ns", "ns/byte", 0,
+     "as get_cpu_ns, per byte of a run carried in a gather (the source copies it into its replies, the receiver "
+     "scatters them): refit-ucx-bench --gathers, runs of 512 bytes (scripts/calibrate)"},
+    {"local_cpu_ns", "ns/byte", 0,
+     "CPU time per byte of a fan-out send on the shared machine (the cma fabric's process_vm_writev; broadcast: "
+     "its copy out): one over refit-cma-bench's rate into huge pages (scripts/calibrate)"},
     {"window_bytes", "bytes", 64.0 * (1 << 20), "the receiver agent's default window_bytes (plugin/config.h)"},
     {"get_chunk_bytes", "bytes", 1.0 * (1 << 20), "the receiver agent's default chunk_bytes (plugin/config.h)"},
 };
@@ -73,7 +86,11 @@ const std::vector<HardwareKey> kKeys = {
 // Keys for which 0 means "off" rather than a missing figure.
 constexpr double kMaxPackBytes = 1099511627776.0;  // 2^40
 
-bool may_be_zero(const char* key) { return std::strcmp(key, "fanout_pack_bytes") == 0; }
+bool may_be_zero(const char* key) {
+  for (const char* k : {"fanout_pack_bytes", "host_cores", "get_cpu_ns", "gather_cpu_ns", "local_cpu_ns"})
+    if (std::strcmp(key, k) == 0) return true;
+  return false;
+}
 
 bool is_bool_key(const char* key) {
   return std::strcmp(key, "gets_land_in_host") == 0 || std::strcmp(key, "source_host_mirror") == 0 ||
@@ -97,6 +114,10 @@ double* field(HardwareModel& m, const std::string& key) {
   if (key == "d2h_gbyte_per_gpu") return &m.d2h_gbyte_per_gpu;
   if (key == "convert_gbyte_per_gpu") return &m.convert_gbyte_per_gpu;
   if (key == "host_convert_gbyte") return &m.host_convert_gbyte;
+  if (key == "host_cores") return &m.host_cores;
+  if (key == "get_cpu_ns") return &m.get_cpu_ns;
+  if (key == "gather_cpu_ns") return &m.gather_cpu_ns;
+  if (key == "local_cpu_ns") return &m.local_cpu_ns;
   if (key == "window_bytes") return &m.window_bytes;
   if (key == "get_chunk_bytes") return &m.get_chunk_bytes;
   return nullptr;
@@ -198,6 +219,11 @@ Status check_hardware(const HardwareModel& model, const std::string& origin, con
                                        " GB/s): check the units (Gbit/s and GB/s)");
   for (const char* k : {"latency_us", "get_op_us", "local_op_us"})
     if (*field(m, k) > 1e6) return bad(k, "is above one second: check the unit (us)");
+  if (m.host_cores != std::floor(m.host_cores) || m.host_cores > 65536)
+    return bad("host_cores", "must be a whole number of cores, at most 65536, got " + std::to_string(m.host_cores));
+  // A byte that costs a millisecond of CPU: a unit mistake (ns per byte).
+  for (const char* k : {"get_cpu_ns", "gather_cpu_ns", "local_cpu_ns"})
+    if (*field(m, k) > 1e6) return bad(k, "is above a millisecond per byte: check the unit (ns per byte)");
   if (m.get_chunk_bytes > m.window_bytes)
     return bad("get_chunk_bytes", "must not exceed \"window_bytes\" (" + std::to_string(m.window_bytes) + ")");
   return Status::ok();

@@ -42,6 +42,14 @@ struct HardwareModel {
   double convert_gbyte_per_gpu = 0;  // the CUDA kernel: F8_E4M3 block quantization into GPU memory
   double host_convert_gbyte = 0;     // the CPU kernel, one thread: casts, host receivers, sources' copies
   bool convert_on_host = false;      // receivers' buffers are host memory: the CPU kernel, no copy
+  // One machine that every rank shares (refit-bench: all ranks on this
+  // host, their "NICs" one loopback device, their "NVLink" its memory):
+  // the refresh takes at least the CPU time of all its transfers over
+  // `host_cores`. 0: every rank has hardware of its own (a cluster).
+  double host_cores = 0;
+  double get_cpu_ns = 0;     // CPU (both ends) per byte of a plain GET
+  double gather_cpu_ns = 0;  // CPU (both ends) per byte of a run carried in a gather
+  double local_cpu_ns = 0;   // CPU per byte of a fan-out send (broadcast: of its copy out)
   // The receiver agent's GET window (plugin/config.h defaults).
   double window_bytes = 0;     // bytes in flight per receiver
   double get_chunk_bytes = 0;  // largest single GET

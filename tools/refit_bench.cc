@@ -300,9 +300,17 @@ void print_table(const std::vector<Row>& rows, int64_t payload, int versions, bo
   }
   for (const Row& r : rows) {
     if (!r.predicted) continue;
-    std::printf("%s: predicted %.4f s (simulated on --hardware, %s model); measured / predicted %.3f\n",
-                r.strategy.c_str(), r.predicted->seconds, r.predicted->model.c_str(),
-                r.predicted->seconds > 0 ? r.seconds_median / r.predicted->seconds : 0.0);
+    const refit::bench::Prediction& p = *r.predicted;
+    std::string host;
+    if (p.host_cpu_seconds > 0) {
+      char b[160];
+      std::snprintf(b, sizeof b, "; the shared host: %.3f CPU s, %.4f s over its cores%s", p.host_cpu_seconds,
+                    p.host_bound_seconds, p.host_bound ? ", which binds" : "");
+      host = b;
+    }
+    std::printf("%s: predicted %.4f s (simulated on --hardware, %s model%s); measured / predicted %.3f\n",
+                r.strategy.c_str(), p.seconds, p.model.c_str(), host.c_str(),
+                p.seconds > 0 ? r.seconds_median / p.seconds : 0.0);
   }
   for (const Row& r : rows) {
     const char* s = r.strategy.c_str();
@@ -755,7 +763,8 @@ int main(int argc, char** argv) {
   app.add_option("--hardware", hardware_file,
                  "a hardware model of this machine (docs/simulator.md, \"Calibration\"; scripts/calibrate measures "
                  "one): every strategy's refresh is also simulated on it, and the table and --json give "
-                 "predicted_seconds beside the measured median");
+                 "predicted_seconds beside the measured median (with its \"host_cores\": "
+                 "predicted_host_cpu_seconds and predicted_host_bound, the shared machine's CPU bound)");
   app.add_flag("--no-gather", no_gather,
                "receivers pull every network run as its own GET (\"gather_below_bytes\": 0), for a before/after "
                "of gathers (docs/refresh.md)");
@@ -1178,6 +1187,8 @@ int main(int argc, char** argv) {
       if (r.predicted) {
         results.back()["predicted_seconds"] = r.predicted->seconds;
         results.back()["predicted_model"] = r.predicted->model;
+        results.back()["predicted_host_cpu_seconds"] = r.predicted->host_cpu_seconds;
+        results.back()["predicted_host_bound"] = r.predicted->host_bound;
         results.back()["measured_over_predicted"] =
             r.predicted->seconds > 0 ? r.seconds_median / r.predicted->seconds : 0.0;
       }

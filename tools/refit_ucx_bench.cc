@@ -1,5 +1,5 @@
 // refit-ucx-bench [--transport tcp|shm] [--memory ucx|user] [--peer-errors]
-//                 [--no-peer-errors] [--repeat N] [--json F]
+//                 [--no-peer-errors] [--repeat N] [--gathers] [--json F]
 //
 // For message sizes from 64 KiB to 64 MiB: the GET engine's bandwidth (this
 // process pulling from a server process it starts, a window of several MiB
@@ -7,13 +7,27 @@
 // and window, and their ratio. Both transports when none is named. Prints
 // the lanes UCX gave the engine's endpoint and perftest's (its "ep_cfg" log
 // line), then a table; with --json F also writes {"results": [{"transport",
-// "memory", "bytes", "engine_gbps", "perftest_gbps", "ratio"}, ...]}.
+// "kind", "memory", "bytes", "engine_gbps", "cpu_ns_per_byte", "perftest_gbps",
+// "ratio"}, ...]}.
 //
 // Error handling: tcp endpoints use PeerErrorHandling::kPeer, shm endpoints
 // kNone, as refit does: in UCX 1.13 and 1.22 kPeer takes every
 // shared-memory lane away (posix/sysv/cma have no peer-failure support)
 // and leaves only tcp.
 // --peer-errors / --no-peer-errors force one mode for both.
+//
+// CPU: beside each row's bandwidth, the CPU time (user and system) that
+// this process and the server used per byte moved, over the same turns
+// ("cpu_ns_per_byte"; the best turn's): what the transfer costs a machine
+// whose cores the ranks share (scripts/calibrate, docs/simulator.md).
+//
+// --gathers (tcp): after the GET rows, gathers (docs/refresh.md, "Gathers")
+// of runs of 512 B, 4 KiB and 64 KiB, as the receiver agent groups them
+// (at most 8192 runs and 16 MiB a gather, 1 MiB chunks, a 64 MiB window),
+// each run from every other run's place in the server's buffer into one
+// contiguous local range: the rate and CPU of the path that the source
+// copies into its replies and the receiver scatters. Rows of "kind"
+// "gather" with "bytes" the run size; no perftest beside them.
 //
 // Memory: the server's buffer is allocated by UCX (--memory ucx, the default
 // for shm: a posix/sysv segment the puller maps and GETs from with memcpy,
@@ -40,13 +54,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <memory>
 #include <optional>
@@ -374,14 +391,58 @@ Result<Perftest> run_perftest(const std::string& tls, const std::string& transpo
 struct Row {
   std::string transport;
   std::string memory;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;  // "gather": the size of each run
+  std::string kind = "get";
   double engine_gbps = 0;
+  double cpu_ns_per_byte = 0;  // this process and the server, the best turn's
   double perftest_gbps = 0;
   std::string error;
 };
 
+// CPU seconds (user and system) used so far by this process and by `server`
+// (/proc/PID/stat, in clock ticks); the server's part is 0 if unreadable.
+double cpu_seconds(pid_t server) {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  double cpu = static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+  std::ifstream f("/proc/" + std::to_string(server) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return cpu;
+  std::istringstream rest(text.substr(close + 2));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {  // fields 14 and 15: utime, stime
+    if (i == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+    if (i == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return cpu + static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+// Runs `batch` for at least 3 batches and 0.5 s, `repeat` times; the best
+// turn's bandwidth and CPU per byte go into `row`.
+Status time_turns(GetEngine& engine, const std::vector<GetRun>& batch, pid_t server, int repeat, Row* row) {
+  for (int turn = 0; turn < repeat; ++turn) {
+    uint64_t bytes = 0;
+    const double cpu0 = cpu_seconds(server);
+    const auto start = Clock::now();
+    int batches = 0;
+    while (batches < 3 || Clock::now() - start < std::chrono::milliseconds(500)) {
+      auto r = engine.run_batch(batch, Clock::now() + std::chrono::seconds(30));
+      if (!r.status.is_ok()) return r.status;
+      bytes += r.bytes_done;
+      ++batches;
+    }
+    const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    const double cpu_ns = (cpu_seconds(server) - cpu0) * 1e9 / static_cast<double>(bytes);
+    row->engine_gbps = std::max(row->engine_gbps, static_cast<double>(bytes) / secs / 1e9);
+    if (row->cpu_ns_per_byte == 0 || cpu_ns < row->cpu_ns_per_byte) row->cpu_ns_per_byte = cpu_ns;
+  }
+  return Status::ok();
+}
+
 Status bench_transport(const std::string& self, const std::string& transport,
-                       PeerErrorHandling err_mode, const std::string& memory, int repeat,
+                       PeerErrorHandling err_mode, const std::string& memory, int repeat, bool gathers,
                        std::vector<Row>* rows) {
   auto tls = ucx_tls_string({transport}, "bench");
   if (!tls) return tls.status();
@@ -466,18 +527,8 @@ Status bench_transport(const std::string& self, const std::string& transport,
       printed_server_lanes = true;
     }
     for (int turn = 0; turn < repeat; ++turn) {
-      uint64_t bytes = 0;
-      const auto start = Clock::now();
-      int batches = 0;
-      while (batches < 3 || Clock::now() - start < std::chrono::milliseconds(500)) {
-        auto r = (*engine)->run_batch(runs, Clock::now() + std::chrono::seconds(30));
-        if (!r.status.is_ok()) return r.status;
-        bytes += r.bytes_done;
-        ++batches;
-      }
-      double secs = std::chrono::duration<double>(Clock::now() - start).count();
-      row.engine_gbps = std::max(row.engine_gbps, static_cast<double>(bytes) / secs / 1e9);
-      uint64_t iters = std::max<uint64_t>(20, bytes / size);
+      REFIT_RETURN_IF_ERROR(time_turns(**engine, runs, child->pid, 1, &row));
+      const uint64_t iters = std::max<uint64_t>(20, static_cast<uint64_t>(row.engine_gbps * 1e9 * 0.5) / size);
       auto pt = run_perftest(*tls, transport, size, ops, iters, port++);
       if (!pt) {
         if (row.perftest_gbps == 0) row.error = pt.status().message();
@@ -493,6 +544,39 @@ Status bench_transport(const std::string& self, const std::string& transport,
     }
     rows->push_back(row);
   }
+  if (!gathers) return Status::ok();
+  // Gathers as the receiver agent posts them (plugin/config.h defaults):
+  // every other run's place of the server's buffer, into one local range.
+  for (uint64_t run : {uint64_t{512}, uint64_t{4096}, uint64_t{64} << 10}) {
+    Row row{transport, memory, run, "gather"};
+    const uint64_t entries = std::min<uint64_t>(8192, (16ull << 20) / run);
+    const uint64_t count = kBufferBytes / (2 * run * entries);  // gathers that fit, runs never overlapping
+    std::vector<std::vector<GatherPart>> parts(count);
+    std::vector<GetRun> batch;
+    for (uint64_t g = 0; g < count; ++g) {
+      for (uint64_t e = 0; e < entries; ++e) {
+        const uint64_t k = g * entries + e;
+        parts[g].push_back(GatherPart{1, remote_base + 2 * k * run, local + k * run, run});
+      }
+      GetRun r;
+      r.endpoint = &*ep;
+      r.bytes = run * entries;
+      r.gather = parts[g];
+      batch.push_back(r);
+    }
+    GetEngineOptions opts;
+    opts.limits.chunk_bytes = 1 << 20;
+    opts.limits.gather_chunk_bytes = 16 << 20;
+    opts.limits.max_bytes_per_endpoint = 64 << 20;
+    opts.limits.max_bytes_in_flight = 64 << 20;
+    auto engine = GetEngine::create(*worker, opts);
+    if (!engine) return engine.status();
+    (*engine)->add_local_region(*region);
+    auto warm = (*engine)->run_batch(batch, Clock::now() + std::chrono::seconds(30));
+    if (!warm.status.is_ok()) return warm.status;
+    REFIT_RETURN_IF_ERROR(time_turns(**engine, batch, child->pid, repeat, &row));
+    rows->push_back(row);
+  }
   return Status::ok();
 }
 
@@ -506,6 +590,7 @@ int main(int argc, char** argv) {
   std::optional<PeerErrorHandling> forced_mode;
   std::string memory;  // empty: per transport
   int repeat = 3;
+  bool gathers = false;
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--no-peer-errors") {
       forced_mode = PeerErrorHandling::kNone;
@@ -529,11 +614,13 @@ int main(int argc, char** argv) {
         return 2;
       }
       repeat = static_cast<int>(n);
+    } else if (args[i] == "--gathers") {
+      gathers = true;
     } else if (args[i] == "--json" && i + 1 < args.size()) {
       json_path = args[++i];
     } else {
       std::cerr << "usage: refit-ucx-bench [--transport tcp|shm] [--memory ucx|user] "
-                   "[--peer-errors|--no-peer-errors] [--repeat N] [--json FILE]\n";
+                   "[--peer-errors|--no-peer-errors] [--repeat N] [--gathers] [--json FILE]\n";
       return 2;
     }
   }
@@ -555,24 +642,26 @@ int main(int argc, char** argv) {
     const PeerErrorHandling mode =
         forced_mode.value_or(t == "shm" ? PeerErrorHandling::kNone : PeerErrorHandling::kPeer);
     const std::string mem = !memory.empty() ? memory : t == "shm" ? "ucx" : "user";
-    Status s = bench_transport(self, t, mode, mem, repeat, &rows);
+    Status s = bench_transport(self, t, mode, mem, repeat, gathers && t == "tcp", &rows);
     if (!s.is_ok()) {
       std::cerr << "refit-ucx-bench: " << t << ": " << s.message() << "\n";
       rc = 1;
     }
   }
-  std::printf("%-9s %-6s %10s %12s %14s %7s\n", "transport", "memory", "bytes", "engine GB/s",
-              "perftest GB/s", "ratio");
+  std::printf("%-9s %-6s %-6s %10s %12s %10s %14s %7s\n", "transport", "memory", "kind", "bytes", "engine GB/s",
+              "cpu ns/B", "perftest GB/s", "ratio");
   nlohmann::json results = nlohmann::json::array();
   for (const auto& r : rows) {
     double ratio = r.perftest_gbps > 0 ? r.engine_gbps / r.perftest_gbps : 0;
-    std::printf("%-9s %-6s %10llu %12.2f %14.2f %7.2f%s%s\n", r.transport.c_str(),
-                r.memory.c_str(), static_cast<unsigned long long>(r.bytes), r.engine_gbps, r.perftest_gbps, ratio,
-                r.error.empty() ? "" : "  ", r.error.c_str());
+    std::printf("%-9s %-6s %-6s %10llu %12.2f %10.3f %14.2f %7.2f%s%s\n", r.transport.c_str(), r.memory.c_str(),
+                r.kind.c_str(), static_cast<unsigned long long>(r.bytes), r.engine_gbps, r.cpu_ns_per_byte,
+                r.perftest_gbps, ratio, r.error.empty() ? "" : "  ", r.error.c_str());
     nlohmann::json j = {{"transport", r.transport},
                         {"memory", r.memory},
+                        {"kind", r.kind},
                         {"bytes", r.bytes},
                         {"engine_gbps", r.engine_gbps},
+                        {"cpu_ns_per_byte", r.cpu_ns_per_byte},
                         {"perftest_gbps", r.perftest_gbps},
                         {"ratio", ratio}};
     if (!r.error.empty()) j["error"] = r.error;

@@ -73,6 +73,17 @@ TEST(Hardware, BadValuesAreRefusedNamingTheKey) {
     EXPECT_EQ(error_of(json{{k, 1099511627776.0}}), "") << k << " at 2^40";
   }
   EXPECT_EQ(error_of(json{{"fanout_pack_bytes", 0}}), "");
+  // The shared machine's keys: 0 is "no shared machine".
+  for (const char* k : {"host_cores", "get_cpu_ns", "gather_cpu_ns", "local_cpu_ns"}) {
+    EXPECT_EQ(error_of(json{{k, 0}}), "") << k;
+    EXPECT_NE(error_of(json{{k, -1}}).find("\"hardware." + std::string(k) + "\" must be a positive number or 0"),
+              std::string::npos)
+        << k;
+  }
+  EXPECT_EQ(error_of(json{{"host_cores", 2}, {"get_cpu_ns", 0.41}}), "");
+  EXPECT_NE(error_of(json{{"host_cores", 2.5}}).find(R"("hardware.host_cores" must be a whole number of cores)"),
+            std::string::npos);
+  EXPECT_NE(error_of(json{{"gather_cpu_ns", 2e6}}).find("check the unit (ns per byte)"), std::string::npos);
   EXPECT_NE(error_of(json{{"fanout_pack_threshold", 0}}).find("positive"), std::string::npos);
   EXPECT_NE(error_of(json{{"nic", 1}}).find(R"(unknown key "hardware.nic")"), std::string::npos);
   EXPECT_EQ(error_of(json{{"nic_gbit_per_gpu", 400}}, /*require=*/true),

@@ -228,6 +228,42 @@ TEST(Simulator, GathersCountAsOneGetAsTheAgentsGroupThem) {
   EXPECT_LT(r.predicted_seconds, 8 * kUs);
 }
 
+// One shared machine (refit-bench): the CPU time of every transfer over its
+// cores is a bound the prediction does not go below. Here the two gathers
+// of 64 rows of 16 bytes (2048 bytes at 100 ns each) and their two GETs (1
+// us each) are 206.8 us of CPU; on 2 cores 103.4 us, far above the
+// event model's few microseconds.
+TEST(Simulator, ASharedHostBoundsThePredictionByItsTransfersCpuTime) {
+  const Layout L = column_slices();  // the plan refers to it
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  const SimResult own = simulated(*plan, unit_hardware());
+  EXPECT_EQ(own.host_cpu_seconds, 0);
+  EXPECT_FALSE(own.host_bound);
+  HardwareModel h = unit_hardware();
+  h.host_cores = 2;
+  h.get_cpu_ns = 1;
+  h.gather_cpu_ns = 100;
+  h.local_cpu_ns = 1;
+  const SimResult shared = simulated(*plan, h);
+  EXPECT_EQ(shared.gathered_bytes, 2 * 64 * 16);
+  EXPECT_EQ(shared.local_bytes, 0);
+  EXPECT_NEAR(shared.host_cpu_seconds, 2048 * 100e-9 + 2 * kUs, 1e-12);
+  EXPECT_NEAR(shared.host_bound_seconds, shared.host_cpu_seconds / 2, 1e-12);
+  EXPECT_TRUE(shared.host_bound);
+  EXPECT_DOUBLE_EQ(shared.predicted_seconds, shared.host_bound_seconds);
+  // Plain GETs are charged get_cpu_ns: without gathers the same bytes cost
+  // 1 ns each, 128 GETs 1 us each; 130.048 us on 2 cores.
+  const SimResult plain = simulated(*plan, h, false, /*gather=*/false);
+  EXPECT_EQ(plain.gathered_bytes, 0);
+  EXPECT_NEAR(plain.host_cpu_seconds, 2048 * 1e-9 + 128 * kUs, 1e-12);
+  // A host with many cores binds no more: the event model's time stands.
+  h.host_cores = 4096;
+  const SimResult wide = simulated(*plan, h);
+  EXPECT_FALSE(wide.host_bound);
+  EXPECT_DOUBLE_EQ(wide.predicted_seconds, own.predicted_seconds);
+}
+
 // The shape behind dsv3-bf16-512-h100's busiest receiver (docs/simulator.md,
 // "GETs in refit-plan --json"): a column slice of a row-major source, each
 // receiver's rows a few hundred bytes or less, so the gathers fill up by
@@ -379,6 +415,16 @@ TEST(Simulator, BroadcastIsEstimatedNotSimulated) {
   EXPECT_EQ(r.model, "fluid");
   // No gather (the source holds it whole); the source NIC serves 2 x 4096.
   EXPECT_NEAR(r.predicted_seconds, 2 * 4.096 * kUs + 2 * kUs, 1e-12);
+  // On one shared core: both receivers' 4096 bytes by GET (10 ns a byte)
+  // and their copies out (5 ns a byte), and two GETs of 1 us.
+  HardwareModel h = unit_hardware();
+  h.host_cores = 1;
+  h.get_cpu_ns = 10;
+  h.local_cpu_ns = 5;
+  const SimResult shared = estimate_broadcast(*plan, h);
+  EXPECT_NEAR(shared.host_cpu_seconds, 2 * 4096 * 15e-9 + 2 * kUs, 1e-12);
+  EXPECT_TRUE(shared.host_bound);
+  EXPECT_DOUBLE_EQ(shared.predicted_seconds, shared.host_cpu_seconds);
 }
 
 TEST(Simulator, TraceIsChromeTraceEventJson) {

@@ -55,13 +55,13 @@ Result<Prediction> predict(const Layout& layout, Strategy strategy, const Hardwa
   if (!plan) return plan.status().with_context("predicting " + std::string(strategy_name(strategy)));
   if (strategy == Strategy::kBroadcast) {
     const sim::SimResult r = sim::estimate_broadcast(*plan, hw);
-    return Prediction{r.predicted_seconds, r.model};
+    return Prediction{r.predicted_seconds, r.model, r.host_cpu_seconds, r.host_bound_seconds, r.host_bound};
   }
   sim::SimOptions so;
   so.gather = gather;
   auto r = sim::simulate(*plan, hw, so);
   if (!r) return r.status().with_context("predicting " + std::string(strategy_name(strategy)));
-  return Prediction{r->predicted_seconds, r->model};
+  return Prediction{r->predicted_seconds, r->model, r->host_cpu_seconds, r->host_bound_seconds, r->host_bound};
 }
 
 }  // namespace refit::bench

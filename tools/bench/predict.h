@@ -19,6 +19,11 @@ namespace refit::bench {
 struct Prediction {
   double seconds = 0;
   std::string model;  // "event" (simulated) or "fluid" (broadcast)
+  // With the hardware's host_cores: the CPU time of the transfers and that
+  // over the cores; `host_bound` when that bound is the prediction.
+  double host_cpu_seconds = 0;
+  double host_bound_seconds = 0;
+  bool host_bound = false;
 };
 
 // The hardware model in `path`: the documented defaults with the file's

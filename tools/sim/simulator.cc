@@ -77,6 +77,17 @@ struct Event {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The shared machine's bound (simulator.h): `cpu` seconds of CPU over the
+// host's cores, which the prediction does not go below.
+void apply_host_bound(double cpu, const HardwareModel& hw, SimResult& r) {
+  r.host_cpu_seconds = cpu;
+  r.host_bound_seconds = cpu / hw.host_cores;
+  if (r.host_bound_seconds > r.predicted_seconds) {
+    r.predicted_seconds = r.host_bound_seconds;
+    r.host_bound = true;
+  }
+}
+
 class Sim {
  public:
   Sim(const Plan& plan, const HardwareModel& hw, const SimOptions& options)
@@ -122,6 +133,7 @@ class Sim {
     std::vector<int64_t> gets(R, 0);
     GatherCounter counter(opt_.gather, [&](const GatherClose& c) {
       const int64_t n = (c.runs > 1 ? 1 : ceil_div(c.bytes, get_chunk)) * c.times;
+      if (c.runs > 1) r_.gathered_bytes += c.bytes * c.times;
       const auto p = static_cast<int32_t>(c.tag >> 32);
       jobs_[p][static_cast<uint32_t>(c.tag)].gets += n;
       gets[p] += n;
@@ -519,6 +531,14 @@ class Sim {
     if (fan_first_ >= 0) ph.fanout.start = fan_first_;
     if (convert_first_ >= 0) ph.convert.start = convert_first_;
     r_.predicted_seconds = std::max({ph.publish.end, ph.network.end, ph.h2d.end, ph.fanout.end, ph.convert.end});
+    if (hw_.host_cores > 0) {
+      const auto plain = static_cast<double>(r_.network_bytes - r_.gathered_bytes);
+      double cpu = (plain * hw_.get_cpu_ns + static_cast<double>(r_.gathered_bytes) * hw_.gather_cpu_ns +
+                    static_cast<double>(r_.local_bytes) * hw_.local_cpu_ns) * 1e-9 +
+                   static_cast<double>(r_.gets) * hw_.get_op_us * 1e-6;
+      if (hw_.convert_on_host) cpu += static_cast<double>(r_.convert_bytes) / hw_.host_convert_bytes_per_s();
+      apply_host_bound(cpu, hw_, r_);
+    }
     auto busiest = [](const std::vector<Resource>& v, int32_t n) {
       LinkLoad best;
       for (int32_t i = 0; i < n; ++i)
@@ -607,6 +627,20 @@ SimResult estimate_broadcast(const Plan& plan, const HardwareModel& hw) {
   r.phases.network = Span{0, gather + std::max(r.busiest_source_nic.busy_seconds, r.busiest_receiver_nic.busy_seconds) +
                                  hw.latency_us * 1e-6};
   r.predicted_seconds = r.phases.network.end;
+  if (hw.host_cores > 0) {
+    // Both stages' bytes as plain GETs (whole tensors), and every
+    // receiver's copy out of its slices.
+    const Layout& L = plan.layout();
+    int64_t copied = 0;
+    for (const Tensor& t : L.tensors) {
+      for (const Region& reg : t.receivers)
+        copied += reg.box.numel() * dtype_bytes(t.dtype) * static_cast<int64_t>(L.receiver_sets.get(reg.ranks).size());
+    }
+    const double cpu = (static_cast<double>(r.network_bytes) * hw.get_cpu_ns +
+                        static_cast<double>(copied) * hw.local_cpu_ns) * 1e-9 +
+                       static_cast<double>(r.gets) * hw.get_op_us * 1e-6;
+    apply_host_bound(cpu, hw, r);
+  }
   return r;
 }
 

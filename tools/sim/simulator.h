@@ -29,6 +29,11 @@
 // - Small runs are grouped into gathers as the receiver agents group them
 //   (planner/gather.h, SimOptions::gather): a gather counts as one GET, at
 //   the job that holds its last run.
+// - With `host_cores` (refit-bench: every rank on one machine), the
+//   prediction is at least the CPU time of all transfers (per byte of plain
+//   GETs, of gathered runs and of fan-out sends, per GET, the CPU kernel's
+//   conversions) over those cores: the ranks' own resources are only as
+//   fast as the shared cores let them be.
 // - Tensors the receivers hold in another dtype are walked as the agents
 //   run them (for_each_run_group with its conversion step): the puller
 //   stages a unit in the sources' dtype, converts it on its fan-out thread
@@ -125,6 +130,13 @@ struct SimResult {
   int64_t converts = 0;             // conversion steps (ConvertStep) the pullers run
   int64_t convert_bytes = 0;        // what they read, in the sources' dtype
   int64_t source_convert_bytes = 0; // what the sources quantize at publish, in their dtype
+  int64_t gathered_bytes = 0;       // network bytes carried in gathers (the rest went as plain GETs)
+  // One shared machine (HardwareModel::host_cores > 0): the CPU time of the
+  // refresh's transfers, and that over the cores, a bound the prediction
+  // does not go below (`host_bound`: it is what binds).
+  double host_cpu_seconds = 0;
+  double host_bound_seconds = 0;
+  bool host_bound = false;
   std::vector<TraceSpan> trace;
 };
 
