@@ -134,6 +134,15 @@ bool* flag(HardwareModel& m, const std::string& key) {
 
 const std::vector<HardwareKey>& hardware_keys() { return kKeys; }
 
+std::optional<double> hardware_value(const HardwareModel& model, const std::string& key) {
+  HardwareModel m = model;  // field() and flag() hand out pointers into a model
+  if (const double* f = field(m, key)) return *f;
+  if (const bool* b = flag(m, key)) return *b ? 1.0 : 0.0;
+  return std::nullopt;
+}
+
+bool is_boolean_hardware_key(const std::string& key) { return is_bool_key(key.c_str()); }
+
 HardwareModel default_hardware() {
   HardwareModel m;
   for (const HardwareKey& k : kKeys) {

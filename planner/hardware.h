@@ -7,6 +7,7 @@
 //
 // Pure data and checks: no I/O. Thread safety: plain values.
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,11 @@ struct HardwareKey {
 
 // Every key a scenario's `hardware` may hold, in documentation order.
 const std::vector<HardwareKey>& hardware_keys();
+
+// The value of key `key` in `model` (hardware_keys()): a number, or 0 or 1
+// for a boolean key; nullopt for a key that is not one.
+std::optional<double> hardware_value(const HardwareModel& model, const std::string& key);
+bool is_boolean_hardware_key(const std::string& key);
 
 // The defaults: an H100 NDR node (400 Gbit/s per GPU, NVLink 4).
 HardwareModel default_hardware();

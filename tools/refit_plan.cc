@@ -799,24 +799,10 @@ ordered_json hardware_json(const HardwareChoice& h) {
   j["from"] = h.from;
   // Every figure, each with whether it was given or is the default.
   ordered_json values;
-  const refit::HardwareModel& m = h.model;
-  const std::map<std::string, double> v = {
-      {"nic_gbit_per_gpu", m.nic_gbit_per_gpu},   {"nic_achievable", m.nic_achievable},
-      {"latency_us", m.latency_us},               {"get_op_us", m.get_op_us},
-      {"nvlink_gbyte_per_gpu", m.nvlink_gbyte_per_gpu}, {"nvlink_achievable", m.nvlink_achievable},
-      {"local_op_us", m.local_op_us},             {"h2d_gbyte_per_gpu", m.h2d_gbyte_per_gpu},
-      {"fanout_pack_bytes", m.fanout_pack_bytes}, {"fanout_pack_threshold", m.fanout_pack_threshold},
-      {"gpu_memory_gbyte_per_gpu", m.gpu_memory_gbyte_per_gpu},
-      {"gpu_memory_achievable", m.gpu_memory_achievable},
-      {"d2h_gbyte_per_gpu", m.d2h_gbyte_per_gpu}, {"window_bytes", m.window_bytes},
-      {"convert_gbyte_per_gpu", m.convert_gbyte_per_gpu}, {"host_convert_gbyte", m.host_convert_gbyte},
-      {"get_chunk_bytes", m.get_chunk_bytes}};
   for (const refit::HardwareKey& k : refit::hardware_keys()) {
-    const std::string key = k.key;
-    if (key == "gets_land_in_host") values[key] = m.gets_land_in_host;
-    else if (key == "source_host_mirror") values[key] = m.source_host_mirror;
-    else if (key == "convert_on_host") values[key] = m.convert_on_host;
-    else values[key] = v.at(key);
+    const double v = refit::hardware_value(h.model, k.key).value_or(0);
+    if (refit::is_boolean_hardware_key(k.key)) values[k.key] = v != 0;
+    else values[k.key] = v;
   }
   j["values"] = std::move(values);
   j["given"] = h.given;
@@ -850,6 +836,12 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["predicted_seconds"] = r.predicted_seconds;
   j["lower_bound_seconds"] = lb.seconds;
   j["predicted_over_bound"] = lb.seconds > 0 ? r.predicted_seconds / lb.seconds : 0.0;
+  if (hw.model.host_cores > 0) {  // one shared machine (docs/simulator.md, "Calibration")
+    j["host_cpu_seconds"] = r.host_cpu_seconds;
+    j["host_bound_seconds"] = r.host_bound_seconds;
+    j["host_bound"] = r.host_bound;
+  }
+  j["gathered_bytes"] = r.gathered_bytes;
   ordered_json b;
   b["binding"] = lb.binding;
   b["domain_nic_seconds"] = lb.domain_nic_seconds;
