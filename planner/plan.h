@@ -27,6 +27,7 @@
 // Thread safety: a finished Plan is read-only and may be read from any thread.
 // It refers to the Layout it was made from, which must outlive it.
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -248,15 +249,28 @@ Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
 Status for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
                           const std::function<void(const ConvertStep&)>& on_convert);
 
+// The order in which for_each_copy walks `box` from region `from` to region
+// `to`: the dims of one index first, then the others in the memory order both
+// regions share (outermost stride first: column-major regions walk the last
+// dim outermost), or row-major where their orders differ or a stride is not
+// positive. The innermost dims contiguous in both buffers form the run.
+struct CopyOrder {
+  std::array<int, kMaxDims> dims{};  // the box's dims, outermost first
+  int outer = 0;                     // dims[0, outer) are iterated, dims[outer, ndim) are the run
+  int64_t run = 1;                   // elements per run
+};
+CopyOrder copy_order(const Box& box, const Region& from, const Region& to);
+
 // The contiguous runs that copy `box` from region `from` to region `to` (both
 // of a tensor with elements of `elem_bytes`), as byte offsets within their
-// buffers, in row-major order of the box, merged where contiguous in both.
+// buffers, in the order of copy_order, merged where contiguous in both.
 void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
                    const std::function<void(int64_t from_offset, int64_t to_offset, int64_t bytes)>& fn);
 
 // The same runs in groups: `count` runs of `bytes`, the k-th at the offsets
-// plus k times the strides (all in bytes). The group is the box's last dim
-// that is not merged into the run, so its runs do not continue each other.
+// plus k times the strides (all in bytes). The group is the innermost dim of
+// copy_order that is not merged into the run, so its runs do not continue
+// each other.
 struct CopyGroup {
   int64_t from_offset = 0;
   int64_t to_offset = 0;

@@ -9,51 +9,82 @@
 
 namespace refit {
 
+CopyOrder copy_order(const Box& box, const Region& from, const Region& to) {
+  CopyOrder o;
+  const int n = box.ndim;
+  // Dims of one index first: they move no offset, so they may not stand
+  // between two dims that merge. The others in the memory order the two
+  // regions share, else row-major: the order only groups the same bytes
+  // into runs, any order copies them exactly.
+  int k = 0;
+  for (int d = 0; d < n; ++d)
+    if (box.size[d] == 1) o.dims[k++] = d;
+  const int first = k;
+  for (int d = 0; d < n; ++d)
+    if (box.size[d] != 1) o.dims[k++] = d;
+  auto outer_first = [&](int a, int b) {
+    if (from.strides[a] != from.strides[b]) return from.strides[a] > from.strides[b];
+    if (to.strides[a] != to.strides[b]) return to.strides[a] > to.strides[b];
+    return a < b;
+  };
+  std::array<int, kMaxDims> sorted = o.dims;
+  std::stable_sort(sorted.begin() + first, sorted.begin() + n, outer_first);
+  bool shared = true;
+  for (int i = first; i < n && shared; ++i) {
+    const int d = sorted[i];
+    shared = from.strides[d] > 0 && to.strides[d] > 0 &&
+             (i == first || to.strides[sorted[i - 1]] >= to.strides[d]);
+  }
+  if (shared) o.dims = sorted;
+  // Merge the innermost dims that are contiguous in both buffers into one run.
+  o.outer = n;
+  if (n > 0 && from.strides[o.dims[n - 1]] == 1 && to.strides[o.dims[n - 1]] == 1) {
+    o.run = box.size[o.dims[n - 1]];
+    o.outer = n - 1;
+    while (o.outer > 0 && from.strides[o.dims[o.outer - 1]] == o.run && to.strides[o.dims[o.outer - 1]] == o.run) {
+      o.run *= box.size[o.dims[o.outer - 1]];
+      --o.outer;
+    }
+  }
+  return o;
+}
+
 void for_each_copy_group(const Box& box, const Region& from, const Region& to, int elem_bytes,
                          const std::function<void(const CopyGroup&)>& fn) {
   if (box.empty()) return;
   const int n = box.ndim;
-  // Merge trailing dims that are contiguous in both buffers into one run.
-  int64_t run = 1;
-  int outer = n;  // dims [0, outer) are iterated, [outer, n) form the run
-  if (n > 0 && from.strides[n - 1] == 1 && to.strides[n - 1] == 1) {
-    run = box.size[n - 1];
-    outer = n - 1;
-    while (outer > 0 && from.strides[outer - 1] == run && to.strides[outer - 1] == run) {
-      run *= box.size[outer - 1];
-      --outer;
-    }
-  }
+  const CopyOrder o = copy_order(box, from, to);
   int64_t fbase = from.offset, tbase = to.offset;
   for (int d = 0; d < n; ++d) {
     fbase += (box.start[d] - from.box.start[d]) * from.strides[d];
     tbase += (box.start[d] - to.box.start[d]) * to.strides[d];
   }
-  // The last iterated dim is one group: equal runs at fixed strides. It was
-  // not merged into the run, so its runs do not continue each other.
-  const int g = outer - 1;
+  // The innermost iterated dim is one group: equal runs at fixed strides. It
+  // was not merged into the run, so its runs do not continue each other.
+  const int gi = o.outer - 1;
+  const int g = gi >= 0 ? o.dims[gi] : -1;
   CopyGroup c;
-  c.bytes = run * elem_bytes;
+  c.bytes = o.run * elem_bytes;
   c.count = g >= 0 ? box.size[g] : 1;
   c.from_stride = g >= 0 ? from.strides[g] * elem_bytes : 0;
   c.to_stride = g >= 0 ? to.strides[g] * elem_bytes : 0;
-  Index idx{};
+  Index idx{};  // by position in o.dims
   for (;;) {
     int64_t fo = fbase, to_off = tbase;
-    for (int d = 0; d < g; ++d) {
-      fo += idx[d] * from.strides[d];
-      to_off += idx[d] * to.strides[d];
+    for (int i = 0; i < gi; ++i) {
+      fo += idx[i] * from.strides[o.dims[i]];
+      to_off += idx[i] * to.strides[o.dims[i]];
     }
     c.from_offset = fo * elem_bytes;
     c.to_offset = to_off * elem_bytes;
     fn(c);
-    int d = g - 1;
-    while (d >= 0) {
-      if (++idx[d] < box.size[d]) break;
-      idx[d] = 0;
-      --d;
+    int i = gi - 1;
+    while (i >= 0) {
+      if (++idx[i] < box.size[o.dims[i]]) break;
+      idx[i] = 0;
+      --i;
     }
-    if (d < 0) break;
+    if (i < 0) break;
   }
 }
 
