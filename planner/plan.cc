@@ -578,6 +578,8 @@ void summarize_broadcast(const Layout& L, PlanSummary* s, std::vector<int64_t>* 
 Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
+  if (options.relayout_below_bytes < 0) return Status::invalid("relayout_below_bytes must not be negative");
+  if (options.relayout_staging_bytes < 0) return Status::invalid("relayout_staging_bytes must not be negative");
   Plan plan;
   plan.layout_ = &L;
   plan.options_ = options;

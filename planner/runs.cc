@@ -483,6 +483,70 @@ Status convert_unit(const Plan& plan, const Unit& u, Merger& out, std::map<int32
   return fan_out_converted(c, blocks);
 }
 
+// Whether the puller of unit `u` (of a tensor the receivers hold in the
+// sources' dtype) pulls it through its staging area and relayouts it there
+// (PlanOptions::relayout_below_bytes): its direct pull would move runs of
+// fewer bytes than that on average, a pull into a row-major staging box
+// moves longer ones, the puller's region has a dim of stride 1, and the box
+// fits in what its relayouts before left of
+// relayout_staging_bytes (`used`, per puller; counted here). The runs are
+// counted per piece, before chunking.
+bool relayouts(const Plan& plan, const Unit& u, std::map<int32_t, int64_t>& used) {
+  const PlanOptions& o = plan.options();
+  const Box& box = plan.box(u);
+  if (o.relayout_below_bytes <= 0 || box.ndim < 1 || box.empty()) return false;
+  const Tensor& t = plan.layout().tensors[u.tensor];
+  const int eb = dtype_bytes(t.dtype);
+  const Consumer& p = plan.puller(u);
+  const Region& dst = t.receivers[p.region];
+  // The receiver records what a relayout wrote by runs of its stride-1 dim:
+  // without one, a range per element.
+  bool unit_stride = false;
+  for (int d = 0; d < box.ndim; ++d) unit_stride = unit_stride || (box.size[d] > 1 && dst.strides[d] == 1);
+  if (!unit_stride) return false;
+  Region stage;
+  stage.box = box;
+  int64_t stride = 1;
+  for (int d = box.ndim - 1; d >= 0; --d) {
+    stage.strides[d] = stride;
+    stride *= box.size[d];
+  }
+  const PullSet& ps = plan.pull_set(u);
+  int64_t direct = 0, staged_runs = 0;
+  for (size_t i = 0; i < ps.pieces.size(); ++i) {
+    const Box& piece = ps.pieces[i].box;
+    const Region& sr = t.sources[plan.source(u, i).region];
+    direct += piece.numel() / copy_order(piece, sr, dst).run;
+    staged_runs += piece.numel() / copy_order(piece, sr, stage).run;
+  }
+  const int64_t bytes = box.numel() * eb;
+  if (direct == 0 || bytes / direct >= o.relayout_below_bytes || staged_runs >= direct) return false;
+  int64_t& mine = used[p.rank];
+  const int64_t need = (bytes + 63) / 64 * 64;
+  if (need > o.relayout_staging_bytes - mine) return false;
+  mine += need;
+  return true;
+}
+
+// A unit relayouted by its puller: its pieces land row-major in the
+// staging area, the step copies the box into the puller's layout, then the
+// unit fans out from the puller's region as a converted one does.
+// network_only: the staged network runs alone.
+Status relayout_unit(const Plan& plan, const Unit& u, Merger& out, std::map<int32_t, int64_t>& staged,
+                     const std::function<void(const ConvertStep&)>& on_convert, bool network_only) {
+  const Layout& L = plan.layout();
+  const Tensor& t = L.tensors[u.tensor];
+  const Consumer& p = plan.puller(u);
+  UnitCtx c{plan, L, u, t, p, t.receivers[p.region], nullptr, -1, nullptr, out};
+  const PullSet& ps = plan.pull_set(u);
+  std::vector<Part> parts;
+  parts.reserve(ps.pieces.size());
+  for (size_t i = 0; i < ps.pieces.size(); ++i) parts.push_back({ps.pieces[i].box, plan.source(u, i), std::nullopt});
+  REFIT_RETURN_IF_ERROR(stage_and_convert(c, plan.box(u), parts, staged, on_convert));
+  if (network_only) return Status::ok();
+  return fan_out_converted(c, Box{});
+}
+
 // network_only: the network runs alone, as the full walk gives them (its
 // local runs are not made; where one would follow, the network run before it
 // is passed on unmerged, as the local run would have made it).
@@ -491,10 +555,17 @@ Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
   const Layout& L = plan.layout();
   Merger m(fn);
   std::map<int32_t, int64_t> staged;  // per puller: its staging area's end
+  std::map<int32_t, int64_t> relayout_staged;  // per puller: the part of it its relayouts take
+  const std::function<void(const ConvertStep&)> no_step = [](const ConvertStep&) {};
   for (const Unit& u : plan.units()) {
     const Tensor& t = L.tensors[u.tensor];
-    if (on_convert && t.dtype_on(Side::kReceiver) != t.dtype) {
+    const bool converted = t.dtype_on(Side::kReceiver) != t.dtype;
+    if (on_convert && converted) {
       REFIT_RETURN_IF_ERROR(convert_unit(plan, u, m, staged, *on_convert));
+      continue;
+    }
+    if ((on_convert || network_only) && !converted && relayouts(plan, u, relayout_staged)) {
+      REFIT_RETURN_IF_ERROR(relayout_unit(plan, u, m, staged, on_convert ? *on_convert : no_step, network_only));
       continue;
     }
     const int eb = dtype_bytes(t.dtype);
