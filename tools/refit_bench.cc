@@ -559,6 +559,7 @@ int main(int argc, char** argv) {
   std::string mode = "direct", kill_text, local_fabric, metrics_address, trace_out;
   bool serve_check = false, rejoin = false, small_pages = false, sequential = false, no_gather = false;
   std::string receiver_config_text, source_config_text;
+  int64_t relayout_below = 0;
   std::string hardware_file;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
@@ -762,6 +763,11 @@ int main(int argc, char** argv) {
                  "a hardware model of this machine (docs/simulator.md, \"Calibration\"; scripts/calibrate measures "
                  "one): every strategy's refresh is also simulated on it, and the table and --json give "
                  "predicted_seconds beside the measured median");
+  app.add_option("--relayout-below", relayout_below,
+                 "the coordinator relayouts units whose network runs would average under N bytes in the "
+                 "puller's staging area (docs/refresh.md, \"Column-major receivers\"; default 0: never)")
+      ->type_name("N")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--no-gather", no_gather,
                "receivers pull every network run as its own GET (\"gather_below_bytes\": 0), for a before/after "
                "of gathers (docs/refresh.md)");
@@ -896,6 +902,7 @@ int main(int argc, char** argv) {
     options.converts = true;
   }
   options.versions = versions;
+  options.relayout_below_bytes = relayout_below;
   options.step_timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.refresh_timeout = options.step_timeout;
   if (coordinator_timeout_s > 0)
