@@ -254,12 +254,12 @@ class Compiler {
       cv.scale_strides = c.scale_strides;
       device = device || scale_device;
     }
-    if (relayout && device) {
-      return Status::unsupported(name + ": relayouting into GPU memory "
-                                 "needs a CUDA relayout kernel, which refit does not have yet; plan without "
-                                 "relayouts (\"relayout_below_bytes\": 0, docs/refresh.md) for GPU receivers");
-    }
 #ifndef REFIT_HAVE_CONVERT_KERNEL
+    if (relayout && device) {
+      return Status::unsupported(name + ": relayouting into GPU memory needs the CUDA relayout kernel, which this "
+                                 "build does not have; plan without relayouts (\"relayout_below_bytes\": 0, "
+                                 "docs/refresh.md) for GPU receivers");
+    }
     if (device) {
       return Status::unsupported(name + ": converting into GPU memory needs the CUDA conversion kernel, which "
                                  "this build does not have (docs/conversion.md)");
