@@ -213,8 +213,8 @@ class Compiler {
     const std::string name = what + (relayout ? " (relayouts tensor \"" : " (converts tensor \"") + c.tensor + "\")";
     const size_t n = c.size.size();
     if (relayout) {
-      if (n == 0 || !c.scale_buffer.empty()) {
-        return bad(name + ": a relayout needs a box of 1 or more dims and no scale buffer");
+      if (n == 0 || !c.scale_buffer.empty() || std::find(c.size.begin(), c.size.end(), 0) != c.size.end()) {
+        return bad(name + ": a relayout needs a box of 1 or more dims, none of size 0, and no scale buffer");
       }
     } else if (n == 0 || c.strides.back() != 1 ||
                (quantize && (n < 2 || c.scale_buffer.empty() || c.scale_strides.back() != 1))) {
@@ -230,8 +230,14 @@ class Compiler {
     cv.strides = c.strides;
     cv.relayout = relayout;
     uint64_t numel = 1;
-    for (int64_t s : c.size) numel *= static_cast<uint64_t>(s);
-    Result<uint8_t*> src = staged(c.stage, numel * dtype_bytes(*from), name);
+    for (int64_t s : c.size) {
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(s), &numel)) return bad(name + ": its box is too large");
+    }
+    uint64_t staged_bytes = 0;
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_bytes(*from)), &staged_bytes)) {
+      return bad(name + ": its box is too large");
+    }
+    Result<uint8_t*> src = staged(c.stage, staged_bytes, name);
     if (!src.is_ok()) return src.status();
     cv.staged = *src;
     const uint32_t index = static_cast<uint32_t>(out_->converts.size());  // gets.size() is added once all are in

@@ -345,6 +345,18 @@ TEST_F(PlanCompilerConvert, ARelayoutBeyondTheStagingAreaIsRefusedNamingTheTenso
   EXPECT_NE(c.status().message().find("staging area"), std::string::npos) << c.status().message();
 }
 
+TEST_F(PlanCompilerConvert, ARelayoutOfAnEmptyOrOverflowingBoxIsRefused) {
+  part_.runs = {staged_get(0, 0, 256), relayout_step({1, 0, 8}, {8, 0, 16})};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("none of size 0"), std::string::npos) << c.status().message();
+  const int64_t huge = int64_t{1} << 62;
+  part_.runs = {staged_get(0, 0, 256), relayout_step({0, 0, 0}, {huge, huge, 4})};
+  c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("too large"), std::string::npos) << c.status().message();
+}
+
 TEST_F(PlanCompilerConvert, ARelayoutPastTheBufferIsRefused) {
   part_.runs = {staged_get(0, 0, 256), relayout_step({1, 9})};  // the last element lands at 7 + 15 * 9
   auto c = compile_staged();

@@ -42,6 +42,12 @@ Status relayout_box(const uint8_t* src, uint8_t* dst, int elem_bytes, std::span<
   if (n == 0 || n > 8 || strides.size() != n)
     return Status::invalid("relayout: the box needs 1 to 8 dims and one stride per dim, got " + std::to_string(n) +
                            " sizes and " + std::to_string(strides.size()) + " strides");
+  for (size_t d = 0; d < n; ++d) {
+    if (sizes[d] < 1 || strides[d] < 0)
+      return Status::invalid("relayout: dim " + std::to_string(d) + " has size " + std::to_string(sizes[d]) +
+                             " and stride " + std::to_string(strides[d]) + " (a size of at least 1 and a stride of "
+                             "at least 0 expected)");
+  }
   void (*matrix)(const uint8_t*, uint8_t*, int64_t, int64_t, int64_t, int64_t) = nullptr;
   switch (elem_bytes) {
     case 1: matrix = copy_matrix<1>; break;

@@ -17,7 +17,8 @@ namespace refit::convert {
 // (64 x 64 elements) so that both sides stay in cache whichever is the one
 // with stride 1. REQUIRES: sizes and strides of the same length, from 1 to
 // 8 dims; every size >= 1; strides >= 0; `src` and `dst` do not overlap.
-// Refused (nothing written): another element size, or a length mismatch.
+// Refused (nothing written): another element size, a length mismatch, a
+// size below 1 or a negative stride.
 Status relayout_box(const uint8_t* src, uint8_t* dst, int elem_bytes, std::span<const int64_t> sizes,
                     std::span<const int64_t> strides);
 

@@ -74,6 +74,9 @@ TEST(Relayout, RefusesWhatItCannotCopy) {
   EXPECT_NE(relayout_box(a, b, 3, two, two).message().find("3 bytes"), std::string::npos);
   EXPECT_NE(relayout_box(a, b, 2, two, one).message().find("one stride per dim"), std::string::npos);
   EXPECT_FALSE(relayout_box(a, b, 2, {}, {}).is_ok());
+  const std::vector<int64_t> empty{0, 2}, negative{1, -1};
+  EXPECT_NE(relayout_box(a, b, 2, empty, two).message().find("size 0"), std::string::npos);
+  EXPECT_NE(relayout_box(a, b, 2, two, negative).message().find("stride -1"), std::string::npos);
 }
 
 }  // namespace
