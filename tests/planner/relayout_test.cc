@@ -8,7 +8,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
+#include <iostream>
+#include <numeric>
+#include <random>
 #include <map>
 #include <string>
 #include <tuple>
@@ -236,6 +241,83 @@ TEST(Relayout, AboveTheThresholdOrBeyondTheStagingCapUnitsArePulledDirectly) {
   r = execute(L, o);
   ASSERT_EQ(r.mismatch, "");
   EXPECT_EQ(r.steps, 2);
+}
+
+// Random layouts: a 2- or 3-dim tensor split over 1 to 3 row-major sources
+// (by rows, by columns, or replicated); 1 to 4 receivers in 1 or 2 domains,
+// each holding a random box in a random memory order (packed or padded,
+// at a random offset). Every plan is executed with relayouts off and on, at
+// random thresholds, and every receiver byte compared with the layout.
+TEST(Relayout, RandomLayoutsLandEveryByteWithOrWithoutRelayouts) {
+  std::mt19937_64 g(0x7e1a'0002);
+  auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  int planned = 0, with_steps = 0;
+  for (int i = 0; i < 2000; ++i) {
+    const int nd = static_cast<int>(uni(2, 3));
+    std::vector<int64_t> shape(nd);
+    for (int64_t& x : shape) x = uni(nd == 2 ? 2 : 1, nd == 2 ? 24 : 8);
+    const int sources = static_cast<int>(uni(1, 3)), receivers = static_cast<int>(uni(1, 4));
+    const char* dt = uni(0, 1) ? "BF16" : "F32";
+    const int eb = dt[0] == 'B' ? 2 : 4;
+    std::string placement = std::array<const char*, 3>{"S(0)", "S(1)", "R"}[uni(0, 2)];
+    std::string j = R"j({"format": "refit-layout/1", "sources": [)j";
+    for (int s = 0; s < sources; ++s) j += (s ? "," : "") + std::string(R"j({"rank": )j") + std::to_string(s) + R"j(, "domain": 0})j";
+    j += R"j(], "receivers": [)j";
+    for (int r = 0; r < receivers; ++r)
+      j += (r ? "," : "") + std::string(R"j({"rank": )j") + std::to_string(r) + R"j(, "domain": )j" +
+           std::to_string(uni(0, 1)) + R"j(, "instance": )j" + std::to_string(r) + "}";
+    j += R"j(], "tensors": [{"name": "w", "dtype": ")j" + std::string(dt) + R"j(", "shape": [)j";
+    for (int d = 0; d < nd; ++d) j += (d ? ", " : "") + std::to_string(shape[d]);
+    j += R"j(], "source": {"mesh": [)j" + std::to_string(sources) + R"j(], "ranks": [)j";
+    for (int s = 0; s < sources; ++s) j += (s ? ", " : "") + std::to_string(s);
+    j += R"j(], "placements": [")j" + placement + R"j("]}}], "buffers": [)j";
+    for (int r = 0; r < receivers; ++r) {
+      std::vector<int64_t> start(nd), size(nd);
+      for (int d = 0; d < nd; ++d) {
+        start[d] = uni(0, shape[d] - 1);
+        size[d] = uni(1, shape[d] - start[d]);
+      }
+      std::vector<int> order(nd);  // outermost first
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), g);
+      std::vector<int64_t> strides(nd);
+      int64_t acc = 1;
+      for (int k = nd - 1; k >= 0; --k) {
+        strides[order[k]] = acc;
+        acc = acc * size[order[k]] + (uni(0, 3) == 0 ? uni(1, 2) : 0);
+      }
+      const int64_t offset = uni(0, 5);
+      int64_t extent = offset + 1;
+      for (int d = 0; d < nd; ++d) extent += (size[d] - 1) * strides[d];
+      auto list = [](const std::vector<int64_t>& v) {
+        std::string out = "[";
+        for (size_t k = 0; k < v.size(); ++k) out += (k ? ", " : "") + std::to_string(v[k]);
+        return out + "]";
+      };
+      j += (r ? "," : "") + std::string(R"j({"side": "receiver", "rank": )j") + std::to_string(r) +
+           R"j(, "name": "w", "dtype": ")j" + dt + R"j(", "bytes": )j" + std::to_string((extent + uni(0, 3)) * eb) +
+           R"j(, "segments": [{"tensor": "w", "start": )j" + list(start) + R"j(, "size": )j" + list(size) +
+           R"j(, "offset": )j" + std::to_string(offset) + R"j(, "strides": )j" + list(strides) + "}]}";
+    }
+    j += "]}";
+    auto L = parse_layout_json(j, "random layout");
+    ASSERT_TRUE(L.is_ok()) << "case " << i << ": " << L.status().message() << "\n" << j;
+    PlanOptions o;
+    o.chunk_bytes = std::array<int64_t, 3>{16, 64, 4096}[uni(0, 2)];
+    const Result direct = execute(*L, o);
+    ASSERT_EQ(direct.mismatch, "") << "case " << i << " (direct)\n" << j;
+    EXPECT_EQ(direct.steps, 0);
+    o.relayout_below_bytes = std::array<int64_t, 3>{4, 16, 1 << 20}[uni(0, 2)];
+    o.relayout_staging_bytes = uni(0, 1) ? (int64_t{1} << 30) : uni(64, 2048);
+    const Result relayouted = execute(*L, o);
+    ASSERT_EQ(relayouted.mismatch, "") << "case " << i << " (relayout below " << o.relayout_below_bytes << ")\n" << j;
+    EXPECT_LE(relayouted.net_runs, direct.net_runs) << "case " << i << "\n" << j;
+    with_steps += relayouted.steps > 0;
+    ++planned;
+  }
+  EXPECT_EQ(planned, 2000);
+  EXPECT_GT(with_steps, 400);  // not vacuous: about a third of the layouts relayout something
+  std::cout << "[ relayout ] " << planned << " random layouts executed, " << with_steps << " with relayouts\n";
 }
 
 TEST(Relayout, ABadKnobIsRefused) {
