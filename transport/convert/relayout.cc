@@ -8,7 +8,11 @@ namespace refit::convert {
 
 namespace {
 
-constexpr int64_t kTile = 64;
+// 16 x 16: a 4096 x 4096 BF16 box into column-major strides took 15 to 20
+// ms with it, 35 to 45 ms with 64 x 64 tiles, on a shared 2-core machine
+// (docs/refresh.md, "Column-major receivers"): a 64-element tile of that
+// box touches 64 pages on each side.
+constexpr int64_t kTile = 16;
 
 // The last two dims of one leading index: `rows` x `cols` packed at `src`,
 // to dst + (i * row_stride + j * col_stride) elements.

@@ -14,7 +14,7 @@ namespace refit::convert {
 // Copies the box `sizes` (elements of `elem_bytes`: 1, 2, 4 or 8), packed
 // row-major at `src`, to `dst` + (i0 * strides[0] + i1 * strides[1] + ...)
 // * elem_bytes for element (i0, i1, ...). The last two dims go tile by tile
-// (64 x 64 elements) so that both sides stay in cache whichever is the one
+// (16 x 16 elements) so that both sides stay in cache whichever is the one
 // with stride 1. REQUIRES: sizes and strides of the same length, from 1 to
 // 8 dims; every size >= 1; strides >= 0; `src` and `dst` do not overlap.
 // Refused (nothing written): another element size, a length mismatch, a
