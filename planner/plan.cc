@@ -187,19 +187,9 @@ void merge_cells(const Grid& g, std::vector<Sig>& sig, F&& emit) {
 // merge of for_each_copy covers every dim of the box that has more than
 // one element).
 bool contiguous_copy(const Box& box, const Region& from, const Region& to) {
-  const int n = box.ndim;
-  int64_t run = 1;
-  int outer = n;
-  if (n > 0 && from.strides[n - 1] == 1 && to.strides[n - 1] == 1) {
-    run = box.size[n - 1];
-    outer = n - 1;
-    while (outer > 0 && from.strides[outer - 1] == run && to.strides[outer - 1] == run) {
-      run *= box.size[outer - 1];
-      --outer;
-    }
-  }
-  for (int d = 0; d < outer; ++d) {
-    if (box.size[d] > 1) return false;
+  const CopyOrder o = copy_order(box, from, to);
+  for (int i = 0; i < o.outer; ++i) {
+    if (box.size[o.dims[i]] > 1) return false;
   }
   return true;
 }
@@ -588,6 +578,8 @@ void summarize_broadcast(const Layout& L, PlanSummary* s, std::vector<int64_t>* 
 Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
+  if (options.relayout_below_bytes < 0) return Status::invalid("relayout_below_bytes must not be negative");
+  if (options.relayout_staging_bytes < 0) return Status::invalid("relayout_staging_bytes must not be negative");
   Plan plan;
   plan.layout_ = &L;
   plan.options_ = options;

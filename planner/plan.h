@@ -27,6 +27,7 @@
 // Thread safety: a finished Plan is read-only and may be read from any thread.
 // It refers to the Layout it was made from, which must outlive it.
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -63,6 +64,19 @@ struct PlanProgress {
 struct PlanOptions {
   Strategy strategy = Strategy::kRefit;
   int64_t chunk_bytes = int64_t{4} << 20;
+  // Relayout (docs/refresh.md, "Column-major receivers"): a unit of a tensor
+  // whose receivers hold the sources' dtype, whose pull would move runs of
+  // fewer than this many bytes on average (a column-major receiver of a
+  // row-major source: one element per run), is pulled row-major into the
+  // puller's staging area in runs of up to chunk_bytes and copied from there
+  // into the puller's layout (a ConvertStep of one dtype). 0, the default:
+  // never. Only the walks that carry conversion steps (for_each_run and
+  // for_each_run_group with on_convert) and the network runs do it.
+  int64_t relayout_below_bytes = 0;
+  // The most staging bytes one puller's relayouts may take (a conversion
+  // staging area holds them after its conversions); a unit that would pass
+  // it is pulled into its layout directly.
+  int64_t relayout_staging_bytes = int64_t{1} << 30;
   // Not owned; null reports nothing. Has no effect on the plan.
   PlanProgress* progress = nullptr;
 };
@@ -199,7 +213,9 @@ void for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn);
 // The network runs of for_each_run(plan, fn), the same runs in the same
 // order, without making the local ones: at cluster scale most runs are local
 // (a domain of 8 fans each chunk out 7 times), and counting GETs needs only
-// these.
+// these. A unit the puller relayouts (PlanOptions::relayout_below_bytes) is
+// the exception: its runs are the ones into the staging area, as the walk
+// with conversion steps gives them.
 void for_each_network_run(const Plan& plan, const std::function<void(const Run&)>& fn);
 
 // The same runs, in the same order, in groups (RunGroup): expanding each
@@ -214,7 +230,8 @@ void for_each_network_run_group(const Plan& plan, const std::function<void(const
 // converts it into its own region (receivers' dtype) and, for F8_E4M3,
 // computes the box's block scales into its region of the scale tensor. The
 // fan-out to the unit's other consumers carries the converted bytes and the
-// scales.
+// scales. A relayout (PlanOptions::relayout_below_bytes) is the same step in
+// one dtype: the staged box is copied into the region's strides.
 struct ConvertStep {
   int32_t rank = 0;  // the puller, a receiver rank
   uint32_t tensor = 0;
@@ -232,8 +249,8 @@ struct ConvertStep {
 // A network run into a puller's conversion staging area names this buffer.
 inline constexpr uint32_t kStagingBuffer = UINT32_MAX;
 
-// for_each_run, with the units of converted tensors done the receiver's
-// way: their network runs land in the puller's staging area (to.buffer is
+// for_each_run, with the units of converted tensors, and those relayouted
+// (PlanOptions::relayout_below_bytes), done the receiver's way: their network runs land in the puller's staging area (to.buffer is
 // kStagingBuffer, to.offset a byte offset there), `on_convert` is called
 // once the unit's network runs are out, and the local runs that follow
 // carry the receivers' dtype from the puller's region, then the scales of
@@ -248,15 +265,28 @@ Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
 Status for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
                           const std::function<void(const ConvertStep&)>& on_convert);
 
+// The order in which for_each_copy walks `box` from region `from` to region
+// `to`: the dims of one index first, then the others in the memory order both
+// regions share (outermost stride first: column-major regions walk the last
+// dim outermost), or row-major where their orders differ or a stride is not
+// positive. The innermost dims contiguous in both buffers form the run.
+struct CopyOrder {
+  std::array<int, kMaxDims> dims{};  // the box's dims, outermost first
+  int outer = 0;                     // dims[0, outer) are iterated, dims[outer, ndim) are the run
+  int64_t run = 1;                   // elements per run
+};
+CopyOrder copy_order(const Box& box, const Region& from, const Region& to);
+
 // The contiguous runs that copy `box` from region `from` to region `to` (both
 // of a tensor with elements of `elem_bytes`), as byte offsets within their
-// buffers, in row-major order of the box, merged where contiguous in both.
+// buffers, in the order of copy_order, merged where contiguous in both.
 void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
                    const std::function<void(int64_t from_offset, int64_t to_offset, int64_t bytes)>& fn);
 
 // The same runs in groups: `count` runs of `bytes`, the k-th at the offsets
-// plus k times the strides (all in bytes). The group is the box's last dim
-// that is not merged into the run, so its runs do not continue each other.
+// plus k times the strides (all in bytes). The group is the innermost dim of
+// copy_order that is not merged into the run, so its runs do not continue
+// each other.
 struct CopyGroup {
   int64_t from_offset = 0;
   int64_t to_offset = 0;

@@ -9,51 +9,82 @@
 
 namespace refit {
 
+CopyOrder copy_order(const Box& box, const Region& from, const Region& to) {
+  CopyOrder o;
+  const int n = box.ndim;
+  // Dims of one index first: they move no offset, so they may not stand
+  // between two dims that merge. The others in the memory order the two
+  // regions share, else row-major: the order only groups the same bytes
+  // into runs, any order copies them exactly.
+  int k = 0;
+  for (int d = 0; d < n; ++d)
+    if (box.size[d] == 1) o.dims[k++] = d;
+  const int first = k;
+  for (int d = 0; d < n; ++d)
+    if (box.size[d] != 1) o.dims[k++] = d;
+  auto outer_first = [&](int a, int b) {
+    if (from.strides[a] != from.strides[b]) return from.strides[a] > from.strides[b];
+    if (to.strides[a] != to.strides[b]) return to.strides[a] > to.strides[b];
+    return a < b;
+  };
+  std::array<int, kMaxDims> sorted = o.dims;
+  std::stable_sort(sorted.begin() + first, sorted.begin() + n, outer_first);
+  bool shared = true;
+  for (int i = first; i < n && shared; ++i) {
+    const int d = sorted[i];
+    shared = from.strides[d] > 0 && to.strides[d] > 0 &&
+             (i == first || to.strides[sorted[i - 1]] >= to.strides[d]);
+  }
+  if (shared) o.dims = sorted;
+  // Merge the innermost dims that are contiguous in both buffers into one run.
+  o.outer = n;
+  if (n > 0 && from.strides[o.dims[n - 1]] == 1 && to.strides[o.dims[n - 1]] == 1) {
+    o.run = box.size[o.dims[n - 1]];
+    o.outer = n - 1;
+    while (o.outer > 0 && from.strides[o.dims[o.outer - 1]] == o.run && to.strides[o.dims[o.outer - 1]] == o.run) {
+      o.run *= box.size[o.dims[o.outer - 1]];
+      --o.outer;
+    }
+  }
+  return o;
+}
+
 void for_each_copy_group(const Box& box, const Region& from, const Region& to, int elem_bytes,
                          const std::function<void(const CopyGroup&)>& fn) {
   if (box.empty()) return;
   const int n = box.ndim;
-  // Merge trailing dims that are contiguous in both buffers into one run.
-  int64_t run = 1;
-  int outer = n;  // dims [0, outer) are iterated, [outer, n) form the run
-  if (n > 0 && from.strides[n - 1] == 1 && to.strides[n - 1] == 1) {
-    run = box.size[n - 1];
-    outer = n - 1;
-    while (outer > 0 && from.strides[outer - 1] == run && to.strides[outer - 1] == run) {
-      run *= box.size[outer - 1];
-      --outer;
-    }
-  }
+  const CopyOrder o = copy_order(box, from, to);
   int64_t fbase = from.offset, tbase = to.offset;
   for (int d = 0; d < n; ++d) {
     fbase += (box.start[d] - from.box.start[d]) * from.strides[d];
     tbase += (box.start[d] - to.box.start[d]) * to.strides[d];
   }
-  // The last iterated dim is one group: equal runs at fixed strides. It was
-  // not merged into the run, so its runs do not continue each other.
-  const int g = outer - 1;
+  // The innermost iterated dim is one group: equal runs at fixed strides. It
+  // was not merged into the run, so its runs do not continue each other.
+  const int gi = o.outer - 1;
+  const int g = gi >= 0 ? o.dims[gi] : -1;
   CopyGroup c;
-  c.bytes = run * elem_bytes;
+  c.bytes = o.run * elem_bytes;
   c.count = g >= 0 ? box.size[g] : 1;
   c.from_stride = g >= 0 ? from.strides[g] * elem_bytes : 0;
   c.to_stride = g >= 0 ? to.strides[g] * elem_bytes : 0;
-  Index idx{};
+  Index idx{};  // by position in o.dims
   for (;;) {
     int64_t fo = fbase, to_off = tbase;
-    for (int d = 0; d < g; ++d) {
-      fo += idx[d] * from.strides[d];
-      to_off += idx[d] * to.strides[d];
+    for (int i = 0; i < gi; ++i) {
+      fo += idx[i] * from.strides[o.dims[i]];
+      to_off += idx[i] * to.strides[o.dims[i]];
     }
     c.from_offset = fo * elem_bytes;
     c.to_offset = to_off * elem_bytes;
     fn(c);
-    int d = g - 1;
-    while (d >= 0) {
-      if (++idx[d] < box.size[d]) break;
-      idx[d] = 0;
-      --d;
+    int i = gi - 1;
+    while (i >= 0) {
+      if (++idx[i] < box.size[o.dims[i]]) break;
+      idx[i] = 0;
+      --i;
     }
-    if (d < 0) break;
+    if (i < 0) break;
   }
 }
 
@@ -452,6 +483,70 @@ Status convert_unit(const Plan& plan, const Unit& u, Merger& out, std::map<int32
   return fan_out_converted(c, blocks);
 }
 
+// Whether the puller of unit `u` (of a tensor the receivers hold in the
+// sources' dtype) pulls it through its staging area and relayouts it there
+// (PlanOptions::relayout_below_bytes): its direct pull would move runs of
+// fewer bytes than that on average, a pull into a row-major staging box
+// moves longer ones, the puller's region has a dim of stride 1, and the box
+// fits in what its relayouts before left of
+// relayout_staging_bytes (`used`, per puller; counted here). The runs are
+// counted per piece, before chunking.
+bool relayouts(const Plan& plan, const Unit& u, std::map<int32_t, int64_t>& used) {
+  const PlanOptions& o = plan.options();
+  const Box& box = plan.box(u);
+  if (o.relayout_below_bytes <= 0 || box.ndim < 1 || box.empty()) return false;
+  const Tensor& t = plan.layout().tensors[u.tensor];
+  const int eb = dtype_bytes(t.dtype);
+  const Consumer& p = plan.puller(u);
+  const Region& dst = t.receivers[p.region];
+  // The receiver records what a relayout wrote by runs of its stride-1 dim:
+  // without one, a range per element.
+  bool unit_stride = false;
+  for (int d = 0; d < box.ndim; ++d) unit_stride = unit_stride || (box.size[d] > 1 && dst.strides[d] == 1);
+  if (!unit_stride) return false;
+  Region stage;
+  stage.box = box;
+  int64_t stride = 1;
+  for (int d = box.ndim - 1; d >= 0; --d) {
+    stage.strides[d] = stride;
+    stride *= box.size[d];
+  }
+  const PullSet& ps = plan.pull_set(u);
+  int64_t direct = 0, staged_runs = 0;
+  for (size_t i = 0; i < ps.pieces.size(); ++i) {
+    const Box& piece = ps.pieces[i].box;
+    const Region& sr = t.sources[plan.source(u, i).region];
+    direct += piece.numel() / copy_order(piece, sr, dst).run;
+    staged_runs += piece.numel() / copy_order(piece, sr, stage).run;
+  }
+  const int64_t bytes = box.numel() * eb;
+  if (direct == 0 || bytes / direct >= o.relayout_below_bytes || staged_runs >= direct) return false;
+  int64_t& mine = used[p.rank];
+  const int64_t need = (bytes + 63) / 64 * 64;
+  if (need > o.relayout_staging_bytes - mine) return false;
+  mine += need;
+  return true;
+}
+
+// A unit relayouted by its puller: its pieces land row-major in the
+// staging area, the step copies the box into the puller's layout, then the
+// unit fans out from the puller's region as a converted one does.
+// network_only: the staged network runs alone.
+Status relayout_unit(const Plan& plan, const Unit& u, Merger& out, std::map<int32_t, int64_t>& staged,
+                     const std::function<void(const ConvertStep&)>& on_convert, bool network_only) {
+  const Layout& L = plan.layout();
+  const Tensor& t = L.tensors[u.tensor];
+  const Consumer& p = plan.puller(u);
+  UnitCtx c{plan, L, u, t, p, t.receivers[p.region], nullptr, -1, nullptr, out};
+  const PullSet& ps = plan.pull_set(u);
+  std::vector<Part> parts;
+  parts.reserve(ps.pieces.size());
+  for (size_t i = 0; i < ps.pieces.size(); ++i) parts.push_back({ps.pieces[i].box, plan.source(u, i), std::nullopt});
+  REFIT_RETURN_IF_ERROR(stage_and_convert(c, plan.box(u), parts, staged, on_convert));
+  if (network_only) return Status::ok();
+  return fan_out_converted(c, Box{});
+}
+
 // network_only: the network runs alone, as the full walk gives them (its
 // local runs are not made; where one would follow, the network run before it
 // is passed on unmerged, as the local run would have made it).
@@ -460,10 +555,17 @@ Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
   const Layout& L = plan.layout();
   Merger m(fn);
   std::map<int32_t, int64_t> staged;  // per puller: its staging area's end
+  std::map<int32_t, int64_t> relayout_staged;  // per puller: the part of it its relayouts take
+  const std::function<void(const ConvertStep&)> no_step = [](const ConvertStep&) {};
   for (const Unit& u : plan.units()) {
     const Tensor& t = L.tensors[u.tensor];
-    if (on_convert && t.dtype_on(Side::kReceiver) != t.dtype) {
+    const bool converted = t.dtype_on(Side::kReceiver) != t.dtype;
+    if (on_convert && converted) {
       REFIT_RETURN_IF_ERROR(convert_unit(plan, u, m, staged, *on_convert));
+      continue;
+    }
+    if ((on_convert || network_only) && !converted && relayouts(plan, u, relayout_staged)) {
+      REFIT_RETURN_IF_ERROR(relayout_unit(plan, u, m, staged, on_convert ? *on_convert : no_step, network_only));
       continue;
     }
     const int eb = dtype_bytes(t.dtype);

@@ -131,12 +131,24 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   }
 
   if (const Json* co = r.member(doc, "", "coordinator", true)) {
-    r.object(*co, "coordinator", {"address", "token_file", "embedded", "timeout_ms", "metrics"});
+    r.object(*co, "coordinator", {"address", "token_file", "embedded", "timeout_ms", "metrics",
+                                  "relayout_below_bytes", "relayout_staging_bytes"});
     const std::string address = r.string(*co, "coordinator", "address", std::nullopt);
     c.coordinator.token_file = r.string(*co, "coordinator", "token_file", std::nullopt);
     c.coordinator.embedded = r.boolean(*co, "coordinator", "embedded", false);
     c.coordinator.timeout =
         std::chrono::milliseconds(r.integer(*co, "coordinator", "timeout_ms", 10000, 1, 24ll * 3600 * 1000));
+    c.coordinator.relayout_below_bytes =
+        r.integer(*co, "coordinator", "relayout_below_bytes", 0, 0, int64_t{1} << 40);
+    c.coordinator.relayout_staging_bytes =
+        r.integer(*co, "coordinator", "relayout_staging_bytes", int64_t{1} << 30, 0, int64_t{1} << 50);
+    if (r.ok() && !c.coordinator.embedded &&
+        (co->contains("relayout_below_bytes") || co->contains("relayout_staging_bytes"))) {
+      return Status::invalid(
+          "config: \"coordinator.relayout_below_bytes\" and \"relayout_staging_bytes\" set the embedded "
+          "coordinator's plans; they need \"coordinator.embedded\": true (a standalone coordinator takes "
+          "refit-coordinator --relayout-below-bytes)");
+    }
     if (r.ok()) {
       REFIT_RETURN_IF_ERROR(
           parse_host_port(address, "coordinator.address", &c.coordinator.host, &c.coordinator.port));

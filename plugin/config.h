@@ -33,6 +33,11 @@ struct CoordinatorEndpoint {
   std::string metrics_host;
   uint16_t metrics_port = 0;
   std::string metrics_token_file;  // empty: scrapes need no bearer token
+  // The embedded coordinator's relayout knobs ("coordinator.relayout_below_bytes",
+  // "coordinator.relayout_staging_bytes"; docs/refresh.md, "Column-major
+  // receivers"): 0, the default, never relayouts.
+  int64_t relayout_below_bytes = 0;
+  int64_t relayout_staging_bytes = int64_t{1} << 30;
 };
 
 struct TransportConfig {

@@ -102,6 +102,8 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::connect(const AgentCon
     cc.port = config.coordinator.port;
     cc.token = link->credential_.token;
     cc.threads = threads;
+    cc.relayout_below_bytes = config.coordinator.relayout_below_bytes;
+    cc.relayout_staging_bytes = config.coordinator.relayout_staging_bytes;
     const Log* lp = &log;
     cc.log = [lp](const std::string& line) { lp->info("coordinator: " + line); };
     control::MetricsServerOptions metrics_options;

@@ -31,6 +31,7 @@
 
 #include "planner/conversion.h"
 #include "planner/layout.h"
+#include "planner/layout_json.h"
 #include "planner/manifest.h"
 #include "planner/plan.h"
 #include "planner/recipes/recipe.h"
@@ -562,10 +563,11 @@ int usage_error(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string scenario_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
+  std::string scenario_path, layout_path, models_dir, json_out, reports_out, strategies_text = "refit,no-dedup,broadcast";
   std::string mode = "direct", kill_text, local_fabric, metrics_address, trace_out;
   bool serve_check = false, rejoin = false, small_pages = false, sequential = false, no_gather = false;
   std::string receiver_config_text, source_config_text;
+  int64_t relayout_below = 0;
   std::string hardware_file;
   int versions = 3, churn = 0, late_join = 0;
   bool memory_table = false;
@@ -719,9 +721,14 @@ int main(int argc, char** argv) {
       "byte was wrong or a read was mixed, 2 bad arguments or input files, 77 all verified\n"
       "but a --kill or --partition landed after every refresh had returned (it tested nothing).",
       "refit-bench");
-  app.add_option("--scenario", scenario_path, "scenario file (docs/formats.md)")->required();
-  app.add_option("--models", models_dir, "folder of model manifests: <model>.json, <model>.safetensors or <model>/")
-      ->required();
+  auto* scenario_option = app.add_option("--scenario", scenario_path, "scenario file (docs/formats.md)");
+  app.add_option("--models", models_dir,
+                 "folder of model manifests: <model>.json, <model>.safetensors or <model>/ (with --scenario)");
+  app.add_option("--layout", layout_path,
+                 "instead of --scenario and --models: a refit-layout/1 file (docs/formats.md) to refresh as it "
+                 "is; no tensor may convert on the way")
+      ->excludes(scenario_option)
+      ->type_name("FILE");
   app.add_option("--versions", versions, "refreshes per strategy (default 3)")->check(CLI::Range(1, 1000));
   app.add_option("--json", json_out,
                  "write {\"scenario\", \"results\": [{\"strategy\", \"seconds_median\", \"gbps\", \"network_bytes\", "
@@ -765,6 +772,11 @@ int main(int argc, char** argv) {
                  "one): every strategy's refresh is also simulated on it, and the table and --json give "
                  "predicted_seconds beside the measured median (with its \"host_cores\": "
                  "predicted_host_cpu_seconds and predicted_host_bound, the shared machine's CPU bound)");
+  app.add_option("--relayout-below", relayout_below,
+                 "the coordinator relayouts units whose network runs would average under N bytes in the "
+                 "puller's staging area (docs/refresh.md, \"Column-major receivers\"; default 0: never)")
+      ->type_name("N")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--no-gather", no_gather,
                "receivers pull every network run as its own GET (\"gather_below_bytes\": 0), for a before/after "
                "of gathers (docs/refresh.md)");
@@ -829,18 +841,40 @@ int main(int argc, char** argv) {
 
   auto strategies = parse_strategies(strategies_text);
   if (!strategies) return usage_error(strategies.status().message());
-  auto scenario_text = read_file(scenario_path);
-  if (!scenario_text) return usage_error(scenario_text.status().message());
-  auto scenario = refit::parse_scenario(*scenario_text, scenario_path);
-  if (!scenario) return usage_error(scenario.status().message());
-  auto model = read_model(models_dir, scenario->model, scenario_path);
-  if (!model) return usage_error(model.status().message());
+  const std::string& input_path = layout_path.empty() ? scenario_path : layout_path;
+  refit::Result<refit::Scenario> scenario = refit::Status::internal("unset");
+  refit::Result<refit::Layout> layout = refit::Status::internal("unset");
+  bool converts = false;
+  std::string run_name, model_name;  // the table's title
+  if (!layout_path.empty()) {
+    if (!models_dir.empty()) return usage_error("--models goes with --scenario, not with --layout");
+    auto text = read_file(layout_path);
+    if (!text) return usage_error(text.status().message());
+    layout = refit::parse_layout_json(*text, layout_path);
+    if (!layout) return usage_error(layout.status().message());
+    for (const refit::Tensor& t : layout->tensors)
+      if (t.dtype_on(refit::Side::kReceiver) != t.dtype)
+        return usage_error("--layout " + layout_path + ": tensor \"" + t.name +
+                           "\" converts on the way; run such a layout from a --scenario");
+    run_name = fs::path(layout_path).stem().string();
+    model_name = "layout";
+  } else {
+    if (scenario_path.empty() || models_dir.empty())
+      return usage_error("give --scenario FILE with --models DIR, or --layout FILE");
+    auto scenario_text = read_file(scenario_path);
+    if (!scenario_text) return usage_error(scenario_text.status().message());
+    scenario = refit::parse_scenario(*scenario_text, scenario_path);
+    if (!scenario) return usage_error(scenario.status().message());
+    run_name = fs::path(scenario_path).stem().string();
+    model_name = scenario->model;
+  }
   // A scenario whose sides hold different models (a BF16 trainer, an FP8
   // server) converts on the way (docs/conversion.md): each side laid out
   // from its own model, the block from the server's quantization_config.
-  const bool converts = scenario->train.model != scenario->infer.model;
-  refit::Result<refit::Layout> layout = refit::Status::internal("unset");
-  if (converts) {
+  if (scenario) converts = scenario->train.model != scenario->infer.model;
+  if (!scenario) {
+    // --layout: laid out above.
+  } else if (converts) {
     auto train = read_model(models_dir, scenario->train.model, scenario_path);
     if (!train) return usage_error(train.status().message());
     auto infer = read_model(models_dir, scenario->infer.model, scenario_path);
@@ -850,6 +884,8 @@ int main(int argc, char** argv) {
     layout = refit::layout_from_scenario_models(*scenario, *train, *infer, block);
     if (serve_check) return usage_error("--serve-check does not check tensors converted on the way yet");
   } else {
+    auto model = read_model(models_dir, scenario->model, scenario_path);
+    if (!model) return usage_error(model.status().message());
     layout = refit::layout_from_scenario(*scenario, *model);
   }
   if (!layout) return usage_error(layout.status().message());
@@ -875,6 +911,7 @@ int main(int argc, char** argv) {
     options.converts = true;
   }
   options.versions = versions;
+  options.relayout_below_bytes = relayout_below;
   options.step_timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.refresh_timeout = options.step_timeout;
   if (coordinator_timeout_s > 0)
@@ -951,7 +988,7 @@ int main(int argc, char** argv) {
       auto p = parse_partition(partition_text);
       if (!p) return usage_error(p.status().message());
       if (std::find(host_map->names.begin(), host_map->names.end(), p->host) == host_map->names.end())
-        return usage_error("--partition: there is no host \"" + p->host + "\": " + scenario_path + " runs on hosts 0.." +
+        return usage_error("--partition: there is no host \"" + p->host + "\": " + input_path + " runs on hosts 0.." +
                            std::to_string(host_map->names.size() - 1));
       if (versions < 3)
         return usage_error("--partition needs --versions 3 or more: it hits version N-1, and version N must "
@@ -967,7 +1004,7 @@ int main(int argc, char** argv) {
     const size_t ranks = options.kill->receiver ? layout->receivers.size() : layout->sources.size();
     if (static_cast<size_t>(options.kill->rank) >= ranks)
       return usage_error("--kill: " + std::string(options.kill->receiver ? "receiver" : "source") + " rank " +
-                         std::to_string(options.kill->rank) + " does not exist: " + scenario_path + " has " +
+                         std::to_string(options.kill->rank) + " does not exist: " + input_path + " has " +
                          std::to_string(ranks) + " (ranks 0.." + std::to_string(static_cast<int64_t>(ranks) - 1) + ")");
   }
   std::unique_ptr<refit::bench::Hosts> hosts;
@@ -1142,15 +1179,14 @@ int main(int argc, char** argv) {
     rows.push_back(row);
   }
 
-  std::printf("%s: %s, %zu sources, %zu receivers, %d refreshes per strategy\n", fs::path(scenario_path).stem().c_str(),
-              scenario->model.c_str(), layout->sources.size(), layout->receivers.size(), versions);
+  std::printf("%s: %s, %zu sources, %zu receivers, %d refreshes per strategy\n", run_name.c_str(), model_name.c_str(), layout->sources.size(), layout->receivers.size(), versions);
   print_table(rows, payload, versions, serve_check,
               memory_table || churn > 0 || late_join > 0 || !kill_text.empty());
   if (hosts) print_hosts(*hosts, *host_map, rows);
 
   if (!json_out.empty()) {
     ordered_json doc = ordered_json::object();
-    doc["scenario"] = fs::path(scenario_path).stem().string();
+    doc["scenario"] = run_name;
     if (hosts) {
       ordered_json hs = ordered_json::array();
       auto add = [&](const refit::bench::Host& h, const std::vector<std::string>& ranks) {

@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   CLI::App app{"refit-coordinator: the refit control plane (registration, heartbeats, versions)"};
   std::string listen;
   std::string token_file;
+  int64_t relayout_below = 0, relayout_staging = int64_t{1} << 30;
   int64_t lease_ms = 60000, heartbeat_ms = 10000, read_ms = 10000, idle_ms = 60000, write_ms = 10000, auth_ms = 5000;
   uint32_t max_frame = refit::control::kDefaultMaxFrameBytes;
   std::string metrics, metrics_token_file;
@@ -79,6 +80,16 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"source", "receiver"}));
   app.add_option("--heartbeat-timeout-ms", heartbeat_ms, "silence after which a member is declared dead")
       ->check(CLI::PositiveNumber);
+  app.add_option("--relayout-below-bytes", relayout_below,
+                 "relayout units whose network runs would average under N bytes (a column-major receiver of a "
+                 "row-major source) in the puller's staging area; default 0: never (docs/refresh.md, "
+                 "\"Column-major receivers\"; the GPU kernel is not yet run on a GPU)")
+      ->type_name("N")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--relayout-staging-bytes", relayout_staging,
+                 "the most staging bytes one puller's relayouts may take (default 1073741824)")
+      ->type_name("N")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--lease-timeout-ms", lease_ms, "time after which a receiver's unreleased lease expires")
       ->check(CLI::PositiveNumber);
   app.add_option("--read-timeout-ms", read_ms, "time a started frame has to finish")->check(CLI::PositiveNumber);
@@ -153,6 +164,8 @@ int main(int argc, char** argv) {
   config.token = std::move(token).value();
   config.heartbeat_timeout = std::chrono::milliseconds(heartbeat_ms);
   config.lease_timeout = std::chrono::milliseconds(lease_ms);
+  config.relayout_below_bytes = relayout_below;
+  config.relayout_staging_bytes = relayout_staging;
   config.read_timeout = std::chrono::milliseconds(read_ms);
   config.idle_timeout = std::chrono::milliseconds(idle_ms);
   config.write_timeout = std::chrono::milliseconds(write_ms);

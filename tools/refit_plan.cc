@@ -399,6 +399,8 @@ struct Options {
   std::string strategy;
   bool no_dedup = false;
   std::string chunk_bytes;
+  std::string relayout_below;
+  std::string relayout_staging;
   bool no_gather = false;
   std::string gather_below;
   std::string gather_bytes;
@@ -1047,6 +1049,15 @@ int run(const Options& o) {
                                o.chunk_bytes + "\"");
     po.chunk_bytes = *n;
   }
+  for (const auto& [flag, text, field] :
+       {std::tuple{"--relayout-below", &o.relayout_below, &po.relayout_below_bytes},
+        std::tuple{"--relayout-staging-bytes", &o.relayout_staging, &po.relayout_staging_bytes}}) {
+    if (text->empty()) continue;
+    auto n = parse_size(*text);
+    if (!n) return usage_error(std::string(flag) + " must be a positive byte count like 4096 or 4KiB, got \"" +
+                               *text + "\"");
+    *field = *n;
+  }
   g_gather.enabled = !o.no_gather;
   for (const auto& [flag, text, field] : {std::tuple{"--gather-below", &o.gather_below, &g_gather.below_bytes},
                                           std::tuple{"--gather-bytes", &o.gather_bytes, &g_gather.max_bytes}}) {
@@ -1174,6 +1185,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"refit", "no-dedup", "broadcast"}));
   app.add_flag("--no-dedup", o.no_dedup, "same as --strategy no-dedup: every receiver rank pulls for itself");
   app.add_option("--chunk-bytes", o.chunk_bytes, "pipelining grain, e.g. 4M, 4MiB, 1048576 (default 4MiB)")
+      ->type_name("SIZE");
+  app.add_option("--relayout-below", o.relayout_below,
+                 "pull a unit whose network runs would average under SIZE (a column-major receiver of a row-major "
+                 "source) row-major into the puller's staging area and relayout it there (PlanOptions "
+                 "relayout_below_bytes; default: never; docs/refresh.md, \"Column-major receivers\")")
+      ->type_name("SIZE");
+  app.add_option("--relayout-staging-bytes", o.relayout_staging,
+                 "the most staging bytes one puller's relayouts may take (default 1GiB)")
       ->type_name("SIZE");
   app.add_flag("--no-gather", o.no_gather,
                "count every network run as its own GET, as receivers with \"gather_below_bytes\": 0 post them");

@@ -58,6 +58,15 @@
  *                        or malformed: create fails naming it
  *           "token_file" file holding a bearer token scrapes must send
  *                        ("Authorization: Bearer TOKEN") [none: no token]
+ *        "relayout_below_bytes" integer, with "embedded" only [0: never]: the
+ *                      embedded coordinator's plans pull a unit whose network
+ *                      runs would average under this many bytes (a
+ *                      column-major receiver of a row-major source) row-major
+ *                      into the puller's staging area and copy it into its
+ *                      layout there (docs/refresh.md, "Column-major
+ *                      receivers"; into GPU memory not yet run on a GPU)
+ *        "relayout_staging_bytes" integer, with "embedded" only [1073741824]:
+ *                      the most staging bytes one puller's relayouts take
  *     "network"      object: the UCX context the data crosses the network on
  *        "transports"  list of strings ["tcp"]: "tcp", "shm", or UCX names (rc, dc, ...)
  *        "devices"     list of strings: e.g. ["lo"] or ["mlx5_0:1"]; workers listen

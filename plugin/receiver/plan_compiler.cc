@@ -199,17 +199,25 @@ class Compiler {
 
   // A conversion step: the box's pointers, checked against the buffers; the
   // bytes it writes count as written, and as landed for the sends that read
-  // them (row by row: a box of a strided region is not contiguous).
+  // them (range by range in memory order: a box of a strided region is not
+  // contiguous). One dtype on both sides is a relayout: the box copied into
+  // the region's strides, whatever their order.
   Status add_convert(const control::ConvertSpec& c, const std::string& what) {
-    const std::string name = what + " (converts tensor \"" + c.tensor + "\")";
     const std::optional<DType> from = parse_dtype(c.from_dtype);
     const std::optional<DType> to = parse_dtype(c.to_dtype);
-    if (!from || !to) return bad(name + " names an unknown dtype");
+    if (!from || !to) return bad(what + " (converts tensor \"" + c.tensor + "\") names an unknown dtype");
     Result<ConversionKind> kind = conversion_for(c.tensor, *from, *to);
     if (!kind.is_ok()) return kind.status();
     const bool quantize = *kind == ConversionKind::kQuantizeE4M3;
+    const bool relayout = *kind == ConversionKind::kNone;
+    const std::string name = what + (relayout ? " (relayouts tensor \"" : " (converts tensor \"") + c.tensor + "\")";
     const size_t n = c.size.size();
-    if (n == 0 || c.strides.back() != 1 || (quantize && (n < 2 || c.scale_buffer.empty() || c.scale_strides.back() != 1))) {
+    if (relayout) {
+      if (n == 0 || !c.scale_buffer.empty() || std::find(c.size.begin(), c.size.end(), 0) != c.size.end()) {
+        return bad(name + ": a relayout needs a box of 1 or more dims, none of size 0, and no scale buffer");
+      }
+    } else if (n == 0 || c.strides.back() != 1 ||
+               (quantize && (n < 2 || c.scale_buffer.empty() || c.scale_strides.back() != 1))) {
       return bad(name + ": the box needs contiguous rows" + std::string(quantize ? ", 2 dims and a scale buffer" : ""));
     }
     CompiledPart::Convert cv;
@@ -220,9 +228,16 @@ class Compiler {
     cv.start = c.start;
     cv.size = c.size;
     cv.strides = c.strides;
+    cv.relayout = relayout;
     uint64_t numel = 1;
-    for (int64_t s : c.size) numel *= static_cast<uint64_t>(s);
-    Result<uint8_t*> src = staged(c.stage, numel * dtype_bytes(*from), name);
+    for (int64_t s : c.size) {
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(s), &numel)) return bad(name + ": its box is too large");
+    }
+    uint64_t staged_bytes = 0;
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_bytes(*from)), &staged_bytes)) {
+      return bad(name + ": its box is too large");
+    }
+    Result<uint8_t*> src = staged(c.stage, staged_bytes, name);
     if (!src.is_ok()) return src.status();
     cv.staged = *src;
     const uint32_t index = static_cast<uint32_t>(out_->converts.size());  // gets.size() is added once all are in
@@ -246,6 +261,11 @@ class Compiler {
       device = device || scale_device;
     }
 #ifndef REFIT_HAVE_CONVERT_KERNEL
+    if (relayout && device) {
+      return Status::unsupported(name + ": relayouting into GPU memory needs the CUDA relayout kernel, which this "
+                                 "build does not have; plan without relayouts (\"relayout_below_bytes\": 0, "
+                                 "docs/refresh.md) for GPU receivers");
+    }
     if (device) {
       return Status::unsupported(name + ": converting into GPU memory needs the CUDA conversion kernel, which "
                                  "this build does not have (docs/conversion.md)");
@@ -256,9 +276,12 @@ class Compiler {
     return Status::ok();
   }
 
-  // Every row (last dim) of the box `sizes` at element `offset` of `buffer`,
-  // recorded as written and as landed by conversion `index`; returns the
-  // box's first byte.
+  // The bytes of the box `sizes` at element `offset` of `buffer` with
+  // `strides`, recorded as written and as landed by conversion `index`: one
+  // range per index of the dims outside the box's longest stretch that is
+  // contiguous in memory, walked in memory order (a column-major box is a
+  // range per column, or one), adjacent ranges merged. Returns the box's
+  // first byte.
   Result<uint8_t*> rows(const std::string& buffer, uint64_t offset, const std::vector<int64_t>& strides,
                         const std::vector<int64_t>& sizes, int eb, const std::string& what, uint32_t index,
                         bool* device) {
@@ -267,13 +290,31 @@ class Compiler {
     const LocalBuffer& b = buffers_[it->second];
     *device = b.device || b.through_slot;
     const size_t n = sizes.size();
+    const std::string past = what + " writes past the end of buffer \"" + buffer + "\" (" + std::to_string(b.bytes) +
+                             " bytes)";
     uint64_t last = offset;  // the last element the box touches
-    for (size_t d = 0; d < n; ++d) last += static_cast<uint64_t>(sizes[d] - 1) * static_cast<uint64_t>(strides[d]);
-    if ((last + 1) > b.bytes / eb) {
-      return bad(what + " writes past the end of buffer \"" + buffer + "\" (" + std::to_string(b.bytes) + " bytes)");
+    for (size_t d = 0; d < n; ++d) {
+      uint64_t step = 0;
+      if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[d] - 1), static_cast<uint64_t>(strides[d]), &step) ||
+          __builtin_add_overflow(last, step, &last)) {
+        return bad(past);
+      }
     }
-    const uint64_t row = static_cast<uint64_t>(sizes[n - 1]) * eb;
-    std::vector<int64_t> idx(n, 0);
+    if (last >= b.bytes / eb) return bad(past);
+    // The dims of more than one index, outermost (largest stride) first; the
+    // innermost ones whose strides continue each other make one range.
+    std::vector<size_t> dims;
+    for (size_t d = 0; d < n; ++d)
+      if (sizes[d] > 1) dims.push_back(d);
+    std::stable_sort(dims.begin(), dims.end(), [&](size_t x, size_t y) { return strides[x] > strides[y]; });
+    uint64_t run = 1;
+    size_t outer = dims.size();
+    while (outer > 0 && static_cast<uint64_t>(strides[dims[outer - 1]]) == run) {
+      run *= static_cast<uint64_t>(sizes[dims[outer - 1]]);
+      --outer;
+    }
+    const uint64_t range = run * eb;
+    std::vector<int64_t> idx(outer, 0);
     uint64_t run_begin = 0, run_end = 0;
     bool have = false;
     auto flush = [&] {
@@ -283,23 +324,23 @@ class Compiler {
     };
     for (;;) {
       uint64_t e = offset;
-      for (size_t d = 0; d + 1 < n; ++d) e += static_cast<uint64_t>(idx[d]) * static_cast<uint64_t>(strides[d]);
+      for (size_t k = 0; k < outer; ++k) e += static_cast<uint64_t>(idx[k]) * static_cast<uint64_t>(strides[dims[k]]);
       const uint64_t begin = e * eb;
       if (have && begin == run_end) {
-        run_end += row;
+        run_end += range;
       } else {
         flush();
         run_begin = begin;
-        run_end = begin + row;
+        run_end = begin + range;
         have = true;
       }
-      size_t d = n - 1;
-      while (d > 0) {
-        if (++idx[d - 1] < sizes[d - 1]) break;
-        idx[d - 1] = 0;
-        --d;
+      size_t k = outer;
+      while (k > 0) {
+        if (++idx[k - 1] < sizes[dims[k - 1]]) break;
+        idx[k - 1] = 0;
+        --k;
       }
-      if (d == 0) break;
+      if (k == 0) break;
     }
     flush();
     return b.data + offset * eb;

@@ -72,6 +72,9 @@ struct CompiledPart {
     float* scales = nullptr;  // null: a cast
     std::vector<int64_t> scale_strides;
     bool device = false;  // `dst` and `scales` are GPU memory: the CUDA kernel
+    // One dtype (from == to): a relayout (docs/refresh.md, "Column-major
+    // receivers"), the staged box copied into `strides` as it is.
+    bool relayout = false;
   };
   struct Get {
     int32_t source = 0;

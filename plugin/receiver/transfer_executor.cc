@@ -4,6 +4,7 @@
 
 #include "planner/dtype.h"
 #include "transport/convert/convert.h"
+#include "transport/convert/relayout.h"
 #ifdef REFIT_HAVE_CONVERT_KERNEL
 #include "transport/convert/convert_cuda.h"
 #endif
@@ -291,6 +292,17 @@ bool TransferExecutor::release_locked(uint32_t get) {
 // with NaN or infinity before writing it (docs/conversion.md).
 Status TransferExecutor::convert(uint32_t k) const {
   const CompiledPart::Convert& c = part_.converts[k];
+  // A relayout: the staged box into the region's strides, on the host, or
+  // copied to the GPU and written by the CUDA kernel (the compiler refuses
+  // GPU memory in a build without it).
+  if (c.relayout) {
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+    if (c.device)
+      return convert::relayout_box_cuda_from_host(c.staged, c.dst, dtype_bytes(c.to), c.size, c.strides, c.tensor,
+                                                  nullptr);
+#endif
+    return convert::relayout_box(c.staged, c.dst, dtype_bytes(c.to), c.size, c.strides);
+  }
   const size_t n = c.size.size();
   const int in = dtype_bytes(c.from), out = dtype_bytes(c.to);
   const bool quantize = c.scales != nullptr;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 
@@ -66,8 +67,11 @@ class Refresh : public ::testing::Test {
   }
 
   // Refreshes `layout` three times and checks every byte and the network
-  // bytes; `gathered`: and that small runs travelled in gathers every time.
-  static void refresh_and_check(const Layout& layout, const RunOptions& o = options(), bool gathered = false) {
+  // bytes; `check_report` (optional) sees each receiver's report;
+  // `gathered`: small runs must have travelled in gathers every time.
+  static void refresh_and_check(const Layout& layout, const RunOptions& o = options(),
+                                const std::function<void(const nlohmann::json&)>& check_report = {},
+                                bool gathered = false) {
     ASSERT_FALSE(layout.tensors.empty());
     auto plan = refit::make_plan(layout);
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
@@ -84,6 +88,7 @@ class Refresh : public ::testing::Test {
       for (const auto& report : v.reports) {
         EXPECT_EQ(report.value("version", int64_t{-1}), v.version) << report.dump();
         EXPECT_TRUE(report.value("ok", false)) << report.dump();
+        if (check_report) check_report(report);
       }
       if (gathered) EXPECT_GT(refit::e2e::gathered_runs(v), 0) << "version " << v.version << ": no gather";
     }
@@ -124,7 +129,7 @@ TEST_F(Refresh, CrossDimShardsInTwoDomains) {
       {"name": "x", "dtype": "F32", "shape": [6, 9, 4],
        "source":   {"mesh": [3], "ranks": [0, 1, 2], "placements": ["S(1)"]},
        "receiver": {"mesh": [2, 2], "ranks": [0, 1, 2, 3], "placements": ["R", "S(2)"]}}]})json"),
-                    options(), /*gathered=*/true);
+                    options(), {}, /*gathered=*/true);
 }
 
 // Two data-parallel replicas of TP2 on the trainers (every piece has two
@@ -179,6 +184,52 @@ TEST_F(Refresh, FusedQkvWithReplicatedKvHeads) {
   }
   j << "]}";
   refresh_and_check(parse(j.str()));
+}
+
+// Column-major receivers (strides [1, rows]) of row-major TP2 trainers:
+// two receivers of one domain each hold all of "w" column-major, and "c"
+// is split by columns over them, each half column-major. Planned directly
+// (a run per element) and with relayouts (docs/refresh.md, "Column-major
+// receivers": the puller stages rows, copies them into its columns, the
+// other receiver gets the columns over the local fabric); every byte checked
+// by the harness and, "verify" on, by the receivers against the sources'
+// hashes.
+TEST_F(Refresh, ColumnMajorReceiversDirectAndRelayouted) {
+  std::ostringstream j;
+  j << R"json({"format": "refit-layout/1",
+    "sources": [{"rank": 0, "domain": 0}, {"rank": 1, "domain": 0}],
+    "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0}],
+    "tensors": [
+      {"name": "w", "dtype": "BF16", "shape": [48, 40],
+       "source": {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]}},
+      {"name": "c", "dtype": "F32", "shape": [33, 14],
+       "source": {"mesh": [2], "ranks": [0, 1], "placements": ["S(0)"]}}],
+    "buffers": [)json";
+  for (int r = 0; r < 2; ++r) {
+    j << (r ? "," : "") << R"({"side": "receiver", "rank": )" << r << R"(, "name": "w", "dtype": "BF16", "bytes": )"
+      << 48 * 40 * 2 + 32
+      << R"(, "segments": [{"tensor": "w", "start": [0, 0], "size": [48, 40], "offset": 0, "strides": [1, 48]}]},)"
+      << R"({"side": "receiver", "rank": )" << r << R"(, "name": "c", "dtype": "F32", "bytes": )" << 33 * 7 * 4
+      << R"(, "segments": [{"tensor": "c", "start": [0, )" << 7 * r
+      << R"(], "size": [33, 7], "offset": 0, "strides": [1, 33]}]})";
+  }
+  j << "]}";
+  const Layout layout = parse(j.str());
+  for (int64_t below : {int64_t{0}, int64_t{4096}}) {
+    SCOPED_TRACE("relayout_below_bytes " + std::to_string(below));
+    RunOptions o = options();
+    o.relayout_below_bytes = below;
+    o.receiver_config = {{"verify", true}};
+    o.source_config = {{"verify", true}};
+    int64_t relayouts = 0;
+    refresh_and_check(layout, o, [&](const nlohmann::json& rep) {
+      relayouts += rep["converts"].value("units", int64_t{0});
+      EXPECT_GT(rep["verify"].value("bytes", int64_t{0}), 0) << rep.dump();
+      EXPECT_EQ(rep["verify"].value("unverified_bytes", int64_t{-1}), 0) << rep.dump();
+    });
+    // Each version relayouts "w" once and each half of "c" once.
+    EXPECT_EQ(relayouts, below > 0 ? 3 * o.versions : 0);
+  }
 }
 
 // torch.chunk sizes: 10 rows over 3 trainers (4, 4, 2) to 4 servers

@@ -1671,6 +1671,58 @@ TEST(PlanProperty, ReplicatedSourcesSpreadLoad) {
 // ---------------------------------------------------------------------------
 // for_each_copy against an element-by-element copy.
 
+// Copies `box` from reg[0] (a buffer of size[0] elements) to reg[1] with
+// for_each_copy and compares every byte of the target with an element-by-
+// element copy; each byte the box covers written once, no other. Empty when
+// they agree, else what differs; *runs gets the number of runs.
+std::string copy_mismatch(const std::vector<int64_t>& shape, const Box& box, const Region (&reg)[2],
+                          const int64_t (&size)[2], int eb, int64_t* runs) {
+  std::vector<uint64_t> from(size[0] * eb, kJunk), to(size[1] * eb, kSentinel);
+  std::vector<int> w(size[1] * eb, 0);
+  for_each_element(reg[0].box, [&](const Index& idx) {
+    for (int k = 0; k < eb; ++k) from[element_offset(reg[0], idx) * eb + k] = byte_tag(0, linear_index(shape, idx), k);
+  });
+  bool in_bounds = true;
+  *runs = 0;
+  for_each_copy(box, reg[0], reg[1], eb, [&](int64_t fo, int64_t tof, int64_t bytes) {
+    ++*runs;
+    if (fo < 0 || tof < 0 || bytes <= 0 || fo + bytes > static_cast<int64_t>(from.size()) ||
+        tof + bytes > static_cast<int64_t>(to.size()) || fo % eb || tof % eb || bytes % eb) {
+      in_bounds = false;
+      return;
+    }
+    for (int64_t k = 0; k < bytes; ++k) {
+      to[tof + k] = from[fo + k];
+      ++w[tof + k];
+    }
+  });
+  const std::string where = " box " + box.to_string() + " from " + reg[0].box.to_string() + " strides " +
+                            strides_str(reg[0].strides, box.ndim) + " to " + reg[1].box.to_string() + " strides " +
+                            strides_str(reg[1].strides, box.ndim);
+  if (!in_bounds) return "a run out of bounds:" + where;
+  std::vector<uint64_t> want(size[1] * eb, kSentinel);
+  for_each_element(box, [&](const Index& idx) {
+    for (int k = 0; k < eb; ++k) want[element_offset(reg[1], idx) * eb + k] = byte_tag(0, linear_index(shape, idx), k);
+  });
+  for (size_t k = 0; k < want.size(); ++k) {
+    if (to[k] != want[k]) return "byte " + std::to_string(k) + " differs:" + where;
+    if (w[k] != (want[k] == kSentinel ? 0 : 1))
+      return "byte " + std::to_string(k) + " written " + std::to_string(w[k]) + " times:" + where;
+  }
+  return "";
+}
+
+// Strides of `box` packed in the memory order `order` (outermost first).
+Index packed_strides(const Box& box, const std::vector<int>& order) {
+  Index s{};
+  int64_t acc = 1;
+  for (int i = static_cast<int>(order.size()) - 1; i >= 0; --i) {
+    s[order[i]] = acc;
+    acc *= box.size[order[i]];
+  }
+  return s;
+}
+
 TEST(PlanProperty, ForEachCopyMatchesElementwise) {
   Rng r(0xc0b1'0000);
   int64_t cases = 0, copies = 0;
@@ -1698,41 +1750,103 @@ TEST(PlanProperty, ForEachCopyMatchesElementwise) {
       box.start[d] = s;
       box.size[d] = e - s;
     }
-    std::vector<uint64_t> from(size[0] * eb, kJunk), to(size[1] * eb, kSentinel);
-    std::vector<int> w(size[1] * eb, 0);
-    for_each_element(reg[0].box, [&](const Index& idx) {
-      for (int k = 0; k < eb; ++k)
-        from[element_offset(reg[0], idx) * eb + k] = byte_tag(0, linear_index(shape, idx), k);
-    });
-    bool in_bounds = true;
-    for_each_copy(box, reg[0], reg[1], eb, [&](int64_t fo, int64_t tof, int64_t bytes) {
-      ++copies;
-      if (fo < 0 || tof < 0 || bytes <= 0 || fo + bytes > static_cast<int64_t>(from.size()) ||
-          tof + bytes > static_cast<int64_t>(to.size()) || fo % eb || tof % eb || bytes % eb) {
-        in_bounds = false;
-        return;
-      }
-      for (int64_t k = 0; k < bytes; ++k) {
-        to[tof + k] = from[fo + k];
-        ++w[tof + k];
-      }
-    });
-    ASSERT_TRUE(in_bounds) << "case " << i << " box " << box.to_string();
-    std::vector<uint64_t> want(size[1] * eb, kSentinel);
-    for_each_element(box, [&](const Index& idx) {
-      for (int k = 0; k < eb; ++k)
-        want[element_offset(reg[1], idx) * eb + k] = byte_tag(0, linear_index(shape, idx), k);
-    });
-    for (size_t k = 0; k < want.size(); ++k) {
-      ASSERT_EQ(to[k], want[k]) << "case " << i << " byte " << k << " box " << box.to_string() << " from "
-                                << reg[0].box.to_string() << " strides " << strides_str(reg[0].strides, box.ndim)
-                                << " to " << reg[1].box.to_string() << " strides "
-                                << strides_str(reg[1].strides, box.ndim);
-      ASSERT_EQ(w[k], want[k] == kSentinel ? 0 : 1) << "case " << i << " byte " << k;
-    }
+    int64_t runs = 0;
+    const std::string diff = copy_mismatch(shape, box, reg, size, eb, &runs);
+    ASSERT_EQ(diff, "") << "case " << i;
+    copies += runs;
     ++cases;
   }
   std::cout << "[ copy     ] " << cases << " box copies, " << copies << " runs checked element by element\n";
+}
+
+// Two regions that order their dims the same way in memory (any permutation,
+// padded or packed): the copy walks that order, so its runs are as long as
+// the dims contiguous in both make them, and the bytes land as an element-
+// by-element copy puts them.
+TEST(PlanProperty, ForEachCopyWalksASharedMemoryOrder) {
+  Rng r(0xc0b1'0001);
+  int64_t cases = 0, one_run = 0;
+  for (int i = 0; i < 3000; ++i) {
+    const std::vector<int64_t> shape = random_shape_any(r, 800);
+    const int nd = static_cast<int>(shape.size());
+    const int eb = std::array<int, 4>{1, 2, 4, 8}[r.uni(0, 3)];
+    std::vector<int> order(nd);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), r.g);
+    Region reg[2];
+    int64_t size[2];
+    for (int k = 0; k < 2; ++k) {
+      // The whole tensor or a sub-box of it, packed in `order`; sometimes
+      // with a gap after the innermost dim.
+      reg[k].box = r.coin(0.5) ? Box::whole(shape) : random_sub_box(r, shape);
+      if (k == 1 && !overlaps(reg[0].box, reg[1].box)) reg[1].box = reg[0].box;
+      reg[k].strides = packed_strides(reg[k].box, order);
+      if (nd > 1 && r.coin(0.2))
+        for (int d = 0; d < nd; ++d)
+          if (d != order[nd - 1]) reg[k].strides[d] = reg[k].strides[d] / reg[k].box.size[order[nd - 1]] *
+                                                      (reg[k].box.size[order[nd - 1]] + 1);
+      int64_t extent = 1;
+      for (int d = 0; d < nd; ++d) extent += (reg[k].box.size[d] - 1) * reg[k].strides[d];
+      reg[k].offset = r.uni(0, 5);
+      size[k] = reg[k].offset + extent;
+    }
+    const Box box = intersect(reg[0].box, reg[1].box);
+    if (box.empty()) continue;
+    int64_t runs = 0;
+    const std::string diff = copy_mismatch(shape, box, reg, size, eb, &runs);
+    ASSERT_EQ(diff, "") << "case " << i << " order " << ::testing::PrintToString(order);
+    // The run count: one run per index of the dims outside the longest
+    // innermost stretch (in `order`, dims of one index skipped) that is
+    // packed in both buffers.
+    std::vector<int> walk;
+    for (int d : order)
+      if (box.size[d] > 1) walk.push_back(d);
+    int64_t run = 1;
+    int outer = static_cast<int>(walk.size());
+    while (outer > 0 && reg[0].strides[walk[outer - 1]] == run && reg[1].strides[walk[outer - 1]] == run) {
+      run *= box.size[walk[outer - 1]];
+      --outer;
+    }
+    EXPECT_EQ(runs, box.numel() / run) << "case " << i << " box " << box.to_string();
+    one_run += runs == 1;
+    ++cases;
+  }
+  std::cout << "[ order    ] " << cases << " copies in a shared memory order checked, " << one_run
+            << " of them one run\n";
+}
+
+// A tensor column-major in both buffers (strides [1, rows]): one run per
+// column of a block of rows, one run for the whole tensor; before, one run
+// per element.
+TEST(PlanProperty, ColumnMajorOnBothSidesCopiesColumnsAsRuns) {
+  const std::vector<int64_t> shape{64, 48};
+  const Box whole = Box::whole(shape);
+  Region reg[2];
+  int64_t size[2];
+  for (int k = 0; k < 2; ++k) {
+    reg[k].box = whole;
+    reg[k].strides = packed_strides(whole, {1, 0});
+    size[k] = whole.numel();
+  }
+  int64_t runs = 0;
+  EXPECT_EQ(copy_mismatch(shape, whole, reg, size, 2, &runs), "");
+  EXPECT_EQ(runs, 1);
+  Box rows = whole;  // rows [16, 48): a run per column
+  rows.start[0] = 16;
+  rows.size[0] = 32;
+  EXPECT_EQ(copy_mismatch(shape, rows, reg, size, 2, &runs), "");
+  EXPECT_EQ(runs, rows.numel() / 32);
+  // The receiver holds rows [16, 48) column-major, packed (strides [1, 32]).
+  reg[1].box = rows;
+  reg[1].strides = packed_strides(rows, {1, 0});
+  size[1] = rows.numel();
+  EXPECT_EQ(copy_mismatch(shape, rows, reg, size, 2, &runs), "");
+  EXPECT_EQ(runs, 48);
+  // Row-major source, column-major receiver: the orders differ, one element
+  // per run (the relayout of docs/refresh.md is what avoids that on the wire).
+  reg[0].strides = packed_strides(whole, {0, 1});
+  EXPECT_EQ(copy_mismatch(shape, rows, reg, size, 2, &runs), "");
+  EXPECT_EQ(runs, rows.numel());
 }
 
 // ---------------------------------------------------------------------------

@@ -458,5 +458,30 @@ TEST(LinkAcrossAPartition, ACallAfterThePartitionHealsReconnectsAndRegistersAgai
   EXPECT_EQ(line.rfind("ok: ", 0), 0u) << (line.empty() ? std::string("no word from the child in 40 s") : line);
 }
 
+// The embedded coordinator's relayout knobs (docs/refresh.md, "Column-major
+// receivers"): read with "embedded", refused without it or out of range.
+TEST(AgentConfigRelayout, EmbeddedCoordinatorTakesTheKnobs) {
+  auto config = [](const std::string& coordinator) {
+    return parse_agent_config(R"({"rank": 0, "coordinator": {"address": "127.0.0.1:0", "token_file": "t", )" +
+                                  coordinator + "}}",
+                              /*receiver=*/true);
+  };
+  Result<AgentConfig> c = config(R"("embedded": true, "relayout_below_bytes": 4096)");
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_EQ(c->coordinator.relayout_below_bytes, 4096);
+  EXPECT_EQ(c->coordinator.relayout_staging_bytes, int64_t{1} << 30);
+  c = config(R"("embedded": true)");
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_EQ(c->coordinator.relayout_below_bytes, 0);
+  c = parse_agent_config(R"({"rank": 0, "coordinator": {"address": "127.0.0.1:5000", "token_file": "t",
+                             "relayout_below_bytes": 4096}})",
+                         /*receiver=*/true);
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("coordinator.embedded"), std::string::npos) << c.status().message();
+  c = config(R"("embedded": true, "relayout_below_bytes": -1)");
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("relayout_below_bytes"), std::string::npos) << c.status().message();
+}
+
 }  // namespace
 }  // namespace refit::plugin

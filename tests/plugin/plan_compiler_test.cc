@@ -290,5 +290,102 @@ TEST_F(PlanCompilerConvert, WithoutAStagingAreaStagedGetsAreRefused) {
   EXPECT_NE(c.status().message().find("staging"), std::string::npos) << c.status().message();
 }
 
+// A relayout (docs/refresh.md, "Column-major receivers"): "w" is BF16 on
+// both sides, [8, 16] column-major in "q" (strides [1, 8]); the source's
+// rows land row-major in the staging area and the step copies them into
+// the columns.
+PlanRun relayout_step(std::vector<int64_t> strides = {1, 8}, std::vector<int64_t> size = {8, 16}) {
+  auto c = std::make_shared<control::ConvertSpec>();
+  c->tensor = "w";
+  c->from_dtype = "BF16";
+  c->to_dtype = "BF16";
+  c->stage = 0;
+  c->start = {0, 0};
+  c->size = std::move(size);
+  c->buffer = "q";
+  c->offset = 0;
+  c->strides = std::move(strides);
+  PlanRun r;
+  r.convert = std::move(c);
+  return r;
+}
+
+TEST_F(PlanCompilerConvert, ARelayoutWritesItsColumnsAsOneRangeAndReleasesTheSends) {
+  part_.runs = {staged_get(0, 0, 128), staged_get(128, 128, 128), relayout_step(), send_of("q", 0, 256)};
+  auto c = compile_staged();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  const CompiledPart& p = **c;
+  ASSERT_EQ(p.converts.size(), 1u);
+  EXPECT_TRUE(p.converts[0].relayout);
+  EXPECT_FALSE(p.converts[0].device);
+  EXPECT_EQ(p.converts[0].dst, q_.data());
+  EXPECT_EQ(p.convert_deps, std::vector<uint32_t>{2});
+  EXPECT_EQ(p.send_deps, std::vector<uint32_t>{1});
+  EXPECT_EQ(p.dependents, (std::vector<std::vector<uint32_t>>{{}, {}, {0}}));
+  // The 16 columns of 16 bytes follow each other: one range, not 128.
+  EXPECT_EQ(p.written[1], (Ranges{{0, 256}}));
+}
+
+TEST_F(PlanCompilerConvert, ARelayoutOfAColumnBlockWritesOneRangePerColumn) {
+  // Rows [0, 8) of columns [0, 4) of a column-major tensor of 16 rows:
+  // strides [1, 16].
+  part_.runs = {staged_get(0, 0, 64), relayout_step({1, 16}, {8, 4})};
+  auto c = compile_staged();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  Ranges want;
+  for (uint64_t col = 0; col < 4; ++col) want.emplace_back(col * 32, 16);
+  EXPECT_EQ((*c)->written[1], want);
+}
+
+TEST_F(PlanCompilerConvert, ARelayoutBeyondTheStagingAreaIsRefusedNamingTheTensor) {
+  part_.runs = {staged_get(0, 0, 128), relayout_step()};  // the box needs 256 staged bytes
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("relayouts tensor \"w\""), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("staging area"), std::string::npos) << c.status().message();
+}
+
+TEST_F(PlanCompilerConvert, ARelayoutOfAnEmptyOrOverflowingBoxIsRefused) {
+  part_.runs = {staged_get(0, 0, 256), relayout_step({1, 0, 8}, {8, 0, 16})};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("none of size 0"), std::string::npos) << c.status().message();
+  const int64_t huge = int64_t{1} << 62;
+  part_.runs = {staged_get(0, 0, 256), relayout_step({0, 0, 0}, {huge, huge, 4})};
+  c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("too large"), std::string::npos) << c.status().message();
+}
+
+TEST_F(PlanCompilerConvert, ARelayoutPastTheBufferIsRefused) {
+  part_.runs = {staged_get(0, 0, 256), relayout_step({1, 9})};  // the last element lands at 7 + 15 * 9
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("writes past the end of buffer \"q\""), std::string::npos)
+      << c.status().message();
+  part_.runs = {staged_get(0, 0, 256), relayout_step({1, int64_t{1} << 62})};  // the extent overflows
+  c = compile_staged();
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("writes past the end"), std::string::npos) << c.status().message();
+}
+
+// Into GPU memory: the CUDA relayout kernel where the build has it, else
+// refused naming the tensor.
+TEST_F(PlanCompilerConvert, ARelayoutIntoGpuMemoryTakesTheCudaKernel) {
+  buffers_[1].device = true;
+  part_.runs = {staged_get(0, 0, 256), relayout_step()};
+  auto c = compile_staged();
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_EQ((*c)->converts.size(), 1u);
+  EXPECT_TRUE((*c)->converts[0].relayout);
+  EXPECT_TRUE((*c)->converts[0].device);
+#else
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.status().message().find("\"w\""), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("GPU"), std::string::npos) << c.status().message();
+#endif
+}
+
 }  // namespace
 }  // namespace refit::plugin::receiver

@@ -543,6 +543,50 @@ TEST(Simulator, CastIntoGpuMemoryRunsOnTheHostThenCopiesItsOutput) {
   EXPECT_NEAR(r.predicted_seconds, landed + (8 + 16 + 5 + 8) * kUs, 1e-12);
 }
 
+// A relayout (docs/refresh.md, "Column-major receivers"): BF16 [128, 128]
+// row-major on one source, column-major on two receivers of one domain.
+// It is costed as a copy: into GPU memory the staged box to the GPU, then a
+// device copy; on the host the one-thread CPU rate. No quantization.
+TEST(Simulator, RelayoutCostsACopy) {
+  json l = json::parse(R"J({"format": "refit-layout/1",
+     "sources": [{"rank": 0, "domain": 0}],
+     "receivers": [{"rank": 0, "domain": 0, "instance": 0}, {"rank": 1, "domain": 0, "instance": 0}],
+     "tensors": [{"name": "w", "dtype": "BF16", "shape": [128, 128],
+                  "source": {"mesh": [1], "ranks": [0], "placements": ["R"]}}],
+     "buffers": []})J");
+  for (int r = 0; r < 2; ++r) {
+    l["buffers"].push_back({{"side", "receiver"}, {"rank", r}, {"name", "w"}, {"dtype", "BF16"}, {"bytes", 32768},
+                            {"segments", {{{"tensor", "w"}, {"start", {0, 0}}, {"size", {128, 128}},
+                                           {"offset", 0}, {"strides", {1, 128}}}}}});
+  }
+  auto L = parse_layout_json(l.dump(), "column-major layout");
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  PlanOptions po;
+  po.relayout_below_bytes = 4096;
+  auto plan = make_plan(*L, po);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareModel hw = unit_hardware();
+  hw.gpu_memory_gbyte_per_gpu = 8.192;  // a copy reads and writes: 32768 bytes in 8 us
+  hw.gpu_memory_achievable = 1;
+  hw.convert_gbyte_per_gpu = 0.001;     // a quantization would take 32 ms
+  const SimResult r = simulated(*plan, hw, /*trace=*/false, /*gather=*/false);
+  EXPECT_EQ(r.converts, 1);
+  EXPECT_EQ(r.convert_bytes, 32768);
+  EXPECT_EQ(r.gets, 1);  // one staged run of 32768 bytes, not 16384 of 2
+  EXPECT_EQ(r.local_sends, 1);
+  const double landed = (1 + 32.768 + 2) * kUs;
+  EXPECT_NEAR(r.phases.network.end, landed, 1e-12);
+  // The staged box to the GPU (16 us), the device copy (8 us).
+  EXPECT_NEAR(r.phases.convert.end, landed + (16 + 8) * kUs, 1e-12);
+  EXPECT_NEAR(r.phases.h2d.seconds(), 16 * kUs, 1e-12);
+  // Receivers in host memory: 32768 bytes at the CPU rate (16 us).
+  hw.convert_on_host = true;
+  hw.host_convert_gbyte = 2.048;
+  const SimResult h = simulated(*plan, hw, /*trace=*/false, /*gather=*/false);
+  EXPECT_EQ(h.phases.h2d.end, 0);
+  EXPECT_NEAR(h.phases.convert.end, landed + 16 * kUs, 1e-12);
+}
+
 TEST(Simulator, SourcesQuantizeTheirCopiesAtPublishAndServeThemAsTheyAre) {
   // The BF16 weight on explicit source buffers, with an F8_E4M3 copy and its
   // scale ("quantize": "source", docs/conversion.md).

@@ -37,7 +37,8 @@ Result<std::string> write_token_file() {
 }
 
 Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::milliseconds heartbeat_timeout,
-                                                                  const std::string& host, const std::string& metrics) {
+                                                                  const std::string& host, const std::string& metrics,
+                                                                  int64_t relayout_below_bytes) {
   std::unique_ptr<LocalCoordinator> c(new LocalCoordinator());
   auto path = write_token_file();
   if (!path) return path.status();
@@ -49,6 +50,7 @@ Result<std::unique_ptr<LocalCoordinator>> LocalCoordinator::start(std::chrono::m
   cfg.port = 0;
   cfg.token = *token;
   if (heartbeat_timeout.count() > 0) cfg.heartbeat_timeout = heartbeat_timeout;
+  cfg.relayout_below_bytes = relayout_below_bytes;
   LocalCoordinator* self = c.get();
   cfg.log = [self](const std::string& line) {
     std::lock_guard<std::mutex> lock(self->mu_);

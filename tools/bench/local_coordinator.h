@@ -28,9 +28,11 @@ class LocalCoordinator {
   // namespace; see hosts.h's NetnsScope).
   // metrics: "HOST:PORT" to serve the coordinator's metrics on
   // (transport/control/fleet_metrics.h), port 0 for any free one; empty: none.
+  // relayout_below_bytes: its plans' PlanOptions::relayout_below_bytes
+  // (docs/refresh.md, "Column-major receivers"); 0: never.
   static Result<std::unique_ptr<LocalCoordinator>> start(
       std::chrono::milliseconds heartbeat_timeout = std::chrono::milliseconds(0), const std::string& host = "127.0.0.1",
-      const std::string& metrics = "");
+      const std::string& metrics = "", int64_t relayout_below_bytes = 0);
   ~LocalCoordinator();  // stops it and removes the token file
   LocalCoordinator(const LocalCoordinator&) = delete;
   LocalCoordinator& operator=(const LocalCoordinator&) = delete;

@@ -210,9 +210,10 @@ class Runner {
       // Its threads start in the coordinator's host and stay there.
       NetnsScope there(options_.hosts->coordinator_netns);
       if (!there.status().is_ok()) return there.status();
-      c = LocalCoordinator::start(options_.heartbeat_timeout, options_.hosts->coordinator_host, address);
+      c = LocalCoordinator::start(options_.heartbeat_timeout, options_.hosts->coordinator_host, address,
+                                  options_.relayout_below_bytes);
     } else {
-      c = LocalCoordinator::start(options_.heartbeat_timeout, "127.0.0.1", address);
+      c = LocalCoordinator::start(options_.heartbeat_timeout, "127.0.0.1", address, options_.relayout_below_bytes);
     }
     if (!c) return c.status();
     if (!address.empty() && options_.on_metrics) options_.on_metrics((*c)->metrics_port());

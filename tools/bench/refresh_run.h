@@ -71,6 +71,9 @@ struct RunOptions {
   // knobs ("chunk_bytes", "gather_bytes", "gather_reply_bytes", ...).
   nlohmann::json receiver_config = nlohmann::json::object();
   nlohmann::json source_config = nlohmann::json::object();
+  // The coordinator's PlanOptions::relayout_below_bytes (docs/refresh.md,
+  // "Column-major receivers"); 0: never.
+  int64_t relayout_below_bytes = 0;
   // Some tensor converts on the way (docs/conversion.md): the receivers
   // declare the layout's F8_E4M3 block ("weight_block_size").
   bool converts = false;

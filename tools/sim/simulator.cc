@@ -52,6 +52,7 @@ struct Pack {
 struct Convert {
   int32_t puller = 0;
   bool cast = false;            // a cast, not an F8_E4M3 quantization
+  bool relayout = false;        // one dtype: a strided copy (docs/refresh.md, "Column-major receivers")
   int32_t wait_job = -1;        // into Sim::jobs_[puller]
   int64_t staged_bytes = 0;     // what the kernel reads, in the sources' dtype
   int64_t out_bytes = 0;        // what it writes, in the receivers' dtype
@@ -144,6 +145,7 @@ class Sim {
     w.step.assign(R, -1);
     steps_.assign(R, {});
     for (const Tensor& t : L_.tensors) w.converting |= t.dtype_on(Side::kReceiver) != t.dtype;
+    w.converting |= plan_.options().relayout_below_bytes > 0;
     REFIT_RETURN_IF_ERROR(for_each_run_group(
         plan_,
         [&](const RunGroup& g) {
@@ -182,6 +184,7 @@ class Sim {
     Convert cv;
     cv.puller = p;
     cv.cast = t.dtype_on(Side::kReceiver) != DType::kF8E4M3;
+    cv.relayout = t.dtype_on(Side::kReceiver) == t.dtype;
     cv.wait_job = w.touched[p];
     cv.staged_bytes = c.box.numel() * dtype_bytes(t.dtype);
     cv.out_bytes = c.box.numel() * dtype_bytes(t.dtype_on(Side::kReceiver));
@@ -421,7 +424,10 @@ class Sim {
   // them); into GPU memory an F8_E4M3 quantization copies the
   // staged box to the GPU and runs the CUDA kernel; a cast runs the CPU
   // kernel and copies its output over; into host memory (convert_on_host)
-  // the CPU kernel alone. Then its sends go.
+  // the CPU kernel alone. A relayout is a copy, no kernel: on the host at
+  // the one-thread CPU rate (host_convert_gbyte, the rate a cast reads at);
+  // into GPU memory the staged box to the GPU, then a device copy
+  // (gpu_copy_bytes_per_s). Then its sends go.
   void run_convert(int32_t k, double ready) {
     const Convert& c = converts_[k];
     const int32_t p = c.puller;
@@ -433,6 +439,10 @@ class Sim {
     double end = start;
     if (hw_.convert_on_host) {
       end = start + staged / hw_.host_convert_bytes_per_s();
+    } else if (c.relayout) {
+      const double copied = std::max(start, h2d.free_at) + staged / hw_.h2d_bytes_per_s();
+      hold(h2d, Lane::kH2d, p, copied - staged / hw_.h2d_bytes_per_s(), copied, c.staged_bytes);
+      end = copied + staged / hw_.gpu_copy_bytes_per_s();
     } else if (!c.cast) {
       const double copied = std::max(start, h2d.free_at) + staged / hw_.h2d_bytes_per_s();
       hold(h2d, Lane::kH2d, p, copied - staged / hw_.h2d_bytes_per_s(), copied, c.staged_bytes);

@@ -837,6 +837,8 @@ PlanInput ControlState::plan_input(bool solo) const {
   in.source_ranks.reserve(sources_.size());
   for (const auto& [rank, s] : sources_) in.source_ranks.push_back(rank);
   in.receiver_ranks = planned_receivers();
+  in.relayout_below_bytes = relayout_below_bytes_;
+  in.relayout_staging_bytes = relayout_staging_bytes_;
   return in;
 }
 
@@ -926,7 +928,10 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
   if (!layout.is_ok()) return failed(layout.status());
   Layout& L = *layout;
   if (Status st = resolve_conversions(L); !st.is_ok()) return failed(st);
-  Result<Plan> plan = make_plan(L);
+  PlanOptions options;
+  options.relayout_below_bytes = input.relayout_below_bytes;
+  options.relayout_staging_bytes = input.relayout_staging_bytes;
+  Result<Plan> plan = make_plan(L, options);
   if (!plan.is_ok()) return failed(plan.status());
   out->network_bytes = plan->summary().network_bytes;
   out->minimum_network_bytes = plan->summary().minimum_network_bytes;
@@ -956,7 +961,9 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
     lists[to].add_run(run, entry);
   };
   // A converted tensor's puller converts what it pulled before the fan-out
-  // (docs/conversion.md, "At the receiver").
+  // (docs/conversion.md, "At the receiver"); a relayouted unit's puller
+  // copies it into its layout (one dtype, docs/refresh.md "Column-major
+  // receivers").
   auto on_convert = [&](const ConvertStep& c) {
     const Tensor& t = L.tensors[c.tensor];
     auto list = [&c](const Index& v) { return std::vector<int64_t>(v.begin(), v.begin() + c.box.ndim); };

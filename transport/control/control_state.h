@@ -83,6 +83,10 @@ struct PlanInput {
   std::string layout_json;
   std::vector<int32_t> source_ranks;
   std::vector<int32_t> receiver_ranks;
+  // PlanOptions::relayout_below_bytes and relayout_staging_bytes
+  // (docs/refresh.md, "Column-major receivers"): 0, never.
+  int64_t relayout_below_bytes = 0;
+  int64_t relayout_staging_bytes = int64_t{1} << 30;
 };
 
 // The plan of one membership epoch, split per receiver rank: the runs each
@@ -258,6 +262,11 @@ class ControlState {
   // drained notice when it is.
   Result<bool> wait_drained(uint64_t session, int64_t version);
   void set_lease_timeout(Clock::duration d) { lease_timeout_ = d; }
+  // The relayout knobs every plan is made with (PlanInput).
+  void set_relayout(int64_t below_bytes, int64_t staging_bytes) {
+    relayout_below_bytes_ = below_bytes;
+    relayout_staging_bytes_ = staging_bytes;
+  }
   // Forgets the session's subscription. Its members stay, with their
   // leases, until they time out. Until then, the same registration of such
   // a rank on a new connection (the member, its connection made again)
@@ -380,6 +389,8 @@ class ControlState {
   std::map<int64_t, std::set<uint64_t>> drain_waiters_;  // by version
   size_t num_drain_waiters_ = 0;
   Clock::duration lease_timeout_ = std::chrono::seconds(60);
+  int64_t relayout_below_bytes_ = 0;
+  int64_t relayout_staging_bytes_ = int64_t{1} << 30;
   int64_t version_ = 0;  // the group version
   uint64_t epoch_ = 0;  // bumped on every membership change
   std::shared_ptr<const PlannedParts> plan_;

@@ -145,6 +145,7 @@ class Coordinator::Impl {
         pulse_(io_),
         state_(config_.state, config_.heartbeat_timeout) {
     state_.set_lease_timeout(config_.lease_timeout);
+    state_.set_relayout(config_.relayout_below_bytes, config_.relayout_staging_bytes);
     if (!config_.log) {
       config_.log = [](const std::string& line) { std::fprintf(stderr, "refit-coordinator: %s\n", line.c_str()); };
     }

@@ -92,6 +92,10 @@ struct CoordinatorConfig {
   std::chrono::milliseconds write_timeout{10000};
   std::chrono::milliseconds heartbeat_timeout{10000};
   std::chrono::milliseconds lease_timeout{60000};
+  // The plans' relayout knobs (PlanOptions, docs/refresh.md "Column-major
+  // receivers"): 0, the default, never relayouts.
+  int64_t relayout_below_bytes = 0;
+  int64_t relayout_staging_bytes = int64_t{1} << 30;
   // Authenticated connections, checked when one authenticates.
   size_t max_connections = 4096;
   // Connections that have not authenticated yet, bounded on their own: a new

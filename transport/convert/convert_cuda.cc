@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "transport/convert/convert_kernel.h"
+#include "transport/convert/relayout_kernel.h"
 #include "transport/cuda/cuda_status.h"
 
 namespace refit::convert {
@@ -77,6 +78,42 @@ Status quantize_e4m3_blocks_cuda_from_host(const QuantizeArgs& a, void* stream) 
     st = quantize_e4m3_blocks_cuda(d, stream);  // waits for the stream, the copy included
   }
   const Status freed = ::refit::cuda::from_cuda(cudaFree(src), "cudaFree(source rows)");
+  REFIT_RETURN_IF_ERROR(st);
+  return freed.with_context(where);
+}
+
+Status relayout_box_cuda_from_host(const uint8_t* src, uint8_t* dst, int elem_bytes, std::span<const int64_t> sizes,
+                                   std::span<const int64_t> strides, std::string_view tensor, void* stream) {
+  const std::string where = "relayout on the GPU: tensor \"" + std::string(tensor) + "\"";
+  const size_t n = sizes.size();
+  if (n == 0 || n > 8 || strides.size() != n || (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8))
+    return Status::invalid(where + ": 1 to 8 dims, one stride per dim and elements of 1, 2, 4 or 8 bytes expected");
+  ::refit::convert::cuda::DeviceRelayout r;
+  r.elem_bytes = elem_bytes;
+  r.ndim = static_cast<int>(n);
+  size_t bytes = static_cast<size_t>(elem_bytes);
+  for (size_t d = 0; d < n; ++d) {
+    r.size[d] = sizes[d];
+    r.stride[d] = strides[d];
+    bytes *= static_cast<size_t>(sizes[d]);
+  }
+  if (bytes == 0) return Status::ok();
+  void* staged = nullptr;
+  REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMalloc(&staged, bytes), "cudaMalloc(" + std::to_string(bytes) + " bytes)")
+                            .with_context(where));
+  auto s = static_cast<cudaStream_t>(stream);
+  Status st = ::refit::cuda::from_cuda(cudaMemcpyAsync(staged, src, bytes, cudaMemcpyHostToDevice, s),
+                                       "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes to the device)")
+                  .with_context(where);
+  if (st.is_ok()) {
+    r.src = staged;
+    r.dst = dst;
+    st = ::refit::cuda::from_cuda(static_cast<cudaError_t>(::refit::convert::cuda::launch_relayout(r, stream)),
+                                  "the relayout kernel's launch")
+             .with_context(where);
+  }
+  if (st.is_ok()) st = ::refit::cuda::from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize").with_context(where);
+  const Status freed = ::refit::cuda::from_cuda(cudaFree(staged), "cudaFree(staged box)");
   REFIT_RETURN_IF_ERROR(st);
   return freed.with_context(where);
 }

@@ -4,6 +4,8 @@
 // refusals (NaN or infinity in a block: nothing written). Built when CUDA,
 // NCCL and nvcc are found (REFIT_HAVE_CONVERT_KERNEL).
 
+#include <cstdint>
+#include <span>
 #include <string_view>
 
 #include "planner/status.h"
@@ -21,6 +23,12 @@ Status quantize_e4m3_blocks_cuda(const QuantizeArgs& args, void* stream);
 // device: the source rows (rows x src_stride elements) are copied to a
 // device scratch first, freed before it returns.
 Status quantize_e4m3_blocks_cuda_from_host(const QuantizeArgs& args, void* stream);
+
+// relayout_box (relayout.h) of a box staged in host memory into device
+// memory at `dst`: the box is copied to a device scratch, then the CUDA
+// relayout kernel writes it into `strides`; waits, frees the scratch.
+Status relayout_box_cuda_from_host(const uint8_t* src, uint8_t* dst, int elem_bytes, std::span<const int64_t> sizes,
+                                   std::span<const int64_t> strides, std::string_view tensor, void* stream);
 
 // cast() of `n` host elements at `src` into device memory at `dst`: cast
 // on the host, then one copy.

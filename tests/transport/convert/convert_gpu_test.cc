@@ -15,6 +15,7 @@
 #include "transport/convert/convert.h"
 #include "transport/convert/convert_cuda.h"
 #include "transport/convert/element.h"
+#include "transport/convert/relayout.h"
 #include "transport/cuda/cuda_status.h"
 
 namespace refit::convert {
@@ -136,6 +137,41 @@ TEST_F(ConvertGpu, NaNRefusedNothingWritten) {
   EXPECT_NE(s.message().find("block (1, 2)"), std::string::npos) << s.message();
   for (uint8_t v : gpu.values) ASSERT_EQ(v, 0xAB);
   for (float f : gpu.scales) ASSERT_EQ(f, -1.0f);
+}
+
+// The CUDA relayout (docs/refresh.md, "Column-major receivers") against
+// the host's relayout_box: column-major, a 3-dim permutation, padding, every
+// element size.
+TEST_F(ConvertGpu, RelayoutWritesWhatTheHostRelayoutWrites) {
+  std::mt19937_64 g(0x7e1a'0001);
+  struct Case {
+    std::vector<int64_t> sizes, strides;
+  };
+  const std::vector<Case> cases = {{{300, 257}, {1, 300}},           // column-major
+                                   {{5, 40, 33}, {1, 5 * 33, 5}},    // a permutation
+                                   {{64, 96}, {1, 70}},              // padded columns
+                                   {{1000}, {3}}};                   // one strided dim
+  for (const Case& c : cases) {
+    for (int eb : {1, 2, 4, 8}) {
+      int64_t numel = 1, extent = 1;
+      for (size_t d = 0; d < c.sizes.size(); ++d) {
+        numel *= c.sizes[d];
+        extent += (c.sizes[d] - 1) * c.strides[d];
+      }
+      std::vector<uint8_t> src(numel * eb), want(extent * eb, 0xee), got(extent * eb, 0);
+      for (uint8_t& b : src) b = static_cast<uint8_t>(g());
+      ASSERT_TRUE(relayout_box(src.data(), want.data(), eb, c.sizes, c.strides).is_ok());
+      void* ddst = nullptr;
+      ASSERT_EQ(cudaMalloc(&ddst, got.size()), cudaSuccess);
+      ASSERT_EQ(cudaMemset(ddst, 0xee, got.size()), cudaSuccess);
+      const Status st = relayout_box_cuda_from_host(src.data(), static_cast<uint8_t*>(ddst), eb, c.sizes, c.strides,
+                                                    "w", nullptr);
+      EXPECT_TRUE(st.is_ok()) << st.message();
+      EXPECT_EQ(cudaMemcpy(got.data(), ddst, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaFree(ddst), cudaSuccess);
+      EXPECT_EQ(got, want) << c.sizes.size() << " dims, " << eb << "-byte elements";
+    }
+  }
 }
 
 }  // namespace

@@ -1,0 +1,82 @@
+// relayout_box against an element-by-element copy: random boxes, strides in
+// any memory order (packed or padded), every element size.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "transport/convert/relayout.h"
+
+namespace {
+
+using refit::convert::relayout_box;
+
+TEST(Relayout, MatchesAnElementCopyInAnyMemoryOrder) {
+  std::mt19937_64 g(0x7e1a'0000);
+  auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  int cases = 0;
+  for (int i = 0; i < 400; ++i) {
+    const int n = static_cast<int>(uni(1, 4));
+    const int eb = std::array<int, 4>{1, 2, 4, 8}[uni(0, 3)];
+    std::vector<int64_t> sizes(n);
+    for (int64_t& s : sizes) s = uni(1, n <= 2 ? 150 : 12);
+    std::vector<int> order(n);  // outermost first
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), g);
+    std::vector<int64_t> strides(n);
+    int64_t acc = 1;
+    for (int k = n - 1; k >= 0; --k) {
+      strides[order[k]] = acc;
+      acc = acc * sizes[order[k]] + uni(0, 2);  // sometimes padded
+    }
+    int64_t numel = 1, extent = 1;
+    for (int d = 0; d < n; ++d) {
+      numel *= sizes[d];
+      extent += (sizes[d] - 1) * strides[d];
+    }
+    std::vector<uint8_t> src(numel * eb), dst(extent * eb, 0xee), want(extent * eb, 0xee);
+    for (size_t k = 0; k < src.size(); ++k) src[k] = static_cast<uint8_t>(g());
+    std::vector<int64_t> idx(n, 0);
+    for (int64_t e = 0; e < numel; ++e) {  // row-major over the box
+      int64_t off = 0;
+      for (int d = 0; d < n; ++d) off += idx[d] * strides[d];
+      std::memcpy(&want[off * eb], &src[e * eb], eb);
+      for (int d = n - 1; d >= 0; --d) {
+        if (++idx[d] < sizes[d]) break;
+        idx[d] = 0;
+      }
+    }
+    ASSERT_TRUE(relayout_box(src.data(), dst.data(), eb, sizes, strides).is_ok());
+    ASSERT_EQ(dst, want) << "case " << i << ": " << n << " dims, " << eb << "-byte elements";
+    ++cases;
+  }
+  EXPECT_EQ(cases, 400);
+}
+
+TEST(Relayout, ColumnMajorMatrix) {
+  // 3 x 2 row-major [[1, 2], [3, 4], [5, 6]] into strides [1, 3]: columns.
+  const std::vector<uint16_t> src{1, 2, 3, 4, 5, 6};
+  std::vector<uint16_t> dst(6, 0);
+  const std::vector<int64_t> sizes{3, 2}, strides{1, 3};
+  ASSERT_TRUE(relayout_box(reinterpret_cast<const uint8_t*>(src.data()), reinterpret_cast<uint8_t*>(dst.data()), 2,
+                           sizes, strides)
+                  .is_ok());
+  EXPECT_EQ(dst, (std::vector<uint16_t>{1, 3, 5, 2, 4, 6}));
+}
+
+TEST(Relayout, RefusesWhatItCannotCopy) {
+  uint8_t a[8] = {}, b[8] = {};
+  const std::vector<int64_t> two{2, 2}, one{2};
+  EXPECT_NE(relayout_box(a, b, 3, two, two).message().find("3 bytes"), std::string::npos);
+  EXPECT_NE(relayout_box(a, b, 2, two, one).message().find("one stride per dim"), std::string::npos);
+  EXPECT_FALSE(relayout_box(a, b, 2, {}, {}).is_ok());
+  const std::vector<int64_t> empty{0, 2}, negative{1, -1};
+  EXPECT_NE(relayout_box(a, b, 2, empty, two).message().find("size 0"), std::string::npos);
+  EXPECT_NE(relayout_box(a, b, 2, two, negative).message().find("stride -1"), std::string::npos);
+}
+
+}  // namespace
