@@ -90,7 +90,9 @@ class Refresh : public ::testing::Test {
         EXPECT_TRUE(report.value("ok", false)) << report.dump();
         if (check_report) check_report(report);
       }
-      if (gathered) EXPECT_GT(refit::e2e::gathered_runs(v), 0) << "version " << v.version << ": no gather";
+      if (gathered) {
+        EXPECT_GT(refit::e2e::gathered_runs(v), 0) << "version " << v.version << ": no gather";
+      }
     }
   }
 };
