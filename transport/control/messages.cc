@@ -577,6 +577,13 @@ void parse_move(Reader& r, const Json& run, const std::string& p, bool network, 
   }
 }
 
+// What most often makes a part too long: a receiver that orders a tensor's
+// dims otherwise in memory than its source gets one run per element.
+constexpr const char* kManyRunsHint =
+    " (a receiver that holds a tensor in another memory order than its source, column-major from a row-major "
+    "trainer, gets a run per element: the coordinator's \"relayout_below_bytes\" pulls such tensors in large "
+    "transfers, docs/refresh.md \"Column-major receivers\")";
+
 // A run group's "count" and "stride" (docs/refresh.md, "The plan part"):
 // `*count` stays 1 without "count". `expanded`: the runs the entries before
 // this one expand to; with this group they must stay within lim.max_runs.
@@ -589,7 +596,7 @@ bool parse_group(Reader& r, const Json& run, const std::string& p, size_t expand
   if (!r.int_in(run, p, "count", 2, most, count)) return false;
   if (expanded + static_cast<size_t>(*count) > lim.max_runs) {
     return r.fail(p + ".count", "expands the part to " + std::to_string(expanded + static_cast<size_t>(*count)) +
-                                    " runs, more than the limit of " + std::to_string(lim.max_runs));
+                                    " runs, more than the limit of " + std::to_string(lim.max_runs) + kManyRunsHint);
   }
   const Json* s = r.array(run, p, "stride", 2);
   if (!s) return false;
@@ -643,7 +650,7 @@ bool parse_runs(Reader& r, const Json& runs, const std::string& path, const Mess
   if (!runs.is_array()) return r.fail(path, "must be a list, got " + Reader::shown(runs));
   if (runs.size() > lim.max_runs) {
     return r.fail(path, "has " + std::to_string(runs.size()) + " entries, more than the limit of " +
-                            std::to_string(lim.max_runs));
+                            std::to_string(lim.max_runs) + kManyRunsHint);
   }
   out->reserve(runs.size());
   for (size_t i = 0; i < runs.size() && r.ok(); ++i) {
