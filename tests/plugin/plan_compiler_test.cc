@@ -369,6 +369,21 @@ TEST_F(PlanCompilerConvert, ARelayoutPastTheBufferIsRefused) {
   EXPECT_NE(c.status().message().find("writes past the end"), std::string::npos) << c.status().message();
 }
 
+// "size" of a convert step counts from 1 on the wire: a 0 is refused by
+// its name before any compiler sees it.
+TEST(PlanMessages, AConvertStepWithASizeOfZeroIsRefusedByItsName) {
+  PlanPart p;
+  p.epoch = PlanEpoch{1, false};
+  p.runs = {relayout_step()};
+  Json j = control::to_json(p);
+  ASSERT_TRUE(control::parse_plan_part(j).is_ok());
+  j["runs"][0]["size"][1] = 0;
+  j = Json::parse(j.dump());  // as it arrives: a literal 0 reads as an unsigned number
+  Result<PlanPart> bad = control::parse_plan_part(j);
+  ASSERT_FALSE(bad.is_ok()) << "a convert step of size [8, 0] was parsed";
+  EXPECT_NE(bad.status().message().find("runs[0].size[1]"), std::string::npos) << bad.status().message();
+}
+
 // Into GPU memory: the CUDA relayout kernel where the build has it, else
 // refused naming the tensor.
 TEST_F(PlanCompilerConvert, ARelayoutIntoGpuMemoryTakesTheCudaKernel) {
