@@ -15,6 +15,28 @@ using control::RunEnd;
 
 Status bad(const std::string& why) { return Status::invalid("plan from the coordinator: " + why); }
 
+// Whether the box `sizes` with `strides` (none negative) puts each element
+// in a place of its own, by the rule a refit-layout/1 segment's strides
+// follow (planner/layout_json.cc): taking the dims of more than one index
+// by growing stride, each stride passes the span of those before it. Every
+// dense or sliced layout, in any memory order, passes; a stride of 0 or
+// strides that interleave do not.
+bool nested(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
+  std::sort(dims.begin(), dims.end());
+  uint64_t span = 0;  // the furthest element the dims so far reach
+  for (const auto& [stride, size] : dims) {
+    if (static_cast<uint64_t>(stride) <= span) return false;
+    uint64_t step = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(stride), static_cast<uint64_t>(size - 1), &step) ||
+        __builtin_add_overflow(span, step, &span))
+      return false;
+  }
+  return true;
+}
+
 // One compilation: the part's peers indexed, then each run in turn.
 class Compiler {
  public:
@@ -41,7 +63,7 @@ class Compiler {
       }
       REFIT_RETURN_IF_ERROR(run.network ? add_get(run, what) : add_local(run, what));
     }
-    link_converts();
+    REFIT_RETURN_IF_ERROR(link_converts());
     REFIT_RETURN_IF_ERROR(link_sends());
     for (Ranges& r : out_->written) r = merge_ranges(std::move(r));
     return std::shared_ptr<const CompiledPart>(std::move(out_));
@@ -212,8 +234,17 @@ class Compiler {
     const bool relayout = *kind == ConversionKind::kNone;
     const std::string name = what + (relayout ? " (relayouts tensor \"" : " (converts tensor \"") + c.tensor + "\")";
     const size_t n = c.size.size();
+    // The wire has neither (messages.cc); the walks below and the
+    // executor's rely on it: a dim of size 0 would still be walked once.
+    for (size_t d = 0; d < n; ++d) {
+      if (c.size[d] < 1 || c.strides[d] < 0) {
+        return bad(name + ": dim " + std::to_string(d) + " of its box has size " + std::to_string(c.size[d]) +
+                   " and stride " + std::to_string(c.strides[d]) +
+                   " (a step's box has none of size 0 and no negative stride)");
+      }
+    }
     if (relayout) {
-      if (n == 0 || !c.scale_buffer.empty() || std::find(c.size.begin(), c.size.end(), 0) != c.size.end()) {
+      if (n == 0 || !c.scale_buffer.empty()) {
         return bad(name + ": a relayout needs a box of 1 or more dims, none of size 0, and no scale buffer");
       }
     } else if (n == 0 || c.strides.back() != 1 ||
@@ -248,6 +279,11 @@ class Compiler {
     Result<uint8_t*> dst = rows(c.buffer, c.offset, c.strides, sizes, eb, name, index, &device);
     if (!dst.is_ok()) return dst.status();
     cv.dst = *dst;
+    if (relayout && !nested(c.size, c.strides)) {
+      return bad(name + ": its strides are not proven one-to-one, so two elements of the box may land in the "
+                 "same place (taking the dims of more than one index by growing stride, each stride must pass "
+                 "the span of those before it, as in every refit-layout/1 segment)");
+    }
     if (quantize) {
       std::vector<int64_t> blocks = c.size;
       blocks[n - 2] = (c.start[n - 2] + c.size[n - 2] + c.block[0] - 1) / c.block[0] - c.start[n - 2] / c.block[0];
@@ -272,6 +308,7 @@ class Compiler {
     }
 #endif
     cv.device = device;
+    convert_names_.push_back(name);
     out_->converts.push_back(std::move(cv));
     return Status::ok();
   }
@@ -346,21 +383,32 @@ class Compiler {
     return b.data + offset * eb;
   }
 
-  // Each conversion waits for the GETs that stage its box.
-  void link_converts() {
+  // Each conversion waits for the GETs that stage its box, which must bring
+  // every byte of it: one they do not would be whatever the staging area
+  // held, written into the weights.
+  Status link_converts() {
     out_->get_converts.assign(out_->gets.size(), {});
     out_->convert_deps.assign(out_->converts.size(), 0);
+    std::vector<Landed> by_begin = staged_gets_;
+    std::sort(by_begin.begin(), by_begin.end(), [](const Landed& a, const Landed& b) { return a.begin < b.begin; });
     for (uint32_t k = 0; k < out_->converts.size(); ++k) {
       const CompiledPart::Convert& c = out_->converts[k];
       uint64_t numel = 1;
       for (int64_t s : c.size) numel *= static_cast<uint64_t>(s);
       const uint8_t* begin = c.staged;
       const uint8_t* end = begin + numel * dtype_bytes(c.from);
-      for (const Landed& g : staged_gets_) {
+      const uint8_t* covered = begin;
+      for (const Landed& g : by_begin) {
         if (g.begin < end && begin < g.end) {
           out_->get_converts[g.get].push_back(k);
           ++out_->convert_deps[k];
+          if (g.begin <= covered) covered = std::max(covered, g.end);
         }
+      }
+      if (covered < end) {
+        return bad(convert_names_[k] + " reads staged bytes [" + std::to_string(begin - staging_base_) + ", " +
+                   std::to_string(end - staging_base_) + "), but no GET of this part brings its byte " +
+                   std::to_string(covered - staging_base_) + " of the staging area");
       }
     }
     // A conversion's outputs are landed bytes for the sends, as conversion
@@ -370,6 +418,7 @@ class Compiler {
       l.get += base;
       landed_.push_back(l);
     }
+    return Status::ok();
   }
 
   // Each send waits for the GETs that bring the bytes it reads.
@@ -404,6 +453,7 @@ class Compiler {
   uint8_t* staging_base_ = nullptr;
   std::vector<Landed> staged_gets_;  // GETs into the staging area
   std::vector<Landed> converted_;    // the rows conversions write; `get` is the conversion's index
+  std::vector<std::string> convert_names_;  // per conversion, for its errors
   std::map<std::string, size_t> mine_;
   std::map<std::pair<int32_t, std::string>, SourceBuf> source_bufs_;
   std::map<int32_t, uint32_t> fabric_peer_;                         // receiver rank -> schedule peer
