@@ -307,6 +307,13 @@ class Compiler {
                                  "this build does not have (docs/conversion.md)");
     }
 #endif
+    // The CUDA relayout kernel stores whole elements (relayout_kernel.h): a
+    // misaligned store would fault and leave the CUDA context unusable.
+    if (relayout && device && reinterpret_cast<uintptr_t>(*dst) % static_cast<uintptr_t>(eb) != 0) {
+      return bad(name + ": its first element in GPU buffer \"" + c.buffer + "\" (element " +
+                 std::to_string(c.offset) + ") is not aligned to its " + std::to_string(eb) +
+                 "-byte elements, which the CUDA relayout kernel stores whole");
+    }
     cv.device = device;
     convert_names_.push_back(name);
     out_->converts.push_back(std::move(cv));

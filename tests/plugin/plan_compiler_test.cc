@@ -384,6 +384,19 @@ TEST(PlanMessages, AConvertStepWithASizeOfZeroIsRefusedByItsName) {
   EXPECT_NE(bad.status().message().find("runs[0].size[1]"), std::string::npos) << bad.status().message();
 }
 
+// The CUDA relayout kernel stores whole elements: into GPU memory that is
+// not aligned to the element size, a store would fault and leave the
+// context unusable. Refused instead (a 2-byte element at an odd address).
+TEST_F(PlanCompilerConvert, ARelayoutIntoMisalignedGpuMemoryIsRefused) {
+  buffers_[1].data = q_.data() + 1;  // "q" starts at an odd address
+  buffers_[1].bytes = q_.size() - 1;
+  buffers_[1].device = true;
+  part_.runs = {staged_get(0, 0, 64), relayout_step({1, 16}, {8, 4})};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "a relayout of 2-byte elements to an odd GPU address was accepted";
+  EXPECT_NE(c.status().message().find("aligned"), std::string::npos) << c.status().message();
+}
+
 // A step of a dim of size 0 converts nothing, but the cast walks a row of
 // it: refused, as a relayout's is, before it reads past its staged box.
 TEST_F(PlanCompilerConvert, AConversionOfABoxWithADimOfSizeZeroIsRefused) {
