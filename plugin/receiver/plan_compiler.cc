@@ -1,7 +1,9 @@
 #include "plugin/receiver/plan_compiler.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
+#include <tuple>
 
 #include "planner/conversion.h"
 
@@ -57,6 +59,7 @@ class Compiler {
     for (size_t i = 0; i < plan_.runs.size(); ++i) {
       const PlanRun& run = plan_.runs[i];
       const std::string what = "run " + std::to_string(i);
+      run_ = i;
       if (run.convert) {
         REFIT_RETURN_IF_ERROR(add_convert(*run.convert, what));
         continue;
@@ -65,6 +68,7 @@ class Compiler {
     }
     REFIT_RETURN_IF_ERROR(link_converts());
     REFIT_RETURN_IF_ERROR(link_sends());
+    REFIT_RETURN_IF_ERROR(check_writers());
     for (Ranges& r : out_->written) r = merge_ranges(std::move(r));
     return std::shared_ptr<const CompiledPart>(std::move(out_));
   }
@@ -118,7 +122,7 @@ class Compiler {
       return bad(what + " [" + std::to_string(end.offset) + ", +" + std::to_string(bytes) +
                  ") lies outside buffer \"" + end.buffer + "\" (" + std::to_string(b.bytes) + " bytes)");
     }
-    if (writes) out_->written[it->second].emplace_back(end.offset, bytes);
+    if (writes) record(it->second, end.offset, bytes);
     if (which) *which = &b;
     return b.data + end.offset;
   }
@@ -363,7 +367,7 @@ class Compiler {
     bool have = false;
     auto flush = [&] {
       if (!have) return;
-      out_->written[it->second].emplace_back(run_begin, run_end - run_begin);
+      record(it->second, run_begin, run_end - run_begin);
       converted_.push_back({b.data + run_begin, b.data + run_end, index});
     };
     for (;;) {
@@ -428,6 +432,50 @@ class Compiler {
     return Status::ok();
   }
 
+  // `bytes` at `offset` of buffer `buffer` written by the run being added.
+  void record(size_t buffer, uint64_t offset, uint64_t bytes) {
+    out_->written[buffer].emplace_back(offset, bytes);
+    writes_.push_back({buffer, offset, offset + bytes, run_});
+  }
+
+  // No byte has two writers: which one lands last would depend on timing
+  // (a GET against a conversion, two GETs). One run may write a byte more
+  // than once (a cast's rows of a box with a stride of 0).
+  Status check_writers() {
+    std::sort(writes_.begin(), writes_.end(), [](const Write& a, const Write& b) {
+      return std::tie(a.buffer, a.begin) < std::tie(b.buffer, b.begin);
+    });
+    // Per buffer: the furthest end reached and its run, and the furthest
+    // end any other run reached.
+    size_t buffer = SIZE_MAX;
+    uint64_t end1 = 0, end2 = 0;
+    size_t run1 = 0, run2 = 0;
+    for (const Write& w : writes_) {
+      if (w.buffer != buffer) {
+        buffer = w.buffer;
+        end1 = end2 = 0;
+      }
+      const bool clash = (w.run != run1 && w.begin < end1) || (w.run == run1 && w.begin < end2);
+      if (clash) {
+        const size_t other = w.run != run1 ? run1 : run2;
+        return bad("runs " + std::to_string(other) + " and " + std::to_string(w.run) + " both write byte " +
+                   std::to_string(w.begin) + " of buffer \"" + buffers_[buffer].name + "\"");
+      }
+      if (w.run == run1) {
+        end1 = std::max(end1, w.end);
+      } else if (w.end > end1) {
+        end2 = end1;
+        run2 = run1;
+        end1 = w.end;
+        run1 = w.run;
+      } else if (w.end > end2) {
+        end2 = w.end;
+        run2 = w.run;
+      }
+    }
+    return Status::ok();
+  }
+
   // Each send waits for the GETs that bring the bytes it reads.
   Status link_sends() {
     std::sort(landed_.begin(), landed_.end(), [](const Landed& a, const Landed& b) { return a.begin < b.begin; });
@@ -461,6 +509,13 @@ class Compiler {
   std::vector<Landed> staged_gets_;  // GETs into the staging area
   std::vector<Landed> converted_;    // the rows conversions write; `get` is the conversion's index
   std::vector<std::string> convert_names_;  // per conversion, for its errors
+  struct Write {
+    size_t buffer;
+    uint64_t begin, end;
+    size_t run;
+  };
+  std::vector<Write> writes_;  // every range a run writes, for check_writers
+  size_t run_ = 0;             // the run being added
   std::map<std::string, size_t> mine_;
   std::map<std::pair<int32_t, std::string>, SourceBuf> source_bufs_;
   std::map<int32_t, uint32_t> fabric_peer_;                         // receiver rank -> schedule peer

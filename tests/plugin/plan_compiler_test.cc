@@ -397,6 +397,31 @@ TEST_F(PlanCompilerConvert, ARelayoutIntoMisalignedGpuMemoryIsRefused) {
   EXPECT_NE(c.status().message().find("aligned"), std::string::npos) << c.status().message();
 }
 
+// Every byte has one writer: a GET and a relayout into the same bytes (or
+// two GETs) would leave whichever lands last.
+TEST_F(PlanCompilerConvert, TwoRunsWritingOneByteAreRefused) {
+  const PlanRun direct{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 254}, 2};
+  part_.runs = {staged_get(0, 0, 256), relayout_step(), direct};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "a GET and a relayout writing byte 254 of \"q\" were accepted";
+  EXPECT_NE(c.status().message().find("runs 1 and 2 both write byte 254 of buffer \"q\""), std::string::npos)
+      << c.status().message();
+  const PlanRun left{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 0}, 100};
+  const PlanRun right{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 99}, 100};
+  part_.runs = {left, right};
+  c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "two GETs writing byte 99 of \"q\" were accepted";
+  EXPECT_NE(c.status().message().find("both write byte 99"), std::string::npos) << c.status().message();
+  // Side by side, and a relayout beside a GET: accepted.
+  const PlanRun after{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 100}, 100};
+  part_.runs = {left, after};
+  ASSERT_TRUE(compile_staged().is_ok());
+  part_.runs = {staged_get(0, 0, 64), relayout_step({1, 16}, {8, 4}),
+                PlanRun{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 16}, 16}};
+  auto beside = compile_staged();
+  ASSERT_TRUE(beside.is_ok()) << beside.status().message();
+}
+
 // A step of a dim of size 0 converts nothing, but the cast walks a row of
 // it: refused, as a relayout's is, before it reads past its staged box.
 TEST_F(PlanCompilerConvert, AConversionOfABoxWithADimOfSizeZeroIsRefused) {
