@@ -289,6 +289,16 @@ class Compiler {
                  "the span of those before it, as in every refit-layout/1 segment)");
     }
     if (quantize) {
+      // The wire bounds start, size and block by 2^62 each: their sum below
+      // could pass INT64_MAX.
+      for (size_t d = n - 2; d < n; ++d) {
+        const int64_t block = c.block[d - (n - 2)];
+        int64_t end = 0;
+        if (__builtin_add_overflow(c.start[d], c.size[d], &end) || __builtin_add_overflow(end, block - 1, &end)) {
+          return bad(name + ": its box's start " + std::to_string(c.start[d]) + " in dim " + std::to_string(d) +
+                     " with block " + std::to_string(block) + " is too large");
+        }
+      }
       std::vector<int64_t> blocks = c.size;
       blocks[n - 2] = (c.start[n - 2] + c.size[n - 2] + c.block[0] - 1) / c.block[0] - c.start[n - 2] / c.block[0];
       blocks[n - 1] = (c.start[n - 1] + c.size[n - 1] + c.block[1] - 1) / c.block[1] - c.start[n - 1] / c.block[1];

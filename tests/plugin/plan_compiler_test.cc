@@ -422,6 +422,21 @@ TEST_F(PlanCompilerConvert, TwoRunsWritingOneByteAreRefused) {
   ASSERT_TRUE(beside.is_ok()) << beside.status().message();
 }
 
+// The block count of a quantized box adds its start, size and block, each
+// up to 2^62 on the wire: refused before the sum can overflow.
+TEST_F(PlanCompilerConvert, AQuantizedBoxWhoseBlockArithmeticOverflowsIsRefused) {
+  auto c = std::make_shared<control::ConvertSpec>(*convert_step().convert);
+  c->start = {0, int64_t{1} << 62};
+  c->block = {8, int64_t{1} << 62};
+  PlanRun step;
+  step.convert = c;
+  part_.runs = {staged_get(0, 0, 512), step};
+  auto compiled = compile_staged();
+  ASSERT_FALSE(compiled.is_ok());
+  EXPECT_NE(compiled.status().message().find("start 4611686018427387904 in dim 1"), std::string::npos)
+      << compiled.status().message();
+}
+
 // A step of a dim of size 0 converts nothing, but the cast walks a row of
 // it: refused, as a relayout's is, before it reads past its staged box.
 TEST_F(PlanCompilerConvert, AConversionOfABoxWithADimOfSizeZeroIsRefused) {
