@@ -1,7 +1,9 @@
 #include "plugin/receiver/plan_compiler.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
+#include <tuple>
 
 #include "planner/conversion.h"
 
@@ -14,6 +16,28 @@ using control::PlanRun;
 using control::RunEnd;
 
 Status bad(const std::string& why) { return Status::invalid("plan from the coordinator: " + why); }
+
+// Whether the box `sizes` with `strides` (none negative) puts each element
+// in a place of its own, by the rule a refit-layout/1 segment's strides
+// follow (planner/layout_json.cc): taking the dims of more than one index
+// by growing stride, each stride passes the span of those before it. Every
+// dense or sliced layout, in any memory order, passes; a stride of 0 or
+// strides that interleave do not.
+bool nested(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
+  std::sort(dims.begin(), dims.end());
+  uint64_t span = 0;  // the furthest element the dims so far reach
+  for (const auto& [stride, size] : dims) {
+    if (static_cast<uint64_t>(stride) <= span) return false;
+    uint64_t step = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(stride), static_cast<uint64_t>(size - 1), &step) ||
+        __builtin_add_overflow(span, step, &span))
+      return false;
+  }
+  return true;
+}
 
 // One compilation: the part's peers indexed, then each run in turn.
 class Compiler {
@@ -35,14 +59,16 @@ class Compiler {
     for (size_t i = 0; i < plan_.runs.size(); ++i) {
       const PlanRun& run = plan_.runs[i];
       const std::string what = "run " + std::to_string(i);
+      run_ = i;
       if (run.convert) {
         REFIT_RETURN_IF_ERROR(add_convert(*run.convert, what));
         continue;
       }
       REFIT_RETURN_IF_ERROR(run.network ? add_get(run, what) : add_local(run, what));
     }
-    link_converts();
+    REFIT_RETURN_IF_ERROR(link_converts());
     REFIT_RETURN_IF_ERROR(link_sends());
+    REFIT_RETURN_IF_ERROR(check_writers());
     for (Ranges& r : out_->written) r = merge_ranges(std::move(r));
     return std::shared_ptr<const CompiledPart>(std::move(out_));
   }
@@ -96,7 +122,7 @@ class Compiler {
       return bad(what + " [" + std::to_string(end.offset) + ", +" + std::to_string(bytes) +
                  ") lies outside buffer \"" + end.buffer + "\" (" + std::to_string(b.bytes) + " bytes)");
     }
-    if (writes) out_->written[it->second].emplace_back(end.offset, bytes);
+    if (writes) record(it->second, end.offset, bytes);
     if (which) *which = &b;
     return b.data + end.offset;
   }
@@ -212,8 +238,17 @@ class Compiler {
     const bool relayout = *kind == ConversionKind::kNone;
     const std::string name = what + (relayout ? " (relayouts tensor \"" : " (converts tensor \"") + c.tensor + "\")";
     const size_t n = c.size.size();
+    // The wire has neither (messages.cc); the walks below and the
+    // executor's rely on it: a dim of size 0 would still be walked once.
+    for (size_t d = 0; d < n; ++d) {
+      if (c.size[d] < 1 || c.strides[d] < 0) {
+        return bad(name + ": dim " + std::to_string(d) + " of its box has size " + std::to_string(c.size[d]) +
+                   " and stride " + std::to_string(c.strides[d]) +
+                   " (a step's box has none of size 0 and no negative stride)");
+      }
+    }
     if (relayout) {
-      if (n == 0 || !c.scale_buffer.empty() || std::find(c.size.begin(), c.size.end(), 0) != c.size.end()) {
+      if (n == 0 || !c.scale_buffer.empty()) {
         return bad(name + ": a relayout needs a box of 1 or more dims, none of size 0, and no scale buffer");
       }
     } else if (n == 0 || c.strides.back() != 1 ||
@@ -248,7 +283,22 @@ class Compiler {
     Result<uint8_t*> dst = rows(c.buffer, c.offset, c.strides, sizes, eb, name, index, &device);
     if (!dst.is_ok()) return dst.status();
     cv.dst = *dst;
+    if (relayout && !nested(c.size, c.strides)) {
+      return bad(name + ": its strides are not proven one-to-one, so two elements of the box may land in the "
+                 "same place (taking the dims of more than one index by growing stride, each stride must pass "
+                 "the span of those before it, as in every refit-layout/1 segment)");
+    }
     if (quantize) {
+      // The wire bounds start, size and block by 2^62 each: their sum below
+      // could pass INT64_MAX.
+      for (size_t d = n - 2; d < n; ++d) {
+        const int64_t block = c.block[d - (n - 2)];
+        int64_t end = 0;
+        if (__builtin_add_overflow(c.start[d], c.size[d], &end) || __builtin_add_overflow(end, block - 1, &end)) {
+          return bad(name + ": its box's start " + std::to_string(c.start[d]) + " in dim " + std::to_string(d) +
+                     " with block " + std::to_string(block) + " is too large");
+        }
+      }
       std::vector<int64_t> blocks = c.size;
       blocks[n - 2] = (c.start[n - 2] + c.size[n - 2] + c.block[0] - 1) / c.block[0] - c.start[n - 2] / c.block[0];
       blocks[n - 1] = (c.start[n - 1] + c.size[n - 1] + c.block[1] - 1) / c.block[1] - c.start[n - 1] / c.block[1];
@@ -271,7 +321,15 @@ class Compiler {
                                  "this build does not have (docs/conversion.md)");
     }
 #endif
+    // The CUDA relayout kernel stores whole elements (relayout_kernel.h): a
+    // misaligned store would fault and leave the CUDA context unusable.
+    if (relayout && device && reinterpret_cast<uintptr_t>(*dst) % static_cast<uintptr_t>(eb) != 0) {
+      return bad(name + ": its first element in GPU buffer \"" + c.buffer + "\" (element " +
+                 std::to_string(c.offset) + ") is not aligned to its " + std::to_string(eb) +
+                 "-byte elements, which the CUDA relayout kernel stores whole");
+    }
     cv.device = device;
+    convert_names_.push_back(name);
     out_->converts.push_back(std::move(cv));
     return Status::ok();
   }
@@ -319,7 +377,7 @@ class Compiler {
     bool have = false;
     auto flush = [&] {
       if (!have) return;
-      out_->written[it->second].emplace_back(run_begin, run_end - run_begin);
+      record(it->second, run_begin, run_end - run_begin);
       converted_.push_back({b.data + run_begin, b.data + run_end, index});
     };
     for (;;) {
@@ -346,21 +404,32 @@ class Compiler {
     return b.data + offset * eb;
   }
 
-  // Each conversion waits for the GETs that stage its box.
-  void link_converts() {
+  // Each conversion waits for the GETs that stage its box, which must bring
+  // every byte of it: one they do not would be whatever the staging area
+  // held, written into the weights.
+  Status link_converts() {
     out_->get_converts.assign(out_->gets.size(), {});
     out_->convert_deps.assign(out_->converts.size(), 0);
+    std::vector<Landed> by_begin = staged_gets_;
+    std::sort(by_begin.begin(), by_begin.end(), [](const Landed& a, const Landed& b) { return a.begin < b.begin; });
     for (uint32_t k = 0; k < out_->converts.size(); ++k) {
       const CompiledPart::Convert& c = out_->converts[k];
       uint64_t numel = 1;
       for (int64_t s : c.size) numel *= static_cast<uint64_t>(s);
       const uint8_t* begin = c.staged;
       const uint8_t* end = begin + numel * dtype_bytes(c.from);
-      for (const Landed& g : staged_gets_) {
+      const uint8_t* covered = begin;
+      for (const Landed& g : by_begin) {
         if (g.begin < end && begin < g.end) {
           out_->get_converts[g.get].push_back(k);
           ++out_->convert_deps[k];
+          if (g.begin <= covered) covered = std::max(covered, g.end);
         }
+      }
+      if (covered < end) {
+        return bad(convert_names_[k] + " reads staged bytes [" + std::to_string(begin - staging_base_) + ", " +
+                   std::to_string(end - staging_base_) + "), but no GET of this part brings its byte " +
+                   std::to_string(covered - staging_base_) + " of the staging area");
       }
     }
     // A conversion's outputs are landed bytes for the sends, as conversion
@@ -370,6 +439,51 @@ class Compiler {
       l.get += base;
       landed_.push_back(l);
     }
+    return Status::ok();
+  }
+
+  // `bytes` at `offset` of buffer `buffer` written by the run being added.
+  void record(size_t buffer, uint64_t offset, uint64_t bytes) {
+    out_->written[buffer].emplace_back(offset, bytes);
+    writes_.push_back({buffer, offset, offset + bytes, run_});
+  }
+
+  // No byte has two writers: which one lands last would depend on timing
+  // (a GET against a conversion, two GETs). One run may write a byte more
+  // than once (a cast's rows of a box with a stride of 0).
+  Status check_writers() {
+    std::sort(writes_.begin(), writes_.end(), [](const Write& a, const Write& b) {
+      return std::tie(a.buffer, a.begin) < std::tie(b.buffer, b.begin);
+    });
+    // Per buffer: the furthest end reached and its run, and the furthest
+    // end any other run reached.
+    size_t buffer = SIZE_MAX;
+    uint64_t end1 = 0, end2 = 0;
+    size_t run1 = 0, run2 = 0;
+    for (const Write& w : writes_) {
+      if (w.buffer != buffer) {
+        buffer = w.buffer;
+        end1 = end2 = 0;
+      }
+      const bool clash = (w.run != run1 && w.begin < end1) || (w.run == run1 && w.begin < end2);
+      if (clash) {
+        const size_t other = w.run != run1 ? run1 : run2;
+        return bad("runs " + std::to_string(other) + " and " + std::to_string(w.run) + " both write byte " +
+                   std::to_string(w.begin) + " of buffer \"" + buffers_[buffer].name + "\"");
+      }
+      if (w.run == run1) {
+        end1 = std::max(end1, w.end);
+      } else if (w.end > end1) {
+        end2 = end1;
+        run2 = run1;
+        end1 = w.end;
+        run1 = w.run;
+      } else if (w.end > end2) {
+        end2 = w.end;
+        run2 = w.run;
+      }
+    }
+    return Status::ok();
   }
 
   // Each send waits for the GETs that bring the bytes it reads.
@@ -404,6 +518,14 @@ class Compiler {
   uint8_t* staging_base_ = nullptr;
   std::vector<Landed> staged_gets_;  // GETs into the staging area
   std::vector<Landed> converted_;    // the rows conversions write; `get` is the conversion's index
+  std::vector<std::string> convert_names_;  // per conversion, for its errors
+  struct Write {
+    size_t buffer;
+    uint64_t begin, end;
+    size_t run;
+  };
+  std::vector<Write> writes_;  // every range a run writes, for check_writers
+  size_t run_ = 0;             // the run being added
   std::map<std::string, size_t> mine_;
   std::map<std::pair<int32_t, std::string>, SourceBuf> source_bufs_;
   std::map<int32_t, uint32_t> fabric_peer_;                         // receiver rank -> schedule peer

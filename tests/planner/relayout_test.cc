@@ -90,6 +90,11 @@ Result execute(const Layout& L, const PlanOptions& o) {
         });
   }
   std::map<int32_t, std::vector<uint8_t>> staging;
+  // Per puller, the staged boxes of its steps: the receiver runs every GET
+  // of a part at once and each step when its own GETs are in, so two boxes
+  // that share a staging byte would overwrite each other there; executed in
+  // order, as here, they would not show it.
+  std::map<int32_t, std::vector<std::pair<int64_t, int64_t>>> staged_boxes;
   auto bytes_of = [&](Side side, int32_t rank, uint32_t buffer) -> std::vector<uint8_t>& {
     if (buffer == kStagingBuffer) return staging[rank];
     return mem[{side, rank, buffer}];
@@ -114,6 +119,7 @@ Result execute(const Layout& L, const PlanOptions& o) {
         ++out.steps;
         const Tensor& t = L.tensors[c.tensor];
         const int eb = dtype_bytes(t.dtype);
+        staged_boxes[c.rank].emplace_back(c.stage_offset, c.stage_offset + c.box.numel() * eb);
         std::vector<uint8_t>& from = staging[c.rank];
         std::vector<uint8_t>& to = mem[{Side::kReceiver, c.rank, c.buffer}];
         int64_t k = 0;
@@ -135,6 +141,15 @@ Result execute(const Layout& L, const PlanOptions& o) {
   if (!bounds) {
     out.mismatch = "a run or a step out of bounds";
     return out;
+  }
+  for (auto& [rank, boxes] : staged_boxes) {
+    std::sort(boxes.begin(), boxes.end());
+    for (size_t k = 1; k < boxes.size(); ++k)
+      if (boxes[k].first < boxes[k - 1].second) {
+        out.mismatch = "receiver rank " + std::to_string(rank) + ": two steps share staging byte " +
+                       std::to_string(boxes[k].first);
+        return out;
+      }
   }
   std::map<std::tuple<Side, int32_t, uint32_t>, std::vector<uint8_t>> want;
   for (auto& [key, m] : mem)

@@ -369,6 +369,177 @@ TEST_F(PlanCompilerConvert, ARelayoutPastTheBufferIsRefused) {
   EXPECT_NE(c.status().message().find("writes past the end"), std::string::npos) << c.status().message();
 }
 
+// "size" of a convert step counts from 1 on the wire: a 0 is refused by
+// its name before any compiler sees it.
+TEST(PlanMessages, AConvertStepWithASizeOfZeroIsRefusedByItsName) {
+  PlanPart p;
+  p.epoch = PlanEpoch{1, false};
+  p.runs = {relayout_step()};
+  Json j = control::to_json(p);
+  ASSERT_TRUE(control::parse_plan_part(j).is_ok());
+  j["runs"][0]["size"][1] = 0;
+  j = Json::parse(j.dump());  // as it arrives: a literal 0 reads as an unsigned number
+  Result<PlanPart> bad = control::parse_plan_part(j);
+  ASSERT_FALSE(bad.is_ok()) << "a convert step of size [8, 0] was parsed";
+  EXPECT_NE(bad.status().message().find("runs[0].size[1]"), std::string::npos) << bad.status().message();
+}
+
+// The CUDA relayout kernel stores whole elements: into GPU memory that is
+// not aligned to the element size, a store would fault and leave the
+// context unusable. Refused instead (a 2-byte element at an odd address).
+TEST_F(PlanCompilerConvert, ARelayoutIntoMisalignedGpuMemoryIsRefused) {
+  buffers_[1].data = q_.data() + 1;  // "q" starts at an odd address
+  buffers_[1].bytes = q_.size() - 1;
+  buffers_[1].device = true;
+  part_.runs = {staged_get(0, 0, 64), relayout_step({1, 16}, {8, 4})};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "a relayout of 2-byte elements to an odd GPU address was accepted";
+  EXPECT_NE(c.status().message().find("aligned"), std::string::npos) << c.status().message();
+}
+
+// Every byte has one writer: a GET and a relayout into the same bytes (or
+// two GETs) would leave whichever lands last.
+TEST_F(PlanCompilerConvert, TwoRunsWritingOneByteAreRefused) {
+  const PlanRun direct{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 254}, 2};
+  part_.runs = {staged_get(0, 0, 256), relayout_step(), direct};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "a GET and a relayout writing byte 254 of \"q\" were accepted";
+  EXPECT_NE(c.status().message().find("runs 1 and 2 both write byte 254 of buffer \"q\""), std::string::npos)
+      << c.status().message();
+  const PlanRun left{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 0}, 100};
+  const PlanRun right{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 99}, 100};
+  part_.runs = {left, right};
+  c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "two GETs writing byte 99 of \"q\" were accepted";
+  EXPECT_NE(c.status().message().find("both write byte 99"), std::string::npos) << c.status().message();
+  // Side by side, and a relayout beside a GET: accepted.
+  const PlanRun after{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 100}, 100};
+  part_.runs = {left, after};
+  ASSERT_TRUE(compile_staged().is_ok());
+  part_.runs = {staged_get(0, 0, 64), relayout_step({1, 16}, {8, 4}),
+                PlanRun{true, {Role::kSource, 5, "s", 0}, {Role::kReceiver, kMe, "q", 16}, 16}};
+  auto beside = compile_staged();
+  ASSERT_TRUE(beside.is_ok()) << beside.status().message();
+}
+
+// The block count of a quantized box adds its start, size and block, each
+// up to 2^62 on the wire: refused before the sum can overflow.
+TEST_F(PlanCompilerConvert, AQuantizedBoxWhoseBlockArithmeticOverflowsIsRefused) {
+  auto c = std::make_shared<control::ConvertSpec>(*convert_step().convert);
+  c->start = {0, int64_t{1} << 62};
+  c->block = {8, int64_t{1} << 62};
+  PlanRun step;
+  step.convert = c;
+  part_.runs = {staged_get(0, 0, 512), step};
+  auto compiled = compile_staged();
+  ASSERT_FALSE(compiled.is_ok());
+  EXPECT_NE(compiled.status().message().find("start 4611686018427387904 in dim 1"), std::string::npos)
+      << compiled.status().message();
+}
+
+// A step of a dim of size 0 converts nothing, but the cast walks a row of
+// it: refused, as a relayout's is, before it reads past its staged box.
+TEST_F(PlanCompilerConvert, AConversionOfABoxWithADimOfSizeZeroIsRefused) {
+  auto c = std::make_shared<control::ConvertSpec>(*convert_step().convert);
+  c->to_dtype = "F16";
+  c->scale_buffer.clear();
+  c->scale_strides.clear();
+  c->size = {0, 16};
+  c->strides = {0, 1};
+  c->stage = 512;  // the end of the staging area: a row read there is past it
+  PlanRun step;
+  step.convert = c;
+  part_.runs = {staged_get(0, 0, 512), step};
+  auto compiled = compile_staged();
+  ASSERT_FALSE(compiled.is_ok()) << "a cast of 0 x 16 elements staged at the end of the staging area was accepted";
+  EXPECT_NE(compiled.status().message().find("size 0"), std::string::npos) << compiled.status().message();
+}
+
+// A step reads its whole staged box: a byte of it that no GET of the part
+// brings would be whatever the staging area held, written into the weights.
+TEST_F(PlanCompilerConvert, AStepReadingStagedBytesNoGetBringsIsRefused) {
+  // The box is staged bytes [0, 256); the GETs bring [0, 128) and [192, 320).
+  part_.runs = {staged_get(0, 0, 128), staged_get(192, 192, 128), relayout_step()};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "a relayout of staged bytes [128, 192) that no GET brings was accepted";
+  EXPECT_NE(c.status().message().find("relayouts tensor \"w\""), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("no GET"), std::string::npos) << c.status().message();
+  // Nothing staged before it at all.
+  part_.runs = {relayout_step(), staged_get(0, 512, 256)};
+  c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "a relayout of staged bytes no GET brings was accepted";
+}
+
+// The wire has no negative stride, but a step's strides are checked where
+// they are used: a negative one is refused by name, not left to the copy.
+TEST_F(PlanCompilerConvert, ARelayoutWithANegativeStrideIsRefused) {
+  part_.runs = {staged_get(0, 0, 256), relayout_step({-5, 1}, {1, 16})};
+  auto c = compile_staged();
+  ASSERT_FALSE(c.is_ok()) << "a relayout with stride -5 was accepted";
+  EXPECT_NE(c.status().message().find("stride"), std::string::npos) << c.status().message();
+}
+
+// Two elements of the box at one place: the copy's result would depend on
+// its order (and race on the GPU); the layout never has it (check_region).
+TEST_F(PlanCompilerConvert, ARelayoutWhoseStridesMapTwoElementsToOnePlaceIsRefused) {
+  for (const std::vector<int64_t>& strides : {std::vector<int64_t>{0, 1}, std::vector<int64_t>{1, 1},
+                                              std::vector<int64_t>{8, 4}}) {
+    part_.runs = {staged_get(0, 0, 256), relayout_step(strides, {8, 16})};
+    auto c = compile_staged();
+    ASSERT_FALSE(c.is_ok()) << "strides [" << strides[0] << ", " << strides[1] << "] were accepted";
+    EXPECT_NE(c.status().message().find("same place"), std::string::npos) << c.status().message();
+  }
+  // Interleaved but one-to-one (elements 0, 2, 3, 5 of a [2, 2] box): kept.
+  part_.runs = {staged_get(0, 0, 8), relayout_step({3, 2}, {2, 2})};
+  auto c = compile_staged();
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_EQ((*c)->written[1], (Ranges{{0, 2}, {4, 4}, {10, 2}}));
+}
+
+// What a relayout records as written is every byte it writes and no other,
+// for boxes of 1 to 3 dims in any memory order, padded or not: compared with
+// the bytes relayout_box's walk reaches.
+TEST_F(PlanCompilerConvert, ARelayoutRecordsExactlyTheBytesItWrites) {
+  struct Case {
+    std::vector<int64_t> size, strides;
+    uint64_t offset;
+  };
+  const std::vector<Case> cases = {
+      {{16}, {1}, 3},           {{16}, {3}, 0},           {{4, 4}, {1, 4}, 0},     {{4, 4}, {1, 5}, 2},
+      {{4, 4}, {4, 1}, 1},      {{2, 3, 4}, {1, 2, 6}, 0}, {{2, 3, 4}, {12, 1, 3}, 0}, {{2, 3, 4}, {30, 1, 5}, 1},
+      {{3, 1, 4}, {1, 99, 3}, 0}, {{2, 2, 2}, {1, 4, 2}, 0}};
+  for (const Case& k : cases) {
+    uint64_t numel = 1;
+    for (int64_t s : k.size) numel *= static_cast<uint64_t>(s);
+    PlanRun step = relayout_step(k.strides, k.size);
+    std::const_pointer_cast<control::ConvertSpec>(step.convert)->offset = k.offset;
+    part_.runs = {staged_get(0, 0, numel * 2), step};
+    auto c = compile_staged();
+    ASSERT_TRUE(c.is_ok()) << c.status().message();
+    std::vector<bool> hit(q_.size(), false);
+    std::vector<int64_t> idx(k.size.size(), 0);
+    for (uint64_t e = 0; e < numel; ++e) {
+      uint64_t at = k.offset;
+      for (size_t d = 0; d < idx.size(); ++d) at += static_cast<uint64_t>(idx[d] * k.strides[d]);
+      hit[at * 2] = hit[at * 2 + 1] = true;
+      for (size_t d = idx.size(); d-- > 0;) {
+        if (++idx[d] < k.size[d]) break;
+        idx[d] = 0;
+      }
+    }
+    Ranges want;
+    for (uint64_t b = 0; b < hit.size(); ++b) {
+      if (!hit[b]) continue;
+      if (!want.empty() && want.back().first + want.back().second == b) {
+        ++want.back().second;
+      } else {
+        want.emplace_back(b, 1);
+      }
+    }
+    EXPECT_EQ((*c)->written[1], want) << "box of " << k.size.size() << " dims, strides[0] " << k.strides[0];
+  }
+}
+
 // Into GPU memory: the CUDA relayout kernel where the build has it, else
 // refused naming the tensor.
 TEST_F(PlanCompilerConvert, ARelayoutIntoGpuMemoryTakesTheCudaKernel) {

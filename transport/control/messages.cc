@@ -166,13 +166,17 @@ class Reader {
     for (size_t i = 0; i < a->size(); ++i) {
       const Json& v = (*a)[i];
       const std::string p = join(path, key) + "[" + std::to_string(i) + "]";
-      if (v.is_number_unsigned() && v.get<uint64_t>() <= uint64_t{1} << 62) {
+      // A non-negative literal parses as an unsigned number: `lo` holds for
+      // both kinds.
+      if (v.is_number_unsigned() && v.get<uint64_t>() <= uint64_t{1} << 62 &&
+          v.get<uint64_t>() >= static_cast<uint64_t>(std::max<int64_t>(lo, 0))) {
         out->push_back(static_cast<int64_t>(v.get<uint64_t>()));
       } else if (v.is_number_integer() && !v.is_number_unsigned() && v.get<int64_t>() >= lo &&
                  v.get<int64_t>() >= 0) {
         out->push_back(v.get<int64_t>());
       } else {
-        return fail(p, "must be a non-negative integer, got " + shown(v));
+        return fail(p, std::string(lo > 0 ? "must be a positive integer" : "must be a non-negative integer") +
+                           ", got " + shown(v));
       }
     }
     return true;

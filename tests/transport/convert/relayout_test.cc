@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -55,6 +56,57 @@ TEST(Relayout, MatchesAnElementCopyInAnyMemoryOrder) {
     ++cases;
   }
   EXPECT_EQ(cases, 400);
+}
+
+// A box of a larger tensor (strides of the tensor's shape, in a random
+// memory order), sizes around the 16 x 16 tile's edges, 1 to 8 dims (size-1
+// dims among them), every element size: the box lands where an element copy
+// puts it, and no byte outside it changes, before or after it in the buffer.
+TEST(Relayout, ASubBoxAtTheTileEdgesWritesItsElementsAndNothingElse) {
+  std::mt19937_64 g(0x7e1a'0003);
+  auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  const std::array<int64_t, 7> edges{1, 2, 15, 16, 17, 32, 33};
+  constexpr int64_t kGuard = 64;  // bytes before and after the tensor
+  for (int i = 0; i < 600; ++i) {
+    const int n = static_cast<int>(uni(1, 8));
+    const int eb = std::array<int, 4>{1, 2, 4, 8}[uni(0, 3)];
+    std::vector<int64_t> sizes(n), shape(n), start(n);
+    int64_t numel = 1;
+    for (int d = 0; d < n; ++d) {
+      // The last two dims around the tile's edges; the leading ones small.
+      sizes[d] = d + 2 >= n ? edges[uni(0, 6)] : uni(1, 3);
+      shape[d] = sizes[d] + uni(0, 3);
+      start[d] = uni(0, shape[d] - sizes[d]);
+      numel *= sizes[d];
+    }
+    if (numel > 20000) continue;
+    std::vector<int> order(n);  // the tensor's memory order, outermost first
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), g);
+    std::vector<int64_t> strides(n);
+    int64_t acc = 1;
+    for (int k = n - 1; k >= 0; --k) {
+      strides[order[k]] = acc;
+      acc *= shape[order[k]];
+    }
+    int64_t first = 0;  // the box's first element in the tensor
+    for (int d = 0; d < n; ++d) first += start[d] * strides[d];
+    const size_t bytes = static_cast<size_t>(kGuard + acc * eb + kGuard);
+    std::vector<uint8_t> src(numel * eb), dst(bytes, 0xee), want(bytes, 0xee);
+    for (uint8_t& b : src) b = static_cast<uint8_t>(g());
+    std::vector<int64_t> idx(n, 0);
+    for (int64_t e = 0; e < numel; ++e) {
+      int64_t off = first;
+      for (int d = 0; d < n; ++d) off += idx[d] * strides[d];
+      std::memcpy(&want[kGuard + off * eb], &src[e * eb], eb);
+      for (int d = n - 1; d >= 0; --d) {
+        if (++idx[d] < sizes[d]) break;
+        idx[d] = 0;
+      }
+    }
+    ASSERT_TRUE(relayout_box(src.data(), dst.data() + kGuard + first * eb, eb, sizes, strides).is_ok());
+    ASSERT_EQ(dst, want) << "case " << i << ": " << n << " dims, " << eb << "-byte elements";
+  }
 }
 
 TEST(Relayout, ColumnMajorMatrix) {
