@@ -144,7 +144,7 @@ TEST(Scenario, UnknownKeysAreNamed) {
             R"(nvlink_gbyte_per_gpu, nvlink_achievable, local_op_us, fanout_pack_bytes, fanout_pack_threshold, )"
             R"(gpu_memory_gbyte_per_gpu, gpu_memory_achievable, h2d_gbyte_per_gpu, d2h_gbyte_per_gpu, )"
             R"(gets_land_in_host, source_host_mirror, convert_gbyte_per_gpu, host_convert_gbyte, convert_on_host, )"
-            R"(window_bytes, get_chunk_bytes))");
+            R"(host_cores, get_cpu_ns, gather_cpu_ns, local_cpu_ns, window_bytes, get_chunk_bytes))");
   d = full();
   d["reported"][0]["url"] = "x";
   EXPECT_EQ(error_of(d),
