@@ -45,47 +45,22 @@
 #include "planner/placement.h"
 #include "planner/plan.h"
 #include "planner/recipes/recipe.h"
+#include "tests/planner/element_walk.h"
 
 namespace refit {
 namespace {
 
+using refit::reference::element_offset;
+using refit::reference::for_each_element;
+using refit::reference::linear_index;
+
 // ---------------------------------------------------------------------------
 // Element-level helpers, independent of the planner.
-
-// Calls fn(idx) for every element of `box`, row-major.
-template <typename F>
-void for_each_element(const Box& box, F&& fn) {
-  if (box.empty()) return;
-  Index idx = box.start;
-  for (;;) {
-    fn(idx);
-    int d = box.ndim - 1;
-    while (d >= 0) {
-      if (++idx[d] < box.end(d)) break;
-      idx[d] = box.start[d];
-      --d;
-    }
-    if (d < 0) return;
-  }
-}
-
-int64_t linear_index(const std::vector<int64_t>& shape, const Index& idx) {
-  int64_t g = 0;
-  for (size_t d = 0; d < shape.size(); ++d) g = g * shape[d] + idx[d];
-  return g;
-}
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   return n;
-}
-
-// Element offset of global element `idx` in region `r`'s buffer.
-int64_t element_offset(const Region& r, const Index& idx) {
-  int64_t o = r.offset;
-  for (int d = 0; d < r.box.ndim; ++d) o += (idx[d] - r.box.start[d]) * r.strides[d];
-  return o;
 }
 
 bool in_set(const std::vector<int32_t>& set, int32_t x) { return std::binary_search(set.begin(), set.end(), x); }

@@ -23,42 +23,20 @@
 #include "planner/layout.h"
 #include "planner/layout_json.h"
 #include "planner/plan.h"
+#include "tests/planner/element_walk.h"
 
 namespace refit {
 namespace {
+
+using reference::element_offset;
+using reference::for_each_element;
+using reference::linear_index;
 
 constexpr uint8_t kUnwritten = 0xee;
 
 // A byte of element `e` (row-major index in the tensor) of tensor `t`.
 uint8_t tag(uint32_t t, int64_t e, int k) { return static_cast<uint8_t>((t * 131 + e * 7 + k * 3 + 1) % 251); }
 
-int64_t linear(const std::vector<int64_t>& shape, const Index& idx) {
-  int64_t e = 0;
-  for (size_t d = 0; d < shape.size(); ++d) e = e * shape[d] + idx[d];
-  return e;
-}
-
-template <typename F>
-void each_element(const Box& box, F fn) {
-  if (box.empty()) return;
-  Index idx = box.start;
-  for (;;) {
-    fn(idx);
-    int d = box.ndim - 1;
-    while (d >= 0) {
-      if (++idx[d] < box.end(d)) break;
-      idx[d] = box.start[d];
-      --d;
-    }
-    if (d < 0) return;
-  }
-}
-
-int64_t element_at(const Region& r, const Index& idx) {
-  int64_t off = r.offset;
-  for (int d = 0; d < r.box.ndim; ++d) off += (idx[d] - r.box.start[d]) * r.strides[d];
-  return off;
-}
 
 struct Result {
   std::string mismatch;  // empty: every receiver byte as the layout says
@@ -84,9 +62,9 @@ Result execute(const Layout& L, const PlanOptions& o) {
     const int eb = dtype_bytes(t.dtype);
     for (const Region& sr : t.sources)
       for (int32_t r : L.source_sets.get(sr.ranks))
-        each_element(sr.box, [&](const Index& idx) {
+        for_each_element(sr.box, [&](const Index& idx) {
           std::vector<uint8_t>& m = mem[{Side::kSource, r, t.buffer_of(Side::kSource, sr)}];
-          for (int k = 0; k < eb; ++k) m[element_at(sr, idx) * eb + k] = tag(ti, linear(t.shape, idx), k);
+          for (int k = 0; k < eb; ++k) m[element_offset(sr, idx) * eb + k] = tag(ti, linear_index(t.shape, idx), k);
         });
   }
   std::map<int32_t, std::vector<uint8_t>> staging;
@@ -123,7 +101,7 @@ Result execute(const Layout& L, const PlanOptions& o) {
         std::vector<uint8_t>& from = staging[c.rank];
         std::vector<uint8_t>& to = mem[{Side::kReceiver, c.rank, c.buffer}];
         int64_t k = 0;
-        each_element(c.box, [&](const Index& idx) {
+        for_each_element(c.box, [&](const Index& idx) {
           int64_t e = c.offset;
           for (int d = 0; d < c.box.ndim; ++d) e += (idx[d] - c.box.start[d]) * c.strides[d];
           const int64_t src = c.stage_offset + k++ * eb;
@@ -159,9 +137,9 @@ Result execute(const Layout& L, const PlanOptions& o) {
     const int eb = dtype_bytes(t.dtype);
     for (const Region& rr : t.receivers)
       for (int32_t r : L.receiver_sets.get(rr.ranks))
-        each_element(rr.box, [&](const Index& idx) {
+        for_each_element(rr.box, [&](const Index& idx) {
           std::vector<uint8_t>& m = want[{Side::kReceiver, r, t.buffer_of(Side::kReceiver, rr)}];
-          for (int k = 0; k < eb; ++k) m[element_at(rr, idx) * eb + k] = tag(ti, linear(t.shape, idx), k);
+          for (int k = 0; k < eb; ++k) m[element_offset(rr, idx) * eb + k] = tag(ti, linear_index(t.shape, idx), k);
         });
   }
   for (auto& [key, m] : want) {
