@@ -229,6 +229,21 @@ class PlanCompilerConvert : public PlanCompiler {
           return staging_.data();
         });
   }
+  // A step into GPU memory: the CUDA kernel where the build has it, else
+  // refused naming the tensor and the GPU.
+  static void expect_gpu_step(const Result<std::shared_ptr<const CompiledPart>>& c, bool relayout) {
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+    ASSERT_TRUE(c.is_ok()) << c.status().message();
+    ASSERT_EQ((*c)->converts.size(), 1u);
+    EXPECT_EQ((*c)->converts[0].relayout, relayout);
+    EXPECT_TRUE((*c)->converts[0].device);
+#else
+    (void)relayout;
+    ASSERT_FALSE(c.is_ok());
+    EXPECT_NE(c.status().message().find("\"w\""), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("GPU"), std::string::npos) << c.status().message();
+#endif
+  }
   std::vector<uint8_t> q_, qs_, staging_;
   uint64_t staging_asked_ = 0;
 };
@@ -264,16 +279,7 @@ TEST_F(PlanCompilerConvert, ConversionWaitsForItsGetsAndItsSendsWaitForIt) {
 TEST_F(PlanCompilerConvert, AConversionIntoGpuMemoryTakesTheCudaKernel) {
   buffers_[1].device = true;
   part_.runs = {staged_get(0, 0, 512), convert_step()};
-  auto c = compile_staged();
-#ifdef REFIT_HAVE_CONVERT_KERNEL
-  ASSERT_TRUE(c.is_ok()) << c.status().message();
-  ASSERT_EQ((*c)->converts.size(), 1u);
-  EXPECT_TRUE((*c)->converts[0].device);
-#else
-  ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.status().message().find("\"w\""), std::string::npos) << c.status().message();
-  EXPECT_NE(c.status().message().find("GPU"), std::string::npos) << c.status().message();
-#endif
+  expect_gpu_step(compile_staged(), /*relayout=*/false);
 }
 
 TEST_F(PlanCompilerConvert, AStagedBoxBeyondTheStagingAreaIsRefused) {
@@ -551,17 +557,7 @@ TEST_F(PlanCompilerConvert, ARelayoutRecordsExactlyTheBytesItWrites) {
 TEST_F(PlanCompilerConvert, ARelayoutIntoGpuMemoryTakesTheCudaKernel) {
   buffers_[1].device = true;
   part_.runs = {staged_get(0, 0, 256), relayout_step()};
-  auto c = compile_staged();
-#ifdef REFIT_HAVE_CONVERT_KERNEL
-  ASSERT_TRUE(c.is_ok()) << c.status().message();
-  ASSERT_EQ((*c)->converts.size(), 1u);
-  EXPECT_TRUE((*c)->converts[0].relayout);
-  EXPECT_TRUE((*c)->converts[0].device);
-#else
-  ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.status().message().find("\"w\""), std::string::npos) << c.status().message();
-  EXPECT_NE(c.status().message().find("GPU"), std::string::npos) << c.status().message();
-#endif
+  expect_gpu_step(compile_staged(), /*relayout=*/true);
 }
 
 }  // namespace

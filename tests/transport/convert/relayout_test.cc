@@ -16,6 +16,25 @@ namespace {
 
 using refit::convert::relayout_box;
 
+// Strides of a tensor of `shape` in a random memory order (dims shuffled,
+// outermost first), each dim padded by up to `pad` elements; `*elems` gets
+// the elements the layout spans.
+std::vector<int64_t> random_strides(const std::vector<int64_t>& shape, std::mt19937_64& g, int64_t pad,
+                                    int64_t* elems) {
+  const int n = static_cast<int>(shape.size());
+  std::vector<int> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), g);
+  std::vector<int64_t> strides(n);
+  int64_t acc = 1;
+  for (int k = n - 1; k >= 0; --k) {
+    strides[order[k]] = acc;
+    acc = acc * shape[order[k]] + std::uniform_int_distribution<int64_t>(0, pad)(g);
+  }
+  *elems = acc;
+  return strides;
+}
+
 TEST(Relayout, MatchesAnElementCopyInAnyMemoryOrder) {
   std::mt19937_64 g(0x7e1a'0000);
   auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
@@ -25,15 +44,8 @@ TEST(Relayout, MatchesAnElementCopyInAnyMemoryOrder) {
     const int eb = std::array<int, 4>{1, 2, 4, 8}[uni(0, 3)];
     std::vector<int64_t> sizes(n);
     for (int64_t& s : sizes) s = uni(1, n <= 2 ? 150 : 12);
-    std::vector<int> order(n);  // outermost first
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), g);
-    std::vector<int64_t> strides(n);
-    int64_t acc = 1;
-    for (int k = n - 1; k >= 0; --k) {
-      strides[order[k]] = acc;
-      acc = acc * sizes[order[k]] + uni(0, 2);  // sometimes padded
-    }
+    int64_t acc = 0;
+    const std::vector<int64_t> strides = random_strides(sizes, g, 2, &acc);  // sometimes padded
     int64_t numel = 1, extent = 1;
     for (int d = 0; d < n; ++d) {
       numel *= sizes[d];
@@ -80,15 +92,8 @@ TEST(Relayout, ASubBoxAtTheTileEdgesWritesItsElementsAndNothingElse) {
       numel *= sizes[d];
     }
     if (numel > 20000) continue;
-    std::vector<int> order(n);  // the tensor's memory order, outermost first
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), g);
-    std::vector<int64_t> strides(n);
-    int64_t acc = 1;
-    for (int k = n - 1; k >= 0; --k) {
-      strides[order[k]] = acc;
-      acc *= shape[order[k]];
-    }
+    int64_t acc = 0;
+    const std::vector<int64_t> strides = random_strides(shape, g, 0, &acc);  // the tensor's memory order, packed
     int64_t first = 0;  // the box's first element in the tensor
     for (int d = 0; d < n; ++d) first += start[d] * strides[d];
     const size_t bytes = static_cast<size_t>(kGuard + acc * eb + kGuard);
