@@ -29,6 +29,11 @@
 
 namespace refit::cuda {
 
+// The count words of a communicator (DomainComm::words): per rank of the
+// communicator and way (sent, received), this many u64 words, the layout of
+// one round's announcement (transport/fabric/round_words.h).
+inline constexpr size_t kCountWordsPerPeer = 64;
+
 using Clock = std::chrono::steady_clock;
 
 // Asynchronous copies, executed in issue order on one stream. Pointers are

@@ -65,7 +65,7 @@ class NcclDomainComm final : public DomainComm {
     REFIT_RETURN_IF_ERROR(from_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate"));
     REFIT_RETURN_IF_ERROR(
         from_cuda(cudaEventCreateWithFlags(&upstream_event_, cudaEventDisableTiming), "cudaEventCreate"));
-    word_count_ = 6 * static_cast<size_t>(size_);  // a round's counts: 3 words per peer and way
+    word_count_ = 2 * kCountWordsPerPeer * static_cast<size_t>(size_);  // a round's announcements, both ways
     void* w = nullptr;
     REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&w, word_count_ * 8), "cudaMalloc(count words)"));
     words_ = static_cast<uint64_t*>(w);

@@ -8,7 +8,9 @@ namespace refit::fabric {
 namespace {
 
 constexpr char kMagic[4] = {'R', 'F', 'N', 'C'};
-constexpr uint32_t kFormat = 2;  // 2: with the packing (pack_bytes, pack_threshold)
+// 2: with the packing (pack_bytes, pack_threshold); 3: rounds name their
+// sends by position (round_words.h), so a rank of format 2 cannot pair.
+constexpr uint32_t kFormat = 3;
 constexpr size_t kHeader = 44;
 
 void put_u32(std::vector<uint8_t>& out, uint32_t v) {
@@ -179,11 +181,14 @@ Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   out_.assign(n, {});
   in_.assign(n, {});
   self_.clear();
+  send_peer_.assign(schedule.sends.size(), -1);
+  send_pos_.assign(schedule.sends.size(), 0);
   for (uint32_t i = 0; i < schedule.sends.size(); ++i) {
     const Send& s = schedule.sends[i];
     if (s.bytes == 0) return Status::invalid("nccl fabric: send " + std::to_string(i) + " has no bytes");
     if (s.peer == kSelf) {
       if (s.self_dst == nullptr) return Status::invalid("nccl fabric: send " + std::to_string(i) + " to itself has no destination");
+      send_pos_[i] = static_cast<uint32_t>(self_.size());
       self_.push_back(i);
       continue;
     }
@@ -191,6 +196,8 @@ Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
       return Status::invalid("nccl fabric: send " + std::to_string(i) + " names peer " + std::to_string(s.peer) +
                              ", outside the schedule");
     }
+    send_peer_[i] = comm_rank[s.peer];
+    send_pos_[i] = static_cast<uint32_t>(out_[comm_rank[s.peer]].size());
     out_[comm_rank[s.peer]].push_back(i);
   }
   for (uint32_t i = 0; i < schedule.recvs.size(); ++i) {
@@ -202,7 +209,10 @@ Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
     in_[comm_rank[r.peer]].push_back(i);
   }
   out_next_.assign(n, 0);
-  in_next_.assign(n, 0);
+  in_count_.assign(n, 0);
+  in_got_.assign(n, {});
+  for (size_t p = 0; p < n; ++p) in_got_[p].assign(in_[p].size(), 0);
+  take_.assign(n, {});
   self_next_ = 0;
   out_closed_.assign(n, 0);
   in_failed_.assign(n, 0);
@@ -213,6 +223,10 @@ Status NcclFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     ready_.assign(schedule.sends.size(), 0);
+    ready_pos_.assign(n, {});
+    for (size_t p = 0; p < n; ++p) ready_pos_[p].reserve(out_[p].size());
+    self_ready_pos_.clear();
+    self_ready_pos_.reserve(self_.size());
     passed_all_ = false;
     failing_ = false;
   }
@@ -240,6 +254,11 @@ Status NcclFabric::send(std::span<const uint32_t> ready) {
         return Status::internal("nccl fabric: send " + std::to_string(i) + " passed twice or outside the schedule");
       }
       ready_[i] = 1;
+      if (send_peer_[i] < 0) {
+        self_ready_pos_.push_back(send_pos_[i]);
+      } else {
+        ready_pos_[send_peer_[i]].push_back(send_pos_[i]);
+      }
     }
     ++ready_generation_;
   }
@@ -319,7 +338,7 @@ Status NcclFabric::ensure_comm() {
 std::string NcclFabric::owed_ranks() const {
   std::string names;
   for (size_t p = 0; p < ranks_.size(); ++p) {
-    const bool owed = in_next_[p] < in_[p].size() && !in_failed_[p];
+    const bool owed = in_count_[p] < in_[p].size() && !in_failed_[p];
     const bool owing = out_next_[p] < out_[p].size() && !out_closed_[p];
     if (static_cast<int32_t>(p) != me_ && (owed || owing)) names += (names.empty() ? "" : ", ") + std::to_string(ranks_[p]);
   }
@@ -363,7 +382,8 @@ void NcclFabric::rounds() {
   }
   Status peer_failed;
   std::vector<int32_t> act_out, act_in;
-  std::vector<uint64_t> out_count(n, 0), out_bytes(n, 0), out_digest(n, 0);
+  std::vector<uint64_t> out_bytes(n, 0), out_digest(n, 0);
+  std::vector<uint8_t> out_failed(n, 0);
   std::vector<cuda::P2p> group;
   bool failing = false;
   while (true) {
@@ -372,45 +392,40 @@ void NcclFabric::rounds() {
     for (size_t p = 0; p < n; ++p) {
       if (static_cast<int32_t>(p) == me_) continue;
       if (out_next_[p] < out_[p].size() && !out_closed_[p]) act_out.push_back(static_cast<int32_t>(p));
-      if (in_next_[p] < in_[p].size() && !in_failed_[p]) act_in.push_back(static_cast<int32_t>(p));
+      if (in_count_[p] < in_[p].size() && !in_failed_[p]) act_in.push_back(static_cast<int32_t>(p));
     }
-    // What this round passes on: per peer the ready prefix of its sends
-    // (capped), and the ready prefix of the copies to itself.
+    // What this round passes on: per peer the sends that became ready since
+    // the last round, in that order (capped), and the copies to itself.
     bool passed_all = false;
     uint64_t generation = 0;
-    size_t self_ready = self_next_;
     {
       std::lock_guard<std::mutex> lock(mu_);
       generation = ready_generation_;
       passed_all = passed_all_;
       failing = failing_;
       for (int32_t p : act_out) {
-        uint64_t count = 0, bytes = 0;
-        if (failing) {
-          count = kFailedMarker;
-        } else {
-          for (size_t i = out_next_[p]; i < out_[p].size() && count < config_.max_sends_per_round && ready_[out_[p][i]];
-               ++i) {
-            bytes += s.sends[out_[p][i]].bytes;
-            ++count;
-          }
-        }
-        out_count[p] = count;
-        out_bytes[p] = bytes;
+        take_[p].clear();
+        out_failed[p] = failing;
+        if (failing) continue;
+        const std::vector<uint32_t>& r = ready_pos_[p];
+        const size_t k = std::min<size_t>(r.size() - out_next_[p], config_.max_sends_per_round);
+        take_[p].assign(r.begin() + static_cast<std::ptrdiff_t>(out_next_[p]),
+                        r.begin() + static_cast<std::ptrdiff_t>(out_next_[p] + k));
       }
-      while (!failing && self_ready < self_.size() && ready_[self_[self_ready]]) ++self_ready;
+      self_take_.clear();
+      if (!failing) self_take_.assign(self_ready_pos_.begin() + static_cast<std::ptrdiff_t>(self_next_), self_ready_pos_.end());
     }
     send_used_ = recv_used_ = 0;
     gather_.clear();
     scatter_.clear();
     for (int32_t p : act_out) {
-      if (out_count[p] == kFailedMarker) {
-        out_digest[p] = 0;
-        continue;
-      }
-      if (share_ > 0) pack_round(p, &out_count[p], &out_bytes[p]);
+      if (out_failed[p]) continue;
+      take_[p].resize(ranges_prefix(take_[p]));
+      if (share_ > 0) pack_round(p);
       sizes_.clear();
-      for (uint64_t k = 0; k < out_count[p]; ++k) sizes_.push_back(s.sends[out_[p][out_next_[p] + k]].bytes);
+      for (uint32_t k : take_[p]) sizes_.push_back(s.sends[out_[p][k]].bytes);
+      out_bytes[p] = 0;
+      for (uint64_t b : sizes_) out_bytes[p] += b;
       out_digest[p] = sizes_digest(sizes_);
     }
     const bool self_left = self_next_ < self_.size() && !failing;
@@ -418,7 +433,16 @@ void NcclFabric::rounds() {
 
     uint64_t* host = need_comm ? comm_->host_words() : nullptr;
     if (!act_out.empty() || !act_in.empty()) {
-      Status st = exchange_counts(act_out, act_in, out_count, out_bytes, out_digest, group);
+      for (int32_t p : act_out) {
+        uint64_t* w = host + kRoundWordsPerPeer * p;
+        if (out_failed[p]) {
+          std::fill(w, w + kRoundWordsPerPeer, 0);
+          w[0] = kFailedMarker;
+        } else {
+          write_announcement(w, out_bytes[p], out_digest[p], take_[p]);
+        }
+      }
+      Status st = exchange_counts(act_out, act_in, group);
       if (!st.is_ok()) {
         if (comm_) drop_comm();
         result_ = st;
@@ -430,26 +454,25 @@ void NcclFabric::rounds() {
     group.clear();
     bool moved = false;
     bool sends = false;
-    for (; self_next_ < self_ready; ++self_next_) {
-      const Send& x = s.sends[self_[self_next_]];
+    for (uint32_t k : self_take_) {
+      const Send& x = s.sends[self_[k]];
       group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, me_, const_cast<uint8_t*>(x.src), x.bytes});
       group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, me_, x.self_dst, x.bytes});
       sends = true;
     }
+    self_next_ += self_take_.size();
     for (int32_t p : act_out) {
-      if (out_count[p] == kFailedMarker) {
+      if (out_failed[p]) {
         out_closed_[p] = 1;
         moved = true;
         continue;
       }
-      sends |= out_count[p] > 0;
-      add_sends(p, out_count[p], group);
+      sends |= !take_[p].empty();
+      add_sends(p, group);
     }
     for (int32_t p : act_in) {
-      const uint64_t count = host[3 * n + 3 * p];
-      const uint64_t bytes = host[3 * n + 3 * p + 1];
-      const uint64_t digest = host[3 * n + 3 * p + 2];
-      if (count == kFailedMarker) {
+      const uint64_t* w = host + kRoundWordsPerPeer * (n + p);
+      if (w[0] == kFailedMarker) {
         in_failed_[p] = 1;
         moved = true;
         if (peer_failed.is_ok()) {
@@ -459,7 +482,7 @@ void NcclFabric::rounds() {
         }
         continue;
       }
-      Status st = add_recvs(p, count, bytes, digest, group);
+      Status st = add_recvs(p, w, group);
       if (!st.is_ok()) {
         drop_comm();
         result_ = st;
@@ -517,34 +540,30 @@ Status NcclFabric::start_rounds() {
   REFIT_RETURN_IF_ERROR(ensure_comm());
   comm_->set_deadline(deadline_);
   const size_t n = ranks_.size();
-  if (comm_->word_count() < 6 * n) {
+  if (comm_->word_count() < 2 * kRoundWordsPerPeer * n) {
     return Status::internal("nccl fabric: the communicator has " + std::to_string(comm_->word_count()) +
-                            " count words, a round needs " + std::to_string(6 * n));
+                            " count words, a round needs " + std::to_string(2 * kRoundWordsPerPeer * n));
   }
   return share_ > 0 ? prepare_packs() : Status::ok();
 }
 
-// A round's counts: (n, bytes, digest of the n sizes) to every peer it
-// sends to, three words per peer in the host words [0, 3n); theirs from
-// every peer it receives from, into [3n, 6n).
+// A round's announcements (round_words.h), written into the host words
+// [0, W n) by the caller, W = kRoundWordsPerPeer: W words to every peer it
+// sends to; theirs from every peer it receives from, into [W n, 2 W n).
 Status NcclFabric::exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
-                                   const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
-                                   const std::vector<uint64_t>& out_digest, std::vector<cuda::P2p>& group) {
+                                   std::vector<cuda::P2p>& group) {
   const size_t n = ranks_.size();
-  uint64_t* host = comm_->host_words();
+  constexpr size_t W = kRoundWordsPerPeer;
   group.clear();
   for (int32_t p : act_out) {
-    host[3 * p] = out_count[p];
-    host[3 * p + 1] = out_bytes[p];
-    host[3 * p + 2] = out_digest[p];
-    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + 3 * p, 24});
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, comm_->words() + W * p, W * 8});
   }
   for (int32_t p : act_in) {
-    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + 3 * n + 3 * p, 24});
+    group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, comm_->words() + W * (n + p), W * 8});
   }
-  REFIT_RETURN_IF_ERROR(comm_->put_words(3 * n));
+  REFIT_RETURN_IF_ERROR(comm_->put_words(W * n));
   REFIT_RETURN_IF_ERROR(comm_->issue(group));
-  REFIT_RETURN_IF_ERROR(comm_->get_words(3 * n, 3 * n));
+  REFIT_RETURN_IF_ERROR(comm_->get_words(W * n, W * n));
   return wait_idle("exchanging the counts of a round");
 }
 
@@ -565,21 +584,19 @@ Status NcclFabric::prepare_packs() {
 }
 
 // Caps this round's sends to peer p where its pack would pass the share.
-void NcclFabric::pack_round(int32_t p, uint64_t* count, uint64_t* bytes) {
+void NcclFabric::pack_round(int32_t p) {
   const Schedule& s = *schedule_;
   sizes_.clear();
-  for (uint64_t k = 0; k < *count; ++k) sizes_.push_back(s.sends[out_[p][out_next_[p] + k]].bytes);
+  for (uint32_t k : take_[p]) sizes_.push_back(s.sends[out_[p][k]].bytes);
   out_pack_[p] = plan_pack(sizes_, share_, pack_.pack_threshold);
-  if (out_pack_[p].taken == *count) return;
+  if (out_pack_[p].taken == take_[p].size()) return;
   ++packs_full_;
-  *count = out_pack_[p].taken;
-  *bytes = 0;
-  for (uint64_t k = 0; k < *count; ++k) *bytes += sizes_[k];
+  take_[p].resize(out_pack_[p].taken);
 }
 
-// The round's `count` sends to peer p: the pack first (its pieces gathered
-// into the send area), then the unpacked ones in order.
-void NcclFabric::add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& group) {
+// The round's sends to peer p (take_[p]): the pack first (its pieces
+// gathered into the send area), then the unpacked ones in order.
+void NcclFabric::add_sends(int32_t p, std::vector<cuda::P2p>& group) {
   const Schedule& s = *schedule_;
   const PackLayout* l = share_ > 0 ? &out_pack_[p] : nullptr;
   uint8_t* pack = nullptr;
@@ -590,8 +607,8 @@ void NcclFabric::add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& gr
     ++packs_sent_;
     packed_sends_ += l->packed;
   }
-  for (uint64_t k = 0; k < count; ++k) {
-    const Send& x = s.sends[out_[p][out_next_[p]++]];
+  for (size_t k = 0; k < take_[p].size(); ++k) {
+    const Send& x = s.sends[out_[p][take_[p][k]]];
     const uint64_t at = l ? l->offset[k] : kUnpacked;
     if (at == kUnpacked) {
       group.push_back(cuda::P2p{cuda::P2p::Kind::kSend, p, const_cast<uint8_t*>(x.src), x.bytes});
@@ -599,36 +616,39 @@ void NcclFabric::add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& gr
       gather_.push_back(cuda::ScatterPiece{pack + at, x.src, x.bytes});
     }
   }
+  out_next_[p] += take_[p].size();
 }
 
-// The round's `count` receives from peer p, of `bytes` and sizes' `digest`
-// as the peer announced, laid out as the peer laid out its sends: the pack
-// first (scattered into place after the group), then the unpacked ones.
-Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t digest,
-                             std::vector<cuda::P2p>& group) {
+// The receives from peer p that its announcement `w` names (round_words.h),
+// checked against this rank's plan (count, bytes, sizes' digest) and laid
+// out as the peer laid out its sends: the pack first (scattered into place
+// after the group), then the unpacked ones.
+Status NcclFabric::add_recvs(int32_t p, const uint64_t* w, std::vector<cuda::P2p>& group) {
   const Schedule& s = *schedule_;
-  const bool fits = count <= in_[p].size() - in_next_[p];
+  const std::string peer = "nccl fabric: receiver rank " + std::to_string(ranks_[p]);
+  Status named = read_positions(w, in_[p].size(), in_got_[p], &recv_pos_);
+  if (!named.is_ok()) {
+    // The peer's plan is not this rank's, or its words are not a round's:
+    // receiving would write the wrong bytes, or wait for bytes that never come.
+    return Status::invalid(peer + " announced slices this rank's plan does not expect from it (" +
+                           named.message() + "); the ranks ran different plans, retry the refresh");
+  }
+  const uint64_t count = w[0], bytes = w[1], digest = w[2];
   sizes_.clear();
   uint64_t sum = 0;
-  if (fits) {
-    for (size_t i = in_next_[p]; i < in_next_[p] + count; ++i) {
-      sizes_.push_back(s.recvs[in_[p][i]].bytes);
-      sum += sizes_.back();
-    }
+  for (uint32_t k : recv_pos_) {
+    sizes_.push_back(s.recvs[in_[p][k]].bytes);
+    sum += sizes_.back();
   }
-  if (!fits || sum != bytes) {
-    // The peer's plan is not this rank's: receiving would write the wrong
-    // bytes, or wait for bytes that never come.
-    return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
-                           std::to_string(count) + " slices of " + std::to_string(bytes) +
+  if (sum != bytes) {
+    return Status::invalid(peer + " announced " + std::to_string(count) + " slices of " + std::to_string(bytes) +
                            " bytes, this rank's plan expects other sizes from it; the ranks ran " +
                            "different plans, retry the refresh");
   }
   if (sizes_digest(sizes_) != digest) {
     // The same count and sum, other sizes: packed, they would be scattered
     // into the wrong places without an error anywhere.
-    return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
-                           std::to_string(count) + " slices of " + std::to_string(bytes) +
+    return Status::invalid(peer + " announced " + std::to_string(count) + " slices of " + std::to_string(bytes) +
                            " bytes whose sizes (digest) differ from this rank's plan's; the ranks ran " +
                            "different plans, retry the refresh");
   }
@@ -636,14 +656,14 @@ Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t
   if (share_ > 0) {
     l = plan_pack(sizes_, share_, pack_.pack_threshold);
     if (l.taken != count) {
-      return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " announced " +
-                             std::to_string(count) + " slices in one round, this rank's pack layout takes " +
-                             std::to_string(l.taken) + ": the ranks pack differently, retry the refresh");
+      return Status::invalid(peer + " announced " + std::to_string(count) +
+                             " slices in one round, this rank's pack layout takes " + std::to_string(l.taken) +
+                             ": the ranks pack differently, retry the refresh");
     }
     if (l.packed > config_.max_sends_per_round) {
       // More pieces than the scatter tables were sized for (prepare_packs).
-      return Status::invalid("nccl fabric: receiver rank " + std::to_string(ranks_[p]) + " packed " +
-                             std::to_string(l.packed) + " slices in one round, this rank takes at most " +
+      return Status::invalid(peer + " packed " + std::to_string(l.packed) +
+                             " slices in one round, this rank takes at most " +
                              std::to_string(config_.max_sends_per_round) +
                              " (max_sends_per_round): every rank of a domain must use the same");
     }
@@ -654,8 +674,8 @@ Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t
     recv_used_ += (l.bytes + kPackAlign - 1) / kPackAlign * kPackAlign;
     group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, pack, l.bytes});
   }
-  for (uint64_t k = 0; k < count; ++k, ++in_next_[p]) {
-    const Recv& r = s.recvs[in_[p][in_next_[p]]];
+  for (size_t k = 0; k < recv_pos_.size(); ++k) {
+    const Recv& r = s.recvs[in_[p][recv_pos_[k]]];
     const uint64_t at = share_ > 0 ? l.offset[k] : kUnpacked;
     if (at == kUnpacked) {
       group.push_back(cuda::P2p{cuda::P2p::Kind::kRecv, p, r.dst, r.bytes});
@@ -663,6 +683,8 @@ Status NcclFabric::add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t
       scatter_.push_back(cuda::ScatterPiece{r.dst, pack + at, r.bytes});
     }
   }
+  in_count_[p] += count;
+  slices_received_ += count;
   return Status::ok();
 }
 

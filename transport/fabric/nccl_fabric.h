@@ -24,14 +24,20 @@
 // units for the others) would each wait in their up-front receives for
 // sends queued behind them: a deadlock. Instead the round thread runs
 // rounds, each two groups on the communicator's stream:
-//   counts  to every peer it still sends to: (n, bytes, digest) of the
-//           sends it passes on in this round (the ready prefix of its
-//           plan-order sends to that peer, capped; the digest is a 64-bit
-//           hash of their sizes in order), or kFailedMarker; from every peer
-//           it still receives from: theirs;
-//   data    those sends, and the receives the counts announce, in per-peer
-//           order (Schedule::recvs is per peer in the order the peer sends,
-//           so the n-th send matches the n-th receive).
+//   counts  to every peer it still sends to: the sends it passes on in this
+//           round, in the order they became ready (send()), at most
+//           max_sends_per_round and kMaxRanges runs of consecutive
+//           positions, named by their positions in the pair's plan-order
+//           list, with their count, bytes and a 64-bit digest of their
+//           sizes in that order (round_words.h), or kFailedMarker; from
+//           every peer it still receives from: theirs;
+//   data    those sends, and the receives the counts name, in the order
+//           announced (Schedule::recvs is per peer in the order of the
+//           peer's sends, so position k of one list is position k of the
+//           other).
+// Ready order, not plan order: a slice whose GET is still on its way does
+// not hold back the slices that landed after it (docs/refresh.md, "The
+// local fabrics").
 // A pair (a to b) takes part in rounds 1, 2, ... until its last item at
 // both ends, so the k-th round of a pair is the k-th round of both of its
 // ranks: every group of round k matches only groups of round k, and the
@@ -73,7 +79,8 @@
 // factory cannot scatter) and pack_threshold, and begin() refuses a domain
 // whose pack_bytes differ, or whose thresholds differ while it packs.
 //
-// Cost: a round is two small groups and a 24-byte count per pair and way;
+// Cost: a round is two groups, one of them kRoundWordsPerPeer words (512
+// bytes) per pair and way;
 // the round thread polls (yields) while a round is in flight.
 
 #include <atomic>
@@ -87,6 +94,7 @@
 #include "transport/cuda/device_ops.h"
 #include "transport/fabric/local_fabric.h"
 #include "transport/fabric/pack.h"
+#include "transport/fabric/round_words.h"
 
 namespace refit::fabric {
 
@@ -133,6 +141,9 @@ class NcclFabric final : public LocalFabric {
   uint64_t packed_sends() const { return packed_sends_; }
   // Rounds to a peer that stopped early because its pack was full.
   uint64_t packs_full() const { return packs_full_; }
+  // Receives its peers announced in rounds (their groups issued), since the
+  // fabric was made.
+  uint64_t slices_received() const { return slices_received_; }
 
   struct ContactInfo {
     uint64_t instance = 0;    // random per fabric
@@ -155,12 +166,11 @@ class NcclFabric final : public LocalFabric {
   Status check_packing(const ContactInfo& c, int32_t rank) const;
   Status start_rounds();
   Status exchange_counts(const std::vector<int32_t>& act_out, const std::vector<int32_t>& act_in,
-                         const std::vector<uint64_t>& out_count, const std::vector<uint64_t>& out_bytes,
-                         const std::vector<uint64_t>& out_digest, std::vector<cuda::P2p>& group);
+                         std::vector<cuda::P2p>& group);
   Status prepare_packs();
-  void pack_round(int32_t p, uint64_t* count, uint64_t* bytes);
-  void add_sends(int32_t p, uint64_t count, std::vector<cuda::P2p>& group);
-  Status add_recvs(int32_t p, uint64_t count, uint64_t bytes, uint64_t digest, std::vector<cuda::P2p>& group);
+  void pack_round(int32_t p);
+  void add_sends(int32_t p, std::vector<cuda::P2p>& group);
+  Status add_recvs(int32_t p, const uint64_t* words, std::vector<cuda::P2p>& group);
   Status ensure_comm();
   Status wait_idle(const char* what);
   void drop_comm();
@@ -171,7 +181,7 @@ class NcclFabric final : public LocalFabric {
   uint64_t instance_ = 0;
   std::atomic<uint64_t> built_{0};
   PackLimits pack_;  // what this rank packs with: config_.pack, off where the factory cannot scatter
-  std::atomic<uint64_t> packs_sent_{0}, packed_sends_{0}, packs_full_{0};
+  std::atomic<uint64_t> packs_sent_{0}, packed_sends_{0}, packs_full_{0}, slices_received_{0};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -179,6 +189,10 @@ class NcclFabric final : public LocalFabric {
   uint64_t comm_epoch_ = 0;             // mu_
   mutable bool contact_changed_ = false;  // mu_
   std::vector<uint8_t> ready_;          // mu_: per send
+  // mu_: per NCCL rank, positions in out_[rank] in the order send() passed
+  // them; the copies to itself likewise, positions in self_.
+  std::vector<std::vector<uint32_t>> ready_pos_;
+  std::vector<uint32_t> self_ready_pos_;
   uint64_t ready_generation_ = 0;       // mu_: goes up with every send()
   bool passed_all_ = false;             // mu_
   bool failing_ = false;                // mu_
@@ -197,8 +211,14 @@ class NcclFabric final : public LocalFabric {
   std::vector<std::vector<uint32_t>> out_;         // per NCCL rank: sends, plan order
   std::vector<std::vector<uint32_t>> in_;          // per NCCL rank: receives, peer's order
   std::vector<uint32_t> self_;                     // kSelf sends, plan order
-  std::vector<size_t> out_next_, in_next_;
-  size_t self_next_ = 0;
+  std::vector<int32_t> send_peer_;                 // per send: its NCCL rank, -1 to itself
+  std::vector<uint32_t> send_pos_;                 // per send: its position in out_ or self_
+  std::vector<size_t> out_next_;                   // per NCCL rank: sends passed on (into ready_pos_)
+  std::vector<size_t> in_count_;                   // per NCCL rank: receives announced
+  std::vector<std::vector<uint8_t>> in_got_;       // per NCCL rank and receive: announced
+  size_t self_next_ = 0;                           // into self_ready_pos_
+  std::vector<std::vector<uint32_t>> take_;        // per NCCL rank: this round's positions
+  std::vector<uint32_t> self_take_, recv_pos_;     // scratch of one round
   std::vector<uint8_t> out_closed_, in_failed_;
   // Packing, per refresh and round (the round thread's).
   uint64_t share_ = 0;                             // a peer's pack bytes per round; 0: off

@@ -2,7 +2,7 @@
 // Packing the NCCL fabric's fan-out (docs/refresh.md, "Packed fan-out").
 //
 // Each round of the NCCL fabric (nccl_fabric.h) passes on, per peer, the
-// ready prefix of its sends to that peer. Most of them are small (one
+// sends to that peer that became ready since the last round. Most of them are small (one
 // contiguous run each), and one ncclSend per run costs more in launches
 // than in bytes. With packing, the small sends of one round to one peer are
 // gathered into one contiguous pack in device memory, cross as one

@@ -71,12 +71,14 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
     s.pending_chunks_ += chunks.size();
     auto& q = s.eps_[r.endpoint].queue;
     q.insert(q.end(), chunks.begin(), chunks.end());
+    s.eps_[r.endpoint].total_bytes += r.bytes;
+    s.eps_[r.endpoint].pending_bytes += r.bytes;
   }
   for (uint32_t e = 0; e < num_endpoints; ++e) {
     const EndpointState& ep = s.eps_[e];
     if (ep.queue.empty()) continue;
-    s.min_head_ = std::min(s.min_head_, ep.queue.front().bytes);
-    s.live_.push_back(e);
+    s.heads_.insert(ep.queue.front().bytes);
+    s.live_.insert(s.live_key(e));
   }
   return s;
 }
@@ -89,8 +91,24 @@ bool ChunkScheduler::fits(const EndpointState& ep, const Chunk& c) const {
 }
 
 void ChunkScheduler::advance(EndpointState& ep) {
+  const uint64_t bytes = ep.queue[ep.head].bytes;
+  ep.pending_bytes -= bytes;
+  heads_.erase(heads_.find(bytes));
   ++ep.head;
-  if (ep.head < ep.queue.size()) min_head_ = std::min(min_head_, ep.queue[ep.head].bytes);
+  if (ep.head < ep.queue.size()) heads_.insert(ep.queue[ep.head].bytes);
+}
+
+bool ChunkScheduler::Live::operator<(const Live& o) const {
+  const auto mine = static_cast<unsigned __int128>(issued_bytes) * o.total_bytes;
+  const auto theirs = static_cast<unsigned __int128>(o.issued_bytes) * total_bytes;
+  if (mine != theirs) return mine < theirs;
+  if (last_issued != o.last_issued) return last_issued < o.last_issued;
+  return endpoint < o.endpoint;
+}
+
+ChunkScheduler::Live ChunkScheduler::live_key(uint32_t e) const {
+  const EndpointState& ep = eps_[e];
+  return Live{ep.total_bytes - ep.pending_bytes, ep.total_bytes, ep.last_issued, e};
 }
 
 std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
@@ -98,37 +116,36 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
   // need be tried (a receiver with hundreds of sources asks after every
   // completion). bytes_in_flight_ never exceeds the limit.
   if (pending_chunks_ == 0 || ops_in_flight_ >= limits_.max_ops_in_flight ||
-      min_head_ > limits_.max_bytes_in_flight - bytes_in_flight_)
+      *heads_.begin() > limits_.max_bytes_in_flight - bytes_in_flight_)
     return std::nullopt;
-  const uint32_t n = static_cast<uint32_t>(eps_.size());
-  uint64_t smallest = UINT64_MAX;  // of every endpoint's next chunk, held or not
-  // The endpoints with chunks pending, from the cursor on, round robin; the
-  // others would be passed over.
-  const size_t live = live_.size();
-  const size_t first = static_cast<size_t>(std::lower_bound(live_.begin(), live_.end(), cursor_) - live_.begin());
-  for (size_t tried = 0; tried < live; ++tried) {
-    const size_t i = (first + tried) % live;
-    const uint32_t e = live_[i];
-    EndpointState& ep = eps_[e];
-    smallest = std::min(smallest, ep.queue[ep.head].bytes);
-    if (ep.held) continue;
-    const Chunk c = ep.queue[ep.head];
-    if (!fits(ep, c)) continue;
-    if (gate && c.offset == 0 && !gate(c.run)) continue;  // asked before its first chunk only
-    advance(ep);
-    if (ep.head == ep.queue.size()) live_.erase(live_.begin() + static_cast<ptrdiff_t>(i));
-    ep.bytes_in_flight += c.bytes;
-    ++ep.ops_in_flight;
-    bytes_in_flight_ += c.bytes;
-    ++ops_in_flight_;
-    --pending_chunks_;
-    --runs_[c.run].pending;
-    ++runs_[c.run].in_flight;
-    cursor_ = (e + 1) % n;
-    return c;
+  // Furthest behind first (chunking.h); the first whose next chunk fits and
+  // that the gate lets go (asked before a run's first chunk only).
+  for (const Live& l : live_) {
+    const uint32_t e = l.endpoint;
+    const EndpointState& ep = eps_[e];
+    const Chunk& c = ep.queue[ep.head];
+    if (ep.held || !fits(ep, c)) continue;
+    if (gate && c.offset == 0 && !gate(c.run)) continue;
+    return issue(e);
   }
-  min_head_ = smallest;  // every endpoint was tried: exact
   return std::nullopt;
+}
+
+Chunk ChunkScheduler::issue(uint32_t e) {
+  EndpointState& ep = eps_[e];
+  const Chunk c = ep.queue[ep.head];
+  live_.erase(live_key(e));
+  advance(ep);
+  ep.last_issued = ++issued_;
+  if (ep.head < ep.queue.size()) live_.insert(live_key(e));
+  ep.bytes_in_flight += c.bytes;
+  ++ep.ops_in_flight;
+  bytes_in_flight_ += c.bytes;
+  ++ops_in_flight_;
+  --pending_chunks_;
+  --runs_[c.run].pending;
+  ++runs_[c.run].in_flight;
+  return c;
 }
 
 bool ChunkScheduler::complete(const Chunk& c) {
@@ -146,9 +163,14 @@ void ChunkScheduler::requeue(const Chunk& c) {
   EndpointState& ep = eps_[c.endpoint];
   // The entries before head are spent: the one before it takes the chunk.
   // head > 0, since the chunk was issued from this queue.
-  if (ep.head == ep.queue.size()) live_.insert(std::lower_bound(live_.begin(), live_.end(), c.endpoint), c.endpoint);
+  if (ep.head < ep.queue.size()) {
+    live_.erase(live_key(c.endpoint));
+    heads_.erase(heads_.find(ep.queue[ep.head].bytes));
+  }
   ep.queue[--ep.head] = c;
-  min_head_ = std::min(min_head_, c.bytes);
+  ep.pending_bytes += c.bytes;
+  live_.insert(live_key(c.endpoint));
+  heads_.insert(c.bytes);
   ++runs_[c.run].pending;
   ++pending_chunks_;
 }
@@ -156,7 +178,10 @@ void ChunkScheduler::requeue(const Chunk& c) {
 std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
   std::vector<uint32_t> finished;
   EndpointState& ep = eps_[endpoint];
-  if (ep.head < ep.queue.size()) live_.erase(std::lower_bound(live_.begin(), live_.end(), endpoint));
+  if (ep.head < ep.queue.size()) {
+    live_.erase(live_key(endpoint));
+    heads_.erase(heads_.find(ep.queue[ep.head].bytes));
+  }
   for (size_t i = ep.head; i < ep.queue.size(); ++i) {
     RunState& r = runs_[ep.queue[i].run];
     --r.pending;
@@ -164,6 +189,7 @@ std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
     if (r.pending == 0 && r.in_flight == 0) finished.push_back(ep.queue[i].run);
   }
   ep.head = ep.queue.size();
+  ep.pending_bytes = 0;
   return finished;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <set>
 #include <span>
 #include <vector>
 
@@ -66,9 +67,15 @@ class ChunkScheduler {
   using Gate = std::function<bool(uint32_t run)>;
 
   // The next chunk that fits the window (and that `gate`, if any, lets go),
-  // reserving its bytes and op; endpoints take turns (round robin) so one
-  // slow peer does not starve the others. nullopt when nothing pending fits
-  // now (or nothing is pending).
+  // reserving its bytes and op. Of the endpoints whose next chunk fits, the
+  // one furthest behind goes: the smallest share of its bytes issued, ties
+  // in turn (round robin from the last one issued). So a receiver pulls
+  // from each source in proportion to what it needs from it, and all its
+  // sources finish together: with equal turns, a source it needs more from
+  // would be left alone at the end, its NIC the only one busy
+  // (docs/refresh.md, "The GET window"). A slow peer takes no more than its
+  // share either. nullopt when nothing pending fits now (or nothing is
+  // pending).
   std::optional<Chunk> next(const Gate& gate = {});
 
   // Releases the window share of an issued chunk. Returns true when this was
@@ -107,20 +114,34 @@ class ChunkScheduler {
     size_t head = 0;           // queue[head..] are pending
     uint64_t bytes_in_flight = 0;
     uint64_t ops_in_flight = 0;
+    uint64_t total_bytes = 0;    // of all its chunks
+    uint64_t pending_bytes = 0;  // of queue[head..]
+    uint64_t last_issued = 0;    // the scheduler's count of issues when it last issued (0: never)
     bool held = false;
   };
   bool fits(const EndpointState& ep, const Chunk& c) const;
   void advance(EndpointState& ep);  // issues the head chunk of `ep`'s queue
+  Chunk issue(uint32_t endpoint);   // issues the head chunk of `endpoint`
+  // An endpoint with chunks pending, as live_ orders it: furthest behind
+  // first (the smallest share of its bytes issued), then the least recently
+  // issued, then the lowest index.
+  struct Live {
+    uint64_t issued_bytes = 0;
+    uint64_t total_bytes = 0;
+    uint64_t last_issued = 0;
+    uint32_t endpoint = 0;
+    bool operator<(const Live& o) const;
+  };
+  Live live_key(uint32_t endpoint) const;
 
   WindowLimits limits_;
   std::vector<RunState> runs_;
   std::vector<EndpointState> eps_;
-  uint32_t cursor_ = 0;  // next endpoint to try
-  // At most the bytes of every endpoint's next pending chunk: exact after a
-  // next() that tried every endpoint, lowered as chunks become next. When it
-  // does not fit the total window, next() fails without trying each one.
-  uint64_t min_head_ = UINT64_MAX;
-  std::vector<uint32_t> live_;  // the endpoints with chunks pending, ascending
+  uint64_t issued_ = 0;  // chunks issued so far
+  // The bytes of every endpoint's next pending chunk: when even the
+  // smallest does not fit the window in total, next() tries no endpoint.
+  std::multiset<uint64_t> heads_;
+  std::set<Live> live_;  // the endpoints with chunks pending
   uint64_t pending_chunks_ = 0;
   uint64_t bytes_in_flight_ = 0;
   uint64_t ops_in_flight_ = 0;

@@ -40,7 +40,8 @@ struct World {
 class HostComm final : public DomainComm {
  public:
   HostComm(std::shared_ptr<World> world, int32_t rank)
-      : world_(std::move(world)), rank_(rank), words_(6 * world_->size), host_(6 * world_->size) {}
+      : world_(std::move(world)), rank_(rank), words_(2 * kCountWordsPerPeer * world_->size),
+        host_(2 * kCountWordsPerPeer * world_->size) {}
   ~HostComm() override { abort(); }
 
   int32_t rank() const override { return rank_; }

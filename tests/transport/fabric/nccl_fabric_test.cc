@@ -285,6 +285,48 @@ TEST(NcclFabric, AMissingRankIsATimeoutNotAHangAndTheDomainRebuilds) {
   }
 }
 
+// Rank 0 passes eight slices to rank 1; the first in plan order is still
+// "on its way" (not passed) while the other seven are. They cross at once:
+// rounds go in the order sends became ready, not in plan order. (Before,
+// a round took the ready prefix, and rank 1 received nothing until the
+// first slice was passed.)
+TEST(NcclFabric, ASliceStillOnItsWayDoesNotHoldBackTheOnesThatLanded) {
+  Domain d(2, 5);
+  FanoutCase& c = d.c;
+  c.plan.clear();
+  c.start.assign(2, std::vector<uint8_t>(2 * c.half, 0));
+  c.expected = c.start;
+  for (uint64_t k = 0; k < 8; ++k) {
+    for (uint64_t i = 0; i < 1024; ++i) {
+      const auto v = static_cast<uint8_t>(1 + (k * 31 + i) % 251);
+      c.start[0][k * 1024 + i] = v;
+      c.expected[0][k * 1024 + i] = v;
+      c.expected[1][k * 1024 + i] = v;
+    }
+    c.plan.push_back(testing::Transfer{0, 1, k * 1024, 1024});
+  }
+  std::vector<Schedule> s = d.schedules(1);
+  ASSERT_EQ(s[0].sends.size(), 8u);
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(20);
+  for (int32_t r = 0; r < 2; ++r) ASSERT_TRUE(d.fabrics[r].fabric->begin(s[r], deadline).is_ok());
+  Status received;
+  std::thread rank1([&] { received = d.fabrics[1].fabric->finish(false); });
+  const std::vector<uint32_t> landed = {1, 2, 3, 4, 5, 6, 7};
+  ASSERT_TRUE(d.fabrics[0].fabric->send(landed).is_ok());
+  const Clock::time_point give_up = Clock::now() + std::chrono::seconds(10);
+  while (d.nccl[1]->slices_received() < 7 && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(d.nccl[1]->slices_received(), 7u) << "the seven landed slices waited for the first";
+  const std::vector<uint32_t> first = {0};
+  ASSERT_TRUE(d.fabrics[0].fabric->send(first).is_ok());
+  const Status sent = d.fabrics[0].fabric->finish(false);
+  rank1.join();
+  for (int32_t r = 0; r < 2; ++r) d.fabrics[r].fabric->end();
+  ASSERT_TRUE(sent.is_ok()) << sent.message();
+  ASSERT_TRUE(received.is_ok()) << received.message();
+  EXPECT_EQ(d.nccl[1]->slices_received(), 8u);
+  EXPECT_EQ(d.buffers[1], c.expected[1]);
+}
+
 TEST(NcclFabric, RanksThatRunDifferentPlansFailInsteadOfWritingWrongBytes) {
   uint32_t seed = 12;
   auto crosses = [](const FanoutCase& c) {

@@ -130,6 +130,32 @@ TEST(ChunkScheduler, EndpointsTakeTurns) {
   EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 0, 1, 2}));
 }
 
+// A receiver that needs three times as much from source 0 as from source 1
+// issues three of its chunks for each of source 1's, so both finish
+// together; taking equal turns, it would be left pulling from source 0
+// alone, half its bytes after source 1 was done.
+TEST(ChunkScheduler, EndpointsGoInProportionToWhatIsLeftOfThem) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  l.max_ops_in_flight = 1;
+  std::vector<ChunkRun> runs = {{0, 300}, {1, 100}};
+  auto sched = ChunkScheduler::create(l, runs, 2);
+  ASSERT_TRUE(sched.is_ok());
+  std::vector<uint32_t> order;
+  while (auto c = sched->next()) {
+    order.push_back(c->endpoint);
+    EXPECT_FALSE(sched->next());  // the window holds one
+    sched->complete(*c);
+  }
+  ASSERT_EQ(order.size(), 40u);
+  for (size_t k = 4; k <= 40; k += 4) {
+    const auto ones = std::count(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), 1u);
+    EXPECT_EQ(ones, static_cast<std::ptrdiff_t>(k / 4)) << "after " << k << " chunks";
+  }
+  // Source 1's last chunk is among the last four.
+  EXPECT_NE(std::find(order.end() - 4, order.end(), 1u), order.end());
+}
+
 // A gather run is cut at its own request size; one larger than a window
 // could never be issued and is refused, naming the setting.
 TEST(ChunkScheduler, GatherRunsAreCutAtTheirOwnSize) {
