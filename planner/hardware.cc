@@ -33,7 +33,18 @@ const std::vector<HardwareKey> kKeys = {
     {"nvlink_achievable", "fraction", 0.8,
      "nccl-tests point-to-point and all_gather bus bandwidth on NVSwitch systems reaches about 80% of the "
      "per-direction link rate"},
-    {"local_op_us", "us", 5, "launching one fan-out send (an NCCL group of send/recv): a few microseconds"},
+    {"local_op_us", "us", 5,
+     "launching one fan-out send (an NCCL group of send/recv): a few microseconds. With fanout_rounds, a round "
+     "pays it twice: its count exchange (a group and the wait for it) and its group of sends"},
+    {"fanout_rounds", "bool", 1,
+     "the nccl fabric's rounds (transport/fabric/nccl_fabric.cc): the ranks of a domain that pass slices to each "
+     "other go in lockstep rounds; each round passes on, per peer, the ready sends (at most 256, the pack's share) "
+     "as one NCCL group. false: one op per send, one after another per puller, as the cma and ucx fabrics send "
+     "(refit-bench's --hardware files default to false)"},
+    {"local_send_us", "us", 1,
+     "not measured: one send or receive inside a round's NCCL group (a pack or an unpacked send), beside its "
+     "bytes; NCCL runs a group's operations in one kernel, and most of the few microseconds nccl-tests reports "
+     "for one sendrecv is the launch, charged as local_op_us"},
     {"fanout_pack_bytes", "bytes", 64.0 * (1 << 20),
      "the nccl fabric's default pack_bytes (transport/fabric/pack.h): the small sends of one round to one peer "
      "travel as one pack of at most pack_bytes / (domain GPUs - 1); 0 models the unpacked fan-out, one send per run"},
@@ -94,7 +105,7 @@ bool may_be_zero(const char* key) {
 
 bool is_bool_key(const char* key) {
   return std::strcmp(key, "gets_land_in_host") == 0 || std::strcmp(key, "source_host_mirror") == 0 ||
-         std::strcmp(key, "convert_on_host") == 0;
+         std::strcmp(key, "convert_on_host") == 0 || std::strcmp(key, "fanout_rounds") == 0;
 }
 
 // The field of `m` that `key` names; bools are handled apart.
@@ -106,6 +117,7 @@ double* field(HardwareModel& m, const std::string& key) {
   if (key == "nvlink_gbyte_per_gpu") return &m.nvlink_gbyte_per_gpu;
   if (key == "nvlink_achievable") return &m.nvlink_achievable;
   if (key == "local_op_us") return &m.local_op_us;
+  if (key == "local_send_us") return &m.local_send_us;
   if (key == "fanout_pack_bytes") return &m.fanout_pack_bytes;
   if (key == "fanout_pack_threshold") return &m.fanout_pack_threshold;
   if (key == "gpu_memory_gbyte_per_gpu") return &m.gpu_memory_gbyte_per_gpu;
@@ -127,6 +139,7 @@ bool* flag(HardwareModel& m, const std::string& key) {
   if (key == "gets_land_in_host") return &m.gets_land_in_host;
   if (key == "source_host_mirror") return &m.source_host_mirror;
   if (key == "convert_on_host") return &m.convert_on_host;
+  if (key == "fanout_rounds") return &m.fanout_rounds;
   return nullptr;
 }
 
@@ -226,7 +239,7 @@ Status check_hardware(const HardwareModel& model, const std::string& origin, con
                                        " Gbit/s) is more than 100x the NVLink bandwidth (" +
                                        std::to_string(m.nvlink_gbyte_per_gpu) +
                                        " GB/s): check the units (Gbit/s and GB/s)");
-  for (const char* k : {"latency_us", "get_op_us", "local_op_us"})
+  for (const char* k : {"latency_us", "get_op_us", "local_op_us", "local_send_us"})
     if (*field(m, k) > 1e6) return bad(k, "is above one second: check the unit (us)");
   if (m.host_cores != std::floor(m.host_cores) || m.host_cores > 65536)
     return bad("host_cores", "must be a whole number of cores, at most 65536, got " + std::to_string(m.host_cores));

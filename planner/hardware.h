@@ -26,7 +26,13 @@ struct HardwareModel {
   // NVLink: the fan-out inside a receiving domain.
   double nvlink_gbyte_per_gpu = 0;  // per GPU and direction, GB/s
   double nvlink_achievable = 0;     // fraction that point-to-point sends reach
-  double local_op_us = 0;           // launching one fan-out send
+  double local_op_us = 0;           // launching one fan-out send; with rounds, one NCCL group
+  // The nccl fabric's rounds (docs/simulator.md, "The fan-out in rounds"):
+  // a domain's ranks pass on their ready sends in lockstep rounds, a count
+  // exchange and one group of sends each. false: every send on its own,
+  // one after another per puller (the cma and ucx fabrics).
+  bool fanout_rounds = false;
+  double local_send_us = 0;  // one send or receive inside a round's group, beside its bytes
   // The packed fan-out (docs/refresh.md, "Packed fan-out"): the nccl
   // fabric's pack area per rank (0: packing off) and the GPU memory
   // bandwidth its gather and scatter kernels copy at.

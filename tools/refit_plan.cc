@@ -853,6 +853,9 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   b["gpu"] = lb.gpu;
   b["source_exclusive_seconds"] = lb.source_exclusive_seconds;
   b["exclusive_source"] = lb.exclusive_source;
+  b["source_group_seconds"] = lb.source_group_seconds;
+  b["source_group_first"] = lb.source_group_first;
+  b["source_group_size"] = lb.source_group_size;
   j["lower_bound"] = std::move(b);
   ordered_json ph;
   ph["publish"] = span_json(r.phases.publish);
@@ -883,6 +886,7 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["local_runs"] = r.local_runs;
   j["local_ops"] = r.local_ops;
   j["local_packed"] = r.local_packed;
+  j["local_rounds"] = r.local_rounds;
   j["jobs"] = r.jobs;
   j["events"] = r.events;
   j["converts"] = r.converts;

@@ -141,7 +141,8 @@ TEST(Scenario, UnknownKeysAreNamed) {
   d = full();
   d["hardware"]["nic"] = 1;
   EXPECT_EQ(error_of(d), R"(s.json: unknown key "hardware.nic" (known: nic_gbit_per_gpu, nic_achievable, latency_us, get_op_us, )"
-            R"(nvlink_gbyte_per_gpu, nvlink_achievable, local_op_us, fanout_pack_bytes, fanout_pack_threshold, )"
+            R"(nvlink_gbyte_per_gpu, nvlink_achievable, local_op_us, fanout_rounds, local_send_us, fanout_pack_bytes, )"
+            R"(fanout_pack_threshold, )"
             R"(gpu_memory_gbyte_per_gpu, gpu_memory_achievable, h2d_gbyte_per_gpu, d2h_gbyte_per_gpu, )"
             R"(gets_land_in_host, source_host_mirror, convert_gbyte_per_gpu, host_convert_gbyte, convert_on_host, )"
             R"(host_cores, get_cpu_ns, gather_cpu_ns, local_cpu_ns, window_bytes, get_chunk_bytes))");

@@ -31,6 +31,7 @@ HardwareModel unit_hardware() {
   h.h2d_gbyte_per_gpu = 2.048;  // 4096 bytes in 2 us
   h.d2h_gbyte_per_gpu = 1.024;  // 4096 bytes in 4 us
   h.fanout_pack_bytes = 0;      // one op per send (the packed fan-out has tests of its own)
+  h.fanout_rounds = false;      // one after another per puller (the rounds have tests of their own)
   return h;
 }
 
@@ -679,6 +680,106 @@ TEST(Simulator, PackedFanOutMergesSendsReadyWhileTheLinkIsBusy) {
   EXPECT_EQ(c.local_packed, 0);
   EXPECT_EQ(c.local_ops, a.local_ops);
   EXPECT_DOUBLE_EQ(c.predicted_seconds, a.predicted_seconds);
+}
+
+// The nccl fabric's rounds (docs/simulator.md, "The fan-out in rounds").
+TEST(Simulator, ARoundIsTwoLaunchesAndItsBusiestRanksSends) {
+  // One domain of two receivers: one pulls, then passes it on in one round:
+  // the count exchange and the group's launch (5 us each), then one send of
+  // 4096 bytes at 4096 bytes/us and its 1 us as an operation in the group.
+  const Layout L = replicated(1, {0, 0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  HardwareModel hw = unit_hardware();
+  hw.fanout_rounds = true;
+  hw.local_send_us = 1;
+  const SimResult r = simulated(*plan, hw, /*trace=*/true);
+  const double landed = (2 + 1 + 4.096) * kUs;
+  EXPECT_NEAR(r.phases.network.end, landed, 1e-12);
+  EXPECT_NEAR(r.phases.fanout.start, landed, 1e-12);
+  EXPECT_NEAR(r.predicted_seconds, landed + (2 * 5 + 1 + 1) * kUs, 1e-12);
+  EXPECT_EQ(r.local_rounds, 1);
+  EXPECT_EQ(r.local_ops, 1);
+  EXPECT_EQ(r.busiest_nvlink_out.bytes, 4096);
+  EXPECT_NEAR(r.busiest_nvlink_out.busy_seconds, 2 * kUs, 1e-12);
+  int nvl = 0;
+  for (const TraceSpan& t : r.trace) nvl += t.lane == Lane::kNvlinkOut || t.lane == Lane::kNvlinkIn;
+  EXPECT_EQ(nvl, 2);
+}
+
+TEST(Simulator, RoundsCarryWhatBecameReadyWithinTheFabricsLimits) {
+  // 600 tensors of 4 KiB, one domain of 4: each puller passes hundreds of
+  // small sends to each peer. A round takes at most 256 of them per peer,
+  // and packed, at most the peer's share of the pack area.
+  const Layout L = many_replicated(600, {0, 0, 0, 0}, 1024);
+  auto plan = make_plan(L);
+  ASSERT_TRUE(plan.is_ok());
+  HardwareModel hw = unit_hardware();
+  hw.fanout_rounds = true;
+  const SimResult a = simulated(*plan, hw);
+  EXPECT_EQ(a.local_runs, a.local_sends);  // one run each here
+  EXPECT_EQ(a.local_ops, a.local_runs);    // unpacked: one operation each
+  EXPECT_EQ(a.local_packed, 0);
+  EXPECT_GT(a.local_rounds, 0);
+  EXPECT_LT(a.local_rounds, a.local_runs);  // sends share rounds
+  EXPECT_GE(a.predicted_seconds, a.phases.network.end);
+  EXPECT_GE(a.phases.fanout.end, a.busiest_nvlink_out.busy_seconds);
+
+  HardwareModel packed = hw;
+  packed.fanout_pack_bytes = 64 << 10;  // a peer's share: 21,840 bytes, five 4 KiB sends
+  const SimResult b = simulated(*plan, packed);
+  EXPECT_EQ(b.local_bytes, a.local_bytes);
+  EXPECT_EQ(b.local_ops + b.local_packed, b.local_runs);
+  EXPECT_GT(b.local_packed, 0);
+  // A round packs at most five runs to one peer: the busiest of the 12
+  // ordered pairs, at least their mean, needs a round per five of its runs.
+  EXPECT_GE(b.local_rounds, (a.local_runs / 12 + 4) / 5);
+  EXPECT_LT(b.predicted_seconds, a.predicted_seconds);  // fewer operations
+}
+
+TEST(Simulator, RoundsKeyAndSendCostAreCheckedNamingTheKey) {
+  HardwareModel hw = unit_hardware();
+  hw.local_send_us = 2e6;
+  Status st = check_hardware(hw, "h.json", "hardware");
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("\"hardware.local_send_us\""), std::string::npos) << st.message();
+  HardwareModel m = default_hardware();
+  EXPECT_TRUE(m.fanout_rounds);  // the nccl fabric's rounds by default
+  const Status bad = apply_hardware(nlohmann::json::parse(R"({"fanout_rounds": 1})"), "h.json", "hardware",
+                                    /*require_link_rates=*/false, &m);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.message().find("\"hardware.fanout_rounds\" must be true or false"), std::string::npos) << bad.message();
+  ASSERT_TRUE(apply_hardware(nlohmann::json::parse(R"({"fanout_rounds": false})"), "h.json", "hardware",
+                             /*require_link_rates=*/false, &m)
+                  .is_ok());
+  EXPECT_FALSE(m.fanout_rounds);
+}
+
+TEST(LowerBound, ReportsTheGroupOfSourcesThatAloneHoldTheMostPerNic) {
+  // Two sources each hold their own tensor whole: "a" (4096 bytes) only on
+  // source 0, "b" (1024 bytes) only on source 1; one receiver needs both.
+  json l = json::parse(R"({"format": "refit-layout/1"})");
+  l["sources"] = json::array({{{"rank", 0}, {"domain", 0}}, {{"rank", 1}, {"domain", 0}}});
+  l["receivers"] = json::array({{{"rank", 0}, {"domain", 0}, {"instance", 0}}});
+  l["tensors"] = json::array();
+  for (const auto& [name, elems, src] : {std::tuple{"a", 1024, 0}, std::tuple{"b", 256, 1}}) {
+    l["tensors"].push_back({{"name", name},
+                            {"dtype", "F32"},
+                            {"shape", {elems}},
+                            {"source", {{"mesh", {1}}, {"ranks", {src}}, {"placements", {"R"}}}},
+                            {"receiver", {{"mesh", {1}}, {"ranks", {0}}, {"placements", {"R"}}}}});
+  }
+  auto L = parse_layout_json(l.dump(), "two sources");
+  ASSERT_TRUE(L.is_ok()) << L.status().message();
+  auto plan = make_plan(*L);
+  ASSERT_TRUE(plan.is_ok());
+  auto lb = lower_bound(*plan, unit_hardware());
+  ASSERT_TRUE(lb.is_ok());
+  EXPECT_NEAR(lb->source_nics_seconds, 5120 / 2e9, 1e-15);  // spread over both: 2.56 us
+  EXPECT_NEAR(lb->source_group_seconds, 4096 / 1e9, 1e-15);  // source 0 alone: 4.096 us
+  EXPECT_EQ(lb->source_group_first, 0);
+  EXPECT_EQ(lb->source_group_size, 1);
+  EXPECT_NEAR(lb->seconds, 5120 / 1e9, 1e-15);  // the receiver's one NIC binds
 }
 
 TEST(Simulator, PackKeysAreCheckedNamingTheKey) {

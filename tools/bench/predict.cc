@@ -19,9 +19,11 @@ Result<HardwareModel> read_hardware_file(const std::string& path) {
     return Status::invalid("--hardware: \"" + path + "\" is not a JSON object of hardware figures");
   }
   HardwareModel model = default_hardware();
-  // refit-bench's fabrics (cma, ucx) pass on one run per send: the unpacked
-  // fan-out, unless the file says otherwise.
+  // refit-bench's fabrics (cma, ucx) pass on one run per send, one after
+  // another: the unpacked fan-out without rounds, unless the file says
+  // otherwise.
   model.fanout_pack_bytes = 0;
+  model.fanout_rounds = false;
   REFIT_RETURN_IF_ERROR(apply_hardware(j, path, "", /*require_link_rates=*/true, &model));
   REFIT_RETURN_IF_ERROR(check_hardware(model, path, ""));
   return model;

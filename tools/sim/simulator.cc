@@ -4,11 +4,14 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <queue>
 #include <span>
 #include <unordered_map>
+#include <utility>
 
 #include "transport/fabric/pack.h"
+#include "transport/fabric/round_words.h"
 #include "transport/ucx/chunking.h"
 
 namespace refit::sim {
@@ -30,6 +33,7 @@ struct Job {
 // whatever its runs (a DeepSeek-V3 plan on 2048 GPUs has 160 million).
 struct Send {
   int32_t to = 0;
+  uint32_t runs = 1;  // the fabric's sends: one per contiguous run
   int64_t bytes = 0;
 };
 
@@ -61,6 +65,24 @@ struct Convert {
 };
 
 // One resource: free from `free_at` on; what it carried.
+// The sends of one puller to one peer (the rounds' fan-out): their range
+// in the puller's order, and how far the rounds have passed them on.
+struct Pair {
+  int32_t from = 0;
+  int32_t to = 0;
+  uint64_t pos = 0;  // the next send, into the order
+  uint64_t end = 0;
+  uint32_t runs_done = 0;  // runs of the next send already passed on
+};
+
+// What one rank moves in the round being simulated.
+struct RankRound {
+  bool touched = false;
+  int64_t out_bytes = 0, in_bytes = 0;
+  int64_t out_ops = 0, in_ops = 0;            // packs and unpacked sends
+  int64_t gather_bytes = 0, scatter_bytes = 0;  // packed bytes it copies in GPU memory
+};
+
 struct Resource {
   double free_at = 0;
   double busy = 0;
@@ -117,7 +139,9 @@ class Sim {
     }
     last_span_.assign(static_cast<size_t>(Lane::kConvert) + 1, std::vector<int64_t>(std::max(R, S), -1));
     publish(S);
+    if (hw_.fanout_rounds) send_ready_.assign(sends_.size(), std::numeric_limits<float>::infinity());
     REFIT_RETURN_IF_ERROR(simulate_network(R));
+    if (hw_.fanout_rounds) simulate_rounds(R);
     finish(R, S);
     return std::move(r_);
   }
@@ -196,14 +220,16 @@ class Sim {
 
   // A send of `bytes` to `to` from a job's or a step's sends (they are
   // contiguous in sends_); runs to the same peer in a row are one send.
-  void add_send(uint32_t& begin, uint32_t& count, int32_t p, int32_t to, int64_t bytes, Walk& w) {
+  void add_send(uint32_t& begin, uint32_t& count, int32_t p, int32_t to, int64_t bytes, int64_t runs, Walk& w) {
     r_.local_bytes += bytes;
-    if (w.last_send_puller == p && count > 0 && sends_.back().to == to) {
+    if (w.last_send_puller == p && count > 0 && sends_.back().to == to &&
+        sends_.back().runs + runs <= std::numeric_limits<uint32_t>::max()) {
       sends_.back().bytes += bytes;
+      sends_.back().runs += static_cast<uint32_t>(runs);
       return;
     }
     if (count == 0) begin = static_cast<uint32_t>(sends_.size());
-    sends_.push_back(Send{to, bytes});
+    sends_.push_back(Send{to, static_cast<uint32_t>(runs), bytes});
     ++count;
     w.last_send_puller = p;
   }
@@ -243,13 +269,13 @@ class Sim {
       w.touched[p] = -1;
       if (w.step[p] >= 0) {  // the unit a step converted: its sends wait for it
         Convert& cv = converts_[w.step[p]];
-        return add_send(cv.sends_begin, cv.sends_count, p, run.to.rank, bytes, w);
+        return add_send(cv.sends_begin, cv.sends_count, p, run.to.rank, bytes, g.count, w);
       }
     }
     // A send reads bytes this puller pulled: its last job brought them.
     Job& job = jobs[w.last[p]];
     job.closed = true;
-    add_send(job.sends_begin, job.sends_count, p, run.to.rank, bytes, w);
+    add_send(job.sends_begin, job.sends_count, p, run.to.rank, bytes, g.count, w);
   }
 
   // Sources that serve a host mirror copy each shard there at publish, and
@@ -479,6 +505,10 @@ class Sim {
   // follows on them is approximate).
   void send(int32_t p, uint32_t begin, uint32_t count, double ready) {
     if (ready >= thread_from_[p] && ready < conv_[p].free_at) ready = conv_[p].free_at;  // passed after it
+    if (hw_.fanout_rounds) {  // passed on in rounds, once the network is simulated
+      for (uint32_t k = 0; k < count; ++k) send_ready_[begin + k] = static_cast<float>(ready);
+      return;
+    }
     const double nvl = hw_.nvlink_bytes_per_s();
     const double op = hw_.local_op_us * 1e-6;
     const fabric::PackLimits limits{static_cast<uint64_t>(hw_.fanout_pack_bytes),
@@ -516,6 +546,208 @@ class Sim {
       if (fan_first_ < 0 || start < fan_first_) fan_first_ = start;
       r_.phases.fanout.end = std::max(r_.phases.fanout.end, start + d);
     }
+  }
+
+  // The fan-out in rounds (docs/simulator.md, "The fan-out in rounds"),
+  // once the network is simulated: nothing on the network waits for the
+  // fan-out, so every send's ready time is known by then. Ranks that pass
+  // slices to each other, directly or through others, go in lockstep, as
+  // the nccl fabric's count exchange with every active peer makes them.
+  void simulate_rounds(int32_t R) {
+    // Each puller's sends by (peer, order): one range per (puller, peer).
+    std::vector<uint32_t> order;
+    order.reserve(sends_.size());
+    plan_pos_.assign(sends_.size(), 0);
+    std::vector<Pair> pairs;
+    std::vector<int32_t> parent(R);
+    for (int32_t p = 0; p < R; ++p) parent[p] = p;
+    auto root = [&](int32_t x) {
+      while (parent[x] != x) x = parent[x] = parent[parent[x]];
+      return x;
+    };
+    std::vector<std::vector<int32_t>> steps_of(R);
+    for (size_t k = 0; k < converts_.size(); ++k) steps_of[converts_[k].puller].push_back(static_cast<int32_t>(k));
+    std::vector<uint32_t> mine;
+    std::vector<uint64_t> at(R, 0);  // per peer: its count, then where its next send goes
+    std::vector<int32_t> peers;
+    for (int32_t p = 0; p < R; ++p) {
+      // Its sends in plan order (the jobs' and the steps' interleave there),
+      // then grouped by peer, in that order.
+      mine.clear();
+      for (const Job& j : jobs_[p])
+        for (uint32_t k = 0; k < j.sends_count; ++k) mine.push_back(j.sends_begin + k);
+      for (int32_t c : steps_of[p])
+        for (uint32_t k = 0; k < converts_[c].sends_count; ++k) mine.push_back(converts_[c].sends_begin + k);
+      if (!steps_of[p].empty()) std::sort(mine.begin(), mine.end());
+      const size_t first = order.size();
+      peers.clear();
+      for (uint32_t i : mine)
+        if (at[sends_[i].to]++ == 0) peers.push_back(sends_[i].to);
+      std::sort(peers.begin(), peers.end());
+      uint64_t pos = first;
+      for (int32_t q : peers) pos += std::exchange(at[q], pos);
+      order.resize(pos);
+      for (uint32_t i : mine) order[at[sends_[i].to]++] = i;
+      for (int32_t q : peers) at[q] = 0;
+      for (size_t i = first; i < order.size();) {
+        const int32_t q = sends_[order[i]].to;
+        size_t e = i;
+        uint32_t runs = 0;  // the pair's plan-order positions, in runs
+        for (; e < order.size() && sends_[order[e]].to == q; ++e) {
+          plan_pos_[order[e]] = runs;
+          runs += sends_[order[e]].runs;
+        }
+        // The fabric passes them on in the order they became ready.
+        std::stable_sort(order.begin() + static_cast<std::ptrdiff_t>(i), order.begin() + static_cast<std::ptrdiff_t>(e),
+                         [&](uint32_t a, uint32_t b) { return send_ready_[a] < send_ready_[b]; });
+        pairs.push_back(Pair{p, q, i, e, 0});
+        parent[root(p)] = root(q);
+        i = e;
+      }
+    }
+    std::vector<std::vector<uint32_t>> members(R);  // per component's root: its pairs
+    for (size_t i = 0; i < pairs.size(); ++i) members[root(pairs[i].from)].push_back(static_cast<uint32_t>(i));
+    acc_.assign(R, RankRound{});
+    for (const std::vector<uint32_t>& comp : members)
+      if (!comp.empty()) run_rounds(comp, pairs, order);
+  }
+
+  // One component's rounds. A round starts when the last one ended (or,
+  // when nothing is ready, at the next ready send) and takes, per pair,
+  // the prefix of its sends ready by then (take_round); it lasts two
+  // local_op_us (the count exchange, the group's launch) and its busiest
+  // rank's time (round_seconds).
+  void run_rounds(const std::vector<uint32_t>& comp, std::vector<Pair>& pairs, const std::vector<uint32_t>& order) {
+    using Head = std::pair<float, uint32_t>;  // the pair's next send's ready time, the pair
+    std::priority_queue<Head, std::vector<Head>, std::greater<Head>> heads;
+    auto head = [&](uint32_t i) { return Head{send_ready_[order[pairs[i].pos]], i}; };
+    for (uint32_t i : comp) heads.push(head(i));
+    const double op = hw_.local_op_us * 1e-6;
+    std::vector<uint32_t> taken;
+    std::vector<int32_t> touched;
+    double t = 0;
+    while (!heads.empty()) {
+      t = std::max(t, static_cast<double>(heads.top().first));
+      if (fan_first_ < 0 || t < fan_first_) fan_first_ = t;
+      taken.clear();
+      touched.clear();
+      while (!heads.empty() && static_cast<double>(heads.top().first) <= t) {
+        const uint32_t i = heads.top().second;
+        heads.pop();
+        take_round(pairs[i], order, t, touched);
+        taken.push_back(i);
+      }
+      double worst = 0;
+      for (int32_t r : touched) worst = std::max(worst, round_seconds(r, t + 2 * op));
+      for (int32_t r : touched) acc_[r] = RankRound{};
+      t += 2 * op + worst;
+      ++r_.local_rounds;
+      r_.phases.fanout.end = std::max(r_.phases.fanout.end, t);
+      for (uint32_t i : taken)
+        if (pairs[i].pos < pairs[i].end) heads.push(head(i));
+    }
+  }
+
+  // What pair `x` passes on in the round at `t`: the prefix of its sends
+  // ready by `t`, at most kDefaultMaxSendsPerRound runs; with packing, a run
+  // below the threshold and within the peer's share goes in the pair's pack
+  // (at the next 16-byte offset), and the round stops before the first
+  // packed run that would pass the share (fabric::plan_pack's rule).
+  void take_round(Pair& x, const std::vector<uint32_t>& order, double t, std::vector<int32_t>& touched) {
+    const uint64_t threshold = static_cast<uint64_t>(hw_.fanout_pack_threshold);
+    const fabric::PackLimits limits{static_cast<uint64_t>(hw_.fanout_pack_bytes), threshold};
+    const uint64_t share = fabric::pack_share(limits, static_cast<size_t>(domain_size_[x.from]));
+    uint64_t cap = fabric::kDefaultMaxSendsPerRound;
+    uint64_t at = 0;  // the pack's end so far
+    int64_t bytes = 0, packed_bytes = 0, unpacked = 0, packed = 0;
+    uint64_t ranges = 0, next = UINT64_MAX;  // ranges of consecutive positions, the next position of the last
+    bool full = false;
+    while (!full && cap > 0 && x.pos < x.end && static_cast<double>(send_ready_[order[x.pos]]) <= t) {
+      const Send& s = sends_[order[x.pos]];
+      const uint64_t left = s.runs - x.runs_done;
+      const auto piece = static_cast<uint64_t>(s.bytes) / s.runs;  // the runs of one send: their mean
+      const bool small = share > 0 && piece < threshold && piece <= share;
+      const uint64_t position = static_cast<uint64_t>(plan_pos_[order[x.pos]]) + x.runs_done;
+      if (position != next) {
+        if (ranges == fabric::kMaxRanges) break;
+        ++ranges;
+      }
+      uint64_t n = std::min(left, cap);
+      if (small) {
+        const uint64_t from = packed > 0 ? (at + fabric::kPackAlign - 1) / fabric::kPackAlign * fabric::kPackAlign : 0;
+        const uint64_t step = (piece + fabric::kPackAlign - 1) / fabric::kPackAlign * fabric::kPackAlign;
+        const uint64_t fit = from + piece <= share ? 1 + (share - from - piece) / step : 0;
+        if (fit < n) {
+          n = fit;
+          full = true;
+        }
+        if (n > 0) at = from + (n - 1) * step + piece;
+      }
+      // The bytes of runs [runs_done, runs_done + n) of the send.
+      const auto part = [&](uint64_t k) {
+        return static_cast<int64_t>(static_cast<__int128>(s.bytes) * static_cast<__int128>(k) / s.runs);
+      };
+      const int64_t b = part(x.runs_done + n) - part(x.runs_done);
+      bytes += b;
+      if (small) {
+        packed_bytes += b;
+        packed += static_cast<int64_t>(n);
+      } else {
+        unpacked += static_cast<int64_t>(n);
+      }
+      cap -= n;
+      next = position + n;
+      x.runs_done += static_cast<uint32_t>(n);
+      if (x.runs_done == s.runs) {
+        ++x.pos;
+        x.runs_done = 0;
+      }
+    }
+    const int64_t ops = unpacked + (packed > 0 ? 1 : 0);
+    r_.local_ops += ops;
+    r_.local_packed += packed > 0 ? packed - 1 : 0;
+    for (const int32_t r : {x.from, x.to}) {
+      RankRound& a = acc_[r];
+      if (!a.touched) touched.push_back(r);
+      a.touched = true;
+    }
+    RankRound& out = acc_[x.from];
+    RankRound& in = acc_[x.to];
+    out.out_bytes += bytes;
+    out.out_ops += ops;
+    out.gather_bytes += packed_bytes;
+    in.in_bytes += bytes;
+    in.in_ops += ops;
+    in.scatter_bytes += packed_bytes;
+  }
+
+  // Rank `r`'s time in a round whose data starts at `start`: the gather of
+  // its packs, its bytes out or in over NVLink with local_send_us per
+  // operation (whichever direction is longer: the link is full duplex),
+  // the scatter of the packs it received.
+  double round_seconds(int32_t r, double start) {
+    const RankRound& a = acc_[r];
+    const double nvl = hw_.nvlink_bytes_per_s();
+    const double send = hw_.local_send_us * 1e-6;
+    const double gather = static_cast<double>(a.gather_bytes) / hw_.gpu_copy_bytes_per_s();
+    const double scatter = static_cast<double>(a.scatter_bytes) / hw_.gpu_copy_bytes_per_s();
+    const double out = static_cast<double>(a.out_bytes) / nvl + static_cast<double>(a.out_ops) * send;
+    const double in = static_cast<double>(a.in_bytes) / nvl + static_cast<double>(a.in_ops) * send;
+    if (a.out_bytes > 0 || a.out_ops > 0) {
+      Resource& o = nvl_out_[r];
+      o.busy += gather + out;
+      o.bytes += a.out_bytes;
+      o.free_at = start + gather + out;
+      span(Lane::kNvlinkOut, r, start, o.free_at, a.out_bytes);
+    }
+    if (a.in_bytes > 0 || a.in_ops > 0) {
+      Resource& i = nvl_in_[r];
+      i.busy += in + scatter;
+      i.bytes += a.in_bytes;
+      i.free_at = start + gather + std::max(out, in) + scatter;
+      span(Lane::kNvlinkIn, r, i.free_at - in - scatter, i.free_at, a.in_bytes);
+    }
+    return gather + std::max(out, in) + scatter;
   }
 
   void span(Lane lane, int32_t rank, double start, double end, int64_t bytes) {
@@ -570,6 +802,9 @@ class Sim {
   SimResult r_;
   std::vector<std::vector<Job>> jobs_;  // per receiver, in its execution order
   std::vector<Send> sends_;
+  std::vector<float> send_ready_;  // with rounds: per send, when its bytes are usable
+  std::vector<RankRound> acc_;     // with rounds: per rank, the round being simulated
+  std::vector<uint32_t> plan_pos_; // with rounds: per send, its first run's position in its pair's plan order
   std::vector<Convert> converts_;
   std::vector<std::vector<int32_t>> steps_;  // per puller: its conversion steps, in order
   std::vector<std::vector<uint8_t>> done_;   // per puller and job: all its GETs landed
@@ -682,6 +917,40 @@ void gpu_ingress(const Layout& L, double bytes_per_s, LowerBound& lb) {
 
 }  // namespace
 
+namespace {
+
+// The groups of sources that alone hold some bytes: for each set of
+// holders' ranks X, the bytes whose holders all lie in X must cross X's
+// NICs, B(X) / (|X| x NIC). Not part of the bound as defined (the bound
+// spreads the network bytes over all source NICs), reported beside it: a
+// trainer whose pipeline stages differ in bytes cannot serve faster than
+// its largest stage's ranks.
+void source_groups(const Layout& L, const std::map<std::vector<uint32_t>, int64_t>& by_holders, double nic,
+                   LowerBound& lb) {
+  std::vector<std::pair<std::vector<int32_t>, int64_t>> groups;  // ranks ascending, bytes
+  for (const auto& [ids, bytes] : by_holders) {
+    std::vector<int32_t> ranks;
+    for (uint32_t id : ids)
+      for (int32_t r : L.source_sets.get(id)) ranks.push_back(r);
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    if (!ranks.empty()) groups.emplace_back(std::move(ranks), bytes);
+  }
+  for (const auto& [x, unused] : groups) {
+    int64_t bytes = 0;
+    for (const auto& [y, b] : groups)
+      if (y.size() <= x.size() && std::includes(x.begin(), x.end(), y.begin(), y.end())) bytes += b;
+    const double t = static_cast<double>(bytes) / (static_cast<double>(x.size()) * nic);
+    if (t > lb.source_group_seconds) {
+      lb.source_group_seconds = t;
+      lb.source_group_first = x.front();
+      lb.source_group_size = static_cast<int32_t>(x.size());
+    }
+  }
+}
+
+}  // namespace
+
 Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
   if (plan.options().strategy != Strategy::kRefit)
     return Status::invalid("the lower bound is computed from a refit plan (its units carry the domains)");
@@ -706,6 +975,10 @@ Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
     return t.converted_sources.empty() ? eb : std::min(eb, dtype_bytes(t.dtype_on(Side::kReceiver)));
   };
   int64_t network_bytes = 0;
+  // Bytes per set of holders (their source-set ids, ascending): each set's
+  // ranks alone can serve them.
+  std::map<std::vector<uint32_t>, int64_t> by_holders;
+  std::vector<uint32_t> key;
   for (const Unit& u : plan.units()) {
     const PullSet& ps = plan.pull_set(u);
     const Tensor& t = L.tensors[u.tensor];
@@ -722,8 +995,14 @@ Result<LowerBound> lower_bound(const Plan& plan, const HardwareModel& hw) {
         }
       }
       if (one && only >= 0) exclusive[only] += p.box.numel() * eb;
+      key.clear();
+      for (uint32_t h : plan.holders(ps, p)) key.push_back(t.sources[h].ranks);
+      std::sort(key.begin(), key.end());
+      key.erase(std::unique(key.begin(), key.end()), key.end());
+      by_holders[key] += p.box.numel() * eb;
     }
   }
+  source_groups(L, by_holders, nic, lb);
   for (size_t d = 0; d < domain_bytes.size(); ++d) {
     if (domain_gpus[d] == 0) continue;
     const double t = static_cast<double>(domain_bytes[d]) / (static_cast<double>(domain_gpus[d]) * nic);

@@ -5,21 +5,32 @@
 //
 // - Each receiver executes its part as the receiver agent does: its network
 //   runs (for_each_run order) queued per source, split into GETs of
-//   `get_chunk_bytes`, issued by the agent's own ChunkScheduler (round robin
-//   over sources, a window of `window_bytes` in flight); each fan-out send
+//   `get_chunk_bytes`, issued by the agent's own ChunkScheduler (the source
+//   it is furthest behind with first, a window of `window_bytes` in
+//   flight); each fan-out send
 //   becomes ready once the network runs it reads have landed (and, with
 //   `gets_land_in_host`, been copied to the GPU).
 // - Resources are exclusive and served first come, first served: a
 //   receiver posts its GETs one after another at the per-GET cost; a posted
 //   GET holds its source's NIC for bytes / bandwidth, in the order GETs were
-//   posted, and its receiver's NIC takes the bytes in at its own rate; a
-//   fan-out send holds the sender's NVLink out and the receiver's NVLink in;
+//   posted, and its receiver's NIC takes the bytes in at its own rate;
 //   host copies hold the GPU's PCIe link.
+// - The fan-out, with `fanout_rounds` (the nccl fabric), in rounds, once
+//   the network is simulated (nothing there waits for it): the ranks that
+//   pass slices to each other go in lockstep; a round takes, per puller and
+//   peer, the sends ready by its start in the order they became ready (at
+//   most 256 runs and 30 ranges of consecutive positions, round_words.h)
+//   and lasts two `local_op_us` plus its busiest rank's gather, bytes (out
+//   or in, with `local_send_us` per operation) and scatter. Without it (the
+//   cma and ucx fabrics), each send holds the puller's NVLink out and the
+//   peer's NVLink in for `local_op_us` plus its bytes, one after another.
 // - With `fanout_pack_bytes` (the nccl fabric's packed fan-out,
-//   transport/fabric/pack.h), a small send to a peer that is ready before
-//   the puller's last pack to that peer has started joins that pack: no
-//   `local_op_us` of its own, its bytes over NVLink plus its gather and
-//   scatter copies in GPU memory, up to the pack's share of the area.
+//   transport/fabric/pack.h), a round's small sends to a peer go in one
+//   pack up to the peer's share of the area (pack.h's rule); without rounds
+//   a small send ready before the puller's last pack to that peer has
+//   started joins that pack. A packed send pays its bytes over NVLink plus
+//   its gather and scatter copies in GPU memory, and no operation of its
+//   own.
 // - Consecutive network runs of one receiver from one source, with no
 //   fan-out send reading them in between, are simulated as one job of up to
 //   the plan's chunk bytes, with the GET count of all its runs. That keeps a
@@ -125,6 +136,7 @@ struct SimResult {
   int64_t local_runs = 0;           // the contiguous runs in them: the fabric's sends (one each)
   int64_t local_ops = 0;            // fan-out operations charged local_op_us: sends, or packs of them
   int64_t local_packed = 0;         // sends that joined a pack another send opened (no op of their own)
+  int64_t local_rounds = 0;         // with fanout_rounds: the rounds, summed over the sets of ranks in lockstep
   int64_t jobs = 0;                 // network jobs simulated
   int64_t events = 0;               // GET chunks simulated
   int64_t converts = 0;             // conversion steps (ConvertStep) the pullers run
@@ -158,7 +170,10 @@ SimResult estimate_broadcast(const Plan& plan, const HardwareModel& hw);
 // - per receiving GPU, the bytes it needs over its NIC plus NVLink
 //   bandwidth (what it can take in at all).
 // `source_exclusive_seconds` (a source's bytes that no other source holds,
-// over its NIC) is reported beside it and is not part of the maximum.
+// over its NIC) and `source_group_seconds` (the same for a group of
+// sources: the bytes that only its members hold, a pipeline stage's ranks
+// or an expert's replicas, over their NICs) are reported beside it and are
+// not part of the maximum.
 struct LowerBound {
   double seconds = 0;
   std::string binding;  // which term is the largest
@@ -169,6 +184,9 @@ struct LowerBound {
   int32_t gpu = -1;
   double source_exclusive_seconds = 0;
   int32_t exclusive_source = -1;
+  double source_group_seconds = 0;
+  int32_t source_group_first = -1;  // its lowest source rank
+  int32_t source_group_size = 0;
 };
 
 // REQUIRES a kRefit plan (its units carry the real domains).
