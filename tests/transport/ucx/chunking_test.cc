@@ -234,9 +234,21 @@ TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
     std::vector<uint8_t> closed(runs.size(), 0);
     ChunkScheduler::Gate gate = [&](uint32_t run) { return closed[run] == 0; };
     std::vector<Chunk> in_flight;
-    for (int step = 0; step < 4000 && !sched->done(); ++step) {
+    std::set<std::pair<uint32_t, uint64_t>> out;  // (run, offset) issued and not completed or requeued
+    std::vector<uint64_t> landed(runs.size(), 0);
+    std::vector<int> finished(runs.size(), 0);
+    std::vector<uint8_t> dropped(eps, 0);
+    // After `steps` random operations every endpoint is let go and every
+    // gate opened, and what is left drains.
+    const int steps = 4000;
+    for (int step = 0; !sched->done(); ++step) {
       SCOPED_TRACE("iteration " + std::to_string(iter) + " step " + std::to_string(step));
-      const uint64_t op = rng() % 100;
+      ASSERT_LT(step, steps + 100000) << "the scheduler stalled";
+      if (step == steps) {
+        for (uint32_t e = 0; e < eps; ++e) sched->hold(e, false), ref.hold(e, false);
+        std::fill(closed.begin(), closed.end(), 0);
+      }
+      const uint64_t op = step < steps ? rng() % 100 : (rng() % 2 ? 0 : 50);
       if (op < 50) {
         const std::optional<Chunk> got = sched->next(gate);
         const std::optional<Chunk> want = ref.next(gate);
@@ -246,18 +258,28 @@ TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
           ASSERT_EQ(got->offset, want->offset);
           ASSERT_EQ(got->bytes, want->bytes);
           ASSERT_EQ(got->endpoint, want->endpoint);
+          ASSERT_TRUE(out.insert({got->run, got->offset}).second) << "a chunk issued twice";
           in_flight.push_back(*got);
+        } else if (step >= steps) {
+          ASSERT_FALSE(in_flight.empty()) << "nothing fits with nothing in flight";
         }
       } else if (op < 80 && !in_flight.empty()) {
         const size_t k = rng() % in_flight.size();
         const Chunk c = in_flight[k];
         in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(k));
-        (void)sched->complete(c);
+        out.erase({c.run, c.offset});
+        landed[c.run] += c.bytes;
+        const bool done = sched->complete(c);
         ref.complete(c);
+        if (!dropped[c.endpoint]) {
+          EXPECT_EQ(done, landed[c.run] == runs[c.run].bytes);
+        }
+        finished[c.run] += done;
       } else if (op < 88 && !in_flight.empty()) {
         const size_t k = rng() % in_flight.size();
         const Chunk c = in_flight[k];
         in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(k));
+        out.erase({c.run, c.offset});
         sched->requeue(c);
         ref.requeue(c);
       } else if (op < 94) {
@@ -269,12 +291,24 @@ TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
         closed[rng() % runs.size()] ^= 1;
       } else if (op < 99) {
         const auto e = static_cast<uint32_t>(rng() % eps);
-        (void)sched->drop_endpoint(e);
+        for (uint32_t run : sched->drop_endpoint(e)) ++finished[run];
         ref.drop(e);
+        dropped[e] = 1;
       }
       ASSERT_EQ(sched->pending_chunks(), ref.pending());
       ASSERT_LE(sched->bytes_in_flight(), l.max_bytes_in_flight);
       ASSERT_LE(sched->ops_in_flight(), l.max_ops_in_flight);
+      ASSERT_EQ(sched->ops_in_flight(), in_flight.size());
+    }
+    for (size_t i = 0; i < runs.size(); ++i) {
+      EXPECT_TRUE(sched->run_finished(static_cast<uint32_t>(i)));
+      // A run finishes once: its last chunk landed, or its endpoint was
+      // dropped with nothing of it in flight. (A run of a dropped endpoint
+      // that finished before the drop is not named again.)
+      EXPECT_EQ(finished[i], 1) << "run " << i;
+      if (!dropped[runs[i].endpoint]) {
+        EXPECT_EQ(landed[i], runs[i].bytes) << "run " << i;
+      }
     }
   }
 }
