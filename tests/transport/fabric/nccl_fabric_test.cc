@@ -388,6 +388,41 @@ TEST(NcclFabric, ASliceStillOnItsWayDoesNotHoldBackTheOnesThatLanded) {
   EXPECT_EQ(d.buffers[1], c.expected[1]);
 }
 
+// Rank 0 passes seven of its eight slices to rank 1, in ready order, and
+// never the first: at the deadline both time out, each naming the other
+// (rank 1 is owed a slice by rank 0, rank 0 owes one to rank 1), and the
+// seven that crossed have landed.
+TEST(NcclFabric, ASliceNeverPassedIsATimeoutNamingThePairAtBothEnds) {
+  Domain d(2, 5);
+  FanoutCase& c = d.c;
+  c.plan.clear();
+  c.start.assign(2, std::vector<uint8_t>(2 * c.half, 0));
+  c.expected = c.start;
+  for (uint64_t k = 0; k < 8; ++k) {
+    for (uint64_t i = 0; i < 1024; ++i) c.start[0][k * 1024 + i] = static_cast<uint8_t>(1 + (k * 31 + i) % 251);
+    c.plan.push_back(testing::Transfer{0, 1, k * 1024, 1024});
+  }
+  std::vector<Schedule> s = d.schedules(1);
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(300);
+  for (int32_t r = 0; r < 2; ++r) ASSERT_TRUE(d.fabrics[r].fabric->begin(s[r], deadline).is_ok());
+  Status received;
+  std::thread rank1([&] { received = d.fabrics[1].fabric->finish(false); });
+  const std::vector<uint32_t> landed = {7, 3, 5, 1, 2, 6, 4};
+  ASSERT_TRUE(d.fabrics[0].fabric->send(landed).is_ok());
+  std::this_thread::sleep_until(deadline + std::chrono::milliseconds(100));
+  const Status sent = d.fabrics[0].fabric->finish(true);
+  rank1.join();
+  EXPECT_LT(Clock::now() - deadline, std::chrono::seconds(3));
+  for (int32_t r = 0; r < 2; ++r) d.fabrics[r].fabric->end();
+  EXPECT_EQ(sent.code(), Code::kTimeout) << sent.message();
+  EXPECT_NE(sent.message().find("receiver rank(s) 1 "), std::string::npos) << sent.message();
+  EXPECT_EQ(received.code(), Code::kTimeout) << received.message();
+  EXPECT_NE(received.message().find("receiver rank(s) 0 "), std::string::npos) << received.message();
+  EXPECT_EQ(d.nccl[1]->slices_received(), 7u);
+  for (uint64_t i = 1024; i < 8 * 1024; ++i) ASSERT_EQ(d.buffers[1][i], c.start[0][i]) << "byte " << i;
+  for (uint64_t i = 0; i < 1024; ++i) ASSERT_EQ(d.buffers[1][i], 0) << "byte " << i;
+}
+
 TEST(NcclFabric, RanksThatRunDifferentPlansFailInsteadOfWritingWrongBytes) {
   uint32_t seed = 12;
   auto crosses = [](const FanoutCase& c) {
