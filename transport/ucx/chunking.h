@@ -69,12 +69,12 @@ class ChunkScheduler {
   // The next chunk that fits the window (and that `gate`, if any, lets go),
   // reserving its bytes and op. Of the endpoints whose next chunk fits, the
   // one furthest behind goes: the smallest share of its bytes issued, ties
-  // in turn (round robin from the last one issued). So a receiver pulls
-  // from each source in proportion to what it needs from it, and all its
-  // sources finish together: with equal turns, a source it needs more from
-  // would be left alone at the end, its NIC the only one busy
-  // (docs/refresh.md, "The GET window"). A slow peer takes no more than its
-  // share either. nullopt when nothing pending fits now (or nothing is
+  // to the least recently issued (then the lowest index). So a receiver
+  // pulls from each source in proportion to what it needs from it, and all
+  // its sources finish together: with equal turns, a source it needs more
+  // from would be left alone at the end, its NIC the only one busy
+  // (docs/refresh.md, "One refresh (direct mode)"). A slow peer takes no
+  // more than its share either. nullopt when nothing pending fits now (or nothing is
   // pending).
   std::optional<Chunk> next(const Gate& gate = {});
 
