@@ -3,9 +3,11 @@
 
 #include "tools/sim/simulator.h"
 
+#include <cmath>
 #include <string>
 
 #include <gtest/gtest.h>
+
 #include <nlohmann/json.hpp>
 
 #include "planner/get_stats.h"
@@ -735,6 +737,50 @@ TEST(Simulator, RoundsCarryWhatBecameReadyWithinTheFabricsLimits) {
   // ordered pairs, at least their mean, needs a round per five of its runs.
   EXPECT_GE(b.local_rounds, (a.local_runs / 12 + 4) / 5);
   EXPECT_LT(b.predicted_seconds, a.predicted_seconds);  // fewer operations
+}
+
+// Whatever the layout and packing, with rounds every local byte crosses
+// NVLink once out and once in (the trace's spans carry them), every run is
+// one operation or joins a pack (local_ops + local_packed == local_runs),
+// and the prediction is finite; walking the runs one by one gives the same.
+TEST(Simulator, RoundsCarryEveryLocalByteAndRunOnce) {
+  const std::vector<std::pair<const char*, Layout>> layouts = {
+      {"replicated", replicated(1, {0, 0, 0}, 1024)},
+      {"many", many_replicated(300, {0, 0, 0, 0}, 256)},
+  };
+  for (const auto& [name, L] : layouts) {
+    auto plan = make_plan(L);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    for (int64_t pack : {int64_t{0}, int64_t{64} << 10}) {
+      for (int64_t threshold : {int64_t{1} << 20, int64_t{64}}) {
+        for (bool expanded : {false, true}) {
+          SCOPED_TRACE(std::string(name) + " pack " + std::to_string(pack) + " threshold " +
+                       std::to_string(threshold) + (expanded ? " expanded" : ""));
+          HardwareModel hw = unit_hardware();
+          hw.fanout_rounds = true;
+          hw.local_send_us = 1;
+          hw.fanout_pack_bytes = pack;
+          hw.fanout_pack_threshold = threshold;
+          SimOptions o;
+          o.trace = true;
+          o.expanded = expanded;
+          auto r = simulate(*plan, hw, o);
+          ASSERT_TRUE(r.is_ok()) << r.status().message();
+          ASSERT_GT(r->local_bytes, 0);
+          EXPECT_EQ(r->local_ops + r->local_packed, r->local_runs);
+          EXPECT_TRUE(std::isfinite(r->predicted_seconds));
+          EXPECT_GT(r->local_rounds, 0);
+          int64_t out = 0, in = 0;
+          for (const TraceSpan& t : r->trace) {
+            if (t.lane == Lane::kNvlinkOut) out += t.bytes;
+            if (t.lane == Lane::kNvlinkIn) in += t.bytes;
+          }
+          EXPECT_EQ(out, r->local_bytes);
+          EXPECT_EQ(in, r->local_bytes);
+        }
+      }
+    }
+  }
 }
 
 TEST(Simulator, RoundsKeyAndSendCostAreCheckedNamingTheKey) {

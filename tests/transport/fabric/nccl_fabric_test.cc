@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
+#include <random>
 #include <thread>
 
 #include "fanout_case.h"
@@ -27,6 +29,59 @@ PackLimits small_packs() {
   return l;
 }
 
+// Rewrites what its rank announces in a round (round_words.h) before the
+// words leave: `round` counts the rank's count exchanges from 0, `words`
+// are its host words [0, W n), the block for NCCL rank p at W p.
+using Tamper = std::function<void(int round, uint64_t* words, size_t n)>;
+
+// A host communicator whose rank lies in its announcements: every call goes
+// to the real one, put_words after `tamper` rewrote the host words.
+class TamperComm final : public cuda::DomainComm {
+ public:
+  TamperComm(std::unique_ptr<cuda::DomainComm> comm, Tamper tamper) : c_(std::move(comm)), tamper_(std::move(tamper)) {}
+  int32_t rank() const override { return c_->rank(); }
+  int32_t size() const override { return c_->size(); }
+  void set_deadline(Clock::time_point d) override { c_->set_deadline(d); }
+  uint64_t* words() override { return c_->words(); }
+  uint64_t* host_words() override { return c_->host_words(); }
+  size_t word_count() const override { return c_->word_count(); }
+  Status put_words(size_t n) override {
+    tamper_(round_++, c_->host_words(), n);
+    return c_->put_words(n);
+  }
+  Status get_words(size_t from, size_t n) override { return c_->get_words(from, n); }
+  Status order_after_upstream() override { return c_->order_after_upstream(); }
+  Status issue(std::span<const cuda::P2p> group) override { return c_->issue(group); }
+  Result<bool> idle() override { return c_->idle(); }
+  void abort() override { c_->abort(); }
+  Result<PackAreas> pack_areas(uint64_t bytes, size_t max_pieces) override {
+    return c_->pack_areas(bytes, max_pieces);
+  }
+  Status scatter(std::span<const cuda::ScatterPiece> pieces) override { return c_->scatter(pieces); }
+
+ private:
+  std::unique_ptr<cuda::DomainComm> c_;
+  Tamper tamper_;
+  int round_ = 0;
+};
+
+class TamperFactory final : public cuda::CommFactory {
+ public:
+  TamperFactory(bool can_scatter, Tamper tamper) : f_(can_scatter), tamper_(std::move(tamper)) {}
+  bool can_scatter() const override { return f_.can_scatter(); }
+  Result<std::vector<uint8_t>> unique_id() override { return f_.unique_id(); }
+  Result<std::unique_ptr<cuda::DomainComm>> connect(const std::vector<uint8_t>& id, int32_t size, int32_t rank,
+                                                    Clock::time_point deadline) override {
+    Result<std::unique_ptr<cuda::DomainComm>> c = f_.connect(id, size, rank, deadline);
+    if (!c.is_ok()) return c;
+    return std::unique_ptr<cuda::DomainComm>(std::make_unique<TamperComm>(std::move(c).value(), tamper_));
+  }
+
+ private:
+  cuda::testing::HostCommFactory f_;
+  Tamper tamper_;
+};
+
 struct Domain {
   FanoutCase c;
   std::vector<std::vector<uint8_t>> buffers;
@@ -36,6 +91,7 @@ struct Domain {
   PackLimits pack;
   bool can_scatter = true;
   uint32_t max_sends = kDefaultMaxSendsPerRound;  // of the ranks add() makes
+  Tamper tamper;  // where set, the ranks add() makes lie with it
 
   Domain(int32_t ranks, uint32_t seed, uint64_t half = 24 << 10, uint64_t chunk = 4096,
          PackLimits limits = small_packs(), bool scatter = true)
@@ -47,8 +103,13 @@ struct Domain {
     config.rank = r;
     config.pack = pack;
     config.max_sends_per_round = max_sends;
-    Result<std::unique_ptr<NcclFabric>> f =
-        NcclFabric::create(config, std::make_unique<cuda::testing::HostCommFactory>(can_scatter));
+    std::unique_ptr<cuda::CommFactory> factory;
+    if (tamper) {
+      factory = std::make_unique<TamperFactory>(can_scatter, tamper);
+    } else {
+      factory = std::make_unique<cuda::testing::HostCommFactory>(can_scatter);
+    }
+    Result<std::unique_ptr<NcclFabric>> f = NcclFabric::create(config, std::move(factory));
     EXPECT_TRUE(f.is_ok()) << f.status().message();
     RankFabric rf;
     rf.contact = (*f)->contact();
@@ -327,6 +388,41 @@ TEST(NcclFabric, ASliceStillOnItsWayDoesNotHoldBackTheOnesThatLanded) {
   EXPECT_EQ(d.buffers[1], c.expected[1]);
 }
 
+// Rank 0 passes seven of its eight slices to rank 1, in ready order, and
+// never the first: at the deadline (1 s) both time out, each naming the other
+// (rank 1 is owed a slice by rank 0, rank 0 owes one to rank 1), and the
+// seven that crossed have landed.
+TEST(NcclFabric, ASliceNeverPassedIsATimeoutNamingThePairAtBothEnds) {
+  Domain d(2, 5);
+  FanoutCase& c = d.c;
+  c.plan.clear();
+  c.start.assign(2, std::vector<uint8_t>(2 * c.half, 0));
+  c.expected = c.start;
+  for (uint64_t k = 0; k < 8; ++k) {
+    for (uint64_t i = 0; i < 1024; ++i) c.start[0][k * 1024 + i] = static_cast<uint8_t>(1 + (k * 31 + i) % 251);
+    c.plan.push_back(testing::Transfer{0, 1, k * 1024, 1024});
+  }
+  std::vector<Schedule> s = d.schedules(1);
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(1);
+  for (int32_t r = 0; r < 2; ++r) ASSERT_TRUE(d.fabrics[r].fabric->begin(s[r], deadline).is_ok());
+  Status received;
+  std::thread rank1([&] { received = d.fabrics[1].fabric->finish(false); });
+  const std::vector<uint32_t> landed = {7, 3, 5, 1, 2, 6, 4};
+  ASSERT_TRUE(d.fabrics[0].fabric->send(landed).is_ok());
+  std::this_thread::sleep_until(deadline + std::chrono::milliseconds(100));
+  const Status sent = d.fabrics[0].fabric->finish(true);
+  rank1.join();
+  EXPECT_LT(Clock::now() - deadline, std::chrono::seconds(3));
+  for (int32_t r = 0; r < 2; ++r) d.fabrics[r].fabric->end();
+  EXPECT_EQ(sent.code(), Code::kTimeout) << sent.message();
+  EXPECT_NE(sent.message().find("receiver rank(s) 1 "), std::string::npos) << sent.message();
+  EXPECT_EQ(received.code(), Code::kTimeout) << received.message();
+  EXPECT_NE(received.message().find("receiver rank(s) 0 "), std::string::npos) << received.message();
+  EXPECT_EQ(d.nccl[1]->slices_received(), 7u);
+  for (uint64_t i = 1024; i < 8 * 1024; ++i) ASSERT_EQ(d.buffers[1][i], c.start[0][i]) << "byte " << i;
+  for (uint64_t i = 0; i < 1024; ++i) ASSERT_EQ(d.buffers[1][i], 0) << "byte " << i;
+}
+
 TEST(NcclFabric, RanksThatRunDifferentPlansFailInsteadOfWritingWrongBytes) {
   uint32_t seed = 12;
   auto crosses = [](const FanoutCase& c) {
@@ -385,6 +481,200 @@ TEST(NcclFabric, ARoundWhoseSizesDifferWithAnEqualSumIsRefusedNamingThePeer) {
     EXPECT_NE(st[1].message().find("receiver rank 0 announced"), std::string::npos) << st[1].message();
     EXPECT_NE(st[1].message().find("sizes (digest) differ"), std::string::npos) << st[1].message();
     EXPECT_FALSE(st[0].is_ok()) << "the sender's round cannot complete";
+  }
+}
+
+// A peer whose announcements are anything at all (round_words.h): each
+// lie below is told in one round of rank 0 to rank 1, packing on and off.
+// Rank 1 must refuse it naming rank 0, both ranks must return by their
+// deadline (300 ms), and rank 1 must write nothing but bytes of its own
+// receives (each byte of its buffer is as it was or as the plan leaves it).
+TEST(NcclFabric, AnyAnnouncementAPeerMakesUpIsRefusedInTime) {
+  constexpr size_t W = kRoundWordsPerPeer;
+  constexpr uint64_t kSlices = 64;
+  using Lie = std::function<void(uint64_t* w, const uint64_t* first, std::mt19937_64& rng)>;
+  const uint64_t max = UINT64_MAX;
+  std::vector<std::pair<const char*, Lie>> lies = {
+      {"count + 1", [](uint64_t* w, const uint64_t*, auto&) { ++w[0]; }},
+      {"count past the list", [](uint64_t* w, const uint64_t*, auto&) { w[0] = kSlices + 1; }},
+      {"count 0 with ranges", [](uint64_t* w, const uint64_t*, auto&) { w[0] = 0; }},
+      {"bytes + 1", [](uint64_t* w, const uint64_t*, auto&) { ++w[1]; }},
+      {"digest", [](uint64_t* w, const uint64_t*, auto&) { w[2] ^= 1; }},
+      {"31 ranges", [](uint64_t* w, const uint64_t*, auto&) { w[3] = kMaxRanges + 1; }},
+      {"max ranges", [max](uint64_t* w, const uint64_t*, auto&) { w[3] = max; }},
+      {"no ranges", [](uint64_t* w, const uint64_t*, auto&) { w[3] = 0; }},
+      {"start at the end", [](uint64_t* w, const uint64_t*, auto&) { w[4] = kSlices; }},
+      {"start max", [max](uint64_t* w, const uint64_t*, auto&) { w[4] = max; }},
+      {"length max", [max](uint64_t* w, const uint64_t*, auto&) { w[5] = max; }},
+      {"start + length wraps", [max](uint64_t* w, const uint64_t*, auto&) { w[4] = 1, w[5] = max; }},
+      {"empty range", [](uint64_t* w, const uint64_t*, auto&) { w[5] = 0; }},
+      {"one range twice",
+       [](uint64_t* w, const uint64_t*, auto&) {
+         w[3] = 2, w[6] = w[4], w[7] = w[5], w[0] = 2 * w[5];
+       }},
+      {"a round told again", [](uint64_t* w, const uint64_t* first, auto&) { std::copy(first, first + W, w); }},
+      {"random words",
+       [](uint64_t* w, const uint64_t*, std::mt19937_64& rng) {
+         for (size_t k = 0; k < W; ++k) w[k] = rng();
+       }},
+      {"random small words",
+       [](uint64_t* w, const uint64_t*, std::mt19937_64& rng) {
+         w[0] = rng() % (kSlices + 2);
+         w[3] = rng() % (kMaxRanges + 2);
+         for (size_t k = 4; k < W; ++k) w[k] = rng() % (kSlices + 2);
+       }},
+  };
+  PackLimits off;
+  off.pack_bytes = 0;
+  for (const PackLimits& limits : {small_packs(), off}) {
+    for (size_t which = 0; which < lies.size(); ++which) {
+      SCOPED_TRACE(std::string(lies[which].first) + ", pack_bytes " + std::to_string(limits.pack_bytes));
+      Domain d(2, 60, 24 << 10, 4096, limits);
+      FanoutCase& c = d.c;
+      c.plan.clear();
+      c.start.assign(2, std::vector<uint8_t>(2 * c.half, 0));
+      c.expected = c.start;
+      uint64_t at = 0;
+      for (uint64_t k = 0; k < kSlices; ++k) {  // sizes that differ: the digest sees a swap
+        const uint64_t n = 64 + 8 * k;
+        for (uint64_t i = 0; i < n; ++i) {
+          const auto v = static_cast<uint8_t>(1 + (k * 37 + i) % 251);
+          c.start[0][at + i] = v;
+          c.expected[1][at + i] = v;
+        }
+        c.expected[0][at] = c.start[0][at];
+        c.plan.push_back(testing::Transfer{0, 1, at, n});
+        at += n + 16;
+      }
+      c.expected[0] = c.start[0];
+      // Rank 0 lies in its second round that passes something on, and
+      // passes at most 8 a round, so that there is one.
+      int told = 0;
+      std::vector<uint64_t> first(W, 0);
+      std::mt19937_64 rng(which);
+      d.max_sends = 8;
+      d.tamper = [&, which](int, uint64_t* words, size_t n) {
+        if (n < 2 * W) return;
+        uint64_t* w = words + W;  // to NCCL rank 1
+        if (w[0] == 0 || w[0] == NcclFabric::kFailedMarker) return;
+        if (++told == 1) {
+          std::copy(w, w + W, first.begin());
+        } else if (told == 2) {
+          lies[which].second(w, first.data(), rng);
+        }
+      };
+      d.add(0);
+      d.tamper = nullptr;
+      std::vector<Schedule> s = d.schedules(1);
+      ASSERT_EQ(s[1].recvs.size(), kSlices);
+      const auto t0 = Clock::now();
+      std::vector<Status> st =
+          testing::run_refresh(d.fabrics, s, Clock::now() + std::chrono::milliseconds(300), 7);
+      EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3)) << "a rank waited past its deadline";
+      ASSERT_EQ(told >= 2, true) << "rank 0 passed everything on in one round";
+      EXPECT_FALSE(st[1].is_ok());
+      EXPECT_NE(st[1].message().find("receiver rank 0"), std::string::npos) << st[1].message();
+      for (size_t i = 0; i < d.buffers[1].size(); ++i) {
+        const uint8_t b = d.buffers[1][i];
+        ASSERT_TRUE(b == c.start[1][i] || b == c.expected[1][i]) << "byte " << i << " of rank 1";
+      }
+    }
+  }
+}
+
+// Rank 0 passes 200 slices to rank 1, 40 copies to itself and takes 100
+// from rank 1, its sends ready in orders and batches that make rounds of
+// many ranges (every other slice, then the rest; all in reverse; random
+// batches), packing off, on, and with an area that splits the rounds.
+// Every byte lands, each receive is announced once, and the 30-range cap
+// binds in some round.
+TEST(NcclFabric, EveryByteLandsOnceInAnyOrderAndBatching) {
+  constexpr size_t W = kRoundWordsPerPeer;
+  PackLimits off;
+  off.pack_bytes = 0;
+  // 64 KiB areas: a round's pack to rank 1 holds about a third of its
+  // slices; with a threshold of 800 bytes, half of them go unpacked.
+  PackLimits mixed = small_packs();
+  mixed.pack_threshold = 800;
+  for (const PackLimits& limits : {off, small_packs(), mixed}) {
+    for (int order_kind = 0; order_kind < 3; ++order_kind) {
+      SCOPED_TRACE("order " + std::to_string(order_kind) + ", pack_bytes " + std::to_string(limits.pack_bytes) +
+                   ", pack_threshold " + std::to_string(limits.pack_threshold));
+      Domain d(2, 61, 256 << 10, 4096, limits);
+      FanoutCase& c = d.c;
+      c.plan.clear();
+      c.start.assign(2, std::vector<uint8_t>(2 * c.half, 0));
+      uint64_t at = 0;
+      auto slice = [&](int32_t from, int32_t to, uint64_t n) {
+        for (uint64_t i = 0; i < n; ++i) c.start[from][at + i] = static_cast<uint8_t>(1 + (at * 7 + i) % 253);
+        c.plan.push_back(testing::Transfer{from, to, at, n});
+        at += n + 8;
+      };
+      for (uint64_t k = 0; k < 200; ++k) {
+        slice(0, 1, 500 + 3 * k);
+        if (k % 5 == 0) c.plan.push_back(testing::Transfer{0, 0, c.plan.back().offset, c.plan.back().bytes});
+        if (k % 2 == 0) slice(1, 0, 100 + k);
+      }
+      ASSERT_LE(at, c.half);
+      c.expected = c.start;
+      for (const testing::Transfer& t : c.plan) {
+        const uint64_t to = t.to == t.from ? c.half + t.offset : t.offset;
+        std::copy_n(c.start[t.from].begin() + static_cast<std::ptrdiff_t>(t.offset), t.bytes,
+                    c.expected[t.to].begin() + static_cast<std::ptrdiff_t>(to));
+      }
+      uint64_t most_ranges = 0;
+      d.tamper = [&](int, uint64_t* words, size_t n) {  // only looks
+        if (n >= 2 * W && words[W] != NcclFabric::kFailedMarker) most_ranges = std::max(most_ranges, words[W + 3]);
+      };
+      d.add(0);
+      d.tamper = nullptr;
+      std::vector<Schedule> s = d.schedules(1);
+      const uint64_t received_before = d.nccl[1]->slices_received() + d.nccl[0]->slices_received();
+      const Clock::time_point deadline = Clock::now() + std::chrono::seconds(20);
+      for (int32_t r = 0; r < 2; ++r) ASSERT_TRUE(d.fabrics[r].fabric->begin(s[r], deadline).is_ok());
+      Status got1;
+      std::thread rank1([&] {
+        std::vector<uint32_t> all(s[1].sends.size());
+        for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+        got1 = d.fabrics[1].fabric->send(all);
+        const Status fin = d.fabrics[1].fabric->finish(!got1.is_ok());
+        if (got1.is_ok()) got1 = fin;
+      });
+      std::vector<uint32_t> order(s[0].sends.size());
+      for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::vector<size_t> batches;
+      if (order_kind == 0) {
+        std::stable_partition(order.begin(), order.end(), [](uint32_t i) { return i % 2 == 0; });
+        batches = {order.size() / 2, order.size() - order.size() / 2};
+      } else if (order_kind == 1) {
+        std::reverse(order.begin(), order.end());
+        batches = {order.size()};
+      } else {
+        std::mt19937 rng(62);
+        std::shuffle(order.begin(), order.end(), rng);
+        for (size_t left = order.size(); left > 0;) {
+          batches.push_back(std::min<size_t>(left, 1 + rng() % 60));
+          left -= batches.back();
+        }
+      }
+      Status got0;
+      for (size_t i = 0, b = 0; b < batches.size() && got0.is_ok(); i += batches[b++]) {
+        got0 = d.fabrics[0].fabric->send(std::span<const uint32_t>(order.data() + i, batches[b]));
+      }
+      const Status fin0 = d.fabrics[0].fabric->finish(!got0.is_ok());
+      rank1.join();
+      for (int32_t r = 0; r < 2; ++r) d.fabrics[r].fabric->end();
+      ASSERT_TRUE(got0.is_ok()) << got0.message();
+      ASSERT_TRUE(fin0.is_ok()) << fin0.message();
+      ASSERT_TRUE(got1.is_ok()) << got1.message();
+      EXPECT_EQ(d.buffers[0], c.expected[0]);
+      EXPECT_EQ(d.buffers[1], c.expected[1]);
+      EXPECT_EQ(d.nccl[1]->slices_received() + d.nccl[0]->slices_received() - received_before,
+                s[0].recvs.size() + s[1].recvs.size());
+      if (order_kind < 2) {
+        EXPECT_EQ(most_ranges, kMaxRanges);
+      }
+    }
   }
 }
 

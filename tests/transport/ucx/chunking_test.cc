@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <map>
 #include <random>
+#include <optional>
 #include <set>
+#include <span>
 
 namespace refit::ucx {
 namespace {
@@ -116,6 +118,198 @@ TEST(ChunkScheduler, RandomWorkloadRespectsEveryWindow) {
     }
     EXPECT_EQ(sched->bytes_in_flight(), 0u);
     EXPECT_EQ(sched->ops_in_flight(), 0u);
+  }
+}
+
+// The scheduler's policy (chunking.h) written plainly: per endpoint a list
+// of pending chunks, and next() looks at every endpoint each time.
+class ReferenceScheduler {
+ public:
+  ReferenceScheduler(const WindowLimits& l, std::span<const ChunkRun> runs, uint32_t eps) : l_(l), eps_(eps) {
+    for (uint32_t i = 0; i < runs.size(); ++i) {
+      const uint64_t cut = runs[i].gather && l.gather_chunk_bytes > 0 ? l.gather_chunk_bytes : l.chunk_bytes;
+      for (const Chunk& c : split_run(i, runs[i], cut)) eps_[c.endpoint].pending.push_back(c);
+      eps_[runs[i].endpoint].total += runs[i].bytes;
+      eps_[runs[i].endpoint].left += runs[i].bytes;
+    }
+  }
+  std::optional<Chunk> next(const ChunkScheduler::Gate& gate) {
+    std::optional<uint32_t> best;
+    for (uint32_t e = 0; e < eps_.size(); ++e) {
+      const Ep& ep = eps_[e];
+      if (ep.pending.empty() || ep.held) continue;
+      const Chunk& c = ep.pending.front();
+      if (ops_ >= l_.max_ops_in_flight || ep.ops >= l_.max_ops_per_endpoint ||
+          bytes_ + c.bytes > l_.max_bytes_in_flight || ep.bytes + c.bytes > l_.max_bytes_per_endpoint)
+        continue;
+      if (!best || behind(e, *best)) {
+        if (gate && c.offset == 0 && !gate_open(gate, c.run)) continue;
+        best = e;
+      }
+    }
+    if (!best) return std::nullopt;
+    Ep& ep = eps_[*best];
+    const Chunk c = ep.pending.front();
+    ep.pending.erase(ep.pending.begin());
+    ep.left -= c.bytes;
+    ep.last = ++issued_;
+    ep.bytes += c.bytes;
+    ++ep.ops;
+    bytes_ += c.bytes;
+    ++ops_;
+    return c;
+  }
+  void complete(const Chunk& c) {
+    eps_[c.endpoint].bytes -= c.bytes;
+    --eps_[c.endpoint].ops;
+    bytes_ -= c.bytes;
+    --ops_;
+  }
+  void requeue(const Chunk& c) {
+    complete(c);
+    eps_[c.endpoint].pending.insert(eps_[c.endpoint].pending.begin(), c);
+    eps_[c.endpoint].left += c.bytes;
+  }
+  void hold(uint32_t e, bool held) { eps_[e].held = held; }
+  void drop(uint32_t e) {
+    eps_[e].pending.clear();
+    eps_[e].left = 0;
+  }
+  size_t pending() const {
+    size_t n = 0;
+    for (const Ep& ep : eps_) n += ep.pending.size();
+    return n;
+  }
+
+ private:
+  struct Ep {
+    std::vector<Chunk> pending;
+    uint64_t total = 0, left = 0, last = 0, bytes = 0, ops = 0;
+    bool held = false;
+  };
+  // Whether `a` is further behind than `b`: a smaller share issued, then
+  // issued less recently, then the lower index.
+  bool behind(uint32_t a, uint32_t b) const {
+    const Ep& x = eps_[a];
+    const Ep& y = eps_[b];
+    const auto mine = static_cast<unsigned __int128>(x.total - x.left) * y.total;
+    const auto theirs = static_cast<unsigned __int128>(y.total - y.left) * x.total;
+    if (mine != theirs) return mine < theirs;
+    if (x.last != y.last) return x.last < y.last;
+    return a < b;
+  }
+  // The gate is asked of the candidate only; asking it of endpoints that
+  // lose would still be allowed, but the test's gate has no side effects.
+  static bool gate_open(const ChunkScheduler::Gate& gate, uint32_t run) { return gate(run); }
+
+  WindowLimits l_;
+  std::vector<Ep> eps_;
+  uint64_t issued_ = 0, bytes_ = 0, ops_ = 0;
+};
+
+// Random mixes of next (through a gate), complete, requeue, hold and drop:
+// the scheduler issues exactly the chunk the plain reference does, every
+// time, and its counts agree. Sources of up to 2^61 bytes make the share
+// comparison need its 128 bits.
+TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
+  std::mt19937_64 rng(7);
+  for (int iter = 0; iter < 400; ++iter) {
+    const bool huge = iter % 4 == 3;
+    const uint64_t unit = huge ? uint64_t{1} << 40 : 1;
+    WindowLimits l;
+    l.chunk_bytes = unit * (1 + rng() % 5000);
+    l.gather_chunk_bytes = rng() % 2 ? 0 : l.chunk_bytes * (1 + rng() % 2);
+    l.max_bytes_per_endpoint = l.chunk_bytes * (2 + rng() % 4);
+    l.max_bytes_in_flight = l.chunk_bytes * (2 + rng() % 8);
+    l.max_ops_per_endpoint = 1 + rng() % 5;
+    l.max_ops_in_flight = 1 + rng() % 12;
+    const uint32_t eps = 1 + static_cast<uint32_t>(rng() % 6);
+    std::vector<ChunkRun> runs(1 + rng() % 40);
+    for (auto& r : runs) {
+      r = ChunkRun{static_cast<uint32_t>(rng() % eps), 1 + rng() % (6 * l.chunk_bytes), rng() % 4 == 0};
+    }
+    auto sched = ChunkScheduler::create(l, runs, eps);
+    ASSERT_TRUE(sched.is_ok()) << sched.status().message();
+    ReferenceScheduler ref(l, runs, eps);
+    std::vector<uint8_t> closed(runs.size(), 0);
+    ChunkScheduler::Gate gate = [&](uint32_t run) { return closed[run] == 0; };
+    std::vector<Chunk> in_flight;
+    std::set<std::pair<uint32_t, uint64_t>> out;  // (run, offset) issued and not completed or requeued
+    std::vector<uint64_t> landed(runs.size(), 0);
+    std::vector<int> finished(runs.size(), 0);
+    std::vector<uint8_t> dropped(eps, 0);
+    // After `steps` random operations every endpoint is let go and every
+    // gate opened, and what is left drains.
+    const int steps = 4000;
+    for (int step = 0; !sched->done(); ++step) {
+      SCOPED_TRACE("iteration " + std::to_string(iter) + " step " + std::to_string(step));
+      ASSERT_LT(step, steps + 100000) << "the scheduler stalled";
+      if (step == steps) {
+        for (uint32_t e = 0; e < eps; ++e) sched->hold(e, false), ref.hold(e, false);
+        std::fill(closed.begin(), closed.end(), 0);
+      }
+      const uint64_t op = step < steps ? rng() % 100 : (rng() % 2 ? 0 : 50);
+      if (op < 50) {
+        const std::optional<Chunk> got = sched->next(gate);
+        const std::optional<Chunk> want = ref.next(gate);
+        ASSERT_EQ(got.has_value(), want.has_value());
+        if (got) {
+          ASSERT_EQ(got->run, want->run);
+          ASSERT_EQ(got->offset, want->offset);
+          ASSERT_EQ(got->bytes, want->bytes);
+          ASSERT_EQ(got->endpoint, want->endpoint);
+          ASSERT_TRUE(out.insert({got->run, got->offset}).second) << "a chunk issued twice";
+          in_flight.push_back(*got);
+        } else if (step >= steps) {
+          ASSERT_FALSE(in_flight.empty()) << "nothing fits with nothing in flight";
+        }
+      } else if (op < 80 && !in_flight.empty()) {
+        const size_t k = rng() % in_flight.size();
+        const Chunk c = in_flight[k];
+        in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(k));
+        out.erase({c.run, c.offset});
+        landed[c.run] += c.bytes;
+        const bool done = sched->complete(c);
+        ref.complete(c);
+        if (!dropped[c.endpoint]) {
+          EXPECT_EQ(done, landed[c.run] == runs[c.run].bytes);
+        }
+        finished[c.run] += done;
+      } else if (op < 88 && !in_flight.empty()) {
+        const size_t k = rng() % in_flight.size();
+        const Chunk c = in_flight[k];
+        in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(k));
+        out.erase({c.run, c.offset});
+        sched->requeue(c);
+        ref.requeue(c);
+      } else if (op < 94) {
+        const auto e = static_cast<uint32_t>(rng() % eps);
+        const bool held = rng() % 2;
+        sched->hold(e, held);
+        ref.hold(e, held);
+      } else if (op < 98) {
+        closed[rng() % runs.size()] ^= 1;
+      } else if (op < 99) {
+        const auto e = static_cast<uint32_t>(rng() % eps);
+        for (uint32_t run : sched->drop_endpoint(e)) ++finished[run];
+        ref.drop(e);
+        dropped[e] = 1;
+      }
+      ASSERT_EQ(sched->pending_chunks(), ref.pending());
+      ASSERT_LE(sched->bytes_in_flight(), l.max_bytes_in_flight);
+      ASSERT_LE(sched->ops_in_flight(), l.max_ops_in_flight);
+      ASSERT_EQ(sched->ops_in_flight(), in_flight.size());
+    }
+    for (size_t i = 0; i < runs.size(); ++i) {
+      EXPECT_TRUE(sched->run_finished(static_cast<uint32_t>(i)));
+      // A run finishes once: its last chunk landed, or its endpoint was
+      // dropped with nothing of it in flight. (A run of a dropped endpoint
+      // that finished before the drop is not named again.)
+      EXPECT_EQ(finished[i], 1) << "run " << i;
+      if (!dropped[runs[i].endpoint]) {
+        EXPECT_EQ(landed[i], runs[i].bytes) << "run " << i;
+      }
+    }
   }
 }
 
