@@ -25,9 +25,12 @@ struct PendingReply {
   // when the send completes.
   std::shared_ptr<std::atomic<uint64_t>> budget;
   uint64_t charged = 0;
+  // Where a gather's piece goes back to for reuse; may be null.
+  std::shared_ptr<am_rma::ReplyPieces> pieces;
 };
 
 void release(PendingReply* p) {
+  if (p->pieces && p->bytes) p->pieces->give(std::move(p->bytes));
   if (p->budget) p->budget->fetch_sub(p->charged, std::memory_order_relaxed);
   // Release: AmRmaServer::quiesce() acquires it; the send is done reading.
   if (p->inflight) p->inflight->fetch_sub(1, std::memory_order_release);
@@ -45,15 +48,18 @@ void on_reply_sent(void* request, ucs_status_t /*status*/, void* user_data) {
 // send failed at once (the puller is gone). A send that fails later
 // completes with an error status: no abort, unlike UCX's own RMA emulation.
 // `owned`, if given, holds `data` until the send completes.
-// `budget`, if given, gets `length` back then (a gather's piece).
+// `budget`, if given, gets `length` back then (a gather's piece), and
+// `pieces`, if given, gets `owned` back for reuse.
 bool send_reply(ucp_ep_h ep, bool by_copy, unsigned id, uint64_t token, ucs_status_t status,
                 uint64_t offset, const void* data, size_t length,
                 const std::shared_ptr<std::atomic<uint64_t>>& inflight,
                 std::unique_ptr<uint8_t[]> owned = nullptr,
-                const std::shared_ptr<std::atomic<uint64_t>>& budget = nullptr) {
+                const std::shared_ptr<std::atomic<uint64_t>>& budget = nullptr,
+                const std::shared_ptr<am_rma::ReplyPieces>& pieces = nullptr) {
   auto* p = new PendingReply{};
   p->bytes = std::move(owned);
   p->budget = budget;
+  p->pieces = pieces;
   p->charged = budget ? length : 0;
   p->header.token = token;
   p->header.status = status;
@@ -104,6 +110,30 @@ ucs_status_t drop(void*, const void*, size_t, void*, size_t, const ucp_am_recv_p
 
 namespace am_rma {
 
+ReplyPieces::Piece ReplyPieces::take() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      Piece piece = std::move(free_.back());
+      free_.pop_back();
+      return piece;
+    }
+  }
+  Piece piece(new (std::nothrow) uint8_t[kReplyPieceBytes]);
+  if (piece) allocated_.fetch_add(1, std::memory_order_relaxed);
+  return piece;
+}
+
+void ReplyPieces::give(Piece piece) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (free_.size() < keep_) free_.push_back(std::move(piece));
+}
+
+uint64_t ReplyPieces::kept() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return free_.size();
+}
+
 // The receivers' "gather_entries" (planner/gather.h) may go up to what a
 // source serves.
 static_assert(kMaxGatherEntries == refit::kGatherEntriesMax);
@@ -137,6 +167,8 @@ Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker, Puts pu
     return Status::invalid("ucx am rma server: the gather reply memory (\"gather_reply_bytes\") must be positive");
   }
   std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker, puts, gather_reply_bytes));
+  // Kept pieces stay within the bound on reply memory (see the header).
+  s->pieces_ = std::make_shared<am_rma::ReplyPieces>(gather_reply_bytes / am_rma::kReplyPieceBytes);
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGetRequest, &AmRmaServer::on_get, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kPutRequest, &AmRmaServer::on_put, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGatherRequest, &AmRmaServer::on_gather, s.get()));
@@ -296,7 +328,14 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
     const auto* from = reinterpret_cast<const uint8_t*>(e.address);
     uint64_t left = e.length;
     while (left > 0) {
-      if (!piece) piece.reset(new uint8_t[am_rma::kReplyPieceBytes]);
+      if (!piece) piece = pieces_->take();
+      if (!piece) {
+        // Out of memory: the puller's gather fails with this status (its
+        // pieces sent so far are dropped with it) and is retried or
+        // reported by the puller, naming the source; this process goes on.
+        reply(ep, am_rma::kGetReply, token, UCS_ERR_NO_MEMORY);
+        return;
+      }
       const uint64_t n = std::min(left, am_rma::kReplyPieceBytes - filled);
       std::memcpy(piece.get() + filled, from, n);
       from += n;
@@ -306,7 +345,7 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
         const uint8_t* p = piece.get();
         unsent.bytes -= filled;
         if (!send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled,
-                        inflight_, std::move(piece), reply_bytes_)) {
+                        inflight_, std::move(piece), reply_bytes_, pieces_)) {
           return;  // the puller is gone
         }
         offset += filled;
@@ -318,7 +357,7 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
     const uint8_t* p = piece.get();
     unsent.bytes -= filled;
     (void)send_reply(ep, worker_.am_by_copy(), am_rma::kGetReply, token, UCS_OK, offset, p, filled, inflight_,
-                     std::move(piece), reply_bytes_);
+                     std::move(piece), reply_bytes_, pieces_);
   }
 }
 

@@ -54,7 +54,12 @@
 // be served and is answered UCS_ERR_EXCEEDS_LIMIT, with the bound in the
 // reply's offset. So a source's extra memory is at most
 // `gather_reply_bytes`, never a copy of its shard, however many pullers
-// gather from it.
+// gather from it. The pieces are kept for the next gathers once their sends
+// complete (at most `gather_reply_bytes` of them, for the server's life):
+// freed, their memory went back to the kernel and every later piece was
+// fresh pages, zeroed on the copy's first touch, which cost the sources
+// about a fifth of a refresh's CPU on a gather-heavy layout
+// (docs/refresh.md, "Gathers").
 //
 // The puller side is part of the GetEngine (get_engine.h); the target side
 // is the AmRmaServer below, which every process that exports memory over
@@ -143,6 +148,27 @@ struct ReplyHeader {
 // 64 KiB take two fragments and measured slower. Smaller pieces (8 KB) cost
 // more per byte in per-message overhead.
 constexpr uint64_t kReplyPieceBytes = (64u << 10) - 1024;
+
+// The pieces of kReplyPieceBytes a server's gather replies are copied into,
+// kept for reuse once their sends complete, at most `keep` of them. Any
+// thread.
+class ReplyPieces {
+ public:
+  using Piece = std::unique_ptr<uint8_t[]>;
+  explicit ReplyPieces(uint64_t keep) : keep_(keep) {}
+  // A kept piece, or a new one; null when memory ran out.
+  Piece take();
+  // Keeps `piece` for a later take(), or frees it when `keep` are kept.
+  void give(Piece piece);
+  uint64_t allocated() const { return allocated_.load(std::memory_order_relaxed); }
+  uint64_t kept() const;
+
+ private:
+  const uint64_t keep_;
+  mutable std::mutex mutex_;
+  std::vector<Piece> free_;  // guarded by mutex_
+  std::atomic<uint64_t> allocated_{0};
+};
 static_assert(kReplyPieceBytes % sizeof(uint64_t) == 0, "a piece of a region of atomic words holds whole words");
 
 // Registers refit's fallback handlers for the five ids on a new worker (the
@@ -203,6 +229,11 @@ class AmRmaServer {
   // latter never exceeds the bound given to create().
   uint64_t gather_reply_bytes() const { return reply_bytes_->load(std::memory_order_relaxed); }
   uint64_t gather_reply_bytes_peak() const { return reply_bytes_peak_.load(std::memory_order_relaxed); }
+  // Reply pieces allocated so far, and those kept for reuse now (see the
+  // top): a server that gathers the same bytes again and again allocates
+  // no more pieces than it once had in flight.
+  uint64_t gather_pieces_allocated() const { return pieces_->allocated(); }
+  uint64_t gather_pieces_kept() const { return pieces_->kept(); }
 
   // Waits until no request handler runs and every reply sent so far has
   // completed, or until `deadline`. The owner of exported memory calls it
@@ -266,6 +297,9 @@ class AmRmaServer {
   std::atomic<uint64_t> reply_bytes_peak_{0};
   // Shared with the send callbacks, which may run after the server is gone.
   std::shared_ptr<std::atomic<uint64_t>> inflight_ = std::make_shared<std::atomic<uint64_t>>(0);
+  // Gather reply pieces whose sends completed, for the next gathers; shared
+  // with the send callbacks, like inflight_.
+  std::shared_ptr<am_rma::ReplyPieces> pieces_;
 };
 
 }  // namespace refit::ucx

@@ -134,6 +134,85 @@ TEST_F(GatherFixture, ColumnSliceLandsInOneRequest) {
   expect_landed(parts);
 }
 
+// The server's reply pieces outlive their sends (am_rma.h): a puller that
+// reads its replies late makes the source hold many pieces at once, and the
+// next gathers reuse them instead of allocating again. Before, every piece
+// was a new allocation, and once a gather's pieces were freed their memory
+// went back to the kernel and came back as fresh pages.
+TEST_F(GatherFixture, ReplyPiecesAreReusedFromOneGatherToTheNext) {
+  auto w2 = Worker::create(*ctx_);
+  ASSERT_TRUE(w2.is_ok()) << w2.status().message();
+  std::optional<Worker> worker2(std::move(*w2));
+  auto addr = worker_->address();
+  ASSERT_TRUE(addr.is_ok());
+  auto e2 = Endpoint::create(*worker2, *addr, "late puller");
+  ASSERT_TRUE(e2.is_ok()) << e2.status().message();
+  std::optional<Endpoint> ep2(std::move(*e2));
+  // 8 entries of the whole 1 MiB source: 8 MiB of replies, more than the
+  // sockets absorb while the puller reads nothing.
+  std::vector<am_rma::GatherEntry> entries(8, am_rma::GatherEntry{src_at(0), src_.size()});
+  uint64_t most_held = 0;
+  for (uint64_t round = 1; round <= 3; ++round) {
+    am_rma::GatherHeader h;
+    h.count = static_cast<uint32_t>(entries.size());
+    h.token = round;
+    h.total = entries.size() * src_.size();
+    ucp_request_param_t param = {};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t req = ucp_am_send_nbx(ep2->get(), am_rma::kGatherRequest, &h, sizeof(h), entries.data(),
+                                           entries.size() * sizeof(am_rma::GatherEntry), &param);
+    ASSERT_FALSE(UCS_PTR_IS_ERR(req));
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    while (server_->served() < round && Clock::now() < until) {
+      worker2->progress();
+      worker_->progress();
+    }
+    ASSERT_EQ(server_->served(), round);
+    if (req != nullptr) {
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) worker2->progress();
+      ucp_request_free(req);
+    }
+    // The source holds pieces while the puller has read nothing yet.
+    most_held = std::max(most_held, server_->replies_in_flight());
+    EXPECT_GT(server_->replies_in_flight(), 1u);
+    // Now it reads (its replies are dropped: it has no handler) until every
+    // piece is back.
+    while (server_->replies_in_flight() > 0 && Clock::now() < until) {
+      worker2->progress();
+      worker_->progress();
+    }
+    ASSERT_EQ(server_->replies_in_flight(), 0u);
+    EXPECT_EQ(server_->gather_reply_bytes(), 0u);
+    EXPECT_EQ(server_->gather_pieces_kept(), server_->gather_pieces_allocated());
+  }
+  // Never more pieces than were held at once (plus the one being filled
+  // while the others were sent), though the three gathers sent 3 x 131.
+  EXPECT_LE(server_->gather_pieces_allocated(), most_held + 1);
+  ep2.reset();
+  worker2.reset();
+}
+
+// It keeps no more pieces than its bound on reply memory allows.
+TEST(ReplyPieces, KeepsAtMostItsBoundAndFreesTheRest) {
+  am_rma::ReplyPieces pieces(3);
+  std::vector<am_rma::ReplyPieces::Piece> taken;
+  for (int i = 0; i < 5; ++i) {
+    taken.push_back(pieces.take());
+    ASSERT_NE(taken.back(), nullptr);
+  }
+  EXPECT_EQ(pieces.allocated(), 5u);
+  const uint8_t* first = taken[0].get();
+  for (auto& p : taken) pieces.give(std::move(p));
+  EXPECT_EQ(pieces.kept(), 3u);
+  // Taken again: kept ones first, in last-in first-out order, then new.
+  std::vector<am_rma::ReplyPieces::Piece> again;
+  for (int i = 0; i < 4; ++i) again.push_back(pieces.take());
+  EXPECT_EQ(pieces.kept(), 0u);
+  EXPECT_EQ(pieces.allocated(), 6u);
+  EXPECT_EQ(again[2].get(), first);
+}
+
 // The most ranges a server takes in one request (the agents' default
 // "gather_entries" is an eighth of it): a request of 1 MiB of entries, sent
 // eager over tcp, served whole.
