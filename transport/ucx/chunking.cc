@@ -77,7 +77,7 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
   for (uint32_t e = 0; e < num_endpoints; ++e) {
     const EndpointState& ep = s.eps_[e];
     if (ep.queue.empty()) continue;
-    s.heads_.insert(ep.queue.front().bytes);
+    s.add_head(ep.queue.front().bytes);
     s.live_.insert(s.live_key(e));
   }
   return s;
@@ -90,12 +90,19 @@ bool ChunkScheduler::fits(const EndpointState& ep, const Chunk& c) const {
          ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
 }
 
+void ChunkScheduler::remove_head(uint64_t bytes) {
+  auto it = heads_.find(bytes);
+  if (--it->second == 0) heads_.erase(it);
+}
+
 void ChunkScheduler::advance(EndpointState& ep) {
   const uint64_t bytes = ep.queue[ep.head].bytes;
   ep.pending_bytes -= bytes;
-  heads_.erase(heads_.find(bytes));
   ++ep.head;
-  if (ep.head < ep.queue.size()) heads_.insert(ep.queue[ep.head].bytes);
+  const uint64_t next = ep.head < ep.queue.size() ? ep.queue[ep.head].bytes : 0;
+  if (next == bytes) return;  // the same size heads this endpoint again
+  remove_head(bytes);
+  if (next > 0) add_head(next);
 }
 
 bool ChunkScheduler::Live::operator<(const Live& o) const {
@@ -116,28 +123,31 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
   // need be tried (a receiver with hundreds of sources asks after every
   // completion). bytes_in_flight_ never exceeds the limit.
   if (pending_chunks_ == 0 || ops_in_flight_ >= limits_.max_ops_in_flight ||
-      *heads_.begin() > limits_.max_bytes_in_flight - bytes_in_flight_)
+      heads_.begin()->first > limits_.max_bytes_in_flight - bytes_in_flight_)
     return std::nullopt;
   // Furthest behind first (chunking.h); the first whose next chunk fits and
   // that the gate lets go (asked before a run's first chunk only).
-  for (const Live& l : live_) {
-    const uint32_t e = l.endpoint;
-    const EndpointState& ep = eps_[e];
+  for (auto it = live_.begin(); it != live_.end(); ++it) {
+    const EndpointState& ep = eps_[it->endpoint];
     const Chunk& c = ep.queue[ep.head];
     if (ep.held || !fits(ep, c)) continue;
     if (gate && c.offset == 0 && !gate(c.run)) continue;
-    return issue(e);
+    return issue(it);
   }
   return std::nullopt;
 }
 
-Chunk ChunkScheduler::issue(uint32_t e) {
+Chunk ChunkScheduler::issue(std::set<Live>::iterator at) {
+  const uint32_t e = at->endpoint;
   EndpointState& ep = eps_[e];
   const Chunk c = ep.queue[ep.head];
-  live_.erase(live_key(e));
+  auto node = live_.extract(at);
   advance(ep);
   ep.last_issued = ++issued_;
-  if (ep.head < ep.queue.size()) live_.insert(live_key(e));
+  if (ep.head < ep.queue.size()) {
+    node.value() = live_key(e);
+    live_.insert(std::move(node));
+  }
   ep.bytes_in_flight += c.bytes;
   ++ep.ops_in_flight;
   bytes_in_flight_ += c.bytes;
@@ -165,12 +175,12 @@ void ChunkScheduler::requeue(const Chunk& c) {
   // head > 0, since the chunk was issued from this queue.
   if (ep.head < ep.queue.size()) {
     live_.erase(live_key(c.endpoint));
-    heads_.erase(heads_.find(ep.queue[ep.head].bytes));
+    remove_head(ep.queue[ep.head].bytes);
   }
   ep.queue[--ep.head] = c;
   ep.pending_bytes += c.bytes;
   live_.insert(live_key(c.endpoint));
-  heads_.insert(c.bytes);
+  add_head(c.bytes);
   ++runs_[c.run].pending;
   ++pending_chunks_;
 }
@@ -180,7 +190,7 @@ std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
   EndpointState& ep = eps_[endpoint];
   if (ep.head < ep.queue.size()) {
     live_.erase(live_key(endpoint));
-    heads_.erase(heads_.find(ep.queue[ep.head].bytes));
+    remove_head(ep.queue[ep.head].bytes);
   }
   for (size_t i = ep.head; i < ep.queue.size(); ++i) {
     RunState& r = runs_[ep.queue[i].run];

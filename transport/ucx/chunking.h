@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <span>
@@ -121,7 +122,6 @@ class ChunkScheduler {
   };
   bool fits(const EndpointState& ep, const Chunk& c) const;
   void advance(EndpointState& ep);  // issues the head chunk of `ep`'s queue
-  Chunk issue(uint32_t endpoint);   // issues the head chunk of `endpoint`
   // An endpoint with chunks pending, as live_ orders it: furthest behind
   // first (the smallest share of its bytes issued), then the least recently
   // issued, then the lowest index.
@@ -133,15 +133,22 @@ class ChunkScheduler {
     bool operator<(const Live& o) const;
   };
   Live live_key(uint32_t endpoint) const;
+  // Issues the head chunk of the endpoint `at` names in live_.
+  Chunk issue(std::set<Live>::iterator at);
+  void add_head(uint64_t bytes) { ++heads_[bytes]; }
+  void remove_head(uint64_t bytes);
 
   WindowLimits limits_;
   std::vector<RunState> runs_;
   std::vector<EndpointState> eps_;
   uint64_t issued_ = 0;  // chunks issued so far
-  // The bytes of every endpoint's next pending chunk: when even the
-  // smallest does not fit the window in total, next() tries no endpoint.
-  std::multiset<uint64_t> heads_;
-  std::set<Live> live_;  // the endpoints with chunks pending
+  // The bytes of every endpoint's next pending chunk, with how many have
+  // that size (most are chunk_bytes): when even the smallest does not fit
+  // the window in total, next() tries no endpoint.
+  std::map<uint64_t, uint32_t> heads_;
+  // The endpoints with chunks pending. An endpoint issued moves within it
+  // as its node (extract and insert), so that issuing allocates nothing.
+  std::set<Live> live_;
   uint64_t pending_chunks_ = 0;
   uint64_t bytes_in_flight_ = 0;
   uint64_t ops_in_flight_ = 0;
