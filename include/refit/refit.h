@@ -115,7 +115,9 @@
  *     "gather_reply_bytes" integer [268435456]: the most memory the source holds
  *                    for the replies of the gathers it serves, 1 MiB to 1 TiB; a
  *                    gather that would pass it waits (its receiver asks again),
- *                    and one larger than it is refused, naming both sizes
+ *                    and one larger than it is refused, naming both sizes;
+ *                    the reply buffers are kept for the next gathers (never
+ *                    more than this) while the source lives
  *                    (docs/refresh.md, "Gathers")
  *     "quantize"     "receiver" | "source" ["receiver"]: where a tensor that
  *                    the receivers hold in another dtype (F8_E4M3 with block
