@@ -60,6 +60,8 @@ class GatherFixture : public ::testing::Test {
   }
   void TearDown() override {
     engine_.reset();
+    ep2_.reset();
+    worker2_.reset();
     server_.reset();
     ep_.reset();
     src_region_.reset();
@@ -89,6 +91,36 @@ class GatherFixture : public ::testing::Test {
   }
   uint64_t src_at(uint64_t off) const { return reinterpret_cast<uint64_t>(src_.data()) + off; }
 
+  // A second worker with an endpoint to the server's: a puller that sends
+  // raw gather requests (gather_from_second) and reads nothing until the
+  // test progresses its worker (its replies are then dropped: it has no
+  // handler of its own).
+  void make_second_puller(const char* name) {
+    auto w2 = Worker::create(*ctx_);
+    ASSERT_TRUE(w2.is_ok()) << w2.status().message();
+    worker2_.emplace(std::move(*w2));
+    auto addr = worker_->address();
+    ASSERT_TRUE(addr.is_ok());
+    auto e2 = Endpoint::create(*worker2_, *addr, name);
+    ASSERT_TRUE(e2.is_ok()) << e2.status().message();
+    ep2_.emplace(std::move(*e2));
+  }
+  // The request's header and `entries` must outlive the returned request
+  // (UCX 1.13 does not copy an active message's header).
+  ucs_status_ptr_t gather_from_second(const std::vector<am_rma::GatherEntry>& entries, uint64_t token) {
+    am_rma::GatherHeader& h = second_header_;
+    h = am_rma::GatherHeader{};
+    h.count = static_cast<uint32_t>(entries.size());
+    h.token = token;
+    h.total = 0;
+    for (const am_rma::GatherEntry& e : entries) h.total += e.length;
+    ucp_request_param_t param = {};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    return ucp_am_send_nbx(ep2_->get(), am_rma::kGatherRequest, &h, sizeof(h), entries.data(),
+                           entries.size() * sizeof(am_rma::GatherEntry), &param);
+  }
+
   // A column slice: `rows` rows of `row_bytes` at a source stride, landing
   // packed at the destination in reverse row order (so the scatter, not
   // the order of the stream, decides where bytes go).
@@ -109,6 +141,9 @@ class GatherFixture : public ::testing::Test {
   std::optional<Context> ctx_;
   std::optional<Worker> worker_;
   std::optional<Endpoint> ep_;
+  std::optional<Worker> worker2_;
+  std::optional<Endpoint> ep2_;
+  am_rma::GatherHeader second_header_;
   std::vector<uint8_t> src_, dst_;
   std::optional<MemoryRegion> src_region_, dst_region_;
   std::unique_ptr<GetEngine> engine_;
@@ -140,37 +175,22 @@ TEST_F(GatherFixture, ColumnSliceLandsInOneRequest) {
 // was a new allocation, and once a gather's pieces were freed their memory
 // went back to the kernel and came back as fresh pages.
 TEST_F(GatherFixture, ReplyPiecesAreReusedFromOneGatherToTheNext) {
-  auto w2 = Worker::create(*ctx_);
-  ASSERT_TRUE(w2.is_ok()) << w2.status().message();
-  std::optional<Worker> worker2(std::move(*w2));
-  auto addr = worker_->address();
-  ASSERT_TRUE(addr.is_ok());
-  auto e2 = Endpoint::create(*worker2, *addr, "late puller");
-  ASSERT_TRUE(e2.is_ok()) << e2.status().message();
-  std::optional<Endpoint> ep2(std::move(*e2));
+  make_second_puller("late puller");
   // 8 entries of the whole 1 MiB source: 8 MiB of replies, more than the
   // sockets absorb while the puller reads nothing.
   std::vector<am_rma::GatherEntry> entries(8, am_rma::GatherEntry{src_at(0), src_.size()});
   uint64_t most_held = 0;
   for (uint64_t round = 1; round <= 3; ++round) {
-    am_rma::GatherHeader h;
-    h.count = static_cast<uint32_t>(entries.size());
-    h.token = round;
-    h.total = entries.size() * src_.size();
-    ucp_request_param_t param = {};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t req = ucp_am_send_nbx(ep2->get(), am_rma::kGatherRequest, &h, sizeof(h), entries.data(),
-                                           entries.size() * sizeof(am_rma::GatherEntry), &param);
+    ucs_status_ptr_t req = gather_from_second(entries, round);
     ASSERT_FALSE(UCS_PTR_IS_ERR(req));
     const auto until = Clock::now() + std::chrono::seconds(10);
     while (server_->served() < round && Clock::now() < until) {
-      worker2->progress();
+      worker2_->progress();
       worker_->progress();
     }
     ASSERT_EQ(server_->served(), round);
     if (req != nullptr) {
-      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) worker2->progress();
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) worker2_->progress();
       ucp_request_free(req);
     }
     // The source holds pieces while the puller has read nothing yet.
@@ -179,7 +199,7 @@ TEST_F(GatherFixture, ReplyPiecesAreReusedFromOneGatherToTheNext) {
     // Now it reads (its replies are dropped: it has no handler) until every
     // piece is back.
     while (server_->replies_in_flight() > 0 && Clock::now() < until) {
-      worker2->progress();
+      worker2_->progress();
       worker_->progress();
     }
     ASSERT_EQ(server_->replies_in_flight(), 0u);
@@ -189,8 +209,6 @@ TEST_F(GatherFixture, ReplyPiecesAreReusedFromOneGatherToTheNext) {
   // Never more pieces than were held at once (plus the one being filled
   // while the others were sent), though the three gathers sent 3 x 131.
   EXPECT_LE(server_->gather_pieces_allocated(), most_held + 1);
-  ep2.reset();
-  worker2.reset();
 }
 
 // It keeps no more pieces than its bound on reply memory allows.
@@ -330,31 +348,16 @@ TEST_F(GatherFixture, AGatherLargerThanTheSourcesBoundIsRefusedNamingBoth) {
 TEST_F(GatherFixture, ABusySourceIsAskedAgainAndNeverHoldsMoreThanItsBound) {
   constexpr uint64_t kBound = uint64_t{32} << 20;
   make_server(kBound);
-  auto w2 = Worker::create(*ctx_);
-  ASSERT_TRUE(w2.is_ok()) << w2.status().message();
-  std::optional<Worker> worker2(std::move(*w2));
-  auto addr = worker_->address();
-  ASSERT_TRUE(addr.is_ok());
-  auto e2 = Endpoint::create(*worker2, *addr, "slow puller");
-  ASSERT_TRUE(e2.is_ok()) << e2.status().message();
-  std::optional<Endpoint> ep2(std::move(*e2));
+  make_second_puller("slow puller");
   // 32 entries of the whole 1 MiB source: the bound exactly.
   std::vector<am_rma::GatherEntry> entries(32, am_rma::GatherEntry{src_at(0), src_.size()});
-  am_rma::GatherHeader h;
-  h.count = static_cast<uint32_t>(entries.size());
-  h.token = 5;
-  h.total = kBound;
-  ucp_request_param_t param = {};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req = ucp_am_send_nbx(ep2->get(), am_rma::kGatherRequest, &h, sizeof(h), entries.data(),
-                                         entries.size() * sizeof(am_rma::GatherEntry), &param);
+  ucs_status_ptr_t req = gather_from_second(entries, 5);
   ASSERT_FALSE(UCS_PTR_IS_ERR(req));
   // Until the source has taken it; from then on the slow puller reads
   // nothing (its replies are dropped when it does: no handler of its own).
   const auto until = Clock::now() + std::chrono::seconds(10);
   while (server_->served() == 0 && Clock::now() < until) {
-    worker2->progress();
+    worker2_->progress();
     worker_->progress();
   }
   ASSERT_EQ(server_->served(), 1u);
@@ -379,7 +382,7 @@ TEST_F(GatherFixture, ABusySourceIsAskedAgainAndNeverHoldsMoreThanItsBound) {
   std::thread reader([&] {
     const auto wait_until = Clock::now() + std::chrono::seconds(5);
     while (server_->busy() == 0 && Clock::now() < wait_until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    while (!stop.load()) worker2->progress();
+    while (!stop.load()) worker2_->progress();
   });
   std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
   auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(20));
@@ -396,9 +399,6 @@ TEST_F(GatherFixture, ABusySourceIsAskedAgainAndNeverHoldsMoreThanItsBound) {
   EXPECT_LE(server_->gather_reply_bytes_peak(), kBound);
   EXPECT_EQ(server_->served(), 2u);
   expect_landed(parts);
-  engine_.reset();
-  ep2.reset();
-  worker2.reset();
 }
 
 // Raw requests, as a hostile or broken peer could send them: every bad list
