@@ -330,9 +330,9 @@ void AmRmaServer::reply_gather(ucp_ep_h ep, uint64_t token, const void* entries,
     while (left > 0) {
       if (!piece) piece = pieces_->take();
       if (!piece) {
-        // Out of memory: the puller's gather fails with this status (its
-        // pieces sent so far are dropped with it) and is retried or
-        // reported by the puller, naming the source; this process goes on.
+        // Out of memory: the puller's gather fails with this status (the
+        // pieces sent before it count for nothing) and its refresh reports
+        // it, naming the run and the source; this process goes on.
         reply(ep, am_rma::kGetReply, token, UCS_ERR_NO_MEMORY);
         return;
       }
