@@ -882,6 +882,11 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
                                                   std::to_string(am_rma::kMaxGatherBytes) +
                                                   " bytes at most), or a malformed list; lower "
                                                   "\"gather_entries\" or \"gather_bytes\""));
+    } else if (am_refused && status == UCS_ERR_NO_MEMORY && !r.gather.empty()) {
+      // The source could not allocate a reply buffer (am_rma.h).
+      fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the source ran out of memory for the "
+                                                  "replies of the gather of " + std::to_string(c.bytes) +
+                                                  " bytes at offset " + std::to_string(c.offset)));
     } else if (am_refused) {
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer refused the " +
                                                   op_name(r.op) + " of " + std::to_string(c.bytes) +

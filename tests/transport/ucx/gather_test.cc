@@ -211,6 +211,52 @@ TEST_F(GatherFixture, ReplyPiecesAreReusedFromOneGatherToTheNext) {
   EXPECT_LE(server_->gather_pieces_allocated(), most_held + 1);
 }
 
+// A source that cannot allocate a reply buffer answers the gather
+// UCS_ERR_NO_MEMORY (am_rma.cc). A hand-written source stands in for it
+// here, on the same worker: the run fails naming the gather and what the
+// source ran out of, and nothing stays outstanding.
+struct OutOfMemorySource {
+  am_rma::ReplyHeader reply;  // outlives the reply's send (no header copy in UCX 1.13)
+  int requests = 0;
+};
+
+ucs_status_t answer_out_of_memory(void* arg, const void* header, size_t header_length, void*, size_t,
+                                  const ucp_am_recv_param_t* param) {
+  auto* src = static_cast<OutOfMemorySource*>(arg);
+  am_rma::GatherHeader h;
+  if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  ++src->requests;
+  src->reply = am_rma::ReplyHeader{};
+  src->reply.status = UCS_ERR_NO_MEMORY;
+  src->reply.token = h.token;
+  ucp_request_param_t rp = {};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t req =
+      ucp_am_send_nbx(param->reply_ep, am_rma::kGetReply, &src->reply, sizeof(src->reply), nullptr, 0, &rp);
+  if (req != nullptr && !UCS_PTR_IS_ERR(req)) ucp_request_free(req);
+  return UCS_OK;
+}
+
+TEST_F(GatherFixture, ASourceOutOfMemoryFailsTheGatherNamingIt) {
+  make_engine(1 << 20);
+  server_.reset();
+  OutOfMemorySource src;
+  ASSERT_TRUE(set_am_handler(worker_->get(), am_rma::kGatherRequest, &answer_out_of_memory, &src).is_ok());
+  const auto parts = column_slice(300, 700, 2048);
+  std::vector<GetRun> runs = {GetRun{&*ep_, 0, 0, nullptr, sum(parts), Op::kGet, parts}};
+  auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(5));
+  ASSERT_EQ(report.status.code(), Code::kIoError) << report.status.message();
+  EXPECT_NE(report.status.message().find("run 0 (gather of 300 ranges, 210000 bytes, on endpoint \"self\"): the "
+                                         "source ran out of memory for the replies of the gather of 210000 bytes"),
+            std::string::npos)
+      << report.status.message();
+  EXPECT_EQ(src.requests, 1);
+  EXPECT_EQ(engine_->outstanding_requests(), 0u);
+  EXPECT_TRUE(am_rma::install_fallback_handler(worker_->get(), am_rma::kGatherRequest).is_ok());
+}
+
 // It keeps no more pieces than its bound on reply memory allows.
 TEST(ReplyPieces, KeepsAtMostItsBoundAndFreesTheRest) {
   am_rma::ReplyPieces pieces(3);
