@@ -19,7 +19,7 @@
 //   the network is simulated (nothing there waits for it): the ranks that
 //   pass slices to each other go in lockstep; a round takes, per puller and
 //   peer, the sends ready by its start in the order they became ready (at
-//   most 256 runs and 30 ranges of consecutive positions, round_words.h)
+//   most 256 runs and 62 ranges of consecutive positions, round_words.h)
 //   and lasts two `local_op_us` plus its busiest rank's gather, bytes (out
 //   or in, with `local_send_us` per operation) and scatter. Without it (the
 //   cma and ucx fabrics), each send holds the puller's NVLink out and the

@@ -31,8 +31,12 @@ namespace refit::cuda {
 
 // The count words of a communicator (DomainComm::words): per rank of the
 // communicator and way (sent, received), this many u64 words, the layout of
-// one round's announcement (transport/fabric/round_words.h).
-inline constexpr size_t kCountWordsPerPeer = 64;
+// one round's announcement (transport/fabric/round_words.h). 128 words name
+// 62 ranges of positions, 1 KiB per peer and way in a round's count
+// exchange: with 64 (30 ranges) the simulator put the fan-out of DeepSeek-V3
+// on 128+128 GB200 29 ms behind the network, with 128 25 ms
+// (docs/simulator.md, "What it shows today").
+inline constexpr size_t kCountWordsPerPeer = 128;
 
 using Clock = std::chrono::steady_clock;
 

@@ -9,8 +9,10 @@ namespace {
 
 constexpr char kMagic[4] = {'R', 'F', 'N', 'C'};
 // 2: with the packing (pack_bytes, pack_threshold); 3: rounds name their
-// sends by position (round_words.h), so a rank of format 2 cannot pair.
-constexpr uint32_t kFormat = 3;
+// sends by position (round_words.h), so a rank of format 2 cannot pair;
+// 4: announcements of 128 words (62 ranges, cuda::kCountWordsPerPeer), so a
+// rank of format 3 cannot pair.
+constexpr uint32_t kFormat = 4;
 constexpr size_t kHeader = 44;
 
 void put_u32(std::vector<uint8_t>& out, uint32_t v) {

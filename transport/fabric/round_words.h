@@ -27,7 +27,7 @@
 namespace refit::fabric {
 
 inline constexpr size_t kRoundWordsPerPeer = cuda::kCountWordsPerPeer;
-inline constexpr size_t kMaxRanges = (kRoundWordsPerPeer - 4) / 2;  // 30
+inline constexpr size_t kMaxRanges = (kRoundWordsPerPeer - 4) / 2;  // 62
 
 // How many of `positions` (in crossing order), from the first, fit in
 // kMaxRanges ranges of consecutive positions.

@@ -500,7 +500,7 @@ TEST(NcclFabric, AnyAnnouncementAPeerMakesUpIsRefusedInTime) {
       {"count 0 with ranges", [](uint64_t* w, const uint64_t*, auto&) { w[0] = 0; }},
       {"bytes + 1", [](uint64_t* w, const uint64_t*, auto&) { ++w[1]; }},
       {"digest", [](uint64_t* w, const uint64_t*, auto&) { w[2] ^= 1; }},
-      {"31 ranges", [](uint64_t* w, const uint64_t*, auto&) { w[3] = kMaxRanges + 1; }},
+      {"one range too many", [](uint64_t* w, const uint64_t*, auto&) { w[3] = kMaxRanges + 1; }},
       {"max ranges", [max](uint64_t* w, const uint64_t*, auto&) { w[3] = max; }},
       {"no ranges", [](uint64_t* w, const uint64_t*, auto&) { w[3] = 0; }},
       {"start at the end", [](uint64_t* w, const uint64_t*, auto&) { w[4] = kSlices; }},
@@ -586,8 +586,8 @@ TEST(NcclFabric, AnyAnnouncementAPeerMakesUpIsRefusedInTime) {
 // from rank 1, its sends ready in orders and batches that make rounds of
 // many ranges (every other slice, then the rest; all in reverse; random
 // batches), packing off, on, and with an area that splits the rounds.
-// Every byte lands, each receive is announced once, and the 30-range cap
-// binds in some round.
+// Every byte lands, each receive is announced once, and the cap on ranges
+// (kMaxRanges) binds in some round.
 TEST(NcclFabric, EveryByteLandsOnceInAnyOrderAndBatching) {
   constexpr size_t W = kRoundWordsPerPeer;
   PackLimits off;
