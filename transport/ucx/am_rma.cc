@@ -167,8 +167,6 @@ Result<std::unique_ptr<AmRmaServer>> AmRmaServer::create(Worker& worker, Puts pu
     return Status::invalid("ucx am rma server: the gather reply memory (\"gather_reply_bytes\") must be positive");
   }
   std::unique_ptr<AmRmaServer> s(new AmRmaServer(worker, puts, gather_reply_bytes));
-  // Kept pieces stay within the bound on reply memory (see the header).
-  s->pieces_ = std::make_shared<am_rma::ReplyPieces>(gather_reply_bytes / am_rma::kReplyPieceBytes);
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGetRequest, &AmRmaServer::on_get, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kPutRequest, &AmRmaServer::on_put, s.get()));
   REFIT_RETURN_IF_ERROR(s->set_handler(am_rma::kGatherRequest, &AmRmaServer::on_gather, s.get()));

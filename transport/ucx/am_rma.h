@@ -57,8 +57,8 @@
 // gather from it. The pieces are kept for the next gathers once their sends
 // complete (at most `gather_reply_bytes` of them, for the server's life):
 // freed, their memory went back to the kernel and every later piece was
-// fresh pages, zeroed on the copy's first touch, which cost the sources
-// about a fifth of a refresh's CPU on a gather-heavy layout
+// fresh pages, zeroed on the copy's first touch: 16% of the CPU samples of
+// a gather-heavy refresh (local-replicated)
 // (docs/refresh.md, "Gathers").
 //
 // The puller side is part of the GetEngine (get_engine.h); the target side
@@ -148,6 +148,7 @@ struct ReplyHeader {
 // 64 KiB take two fragments and measured slower. Smaller pieces (8 KB) cost
 // more per byte in per-message overhead.
 constexpr uint64_t kReplyPieceBytes = (64u << 10) - 1024;
+static_assert(kReplyPieceBytes % sizeof(uint64_t) == 0, "a piece of a region of atomic words holds whole words");
 
 // The pieces of kReplyPieceBytes a server's gather replies are copied into,
 // kept for reuse once their sends complete, at most `keep` of them. Any
@@ -169,7 +170,6 @@ class ReplyPieces {
   std::vector<Piece> free_;  // guarded by mutex_
   std::atomic<uint64_t> allocated_{0};
 };
-static_assert(kReplyPieceBytes % sizeof(uint64_t) == 0, "a piece of a region of atomic words holds whole words");
 
 // Registers refit's fallback handlers for the five ids on a new worker (the
 // Worker does this at create): requests are refused with
@@ -248,7 +248,11 @@ class AmRmaServer {
 
  private:
   AmRmaServer(Worker& worker, Puts puts, uint64_t gather_reply_bytes)
-      : worker_(worker), puts_(puts), gather_reply_limit_(gather_reply_bytes) {}
+      : worker_(worker),
+        puts_(puts),
+        gather_reply_limit_(gather_reply_bytes),
+        // Kept pieces stay within the bound on reply memory (see the top).
+        pieces_(std::make_shared<am_rma::ReplyPieces>(gather_reply_bytes / am_rma::kReplyPieceBytes)) {}
   static ucs_status_t on_get(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t on_gather(void* arg, const void* header, size_t header_length, void* data,
@@ -299,7 +303,7 @@ class AmRmaServer {
   std::shared_ptr<std::atomic<uint64_t>> inflight_ = std::make_shared<std::atomic<uint64_t>>(0);
   // Gather reply pieces whose sends completed, for the next gathers; shared
   // with the send callbacks, like inflight_.
-  std::shared_ptr<am_rma::ReplyPieces> pieces_;
+  const std::shared_ptr<am_rma::ReplyPieces> pieces_;
 };
 
 }  // namespace refit::ucx
