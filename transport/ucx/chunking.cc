@@ -66,43 +66,54 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
                              std::to_string(num_endpoints) + " endpoints)");
     }
     const uint64_t cut = r.gather && limits.gather_chunk_bytes > 0 ? limits.gather_chunk_bytes : limits.chunk_bytes;
-    auto chunks = split_run(i, r, cut);
-    s.runs_[i].pending = static_cast<uint32_t>(chunks.size());
-    s.pending_chunks_ += chunks.size();
-    auto& q = s.eps_[r.endpoint].queue;
-    q.insert(q.end(), chunks.begin(), chunks.end());
-    s.eps_[r.endpoint].total_bytes += r.bytes;
-    s.eps_[r.endpoint].pending_bytes += r.bytes;
+    const uint64_t chunks = (r.bytes + cut - 1) / cut;
+    if (chunks > UINT32_MAX) {
+      return Status::invalid("run " + std::to_string(i) + ": " + std::to_string(r.bytes) + " bytes make " +
+                             std::to_string(chunks) + " chunks of " + std::to_string(cut) +
+                             " bytes, more than a run may have (2^32 - 1); raise chunk_bytes");
+    }
+    s.runs_[i] = RunState{r.bytes, cut, static_cast<uint32_t>(chunks), 0};
+    s.pending_chunks_ += chunks;
+    EndpointState& ep = s.eps_[r.endpoint];
+    ep.runs.push_back(i);
+    ep.total_bytes += r.bytes;
+    ep.pending_bytes += r.bytes;
   }
+  while (s.leaves_ < num_endpoints) s.leaves_ *= 2;
+  s.tree_.assign(2 * static_cast<size_t>(s.leaves_), Node{});
+  s.keys_.resize(num_endpoints);
   for (uint32_t e = 0; e < num_endpoints; ++e) {
-    const EndpointState& ep = s.eps_[e];
-    if (ep.queue.empty()) continue;
-    s.add_head(ep.queue.front().bytes);
-    s.live_.insert(s.live_key(e));
+    s.eps_[e].head = s.cut(s.eps_[e], e);
+    s.set_key(e);
+    const Chunk& c = s.eps_[e].head;
+    if (c.bytes == 0 || c.bytes > limits.max_bytes_per_endpoint) continue;
+    s.tree_[s.leaves_ + e] = Node{c.bytes, e};
   }
+  for (uint32_t i = s.leaves_ - 1; i >= 1; --i) s.combine(i);
   return s;
 }
 
-bool ChunkScheduler::fits(const EndpointState& ep, const Chunk& c) const {
-  return ops_in_flight_ < limits_.max_ops_in_flight &&
-         ep.ops_in_flight < limits_.max_ops_per_endpoint &&
-         bytes_in_flight_ + c.bytes <= limits_.max_bytes_in_flight &&
-         ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
+Chunk ChunkScheduler::cut(EndpointState& ep, uint32_t e) {
+  if (ep.next_run == ep.runs.size()) return Chunk{0, e, 0, 0};
+  const uint32_t run = ep.runs[ep.next_run];
+  const RunState& r = runs_[run];
+  const Chunk c{run, e, ep.next_offset, std::min(r.cut, r.bytes - ep.next_offset)};
+  ep.next_offset += c.bytes;
+  if (ep.next_offset == r.bytes) {
+    ++ep.next_run;
+    ep.next_offset = 0;
+  }
+  return c;
 }
 
-void ChunkScheduler::remove_head(uint64_t bytes) {
-  auto it = heads_.find(bytes);
-  if (--it->second == 0) heads_.erase(it);
-}
-
-void ChunkScheduler::advance(EndpointState& ep) {
-  const uint64_t bytes = ep.queue[ep.head].bytes;
-  ep.pending_bytes -= bytes;
-  ++ep.head;
-  const uint64_t next = ep.head < ep.queue.size() ? ep.queue[ep.head].bytes : 0;
-  if (next == bytes) return;  // the same size heads this endpoint again
-  remove_head(bytes);
-  if (next > 0) add_head(next);
+void ChunkScheduler::advance(EndpointState& ep, uint32_t e) {
+  ep.pending_bytes -= ep.head.bytes;
+  if (ep.waiting.empty()) {
+    ep.head = cut(ep, e);
+    return;
+  }
+  ep.head = ep.waiting.back();
+  ep.waiting.pop_back();
 }
 
 bool ChunkScheduler::Live::operator<(const Live& o) const {
@@ -113,41 +124,88 @@ bool ChunkScheduler::Live::operator<(const Live& o) const {
   return endpoint < o.endpoint;
 }
 
-ChunkScheduler::Live ChunkScheduler::live_key(uint32_t e) const {
+void ChunkScheduler::set_key(uint32_t e) {
   const EndpointState& ep = eps_[e];
-  return Live{ep.total_bytes - ep.pending_bytes, ep.total_bytes, ep.last_issued, e};
+  keys_[e] = Live{ep.total_bytes - ep.pending_bytes, ep.total_bytes, ep.last_issued, e};
+}
+
+void ChunkScheduler::combine(uint32_t i) {
+  const Node& a = tree_[2 * i];
+  const Node& b = tree_[2 * i + 1];
+  tree_[i].win = b.win == kNone || (a.win != kNone && keys_[a.win] < keys_[b.win]) ? a.win : b.win;
+  tree_[i].min_head = std::min(a.min_head, b.min_head);
+}
+
+void ChunkScheduler::update(uint32_t e, bool key_changed) {
+  const EndpointState& ep = eps_[e];
+  const Chunk& c = ep.head;
+  const bool active = c.bytes > 0 && !ep.held && ep.ops_in_flight < limits_.max_ops_per_endpoint &&
+                      ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
+  uint32_t i = leaves_ + e;
+  const uint32_t w = active ? e : kNone;
+  const uint64_t h = active ? c.bytes : UINT64_MAX;
+  if (tree_[i].win == w && tree_[i].min_head == h && !(key_changed && active)) return;
+  tree_[i] = Node{h, w};
+  for (i /= 2; i >= 1; i /= 2) {
+    const Node before = tree_[i];
+    combine(i);
+    // Nothing above changes: the same first, not the endpoint whose place
+    // moved, and the same smallest head.
+    if (tree_[i].win == before.win && tree_[i].min_head == before.min_head && !(key_changed && before.win == e))
+      return;
+  }
+}
+
+uint32_t ChunkScheduler::first_fitting(uint64_t free) const {
+  uint32_t best = kNone;
+  uint32_t stack[64];
+  size_t n = 0;
+  stack[n++] = 1;
+  while (n > 0) {
+    const uint32_t i = stack[--n];
+    const uint32_t w = tree_[i].win;
+    if (w == kNone || tree_[i].min_head > free) continue;
+    if (best != kNone && !(keys_[w] < keys_[best])) continue;  // nothing here comes first
+    if (tree_[leaves_ + w].min_head <= free) {
+      best = w;  // the subtree's first fits: nothing else in it comes before
+      continue;
+    }
+    if (i >= leaves_) continue;
+    stack[n++] = 2 * i + 1;
+    stack[n++] = 2 * i;
+  }
+  return best;
 }
 
 std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
-  // Not even the smallest next chunk fits the window in total: no endpoint
-  // need be tried (a receiver with hundreds of sources asks after every
-  // completion). bytes_in_flight_ never exceeds the limit.
-  if (pending_chunks_ == 0 || ops_in_flight_ >= limits_.max_ops_in_flight ||
-      heads_.begin()->first > limits_.max_bytes_in_flight - bytes_in_flight_)
-    return std::nullopt;
+  // Nothing fits: no endpoint need be tried (a receiver with hundreds of
+  // sources asks after every completion). bytes_in_flight_ never exceeds
+  // the limit.
+  if (pending_chunks_ == 0 || ops_in_flight_ >= limits_.max_ops_in_flight) return std::nullopt;
+  const uint64_t free = limits_.max_bytes_in_flight - bytes_in_flight_;
+  if (tree_[1].min_head > free) return std::nullopt;
   // Furthest behind first (chunking.h); the first whose next chunk fits and
-  // that the gate lets go (asked before a run's first chunk only).
-  for (auto it = live_.begin(); it != live_.end(); ++it) {
-    const EndpointState& ep = eps_[it->endpoint];
-    const Chunk& c = ep.queue[ep.head];
-    if (ep.held || !fits(ep, c)) continue;
-    if (gate && c.offset == 0 && !gate(c.run)) continue;
-    return issue(it);
+  // that the gate lets go (asked before a run's first chunk only). An
+  // endpoint the gate holds leaves the tree until this call returns.
+  std::vector<uint32_t> gated;
+  uint32_t e = kNone;
+  while ((e = first_fitting(free)) != kNone) {
+    const Chunk& c = eps_[e].head;
+    if (!gate || c.offset != 0 || gate(c.run)) break;
+    gated.push_back(e);
+    tree_[leaves_ + e] = Node{};
+    for (uint32_t i = (leaves_ + e) / 2; i >= 1; i /= 2) combine(i);
   }
-  return std::nullopt;
+  for (uint32_t g : gated) update(g, false);
+  if (e == kNone) return std::nullopt;
+  return issue(e);
 }
 
-Chunk ChunkScheduler::issue(std::set<Live>::iterator at) {
-  const uint32_t e = at->endpoint;
+Chunk ChunkScheduler::issue(uint32_t e) {
   EndpointState& ep = eps_[e];
-  const Chunk c = ep.queue[ep.head];
-  auto node = live_.extract(at);
-  advance(ep);
+  const Chunk c = ep.head;
+  advance(ep, e);
   ep.last_issued = ++issued_;
-  if (ep.head < ep.queue.size()) {
-    node.value() = live_key(e);
-    live_.insert(std::move(node));
-  }
   ep.bytes_in_flight += c.bytes;
   ++ep.ops_in_flight;
   bytes_in_flight_ += c.bytes;
@@ -155,6 +213,8 @@ Chunk ChunkScheduler::issue(std::set<Live>::iterator at) {
   --pending_chunks_;
   --runs_[c.run].pending;
   ++runs_[c.run].in_flight;
+  set_key(e);
+  update(e, true);
   return c;
 }
 
@@ -165,41 +225,53 @@ bool ChunkScheduler::complete(const Chunk& c) {
   bytes_in_flight_ -= c.bytes;
   --ops_in_flight_;
   --runs_[c.run].in_flight;
+  // An endpoint in the tree stays there: its window only grew.
+  if (tree_[leaves_ + c.endpoint].win != c.endpoint) update(c.endpoint, false);
   return run_finished(c.run);
 }
 
 void ChunkScheduler::requeue(const Chunk& c) {
-  (void)complete(c);
   EndpointState& ep = eps_[c.endpoint];
-  // The entries before head are spent: the one before it takes the chunk.
-  // head > 0, since the chunk was issued from this queue.
-  if (ep.head < ep.queue.size()) {
-    live_.erase(live_key(c.endpoint));
-    remove_head(ep.queue[ep.head].bytes);
-  }
-  ep.queue[--ep.head] = c;
+  ep.bytes_in_flight -= c.bytes;
+  --ep.ops_in_flight;
+  bytes_in_flight_ -= c.bytes;
+  --ops_in_flight_;
+  --runs_[c.run].in_flight;
+  if (ep.head.bytes > 0) ep.waiting.push_back(ep.head);
+  ep.head = c;
   ep.pending_bytes += c.bytes;
-  live_.insert(live_key(c.endpoint));
-  add_head(c.bytes);
   ++runs_[c.run].pending;
   ++pending_chunks_;
+  set_key(c.endpoint);
+  update(c.endpoint, true);
+}
+
+void ChunkScheduler::hold(uint32_t endpoint, bool held) {
+  eps_[endpoint].held = held;
+  update(endpoint, false);
 }
 
 std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
   std::vector<uint32_t> finished;
   EndpointState& ep = eps_[endpoint];
-  if (ep.head < ep.queue.size()) {
-    live_.erase(live_key(endpoint));
-    remove_head(ep.queue[ep.head].bytes);
+  auto drop = [&](uint32_t run, uint64_t chunks) {
+    RunState& r = runs_[run];
+    r.pending -= static_cast<uint32_t>(chunks);
+    pending_chunks_ -= chunks;
+    if (r.pending == 0 && r.in_flight == 0) finished.push_back(run);
+  };
+  if (ep.head.bytes > 0) drop(ep.head.run, 1);
+  ep.head.bytes = 0;
+  for (auto it = ep.waiting.rbegin(); it != ep.waiting.rend(); ++it) drop(it->run, 1);
+  ep.waiting.clear();
+  for (; ep.next_run < ep.runs.size(); ++ep.next_run) {
+    const RunState& r = runs_[ep.runs[ep.next_run]];
+    drop(ep.runs[ep.next_run], (r.bytes - ep.next_offset + r.cut - 1) / r.cut);
+    ep.next_offset = 0;
   }
-  for (size_t i = ep.head; i < ep.queue.size(); ++i) {
-    RunState& r = runs_[ep.queue[i].run];
-    --r.pending;
-    --pending_chunks_;
-    if (r.pending == 0 && r.in_flight == 0) finished.push_back(ep.queue[i].run);
-  }
-  ep.head = ep.queue.size();
   ep.pending_bytes = 0;
+  set_key(endpoint);
+  update(endpoint, true);
   return finished;
 }
 
