@@ -27,6 +27,10 @@ struct Job {
   uint32_t sends_begin = 0;  // into Sim::sends_
   uint32_t sends_count = 0;
   bool staged = true;        // all its runs land in the conversion staging area
+  // Simulated (kept here, not beside it, since each landed chunk reads
+  // both): all its GETs landed, and when its bytes are usable.
+  bool landed = false;
+  double ready = 0;
 };
 
 // Fan-out runs from one puller to one peer, read from one job: one send,
@@ -93,9 +97,67 @@ struct Event {
   double t;
   uint64_t seq;  // ties in issue order: the same input gives the same result
   int32_t receiver;
-  bool landed;  // false: posted, about to cross
+  int32_t source;  // of the chunk's job (so crossing reads no job)
+  bool landed;     // false: posted, about to cross
   ucx::Chunk chunk;
-  bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+};
+
+// The network's events in (time, seq) order. Each receiver's posted GET
+// chunks and its landed ones each come in time order (a receiver posts one
+// after another, and its NIC takes in one chunk after another), so each is
+// a FIFO, and a heap orders only the FIFOs' fronts: 2 entries a receiver,
+// where a heap of every chunk in flight held the windows of all receivers
+// (tens of thousands of entries at 1024 ranks a side). The order, and so the
+// result, is the same as one heap of all events; push() checks the FIFO
+// property and fails the simulation should a change ever break it.
+class EventQueue {
+ public:
+  void reset(int32_t receivers) {
+    fifos_.assign(2 * static_cast<size_t>(receivers), {});
+    heads_ = {};
+  }
+  bool empty() const { return heads_.empty(); }
+  // REQUIRES !empty(). Removes and returns the earliest event.
+  Event pop() {
+    const Head h = heads_.top();
+    heads_.pop();
+    Fifo& f = fifos_[h.fifo];
+    Event e = std::move(f.events[f.front]);
+    if (++f.front == f.events.size()) {
+      f.events.clear();
+      f.front = 0;
+    } else {
+      heads_.push(Head{f.events[f.front].t, f.events[f.front].seq, h.fifo});
+    }
+    return e;
+  }
+  // False when `e` is earlier than the last event of its FIFO.
+  bool push(const Event& e) {
+    const uint32_t id = static_cast<uint32_t>(e.receiver) * 2 + (e.landed ? 1 : 0);
+    Fifo& f = fifos_[id];
+    if (f.front < f.events.size() && e.t < f.events.back().t) return false;
+    if (f.front == f.events.size()) heads_.push(Head{e.t, e.seq, id});
+    if (f.front > 0 && f.front * 2 >= f.events.size()) {
+      f.events.erase(f.events.begin(), f.events.begin() + static_cast<std::ptrdiff_t>(f.front));
+      f.front = 0;
+    }
+    f.events.push_back(e);
+    return true;
+  }
+
+ private:
+  struct Fifo {
+    std::vector<Event> events;
+    size_t front = 0;
+  };
+  struct Head {
+    double t;
+    uint64_t seq;
+    uint32_t fifo;
+    bool operator>(const Head& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+  };
+  std::vector<Fifo> fifos_;
+  std::priority_queue<Head, std::vector<Head>, std::greater<Head>> heads_;
 };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -320,8 +382,6 @@ class Sim {
     limits.max_ops_per_endpoint = std::numeric_limits<uint64_t>::max();
     scheds_.clear();
     scheds_.reserve(R);
-    ready_.assign(R, {});
-    done_.assign(R, {});
     for (int32_t p = 0; p < R; ++p) {
       // Endpoints: this receiver's sources, densely numbered.
       std::vector<int32_t> dense;
@@ -339,20 +399,19 @@ class Sim {
       auto s = ucx::ChunkScheduler::create(limits, runs, static_cast<uint32_t>(dense.size()));
       if (!s) return s.status().with_context("receiver " + std::to_string(p));
       scheds_.push_back(std::move(*s));
-      ready_[p].assign(jobs_[p].size(), 0.0);
     }
+    events_.reset(R);
     landed_jobs_.assign(R, 0);
     landed_at_.assign(R, 0.0);
     next_step_.assign(R, 0);
     thread_from_.assign(R, 0.0);
     for (int32_t p = 0; p < R; ++p) {
-      done_[p].assign(jobs_[p].size(), 0);
       run_steps(p);
       pump(p, 0.0);
     }
     while (!events_.empty()) {
-      const Event e = events_.top();
-      events_.pop();
+      if (!event_order_kept_) return Status::internal("simulator: an event came before the last of its FIFO");
+      const Event e = events_.pop();
       if (!e.landed) {
         cross(e);
         continue;
@@ -380,7 +439,7 @@ class Sim {
       post.bytes += gets;  // GETs, for this resource
       if (d > 0) span(Lane::kPosting, p, start, start + d, static_cast<int64_t>(c->bytes));
       if (first_get_ < 0 || start < first_get_) first_get_ = start;
-      events_.push(Event{post.free_at, seq_++, p, false, *c});
+      event_order_kept_ &= events_.push(Event{post.free_at, seq_++, p, job.source, false, *c});
       ++r_.events;
     }
   }
@@ -392,23 +451,22 @@ class Sim {
   // is posted to it.
   void cross(const Event& e) {
     const int32_t p = e.receiver;
-    const Job& job = jobs_[p][e.chunk.run];
     const double nic = hw_.nic_bytes_per_s();
     const double wire = static_cast<double>(e.chunk.bytes) / nic;
     const int64_t bytes = static_cast<int64_t>(e.chunk.bytes);
-    Resource& src = src_nic_[job.source];
+    Resource& src = src_nic_[e.source];
     const double sent_from = std::max(e.t, src.free_at);
     src.free_at = sent_from + wire;
     src.busy += wire;
     src.bytes += bytes;
-    span(Lane::kSourceNic, job.source, sent_from, src.free_at, bytes);
+    span(Lane::kSourceNic, e.source, sent_from, src.free_at, bytes);
     Resource& dst = rcv_nic_[p];
     const double in_until = std::max(src.free_at, dst.free_at + wire);
     dst.free_at = in_until;
     dst.busy += wire;
     dst.bytes += bytes;
     span(Lane::kReceiverNic, p, in_until - wire, in_until, bytes);
-    events_.push(Event{in_until + hw_.latency_us * 1e-6, seq_++, p, true, e.chunk});
+    event_order_kept_ &= events_.push(Event{in_until + hw_.latency_us * 1e-6, seq_++, p, e.source, true, e.chunk});
   }
 
   // A GET chunk landed: copy it to the GPU where GETs land in host memory;
@@ -425,15 +483,15 @@ class Sim {
       ready = start + static_cast<double>(e.chunk.bytes) / hw_.h2d_bytes_per_s();
       hold(h2d_[p], Lane::kH2d, p, start, ready, static_cast<int64_t>(e.chunk.bytes));
     }
-    double& job_ready = ready_[p][e.chunk.run];
+    double& job_ready = jobs_[p][e.chunk.run].ready;
     job_ready = std::max(job_ready, ready);
     if (!scheds_[p].complete(e.chunk)) return;
     send(p, job.sends_begin, job.sends_count, job_ready);
     if (steps_[p].empty()) return;
-    done_[p][e.chunk.run] = 1;
+    jobs_[p][e.chunk.run].landed = true;
     int32_t& n = landed_jobs_[p];
-    for (; n < static_cast<int32_t>(done_[p].size()) && done_[p][n]; ++n)
-      landed_at_[p] = std::max(landed_at_[p], ready_[p][n]);
+    for (; n < static_cast<int32_t>(jobs_[p].size()) && jobs_[p][n].landed; ++n)
+      landed_at_[p] = std::max(landed_at_[p], jobs_[p][n].ready);
     run_steps(p);
   }
 
@@ -807,18 +865,17 @@ class Sim {
   std::vector<uint32_t> plan_pos_; // with rounds: per send, its first run's position in its pair's plan order
   std::vector<Convert> converts_;
   std::vector<std::vector<int32_t>> steps_;  // per puller: its conversion steps, in order
-  std::vector<std::vector<uint8_t>> done_;   // per puller and job: all its GETs landed
   std::vector<int32_t> landed_jobs_;         // per puller: its first jobs, all landed
   std::vector<double> landed_at_;            // per puller: when they were all usable
   std::vector<size_t> next_step_;            // per puller: its next step to run
   std::vector<double> thread_from_;          // per puller: when its last conversion started
   std::vector<ucx::ChunkScheduler> scheds_;
-  std::vector<std::vector<double>> ready_;  // per receiver and job: when its bytes are usable
   std::vector<Resource> src_nic_, rcv_nic_, post_, h2d_, nvl_out_, nvl_in_, conv_;
   std::vector<int32_t> domain_size_;               // per receiver: the GPUs of its domain
   std::unordered_map<uint64_t, Pack> packs_;       // per (puller, peer): its last pack
   std::vector<std::vector<int64_t>> last_span_;  // per lane and rank: its last trace span
-  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
+  EventQueue events_;
+  bool event_order_kept_ = true;
   uint64_t seq_ = 0;
   double first_get_ = -1, h2d_first_ = -1, fan_first_ = -1, convert_first_ = -1;
 };
