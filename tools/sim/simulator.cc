@@ -611,11 +611,6 @@ class Sim {
     }
   }
 
-  // The fan-out in rounds (docs/simulator.md, "The fan-out in rounds"),
-  // once the network is simulated: nothing on the network waits for the
-  // fan-out, so every send's ready time is known by then. Ranks that pass
-  // slices to each other, directly or through others, go in lockstep, as
-  // the nccl fabric's count exchange with every active peer makes them.
   // The network's state is not needed past it: its schedulers go, and what
   // the heap holds free is given back to the system, so that the rounds'
   // arrays (three of 4 bytes a send) do not come on top of it
@@ -632,6 +627,11 @@ class Sim {
 #endif
   }
 
+  // The fan-out in rounds (docs/simulator.md, "The fan-out in rounds"),
+  // once the network is simulated: nothing on the network waits for the
+  // fan-out, so every send's ready time is known by then. Ranks that pass
+  // slices to each other, directly or through others, go in lockstep, as
+  // the nccl fabric's count exchange with every active peer makes them.
   void simulate_rounds(int32_t R) {
     // Each puller's sends by (peer, order): one range per (puller, peer).
     std::vector<uint32_t> order;

@@ -137,6 +137,7 @@ void ChunkScheduler::combine(uint32_t i) {
 }
 
 void ChunkScheduler::update(uint32_t e, bool key_changed) {
+  if (key_changed) set_key(e);
   const EndpointState& ep = eps_[e];
   const Chunk& c = ep.head;
   const bool active = c.bytes > 0 && !ep.held && ep.ops_in_flight < limits_.max_ops_per_endpoint &&
@@ -213,7 +214,6 @@ Chunk ChunkScheduler::issue(uint32_t e) {
   --pending_chunks_;
   --runs_[c.run].pending;
   ++runs_[c.run].in_flight;
-  set_key(e);
   update(e, true);
   return c;
 }
@@ -231,18 +231,13 @@ bool ChunkScheduler::complete(const Chunk& c) {
 }
 
 void ChunkScheduler::requeue(const Chunk& c) {
+  (void)complete(c);
   EndpointState& ep = eps_[c.endpoint];
-  ep.bytes_in_flight -= c.bytes;
-  --ep.ops_in_flight;
-  bytes_in_flight_ -= c.bytes;
-  --ops_in_flight_;
-  --runs_[c.run].in_flight;
   if (ep.head.bytes > 0) ep.waiting.push_back(ep.head);
   ep.head = c;
   ep.pending_bytes += c.bytes;
   ++runs_[c.run].pending;
   ++pending_chunks_;
-  set_key(c.endpoint);
   update(c.endpoint, true);
 }
 
@@ -270,7 +265,6 @@ std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
     ep.next_offset = 0;
   }
   ep.pending_bytes = 0;
-  set_key(endpoint);
   update(endpoint, true);
   return finished;
 }

@@ -155,7 +155,8 @@ class ChunkScheduler {
   // Node i from its children.
   void combine(uint32_t i);
   // Recomputes endpoint `e`'s leaf and the nodes above it; `key_changed`:
-  // e's place in the order moved, so every node it wins is redone.
+  // e's place in the order moved (its key is set anew), so every node it
+  // wins is redone.
   void update(uint32_t e, bool key_changed);
   // The first endpoint in the order of issue whose head chunk is at most
   // `free` bytes (the tree's leaves as they stand), or kNone.
