@@ -242,8 +242,11 @@ TEST_P(GetEngineMultiProcess, GatedRunsWaitForAFreeSlotAndLandThere) {
       std::vector<uint32_t> take;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return !landed.empty() || over; });
-        if (landed.empty()) return;
+        // Slots are freed only once the gate has refused a run: a GET that
+        // completes inline could otherwise be copied out before the engine
+        // asks for the third slot, and the wait would never be exercised.
+        cv.wait(lock, [&] { return (!landed.empty() && held > 0) || over; });
+        if (landed.empty() || held == 0) return;
         take.swap(landed);
       }
       for (uint32_t run : take) {
@@ -263,6 +266,7 @@ TEST_P(GetEngineMultiProcess, GatedRunsWaitForAFreeSlotAndLandThere) {
     std::lock_guard<std::mutex> lock(mu);
     if (free_slots.empty()) {
       ++held;
+      cv.notify_one();
       return false;
     }
     slot_of[run] = free_slots.back();
