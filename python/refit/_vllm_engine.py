@@ -76,13 +76,38 @@ FP8_BLOCK = (128, 128)
 _SCALE = "_scale_inv"
 
 
+# FusedMoE's FP8 parameters (Fp8MoEMethod.create_weights): each stacks one
+# weight of every expert, [E, 2I, H] for gate and up, [E, H, I] for down,
+# with "<name>_scale_inv" [E, rows/128, cols/128] beside it.
+_EXPERT_PARTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+
+
+def _expert_weights(model: Any, name: str, param: Any, what: str) -> list[str]:
+    """The trainer's expert weights a FusedMoE FP8 parameter stacks, every
+    expert of the layer (with expert parallelism the recipe picks this
+    worker's), in Hugging Face names: "<layer>.mlp.experts.<e>.gate_proj.weight"."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    refine = getattr(getattr(module, "quant_method", None), "weight_scale_refine", None)
+    if refine is not None:
+        raise errors.unsupported(f"{what}: vLLM scales this worker's experts in blocks refined to {refine}, "
+                                 f"since its shard cuts the {FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks; refit lays "
+                                 "out whole 128x128 blocks only (choose a tp that divides each expert's "
+                                 "width into multiples of 128, or expert parallelism)")
+    experts = int(getattr(module, "global_num_experts", 0) or param.shape[0])
+    prefix = recipe_name(module_name + ".weight")[: -len(".weight")]
+    return [f"{prefix}.{e}.{part}.weight" for e in range(experts) for part in _EXPERT_PARTS[leaf]]
+
+
 def _fp8_weights(model: Any, params: list[tuple[str, Any]]) -> dict[str, list[str]]:
     """The vLLM parameters held in F8_E4M3 with 128x128 block scales, each
     with the trainer's (Hugging Face) names of the weights it fuses, from the
-    model's packed_modules_mapping (qkv_proj: q_proj, k_proj, v_proj, ...).
-    Raises, naming the parameter, for an FP8 parameter without its
-    "<name>_scale_inv" beside it (F32), another block, or one that is not a
-    linear layer's weight."""
+    model's packed_modules_mapping (qkv_proj: q_proj, k_proj, v_proj, ...),
+    or for FusedMoE's w13_weight and w2_weight every expert's gate_proj and
+    up_proj, or down_proj. Raises, naming the parameter, for an FP8
+    parameter without its "<name>_scale_inv" beside it (F32), another block,
+    experts whose blocks vLLM refined, or one that is neither a linear
+    layer's weight nor FusedMoE's."""
     by_name = dict(params)
     packed = getattr(model, "packed_modules_mapping", None) or {}
     out: dict[str, list[str]] = {}
@@ -90,8 +115,11 @@ def _fp8_weights(model: Any, params: list[tuple[str, Any]]) -> dict[str, list[st
         if str(param.dtype) != "torch.float8_e4m3fn":
             continue
         what = f"vLLM parameter \"{name}\" (F8_E4M3)"
-        if not name.endswith(".weight"):
-            raise errors.unsupported(f"{what}: refit's vLLM engine lands FP8 weights of linear layers only")
+        leaf = name.rpartition(".")[2]
+        experts = leaf in _EXPERT_PARTS and len(param.shape) == 3
+        if not name.endswith(".weight") and not experts:
+            raise errors.unsupported(f"{what}: refit's vLLM engine lands FP8 weights of linear layers and "
+                                     "FusedMoE experts only")
         scale = by_name.get(name + _SCALE)
         if scale is None:
             raise errors.invalid(f"{what} has no \"{name}{_SCALE}\" beside it: refit lands an FP8 weight with "
@@ -99,11 +127,14 @@ def _fp8_weights(model: Any, params: list[tuple[str, Any]]) -> dict[str, list[st
         if str(scale.dtype) != "torch.float32":
             raise errors.unsupported(f"{what}: its scales \"{name}{_SCALE}\" are {scale.dtype}; refit computes "
                                      "F32 block scales (docs/conversion.md)")
-        module = model.get_submodule(name[: -len(".weight")])
+        module = model.get_submodule(name.rpartition(".")[0])
         block = getattr(module, "weight_block_size", None)
         if block is None or tuple(int(b) for b in block) != FP8_BLOCK:
             raise errors.unsupported(f"{what} is quantized in blocks of {block}; refit's vLLM recipe lays out "
                                      f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks only")
+        if experts:
+            out[name] = _expert_weights(model, name, param, what)
+            continue
         prefix, _, leaf = recipe_name(name)[: -len(".weight")].rpartition(".")
         out[name] = [f"{prefix}.{part}.weight" for part in packed.get(leaf, [leaf])]
     return out

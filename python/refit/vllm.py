@@ -27,15 +27,18 @@ Inference side (:class:`RefitWeightTransferEngine`, one per worker):
   before any transfer.
 - A model vLLM serves in block FP8 (``quantization_config`` with
   ``"quant_method": "fp8"`` and ``"weight_block_size": [128, 128]``: each
-  linear layer's ``weight`` in float8_e4m3fn beside its ``weight_scale_inv``
-  in float32) is refreshed from a BF16 or F32 trainer: refit quantizes on the
-  way (docs/conversion.md, "The vLLM engine"). The trainer's weights that an
-  FP8 parameter fuses (from the model's ``packed_modules_mapping``) get
-  their scale tensors in the recipe's manifest, so that ``weight_scale_inv``
-  is laid out beside its weight. An FP8 parameter without its
+  linear layer's ``weight`` and FusedMoE's ``w13_weight`` and ``w2_weight``
+  in float8_e4m3fn, each beside its ``weight_scale_inv`` in float32) is
+  refreshed from a BF16 or F32 trainer: refit quantizes on the way
+  (docs/conversion.md, "The vLLM engine"). The trainer's weights that an
+  FP8 parameter fuses (from the model's ``packed_modules_mapping``; for
+  FusedMoE, every expert's gate_proj and up_proj, or down_proj) get their
+  scale tensors in the recipe's manifest, so that ``weight_scale_inv`` is
+  laid out beside its weight. An FP8 parameter without its
   ``weight_scale_inv``, with scales in another dtype than F32, in another
-  block than 128x128, or whose shards cut the blocks is refused at init,
-  naming it, with nothing registered.
+  block than 128x128, experts whose blocks vLLM refined for their shard, or
+  shards that cut the blocks is refused at init, naming it, with nothing
+  registered.
 - ``start_weight_update`` opens a round; ``update_weights({"version": N})``
   stages version N (the server keeps serving the old weights meanwhile);
   ``finish_weight_update`` commits: the staged bytes are copied into the

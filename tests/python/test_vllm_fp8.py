@@ -10,9 +10,12 @@ refused and leaves every parameter at the old one. A model whose shards cut
 the 128x128 blocks, with a scale parameter missing, or in blocks other
 than 128x128, is refused naming the parameter, with nothing registered. vllm_fp8_receiver.py says what each
 vLLM worker does, and why this vLLM needs a stand-in for its FP8 kernel.
-The engine's own checks, on a module tree shaped like vLLM's: the trainer
-weights an FP8 parameter fuses and their scale shapes; UE8M0 scales, FP8
-fused experts and a weight the trainer lacks refused naming the parameter.
+The same for vLLM's Qwen3-MoE in block FP8, whose FusedMoE experts
+(w13_weight, w2_weight and their weight_scale_inv) land from moe_trainer.py's
+F32 experts. The engine's own checks, on a module tree shaped like vLLM's:
+the trainer weights an FP8 parameter fuses (a linear layer's, FusedMoE's)
+and their scale shapes; UE8M0 scales, experts whose blocks vLLM refined and
+a weight the trainer lacks refused naming the parameter.
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ def qwen2_fp8_config(head_dim: int, heads: int) -> dict:
             "torch_dtype": "bfloat16", "quantization_config": FP8}
 
 
+# Qwen3-MoE in block FP8: the attention projections and every expert in
+# F8_E4M3, the routers left in BF16 (modules_to_not_convert), as
+# DeepSeek-V3's FP8 checkpoint keeps its gates. At tp 2 each worker holds 128
+# rows of each expert's gate and up projections and 128 columns of its down
+# projection: whole 128x128 blocks, so vLLM does not refine them.
+QWEN3_MOE_FP8 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
+                 "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 4,
+                 "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 2,
+                 "vocab_size": 1000, "tie_word_embeddings": False, "max_position_embeddings": 128,
+                 "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+                 "quantization_config": {**FP8, "modules_to_not_convert": [f"model.layers.{i}.mlp.gate"
+                                                                           for i in range(2)]}}
+
+
 def write_files(tmp_path, coordinator, config):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
@@ -63,6 +81,28 @@ def test_bf16_fsdp2_trainer_refreshes_vllm_block_fp8_bit_exact(coordinator, tmp_
         assert "parameters (torch.bfloat16, torch.float32, torch.float8_e4m3fn)" in logs[f"receiver{r}"]
         assert f"version {VERSIONS} bit-exact" in logs[f"receiver{r}"]
         assert f"every parameter still at version {VERSIONS}" in logs[f"receiver{r}"]
+
+
+def test_f32_moe_trainer_refreshes_vllm_fused_fp8_experts_bit_exact(coordinator, tmp_path):
+    """moe_trainer.py (F32, the experts split over two ranks) into vLLM's
+    FusedMoE in block FP8 at tp 2: w13_weight, w2_weight and their
+    weight_scale_inv as vLLM's load_weights puts the reference's FP8
+    checkpoint, three versions."""
+    write_files(tmp_path, coordinator, QWEN3_MOE_FP8)
+    train_port, serve_port = free_port(), free_port()
+    procs = [start(tmp_path, f"trainer{r}", "moe_trainer.py", r, 2, train_port, tmp_path, VERSIONS, 2)
+             for r in range(2)]
+    procs += [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, serve_port, tmp_path, VERSIONS, 2,
+                    "refresh")
+              for r in range(2)]
+    logs, failed = wait_all(tmp_path, procs)
+    assert not failed, explain(logs, failed)
+    for r in range(2):
+        log = logs[f"receiver{r}"]
+        assert "'model.layers.0.mlp.experts.routed_experts.w13_weight_scale_inv': [4, 2, 2]" in log, log[-4000:]
+        assert "'model.layers.0.mlp.gate.weight': [4, 256]" in log, log[-4000:]
+        assert f"version {VERSIONS} bit-exact" in log
+        assert f"every parameter still at version {VERSIONS}" in log
 
 
 def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
@@ -94,7 +134,9 @@ def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
 # The engine's checks of a model's FP8 parameters, on a module tree shaped
 # like vLLM's (names, dtypes, weight_block_size, packed_modules_mapping).
 
-def fp8_model(scale_dtype="float32", experts=False):
+def fp8_model(scale_dtype="float32", experts=None):
+    """experts: None, or the block grid vLLM's Fp8MoEMethod refined the
+    experts' scales to (None when it did not: "as built")."""
     import torch
 
     def linear(rows, cols):
@@ -113,9 +155,16 @@ def fp8_model(scale_dtype="float32", experts=False):
     layer.mlp = torch.nn.Module()
     layer.mlp.down_proj = linear(1000, 256)
     if experts:
-        layer.mlp.experts = torch.nn.Module()
-        layer.mlp.experts.w13_weight = torch.nn.Parameter(torch.zeros(4, 256, 1000, dtype=torch.float8_e4m3fn),
-                                                          requires_grad=False)
+        # FusedMoE of 2 experts of width 256 over hidden 1000, whole.
+        moe = torch.nn.Module()
+        for name, shape, scales in (("w13_weight", (2, 512, 1000), (2, 4, 8)), ("w2_weight", (2, 1000, 256), (2, 8, 2))):
+            setattr(moe, name, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float8_e4m3fn), requires_grad=False))
+            setattr(moe, name + "_scale_inv", torch.nn.Parameter(torch.zeros(scales), requires_grad=False))
+        moe.weight_block_size = [128, 128]
+        moe.global_num_experts = 2
+        moe.quant_method = type("Fp8MoEMethod", (), {"weight_scale_refine": None if experts == "as built"
+                                                     else experts})()
+        layer.mlp.experts = moe
     root.model = torch.nn.Module()
     root.model.layers = torch.nn.ModuleList([layer])
     return root
@@ -146,18 +195,38 @@ def test_fp8_parameters_give_the_trainer_weights_their_scales():
                      p + "mlp.down_proj.weight_scale_inv": {"dtype": "F32", "shape": [8, 2]}}
 
 
+def test_fused_fp8_experts_give_every_experts_weights_their_scales():
+    from refit._vllm_engine import _fp8_weights, _with_scales
+    model = fp8_model(experts="as built")
+    fp8 = _fp8_weights(model, list(model.named_parameters()))
+    p = "model.layers.0.mlp.experts."
+    assert fp8[p + "w13_weight"] == [p + "0.gate_proj.weight", p + "0.up_proj.weight", p + "1.gate_proj.weight",
+                                     p + "1.up_proj.weight"]
+    assert fp8[p + "w2_weight"] == [p + "0.down_proj.weight", p + "1.down_proj.weight"]
+    manifest = fp8_manifest()
+    for e in range(2):
+        manifest.update({f"{p}{e}.gate_proj.weight": {"dtype": "BF16", "shape": [256, 1000]},
+                         f"{p}{e}.up_proj.weight": {"dtype": "BF16", "shape": [256, 1000]},
+                         f"{p}{e}.down_proj.weight": {"dtype": "BF16", "shape": [1000, 256]}})
+    out = _with_scales(manifest, fp8)
+    for e in range(2):
+        assert out[f"{p}{e}.gate_proj.weight_scale_inv"] == {"dtype": "F32", "shape": [2, 8]}
+        assert out[f"{p}{e}.up_proj.weight_scale_inv"] == {"dtype": "F32", "shape": [2, 8]}
+        assert out[f"{p}{e}.down_proj.weight_scale_inv"] == {"dtype": "F32", "shape": [8, 2]}
+
+
 @pytest.mark.parametrize("case", ["ue8m0", "experts", "manifest"])
 def test_fp8_parameters_refused_naming_them(case):
     import refit
     from refit._vllm_engine import _fp8_weights, _with_scales
-    model = fp8_model(scale_dtype="float8_e8m0fnu" if case == "ue8m0" else "float32", experts=case == "experts")
+    model = fp8_model(scale_dtype="float8_e8m0fnu" if case == "ue8m0" else "float32", experts=(64, 128) if case == "experts" else None)
     left_out = {"k": "model.layers.0.self_attn.k_proj.weight"} if case == "manifest" else {}
     with pytest.raises(refit.Error) as e:
         _with_scales(fp8_manifest(**left_out), _fp8_weights(model, list(model.named_parameters())))
     want = {"ue8m0": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3): '
                       'its scales "model.layers.0.self_attn.qkv_proj.weight_scale_inv" are torch.float8_e8m0fnu'),
             "experts": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.mlp.experts.w13_weight" (F8_E4M3): '
-                        "refit's vLLM engine lands FP8 weights of linear layers only"),
+                        "vLLM scales this worker's experts in blocks refined to (64, 128)"),
             "manifest": (refit.InvalidArgumentError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" '
                          '(F8_E4M3) holds "model.layers.0.self_attn.k_proj.weight", which the trainer\'s manifest '
                          'does not have')}[case]

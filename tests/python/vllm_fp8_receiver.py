@@ -45,7 +45,7 @@ from torch_reference_test import reference_quantize  # noqa: E402
 
 BLOCK = (128, 128)
 # The Hugging Face weights vLLM quantizes (its linear layers).
-QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight")
 
 
 class NoKernel:
