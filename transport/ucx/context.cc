@@ -159,10 +159,16 @@ Result<Context> Context::create(const ContextConfig& asked) {
   // refit's active messages go by copy where the transports are tcp and
   // shared memory only (by_copy.h); tcp's send buffers then take a GET
   // reply's piece (am_rma::kReplyPieceBytes) in one message instead of
-  // eight of UCX's default 8 KiB. "TX_SEG_SIZE" is tcp's alone
-  // (UCX_TCP_TX_SEG_SIZE; UCX matches a transport's key without its prefix).
+  // eight of UCX's default 8 KiB. The key is tcp's UCX_TCP_TX_SEG_SIZE, and
+  // the two UCX versions refit is tested with spell it differently:
+  // UCX 1.13 applies "TX_SEG_SIZE" to the tcp interface and takes
+  // "TCP_TX_SEG_SIZE" without applying it (its transports match keys
+  // without their prefix); UCX 1.22 refuses "TX_SEG_SIZE" and applies
+  // "TCP_TX_SEG_SIZE". The first that UCX takes is the one it applies.
   const bool by_copy = tcp_or_local_only(config.transports);
-  if (by_copy) REFIT_RETURN_IF_ERROR(modify("TX_SEG_SIZE", kTcpSendSegment, "tcp send segment"));
+  if (by_copy && ucp_config_modify(ucp_config, "TX_SEG_SIZE", kTcpSendSegment) != UCS_OK) {
+    REFIT_RETURN_IF_ERROR(modify("TCP_TX_SEG_SIZE", kTcpSendSegment, "tcp send segment"));
+  }
   if (config.keepalive_interval.count() > 0) {
     REFIT_RETURN_IF_ERROR(modify("KEEPALIVE_INTERVAL",
                                  std::to_string(config.keepalive_interval.count()) + "ms",
