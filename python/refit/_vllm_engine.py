@@ -88,12 +88,14 @@ def _expert_weights(model: Any, name: str, param: Any, what: str) -> list[str]:
     worker's), in Hugging Face names: "<layer>.mlp.experts.<e>.gate_proj.weight"."""
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
-    refine = getattr(getattr(module, "quant_method", None), "weight_scale_refine", None)
+    method = getattr(module, "quant_method", None)
+    refine = getattr(method, "weight_scale_refine", None)
     if refine is not None:
-        raise errors.unsupported(f"{what}: vLLM scales this worker's experts in blocks refined to {refine}, "
-                                 f"since its shard cuts the {FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks; refit lays "
-                                 "out whole 128x128 blocks only (choose a tp that divides each expert's "
-                                 "width into multiples of 128, or expert parallelism)")
+        block = [int(b) for b in getattr(method, "moe_block_shape", None) or ()]
+        raise errors.unsupported(f"{what}: vLLM scales this worker's experts in blocks of {block} (the "
+                                 f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks divided by {tuple(refine)}), since its "
+                                 "shard cuts them; refit lays out whole 128x128 blocks only (choose a tp that "
+                                 "divides each expert's width into multiples of 128, or expert parallelism)")
     experts = int(getattr(module, "global_num_experts", 0) or param.shape[0])
     prefix = recipe_name(module_name + ".weight")[: -len(".weight")]
     return [f"{prefix}.{e}.{part}.weight" for e in range(experts) for part in _EXPERT_PARTS[leaf]]

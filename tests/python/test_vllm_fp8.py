@@ -131,12 +131,31 @@ def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
                 in log), log[-4000:]
 
 
+def test_fp8_experts_whose_blocks_vllm_refines_are_refused_naming_them(coordinator, tmp_path):
+    """Experts of width 128 at tp 2: each worker holds 64 rows of a 128-row
+    block, and vLLM refines the experts' scale blocks to fit them."""
+    config = {**QWEN3_MOE_FP8, "moe_intermediate_size": 128}
+    write_files(tmp_path, coordinator, config)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(config)))
+    port = free_port()
+    procs = [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, port, tmp_path, 0, 2, "refused-as-built")
+             for r in range(2)]
+    logs, failed = wait_all(tmp_path, procs, timeout=600)
+    assert not failed, explain(logs, failed)
+    for r in range(2):
+        log = logs[f"receiver{r}"]
+        assert ('refused: UnsupportedError: refit: REFIT_UNSUPPORTED: vLLM parameter '
+                '"model.layers.0.mlp.experts.routed_experts.w13_weight" (F8_E4M3): vLLM scales this worker\'s '
+                'experts in blocks of [64, 64] (the 128x128 blocks divided by (2, 2))') in log, log[-4000:]
+
+
 # The engine's checks of a model's FP8 parameters, on a module tree shaped
 # like vLLM's (names, dtypes, weight_block_size, packed_modules_mapping).
 
 def fp8_model(scale_dtype="float32", experts=None):
-    """experts: None, or the block grid vLLM's Fp8MoEMethod refined the
-    experts' scales to (None when it did not: "as built")."""
+    """experts: None; "as built" (FusedMoE in whole 128x128 blocks); or
+    the factor by which vLLM's Fp8MoEMethod refined the experts' blocks
+    (its weight_scale_refine) for a shard that cuts them."""
     import torch
 
     def linear(rows, cols):
@@ -162,8 +181,9 @@ def fp8_model(scale_dtype="float32", experts=None):
             setattr(moe, name + "_scale_inv", torch.nn.Parameter(torch.zeros(scales), requires_grad=False))
         moe.weight_block_size = [128, 128]
         moe.global_num_experts = 2
-        moe.quant_method = type("Fp8MoEMethod", (), {"weight_scale_refine": None if experts == "as built"
-                                                     else experts})()
+        refined = experts != "as built"
+        moe.quant_method = type("Fp8MoEMethod", (), {"weight_scale_refine": experts if refined else None,
+                                                     "moe_block_shape": [64, 128] if refined else [128, 128]})()
         layer.mlp.experts = moe
     root.model = torch.nn.Module()
     root.model.layers = torch.nn.ModuleList([layer])
@@ -219,14 +239,14 @@ def test_fused_fp8_experts_give_every_experts_weights_their_scales():
 def test_fp8_parameters_refused_naming_them(case):
     import refit
     from refit._vllm_engine import _fp8_weights, _with_scales
-    model = fp8_model(scale_dtype="float8_e8m0fnu" if case == "ue8m0" else "float32", experts=(64, 128) if case == "experts" else None)
+    model = fp8_model(scale_dtype="float8_e8m0fnu" if case == "ue8m0" else "float32", experts=(2, 1) if case == "experts" else None)
     left_out = {"k": "model.layers.0.self_attn.k_proj.weight"} if case == "manifest" else {}
     with pytest.raises(refit.Error) as e:
         _with_scales(fp8_manifest(**left_out), _fp8_weights(model, list(model.named_parameters())))
     want = {"ue8m0": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3): '
                       'its scales "model.layers.0.self_attn.qkv_proj.weight_scale_inv" are torch.float8_e8m0fnu'),
             "experts": (refit.UnsupportedError, 'vLLM parameter "model.layers.0.mlp.experts.w13_weight" (F8_E4M3): '
-                        "vLLM scales this worker's experts in blocks refined to (64, 128)"),
+                        "vLLM scales this worker's experts in blocks of [64, 128] (the 128x128 blocks divided by (2, 1))"),
             "manifest": (refit.InvalidArgumentError, 'vLLM parameter "model.layers.0.self_attn.qkv_proj.weight" '
                          '(F8_E4M3) holds "model.layers.0.self_attn.k_proj.weight", which the trainer\'s manifest '
                          'does not have')}[case]

@@ -6,6 +6,7 @@ vLLM's Fp8LinearMethod.create_weights makes them), at tp TP over gloo.
 
     vllm_fp8_receiver.py RANK PORT DIR VERSIONS TP refresh
     vllm_fp8_receiver.py RANK PORT DIR 0 TP refused
+    vllm_fp8_receiver.py RANK PORT DIR 0 TP refused-as-built
 
 Both first run vLLM's own post-load step of the attention layers (it drops
 their KV-cache scales, as in a served model; loaded_like_vllm).
@@ -16,6 +17,9 @@ loaded by vLLM's own load_weights from the trainer's state dict quantized by
 the torch reference of docs/conversion.md (reference_quantize of
 tests/transport/convert/torch_reference_test.py): FP8 weights, block scales
 and the BF16 parameters alike (vllm_receiver.main).
+
+refused-as-built: the engine's init on the model as vLLM built it, refused
+with the error printed.
 
 refused: the engine's init on a model with one scale parameter removed, with
 one layer's weight_block_size set to [64, 64], then on the model as it is,
@@ -125,11 +129,27 @@ def refused(rank, port, out, tp):
         except refit.InvalidArgumentError as e:
             print(f"receiver {rank}: no receiver left: {e}", flush=True)
 
+def refused_as_built(rank, port, out, tp):
+    """The engine's init on the model as vLLM built it, refused."""
+    vc, model, _ = base.build(rank, port, out, tp, "bfloat16")
+    with set_current_vllm_config(vc):
+        loaded_like_vllm(model)
+        engine = base.create_engine(vc, model)
+        try:
+            engine.init_transfer_engine(base.init_info(engine, out))
+        except refit.Error as e:
+            print(f"receiver {rank}: refused: {type(e).__name__}: {e}", flush=True)
+        else:
+            raise SystemExit(f"receiver {rank}: the engine registered the model")
+
+
 if __name__ == "__main__":
     a = sys.argv[1:]
     without_fp8_kernel()
     if a[5] == "refused":
         refused(int(a[0]), int(a[1]), Path(a[2]), int(a[4]))
+    elif a[5] == "refused-as-built":
+        refused_as_built(int(a[0]), int(a[1]), Path(a[2]), int(a[4]))
     else:
         base.main(int(a[0]), int(a[1]), Path(a[2]), int(a[3]), int(a[4]), "bfloat16", prepare=quantized,
                   loaded=loaded_like_vllm)
