@@ -66,21 +66,32 @@ def write_files(tmp_path, coordinator, config):
     (tmp_path / "coordinator.json").write_text(json.dumps(coordinator.config()))
 
 
-def test_bf16_fsdp2_trainer_refreshes_vllm_block_fp8_bit_exact(coordinator, tmp_path):
-    write_files(tmp_path, coordinator, qwen2_fp8_config(128, 4))
+def refreshed_logs(coordinator, tmp_path, config, trainer, before_port=(), last=()):
+    """Two trainer ranks (`trainer` RANK 2 *before_port PORT DIR VERSIONS 2
+    *last) and two vLLM workers at tp 2 taking VERSIONS versions and
+    refusing the partial one after them; the workers' logs, each checked
+    for both."""
+    write_files(tmp_path, coordinator, config)
     train_port, serve_port = free_port(), free_port()
-    procs = [start(tmp_path, f"trainer{r}", "fsdp_trainer.py", r, 2, 1, train_port, tmp_path, VERSIONS, 2,
-                   "bfloat16")
+    procs = [start(tmp_path, f"trainer{r}", trainer, r, 2, *before_port, train_port, tmp_path, VERSIONS, 2, *last)
              for r in range(2)]
     procs += [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, serve_port, tmp_path, VERSIONS, 2,
                     "refresh")
               for r in range(2)]
     logs, failed = wait_all(tmp_path, procs)
     assert not failed, explain(logs, failed)
-    for r in range(2):
-        assert "parameters (torch.bfloat16, torch.float32, torch.float8_e4m3fn)" in logs[f"receiver{r}"]
-        assert f"version {VERSIONS} bit-exact" in logs[f"receiver{r}"]
-        assert f"every parameter still at version {VERSIONS}" in logs[f"receiver{r}"]
+    out = [logs[f"receiver{r}"] for r in range(2)]
+    for log in out:
+        assert f"version {VERSIONS} bit-exact" in log, log[-4000:]
+        assert f"every parameter still at version {VERSIONS}" in log, log[-4000:]
+    return out
+
+
+def test_bf16_fsdp2_trainer_refreshes_vllm_block_fp8_bit_exact(coordinator, tmp_path):
+    # fsdp_trainer.py RANK WORLD TP PORT DIR VERSIONS RECEIVERS DTYPE
+    for log in refreshed_logs(coordinator, tmp_path, qwen2_fp8_config(128, 4), "fsdp_trainer.py", before_port=(1,),
+                              last=("bfloat16",)):
+        assert "parameters (torch.bfloat16, torch.float32, torch.float8_e4m3fn)" in log
 
 
 def test_f32_moe_trainer_refreshes_vllm_fused_fp8_experts_bit_exact(coordinator, tmp_path):
@@ -88,34 +99,26 @@ def test_f32_moe_trainer_refreshes_vllm_fused_fp8_experts_bit_exact(coordinator,
     FusedMoE in block FP8 at tp 2: w13_weight, w2_weight and their
     weight_scale_inv as vLLM's load_weights puts the reference's FP8
     checkpoint, three versions."""
-    write_files(tmp_path, coordinator, QWEN3_MOE_FP8)
-    train_port, serve_port = free_port(), free_port()
-    procs = [start(tmp_path, f"trainer{r}", "moe_trainer.py", r, 2, train_port, tmp_path, VERSIONS, 2)
-             for r in range(2)]
-    procs += [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, serve_port, tmp_path, VERSIONS, 2,
-                    "refresh")
-              for r in range(2)]
-    logs, failed = wait_all(tmp_path, procs)
-    assert not failed, explain(logs, failed)
-    for r in range(2):
-        log = logs[f"receiver{r}"]
+    for log in refreshed_logs(coordinator, tmp_path, QWEN3_MOE_FP8, "moe_trainer.py"):
         assert "'model.layers.0.mlp.experts.routed_experts.w13_weight_scale_inv': [4, 2, 2]" in log, log[-4000:]
         assert "'model.layers.0.mlp.gate.weight': [4, 256]" in log, log[-4000:]
-        assert f"version {VERSIONS} bit-exact" in log
-        assert f"every parameter still at version {VERSIONS}" in log
 
 
-def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
-    config = qwen2_fp8_config(64, 8)
+def refused_logs(coordinator, tmp_path, config, mode):
+    """The logs of two vLLM workers at tp 2 running vllm_fp8_receiver.py's
+    `mode` against the manifest of `config`, no trainer."""
     write_files(tmp_path, coordinator, config)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest(config)))
     port = free_port()
-    procs = [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, port, tmp_path, 0, 2, "refused")
+    procs = [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, port, tmp_path, 0, 2, mode)
              for r in range(2)]
     logs, failed = wait_all(tmp_path, procs, timeout=600)
     assert not failed, explain(logs, failed)
-    for r in range(2):
-        log = logs[f"receiver{r}"]
+    return [logs[f"receiver{r}"] for r in range(2)]
+
+
+def test_fp8_model_refused_naming_the_parameter(coordinator, tmp_path):
+    for log in refused_logs(coordinator, tmp_path, qwen2_fp8_config(64, 8), "refused"):
         assert ('without a scale: refused: InvalidArgumentError: refit: REFIT_INVALID_ARGUMENT: vLLM parameter '
                 '"model.layers.0.self_attn.qkv_proj.weight" (F8_E4M3) has no '
                 '"model.layers.0.self_attn.qkv_proj.weight_scale_inv" beside it') in log, log[-4000:]
@@ -135,15 +138,7 @@ def test_fp8_experts_whose_blocks_vllm_refines_are_refused_naming_them(coordinat
     """Experts of width 128 at tp 2: each worker holds 64 rows of a 128-row
     block, and vLLM refines the experts' scale blocks to fit them."""
     config = {**QWEN3_MOE_FP8, "moe_intermediate_size": 128}
-    write_files(tmp_path, coordinator, config)
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest(config)))
-    port = free_port()
-    procs = [start(tmp_path, f"receiver{r}", "vllm_fp8_receiver.py", r, port, tmp_path, 0, 2, "refused-as-built")
-             for r in range(2)]
-    logs, failed = wait_all(tmp_path, procs, timeout=600)
-    assert not failed, explain(logs, failed)
-    for r in range(2):
-        log = logs[f"receiver{r}"]
+    for log in refused_logs(coordinator, tmp_path, config, "refused-as-built"):
         assert ('refused: UnsupportedError: refit: REFIT_UNSUPPORTED: vLLM parameter '
                 '"model.layers.0.mlp.experts.routed_experts.w13_weight" (F8_E4M3): vLLM scales this worker\'s '
                 'experts in blocks of [64, 64] (the 128x128 blocks divided by (2, 2))') in log, log[-4000:]

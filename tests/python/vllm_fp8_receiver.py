@@ -104,12 +104,19 @@ def quantized(state):
     return out
 
 
-def refused(rank, port, out, tp):
+def built(rank, port, out, tp):
+    """vLLM's model for this rank, loaded as vLLM leaves it, and refit's
+    engine for it (not initialized)."""
     vc, model, _ = base.build(rank, port, out, tp, "bfloat16")
-    qkv = model.model.layers[0].self_attn.qkv_proj
     with set_current_vllm_config(vc):
         loaded_like_vllm(model)
-        engine = base.create_engine(vc, model)
+        return vc, model, base.create_engine(vc, model)
+
+
+def refused(rank, port, out, tp):
+    vc, model, engine = built(rank, port, out, tp)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    with set_current_vllm_config(vc):
         scale = qkv._parameters.pop("weight_scale_inv")
         for case in ("without a scale", "in 64x64 blocks", "as vLLM built it"):
             try:
@@ -129,12 +136,11 @@ def refused(rank, port, out, tp):
         except refit.InvalidArgumentError as e:
             print(f"receiver {rank}: no receiver left: {e}", flush=True)
 
+
 def refused_as_built(rank, port, out, tp):
     """The engine's init on the model as vLLM built it, refused."""
-    vc, model, _ = base.build(rank, port, out, tp, "bfloat16")
+    vc, _, engine = built(rank, port, out, tp)
     with set_current_vllm_config(vc):
-        loaded_like_vllm(model)
-        engine = base.create_engine(vc, model)
         try:
             engine.init_transfer_engine(base.init_info(engine, out))
         except refit.Error as e:
