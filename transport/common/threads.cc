@@ -1,5 +1,7 @@
 #include "transport/common/threads.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdio>
 #include <new>
@@ -37,6 +39,13 @@ void write_log(const std::shared_ptr<const std::function<void(const std::string&
 
 }  // namespace
 
+std::string ThreadFactory::system_name(const std::string& what) {
+  // Linux keeps 15 bytes of a thread's name.
+  std::string name = ("refit " + what).substr(0, 15);
+  while (!name.empty() && name.back() == ' ') name.pop_back();
+  return name;
+}
+
 Result<std::thread> ThreadFactory::start(const std::string& what, std::function<void()> body,
                                          std::function<void(const Status&)> on_exception) const {
   try {
@@ -45,6 +54,8 @@ Result<std::thread> ThreadFactory::start(const std::string& what, std::function<
                               "refused by the test-only \"refuse_threads_after\"");
     }
     return std::thread([what, log = log_, body = std::move(body), on_exception = std::move(on_exception)] {
+      // Best effort: a name the system refuses leaves the thread unnamed.
+      pthread_setname_np(pthread_self(), system_name(what).c_str());
       std::string why;
       try {
         body();

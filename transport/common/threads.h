@@ -41,7 +41,9 @@ class ThreadFactory {
   // and its copies made from now on (default: stderr).
   void set_log(std::function<void(const std::string&)> log);
 
-  // Starts `body` on a new thread; `what` names it in errors ("heartbeat").
+  // Starts `body` on a new thread; `what` names it in errors ("heartbeat"),
+  // and to the system as system_name(what), which top -H, ps -T, perf and
+  // gdb show.
   // Returns the thread, or a Status when the system refuses one (nothing
   // was started, and `body` is destroyed without running).
   // An exception that leaves `body` is caught on the thread: a line naming
@@ -51,6 +53,10 @@ class ThreadFactory {
   // from `on_exception` itself is logged and dropped.
   Result<std::thread> start(const std::string& what, std::function<void()> body,
                             std::function<void(const Status&)> on_exception = {}) const;
+
+  // "refit " + what, cut to the 15 bytes Linux keeps of a thread's name
+  // ("refit heartbeat", "refit fan-out", "refit landing r").
+  static std::string system_name(const std::string& what);
 
  private:
   struct Budget;

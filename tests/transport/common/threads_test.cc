@@ -4,6 +4,7 @@
 #include "transport/common/threads.h"
 
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <mutex>
@@ -39,6 +40,20 @@ TEST(ThreadFactory, CopiesShareTheirBudget) {
   Result<std::thread> c = ThreadFactory().start("c", [] {});  // no limit
   ASSERT_TRUE(c.is_ok());
   c->join();
+}
+
+// The system knows each thread by its role, cut to the 15 bytes Linux keeps.
+TEST(ThreadFactory, AThreadCarriesItsNameToTheSystem) {
+  ThreadFactory threads;
+  for (const std::string what : {"heartbeat", "landing ring copy"}) {
+    char name[16] = {};
+    Result<std::thread> t = threads.start(what, [&] { pthread_getname_np(pthread_self(), name, sizeof(name)); });
+    ASSERT_TRUE(t.is_ok());
+    t->join();
+    EXPECT_EQ(std::string(name), ThreadFactory::system_name(what));
+  }
+  EXPECT_EQ(ThreadFactory::system_name("heartbeat"), "refit heartbeat");
+  EXPECT_EQ(ThreadFactory::system_name("landing ring copy"), "refit landing r");
 }
 
 // Without the catch-all, each of these bodies ends the process (std::terminate).
