@@ -82,12 +82,12 @@ _SCALE = "_scale_inv"
 _EXPERT_PARTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
 
 
-def _expert_weights(model: Any, name: str, param: Any, what: str) -> list[str]:
-    """The trainer's expert weights a FusedMoE FP8 parameter stacks, every
-    expert of the layer (with expert parallelism the recipe picks this
-    worker's), in Hugging Face names: "<layer>.mlp.experts.<e>.gate_proj.weight"."""
+def _expert_weights(module: Any, name: str, param: Any, what: str) -> list[str]:
+    """The trainer's expert weights that `name`, a FusedMoE FP8 parameter of
+    `module`, stacks: every expert of the layer (with expert parallelism the
+    recipe picks this worker's), in Hugging Face names:
+    "<layer>.mlp.experts.<e>.gate_proj.weight"."""
     module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
     method = getattr(module, "quant_method", None)
     refine = getattr(method, "weight_scale_refine", None)
     if refine is not None:
@@ -135,7 +135,7 @@ def _fp8_weights(model: Any, params: list[tuple[str, Any]]) -> dict[str, list[st
             raise errors.unsupported(f"{what} is quantized in blocks of {block}; refit's vLLM recipe lays out "
                                      f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks only")
         if experts:
-            out[name] = _expert_weights(model, name, param, what)
+            out[name] = _expert_weights(module, name, param, what)
             continue
         prefix, _, leaf = recipe_name(name)[: -len(".weight")].rpartition(".")
         out[name] = [f"{prefix}.{part}.weight" for part in packed.get(leaf, [leaf])]

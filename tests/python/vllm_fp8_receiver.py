@@ -113,18 +113,23 @@ def built(rank, port, out, tp):
         return vc, model, base.create_engine(vc, model)
 
 
+def init_refused(engine, out, rank, case):
+    """The engine's init, which must be refused: the error printed."""
+    try:
+        engine.init_transfer_engine(base.init_info(engine, out))
+    except refit.Error as e:
+        print(f"receiver {rank}: {case}refused: {type(e).__name__}: {e}", flush=True)
+    else:
+        raise SystemExit(f"receiver {rank}: {case}the engine registered the model")
+
+
 def refused(rank, port, out, tp):
     vc, model, engine = built(rank, port, out, tp)
     qkv = model.model.layers[0].self_attn.qkv_proj
     with set_current_vllm_config(vc):
         scale = qkv._parameters.pop("weight_scale_inv")
         for case in ("without a scale", "in 64x64 blocks", "as vLLM built it"):
-            try:
-                engine.init_transfer_engine(base.init_info(engine, out))
-            except refit.Error as e:
-                print(f"receiver {rank}: {case}: refused: {type(e).__name__}: {e}", flush=True)
-            else:
-                raise SystemExit(f"receiver {rank}: {case}: the engine registered the model")
+            init_refused(engine, out, rank, case + ": ")
             if case == "without a scale":  # the scale back, the block other than the recipe's
                 qkv._parameters["weight_scale_inv"] = scale
                 qkv.weight_block_size = [64, 64]
@@ -141,12 +146,7 @@ def refused_as_built(rank, port, out, tp):
     """The engine's init on the model as vLLM built it, refused."""
     vc, _, engine = built(rank, port, out, tp)
     with set_current_vllm_config(vc):
-        try:
-            engine.init_transfer_engine(base.init_info(engine, out))
-        except refit.Error as e:
-            print(f"receiver {rank}: refused: {type(e).__name__}: {e}", flush=True)
-        else:
-            raise SystemExit(f"receiver {rank}: the engine registered the model")
+        init_refused(engine, out, rank, "")
 
 
 if __name__ == "__main__":
