@@ -52,7 +52,7 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
   REFIT_RETURN_IF_ERROR(validate(limits));
   ChunkScheduler s;
   s.limits_ = limits;
-  s.runs_.resize(runs.size());
+  s.outstanding_.resize(runs.size());
   s.eps_.resize(num_endpoints);
   for (uint32_t i = 0; i < runs.size(); ++i) {
     const ChunkRun& r = runs[i];
@@ -65,17 +65,17 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
                              std::to_string(r.endpoint) + " out of range (" +
                              std::to_string(num_endpoints) + " endpoints)");
     }
-    const uint64_t cut = r.gather && limits.gather_chunk_bytes > 0 ? limits.gather_chunk_bytes : limits.chunk_bytes;
+    const uint64_t cut = s.cut_of(EndpointRun{r.bytes, i, r.gather});
     const uint64_t chunks = (r.bytes + cut - 1) / cut;
     if (chunks > UINT32_MAX) {
       return Status::invalid("run " + std::to_string(i) + ": " + std::to_string(r.bytes) + " bytes make " +
                              std::to_string(chunks) + " chunks of " + std::to_string(cut) +
                              " bytes, more than a run may have (2^32 - 1); raise chunk_bytes");
     }
-    s.runs_[i] = RunState{r.bytes, cut, static_cast<uint32_t>(chunks), 0};
+    s.outstanding_[i] = static_cast<uint32_t>(chunks);
     s.pending_chunks_ += chunks;
     EndpointState& ep = s.eps_[r.endpoint];
-    ep.runs.push_back(i);
+    ep.runs.push_back(EndpointRun{r.bytes, i, r.gather});
     ep.total_bytes += r.bytes;
     ep.pending_bytes += r.bytes;
   }
@@ -95,11 +95,15 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
 
 Chunk ChunkScheduler::cut(EndpointState& ep, uint32_t e) {
   if (ep.next_run == ep.runs.size()) return Chunk{0, e, 0, 0};
-  const uint32_t run = ep.runs[ep.next_run];
-  const RunState& r = runs_[run];
-  const Chunk c{run, e, ep.next_offset, std::min(r.cut, r.bytes - ep.next_offset)};
+  if (ep.next_offset == 0) {
+    const EndpointRun& r = ep.runs[ep.next_run];
+    ep.cur_run = r.run;
+    ep.cur_bytes = r.bytes;
+    ep.cur_cut = cut_of(r);
+  }
+  const Chunk c{ep.cur_run, e, ep.next_offset, std::min(ep.cur_cut, ep.cur_bytes - ep.next_offset)};
   ep.next_offset += c.bytes;
-  if (ep.next_offset == r.bytes) {
+  if (ep.next_offset == ep.cur_bytes) {
     ++ep.next_run;
     ep.next_offset = 0;
   }
@@ -212,8 +216,6 @@ Chunk ChunkScheduler::issue(uint32_t e) {
   bytes_in_flight_ += c.bytes;
   ++ops_in_flight_;
   --pending_chunks_;
-  --runs_[c.run].pending;
-  ++runs_[c.run].in_flight;
   update(e, true);
   return c;
 }
@@ -224,7 +226,7 @@ bool ChunkScheduler::complete(const Chunk& c) {
   --ep.ops_in_flight;
   bytes_in_flight_ -= c.bytes;
   --ops_in_flight_;
-  --runs_[c.run].in_flight;
+  --outstanding_[c.run];
   // An endpoint in the tree stays there: its window only grew.
   if (tree_[leaves_ + c.endpoint].win != c.endpoint) update(c.endpoint, false);
   return run_finished(c.run);
@@ -236,7 +238,7 @@ void ChunkScheduler::requeue(const Chunk& c) {
   if (ep.head.bytes > 0) ep.waiting.push_back(ep.head);
   ep.head = c;
   ep.pending_bytes += c.bytes;
-  ++runs_[c.run].pending;
+  ++outstanding_[c.run];
   ++pending_chunks_;
   update(c.endpoint, true);
 }
@@ -250,18 +252,19 @@ std::vector<uint32_t> ChunkScheduler::drop_endpoint(uint32_t endpoint) {
   std::vector<uint32_t> finished;
   EndpointState& ep = eps_[endpoint];
   auto drop = [&](uint32_t run, uint64_t chunks) {
-    RunState& r = runs_[run];
-    r.pending -= static_cast<uint32_t>(chunks);
+    uint32_t& n = outstanding_[run];
+    n -= static_cast<uint32_t>(chunks);
     pending_chunks_ -= chunks;
-    if (r.pending == 0 && r.in_flight == 0) finished.push_back(run);
+    if (n == 0) finished.push_back(run);
   };
   if (ep.head.bytes > 0) drop(ep.head.run, 1);
   ep.head.bytes = 0;
   for (auto it = ep.waiting.rbegin(); it != ep.waiting.rend(); ++it) drop(it->run, 1);
   ep.waiting.clear();
   for (; ep.next_run < ep.runs.size(); ++ep.next_run) {
-    const RunState& r = runs_[ep.runs[ep.next_run]];
-    drop(ep.runs[ep.next_run], (r.bytes - ep.next_offset + r.cut - 1) / r.cut);
+    const EndpointRun& r = ep.runs[ep.next_run];
+    const uint64_t cut = cut_of(r);
+    drop(r.run, (r.bytes - ep.next_offset + cut - 1) / cut);
     ep.next_offset = 0;
   }
   ep.pending_bytes = 0;

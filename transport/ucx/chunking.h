@@ -94,9 +94,7 @@ class ChunkScheduler {
   std::vector<uint32_t> drop_endpoint(uint32_t endpoint);
 
   bool done() const { return pending_chunks_ == 0 && ops_in_flight_ == 0; }
-  bool run_finished(uint32_t run) const {
-    return runs_[run].pending == 0 && runs_[run].in_flight == 0;
-  }
+  bool run_finished(uint32_t run) const { return outstanding_[run] == 0; }
   uint64_t bytes_in_flight() const { return bytes_in_flight_; }
   uint64_t ops_in_flight() const { return ops_in_flight_; }
   uint64_t bytes_in_flight(uint32_t endpoint) const { return eps_[endpoint].bytes_in_flight; }
@@ -104,11 +102,12 @@ class ChunkScheduler {
   uint64_t pending_chunks() const { return pending_chunks_; }
 
  private:
-  struct RunState {
-    uint64_t bytes = 0;      // of the run
-    uint64_t cut = 0;        // its chunks' size (the last may be shorter)
-    uint32_t pending = 0;    // chunks not yet issued
-    uint32_t in_flight = 0;  // chunks issued, not completed
+  // A run as its endpoint cuts it. Its endpoint's runs lie in one array,
+  // in order, so cutting the next run reads memory next to the last.
+  struct EndpointRun {
+    uint64_t bytes = 0;
+    uint32_t run = 0;
+    bool gather = false;
   };
   // An endpoint's pending chunks are cut from its runs as they are issued
   // (a plan of tens of millions of chunks is not held as a list). In
@@ -117,9 +116,14 @@ class ChunkScheduler {
   struct EndpointState {
     Chunk head;                    // bytes 0: nothing pending
     std::vector<Chunk> waiting;    // taken back (requeue) behind a newer head
-    std::vector<uint32_t> runs;    // its runs, in issue order
+    std::vector<EndpointRun> runs;  // its runs, in issue order
     size_t next_run = 0;
     uint64_t next_offset = 0;      // into runs[next_run]
+    // runs[next_run], its bytes and chunk size, while next_offset > 0
+    // (read when its first chunk is cut).
+    uint32_t cur_run = 0;
+    uint64_t cur_bytes = 0;
+    uint64_t cur_cut = 0;
     uint64_t bytes_in_flight = 0;
     uint64_t ops_in_flight = 0;
     uint64_t total_bytes = 0;    // of all its chunks
@@ -129,6 +133,9 @@ class ChunkScheduler {
   };
   // Cuts the next chunk of `ep`'s runs (bytes 0 when they are all cut).
   Chunk cut(EndpointState& ep, uint32_t endpoint);
+  uint64_t cut_of(const EndpointRun& r) const {
+    return r.gather && limits_.gather_chunk_bytes > 0 ? limits_.gather_chunk_bytes : limits_.chunk_bytes;
+  }
   void advance(EndpointState& ep, uint32_t endpoint);  // the next pending chunk becomes the head
   // An endpoint's place in the order of issue: furthest behind first (the
   // smallest share of its bytes issued), then the least recently issued,
@@ -164,7 +171,9 @@ class ChunkScheduler {
   Chunk issue(uint32_t endpoint);
 
   WindowLimits limits_;
-  std::vector<RunState> runs_;
+  // Per run: its chunks not completed, pending or in flight (issuing a
+  // chunk reads nothing per run; completing one reads these 4 bytes).
+  std::vector<uint32_t> outstanding_;
   std::vector<EndpointState> eps_;
   std::vector<Live> keys_;  // per endpoint, its place in the order of issue
   uint32_t leaves_ = 1;     // a power of two, at least the endpoints
