@@ -44,7 +44,7 @@ void GatherCounter::add(const GatherInput& run, int64_t count, uint64_t tag) {
     return;
   }
   const std::pair<int32_t, int32_t> key{run.receiver, run.source};
-  Open& g = open_[key];
+  Open& g = open_[(static_cast<uint64_t>(static_cast<uint32_t>(run.receiver)) << 32) | static_cast<uint32_t>(run.source)];
   // A run joins the open gather unless it would take it past max_bytes or
   // max_entries; then the gather closes and the run opens the next one.
   if (g.runs > 0 && (g.bytes + b > options_.max_bytes || g.runs >= options_.max_entries)) close(key, g);
@@ -66,7 +66,13 @@ void GatherCounter::add(const GatherInput& run, int64_t count, uint64_t tag) {
 }
 
 void GatherCounter::finish() {
-  for (auto& [key, g] : open_) close(key, g);  // in key order: deterministic
+  // In (receiver, source) order: deterministic.
+  std::vector<std::pair<std::pair<int32_t, int32_t>, Open*>> open;
+  open.reserve(open_.size());
+  for (auto& [key, g] : open_)
+    open.push_back({{static_cast<int32_t>(key >> 32), static_cast<int32_t>(static_cast<uint32_t>(key))}, &g});
+  std::sort(open.begin(), open.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [key, g] : open) close(key, *g);
   open_.clear();
 }
 

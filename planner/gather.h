@@ -24,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <span>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -99,7 +100,10 @@ class GatherCounter {
 
   GatherOptions options_;
   std::function<void(const GatherClose&)> on_close_;
-  std::map<std::pair<int32_t, int32_t>, Open> open_;  // (receiver, source) -> its open gather
+  // (receiver, source) -> its open gather. Hashed: a plan of thousands of
+  // ranks a side has hundreds of thousands of pairs, and every small run
+  // looks its pair up; finish() sorts the keys.
+  std::unordered_map<uint64_t, Open> open_;
   uint64_t gathers_ = 0;
   uint64_t gathered_runs_ = 0;
   uint64_t unpacked_ = 0;
