@@ -1,6 +1,7 @@
 #include "tools/sim/simulator.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -28,8 +29,8 @@ struct Job {
   uint32_t sends_count = 0;
   bool closed = false;       // a fan-out send reads it: nothing more joins it
   bool staged = true;        // all its runs land in the conversion staging area
-  // Simulated (kept here, not beside it, since each landed chunk reads
-  // both): all its GETs landed, and when its bytes are usable.
+  // Simulated (kept here, not beside it, since its last chunk to land
+  // reads both): all its GETs landed, and when its bytes are usable.
   bool landed = false;
   int64_t bytes = 0;
   int64_t gets = 0;          // GETs of all its runs
@@ -118,21 +119,25 @@ class EventQueue {
  public:
   void reset(int32_t receivers) {
     fifos_.assign(2 * static_cast<size_t>(receivers), {});
-    heads_ = {};
+    heap_.clear();
   }
-  bool empty() const { return heads_.empty(); }
-  // REQUIRES !empty(). Removes and returns the earliest event.
+  bool empty() const { return heap_.empty(); }
+  // REQUIRES !empty(). Removes and returns the earliest event. Its FIFO's
+  // next event takes the front's place in the heap and sinks from there:
+  // one pass down the heap, where a pop and a push were two.
   Event pop() {
-    const Head h = heads_.top();
-    heads_.pop();
-    Fifo& f = fifos_[h.fifo];
+    const uint32_t id = heap_.front().fifo;
+    Fifo& f = fifos_[id];
     Event e = std::move(f.events[f.front]);
     if (++f.front == f.events.size()) {
       f.events.clear();
       f.front = 0;
+      heap_.front() = heap_.back();
+      heap_.pop_back();
     } else {
-      heads_.push(Head{f.events[f.front].t, f.events[f.front].seq, h.fifo});
+      heap_.front() = Head{f.events[f.front].t, f.events[f.front].seq, id};
     }
+    if (!heap_.empty()) sink(0);
     return e;
   }
   // False when `e` is earlier than the last event of its FIFO.
@@ -140,7 +145,10 @@ class EventQueue {
     const uint32_t id = static_cast<uint32_t>(e.receiver) * 2 + (e.landed ? 1 : 0);
     Fifo& f = fifos_[id];
     if (f.front < f.events.size() && e.t < f.events.back().t) return false;
-    if (f.front == f.events.size()) heads_.push(Head{e.t, e.seq, id});
+    if (f.front == f.events.size()) {
+      heap_.push_back(Head{e.t, e.seq, id});
+      rise(heap_.size() - 1);
+    }
     if (f.front > 0 && f.front * 2 >= f.events.size()) {
       f.events.erase(f.events.begin(), f.events.begin() + static_cast<std::ptrdiff_t>(f.front));
       f.front = 0;
@@ -158,10 +166,31 @@ class EventQueue {
     double t;
     uint64_t seq;
     uint32_t fifo;
-    bool operator>(const Head& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+    bool operator<(const Head& o) const { return t != o.t ? t < o.t : seq < o.seq; }
   };
+  // A binary min-heap of the FIFOs' fronts, in (t, seq) order; seq is
+  // unique, so the order of pops is that of any heap.
+  void sink(size_t i) {
+    const Head h = heap_[i];
+    const size_t n = heap_.size();
+    for (size_t c = 2 * i + 1; c < n; c = 2 * i + 1) {
+      if (c + 1 < n && heap_[c + 1] < heap_[c]) ++c;
+      if (!(heap_[c] < h)) break;
+      heap_[i] = heap_[c];
+      i = c;
+    }
+    heap_[i] = h;
+  }
+  void rise(size_t i) {
+    const Head h = heap_[i];
+    while (i > 0 && h < heap_[(i - 1) / 2]) {
+      heap_[i] = heap_[(i - 1) / 2];
+      i = (i - 1) / 2;
+    }
+    heap_[i] = h;
+  }
   std::vector<Fifo> fifos_;
-  std::priority_queue<Head, std::vector<Head>, std::greater<Head>> heads_;
+  std::vector<Head> heap_;
 };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -387,6 +416,8 @@ class Sim {
     limits.max_ops_per_endpoint = std::numeric_limits<uint64_t>::max();
     scheds_.clear();
     scheds_.reserve(R);
+    ep_base_.clear();
+    cur_.clear();
     for (int32_t p = 0; p < R; ++p) {
       // Endpoints: this receiver's sources, densely numbered.
       std::vector<int32_t> dense;
@@ -404,6 +435,8 @@ class Sim {
       auto s = ucx::ChunkScheduler::create(limits, runs, static_cast<uint32_t>(dense.size()));
       if (!s) return s.status().with_context("receiver " + std::to_string(p));
       scheds_.push_back(std::move(*s));
+      ep_base_.push_back(static_cast<uint32_t>(cur_.size()));
+      for (int32_t src : dense) cur_.push_back(Current{.source = src});
     }
     events_.reset(R);
     landed_jobs_.assign(R, 0);
@@ -432,7 +465,11 @@ class Sim {
   void pump(int32_t p, double now) {
     const double op = hw_.get_op_us * 1e-6;
     while (auto c = scheds_[p].next()) {
-      const Job& job = jobs_[p][c->run];
+      Current& job = cur_[ep_base_[p] + c->endpoint];
+      if (job.run != c->run) {
+        const Job& j = jobs_[p][c->run];
+        job = Current{c->run, job.source, j.bytes, j.gets};
+      }
       // The job's GETs, shared out over its chunks by their bytes.
       const __int128 g = job.gets;
       const int64_t gets = static_cast<int64_t>(g * (c->offset + c->bytes) / job.bytes - g * c->offset / job.bytes);
@@ -479,21 +516,23 @@ class Sim {
   void landed(const Event& e) {
     const int32_t p = e.receiver;
     r_.phases.network.end = std::max(r_.phases.network.end, e.t);
-    const Job& job = jobs_[p][e.chunk.run];
     double ready = e.t;
     // The conversion staging area is host memory: what lands there is not
     // copied on by the landing ring (a job that also landed elsewhere is).
-    if (hw_.gets_land_in_host && !job.staged) {
+    if (hw_.gets_land_in_host && !jobs_[p][e.chunk.run].staged) {
       const double start = std::max(e.t, h2d_[p].free_at);
       ready = start + static_cast<double>(e.chunk.bytes) / hw_.h2d_bytes_per_s();
       hold(h2d_[p], Lane::kH2d, p, start, ready, static_cast<int64_t>(e.chunk.bytes));
     }
-    double& job_ready = jobs_[p][e.chunk.run].ready;
-    job_ready = std::max(job_ready, ready);
+    // A receiver's chunks land in the order it posted them (its landed
+    // FIFO), and one job's copies to the GPU follow one another: the job is
+    // ready when its last chunk is, and is read only then.
     if (!scheds_[p].complete(e.chunk)) return;
-    send(p, job.sends_begin, job.sends_count, job_ready);
+    Job& job = jobs_[p][e.chunk.run];
+    job.ready = ready;
+    send(p, job.sends_begin, job.sends_count, ready);
     if (steps_[p].empty()) return;
-    jobs_[p][e.chunk.run].landed = true;
+    job.landed = true;
     int32_t& n = landed_jobs_[p];
     for (; n < static_cast<int32_t>(jobs_[p].size()) && jobs_[p][n].landed; ++n)
       landed_at_[p] = std::max(landed_at_[p], jobs_[p][n].ready);
@@ -617,6 +656,8 @@ class Sim {
   // (DeepSeek-V3 at 4096 ranks has 163 million sends).
   void release_network() {
     std::vector<ucx::ChunkScheduler>().swap(scheds_);
+    std::vector<Current>().swap(cur_);
+    std::vector<uint32_t>().swap(ep_base_);
     events_.reset(0);
     give_back_free_memory();
   }
@@ -649,6 +690,8 @@ class Sim {
     std::vector<uint32_t> mine;
     std::vector<uint64_t> at(R, 0);  // per peer: its count, then where its next send goes
     std::vector<int32_t> peers;
+    std::vector<uint64_t> keys;
+    std::vector<uint32_t> slice;
     for (int32_t p = 0; p < R; ++p) {
       // Its sends in plan order (the jobs' and the steps' interleave there),
       // then grouped by peer, in that order.
@@ -678,9 +721,16 @@ class Sim {
           plan_pos_[order[e]] = runs;
           runs += sends_[order[e]].runs;
         }
-        // The fabric passes them on in the order they became ready.
-        std::stable_sort(order.begin() + static_cast<std::ptrdiff_t>(i), order.begin() + static_cast<std::ptrdiff_t>(e),
-                         [&](uint32_t a, uint32_t b) { return send_ready_[a] < send_ready_[b]; });
+        // The fabric passes them on in the order they became ready, ties
+        // in the order above: sorted by (ready, place), the ready time's
+        // bits above the place (a float at or above 0 orders as its bits),
+        // so that sorting reads no send.
+        keys.clear();
+        slice.assign(order.begin() + static_cast<std::ptrdiff_t>(i), order.begin() + static_cast<std::ptrdiff_t>(e));
+        for (size_t k = 0; k < slice.size(); ++k)
+          keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(send_ready_[slice[k]])) << 32 | k);
+        std::sort(keys.begin(), keys.end());
+        for (size_t k = 0; k < keys.size(); ++k) order[i + k] = slice[static_cast<uint32_t>(keys[k])];
         pairs.push_back(Pair{p, q, i, e, 0});
         parent[root(p)] = root(q);
         i = e;
@@ -893,6 +943,17 @@ class Sim {
   std::vector<size_t> next_step_;            // per puller: its next step to run
   std::vector<double> thread_from_;          // per puller: when its last conversion started
   std::vector<ucx::ChunkScheduler> scheds_;
+  // Per receiver and endpoint (from ep_base_[receiver]): its source and the
+  // job it is issuing, so that a job's later chunks are posted without
+  // reading the job again (a receiver's jobs are tens of megabytes).
+  struct Current {
+    uint32_t run = UINT32_MAX;
+    int32_t source = 0;
+    int64_t bytes = 0;
+    int64_t gets = 0;
+  };
+  std::vector<uint32_t> ep_base_;
+  std::vector<Current> cur_;
   std::vector<Resource> src_nic_, rcv_nic_, post_, h2d_, nvl_out_, nvl_in_, conv_;
   std::vector<int32_t> domain_size_;               // per receiver: the GPUs of its domain
   std::unordered_map<uint64_t, Pack> packs_;       // per (puller, peer): its last pack
