@@ -526,7 +526,8 @@ class Sim {
     }
     // A receiver's chunks land in the order it posted them (its landed
     // FIFO), and one job's copies to the GPU follow one another: the job is
-    // ready when its last chunk is, and is read only then.
+    // ready when its last chunk is. Only then are its sends read (and, where
+    // GETs land in host memory, whether it was staged, for every chunk).
     if (!scheds_[p].complete(e.chunk)) return;
     Job& job = jobs_[p][e.chunk.run];
     job.ready = ready;
