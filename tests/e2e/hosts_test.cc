@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 
 #include "tools/bench/hosts.h"
 #include "transport/ucx/context.h"
+#include "transport/ucx/endpoint.h"
 #include "transport/ucx/worker.h"
 
 namespace refit::bench {
@@ -233,6 +235,112 @@ TEST(Hosts, AnInterfaceNotInDevicesIsNotUsed) {
   const std::string missing = listeners({"eth9"}, "");
   EXPECT_NE(missing.find("ERROR"), std::string::npos) << missing;
   EXPECT_NE(missing.find("\"eth9\""), std::string::npos) << missing;
+}
+
+// An endpoint toward a host whose link is down is made at once: UCX's tcp
+// transport connects without blocking (transport/ucx/context.cc), and what
+// is posted on the endpoint then fails or is cancelled by the caller's
+// deadline. A blocking connect() waits for the kernel's SYN retries (about
+// two minutes) inside ucp_ep_create, where no refresh deadline reaches: a
+// receiver whose retry named a source on a host just cut off sat there past
+// the library's bound on a failed refresh.
+TEST(Hosts, AnEndpointTowardAHostWhoseLinkIsDownIsMadeAtOnce) {
+  SKIP_WITHOUT_HOSTS();
+  auto hosts = Hosts::create(2, LinkSettings{});
+  ASSERT_TRUE(hosts.is_ok()) << hosts.status().message();
+  const Host& a = (*hosts)->hosts()[0];
+  const Host& b = (*hosts)->hosts()[1];
+  auto context_in = [](const Host& h) {
+    ucx::ContextConfig cfg;
+    cfg.name = "host " + h.name;
+    cfg.transports = {"tcp"};
+    cfg.devices = {h.device};
+    return ucx::Context::create(cfg);
+  };
+  // Host 0: a worker that lives until its stdin pipe closes; it writes
+  // its address first.
+  int addr_pipe[2], hold_pipe[2];
+  ASSERT_EQ(::pipe(addr_pipe), 0);
+  ASSERT_EQ(::pipe(hold_pipe), 0);
+  const pid_t peer = ::fork();
+  ASSERT_GE(peer, 0);
+  if (peer == 0) {
+    ::close(addr_pipe[0]);
+    ::close(hold_pipe[1]);
+    if (!enter_host(a.netns).is_ok()) ::_exit(2);
+    auto ctx = context_in(a);
+    if (!ctx.is_ok()) ::_exit(3);
+    auto worker = ucx::Worker::create(*ctx);
+    if (!worker.is_ok()) ::_exit(4);
+    auto address = worker->address();
+    if (!address.is_ok()) ::_exit(5);
+    if (::write(addr_pipe[1], address->data(), address->size()) < 0) ::_exit(6);
+    ::close(addr_pipe[1]);
+    char c;
+    while (::read(hold_pipe[0], &c, 1) > 0) {
+    }
+    ::_exit(0);
+  }
+  ::close(addr_pipe[1]);
+  ::close(hold_pipe[0]);
+  std::vector<uint8_t> address;
+  uint8_t buf[4096];
+  for (ssize_t n; (n = ::read(addr_pipe[0], buf, sizeof buf)) > 0;) address.insert(address.end(), buf, buf + n);
+  ::close(addr_pipe[0]);
+  ASSERT_FALSE(address.empty()) << "host 0's worker gave no address";
+  // Host 1 has just talked to host 0 (its neighbour entry is fresh), as a
+  // receiver had with a source before the cut: a connect() then waits for
+  // SYN retries rather than failing the address resolution after 3 s.
+  const std::string ping = sh({"ip", "netns", "exec", b.netns, "ping", "-c", "1", "-W", "2", a.address});
+  ASSERT_EQ(ping.find("ERROR"), std::string::npos) << ping;
+  ASSERT_TRUE((*hosts)->set_up(0, false).is_ok());
+  // Host 1: how long ucp_ep_create toward host 0 took, as "<ms> <error>".
+  int out_pipe[2];
+  ASSERT_EQ(::pipe(out_pipe), 0);
+  const auto t0 = Clock::now();
+  const pid_t maker = ::fork();
+  ASSERT_GE(maker, 0);
+  if (maker == 0) {
+    ::close(out_pipe[0]);
+    ::close(hold_pipe[1]);
+    std::string out;
+    if (!enter_host(b.netns).is_ok()) ::_exit(2);
+    auto ctx = context_in(b);
+    auto worker = ctx.is_ok() ? ucx::Worker::create(*ctx) : Result<ucx::Worker>(ctx.status());
+    if (!worker.is_ok()) {
+      out = "-1 " + worker.status().message();
+    } else {
+      const auto start = Clock::now();
+      auto ep = ucx::Endpoint::create(*worker, address, "host 0");
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+      out = std::to_string(ms) + " " + (ep.is_ok() ? std::string("made") : ep.status().message());
+      if (::write(out_pipe[1], out.data(), out.size()) < 0) ::_exit(3);
+      ::_exit(0);  // no close: the peer is unreachable, and only the time to make it is asked
+    }
+    if (::write(out_pipe[1], out.data(), out.size()) < 0) ::_exit(3);
+    ::_exit(0);
+  }
+  ::close(out_pipe[1]);
+  // Waited for 20 s at most: a blocking connect would take minutes.
+  std::string out;
+  pollfd p = {out_pipe[0], POLLIN, 0};
+  while (Clock::now() - t0 < std::chrono::seconds(20)) {
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::read(out_pipe[0], buf, sizeof buf);
+    if (n <= 0) break;
+    out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(n));
+  }
+  ::close(out_pipe[0]);
+  ::kill(maker, SIGKILL);
+  ::waitpid(maker, nullptr, 0);
+  ::close(hold_pipe[1]);
+  ::kill(peer, SIGKILL);
+  ::waitpid(peer, nullptr, 0);
+  std::printf("endpoint toward host 0, link down: %s\n", out.c_str());
+  ASSERT_FALSE(out.empty()) << "ucp_ep_create toward a host whose link is down had not returned after 20 s";
+  const long ms = std::stol(out);
+  EXPECT_GE(ms, 0) << out;
+  EXPECT_LT(ms, 1000) << out;
 }
 
 // refit-bench's --hosts options: out of range, an unknown partition host,

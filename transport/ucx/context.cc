@@ -169,6 +169,18 @@ Result<Context> Context::create(const ContextConfig& asked) {
   if (by_copy && ucp_config_modify(ucp_config, "TX_SEG_SIZE", kTcpSendSegment) != UCS_OK) {
     REFIT_RETURN_IF_ERROR(modify("TCP_TX_SEG_SIZE", kTcpSendSegment, "tcp send segment"));
   }
+  // tcp connects without blocking (UCX_TCP_CONN_NB; UCX's default is a
+  // blocking connect()). A blocking one runs inside ucp_ep_create, where
+  // no deadline reaches: toward a host whose link went down it waits for
+  // the kernel's SYN retries, about two minutes, and a refresh that made an
+  // endpoint to a source just cut off outlasted its bound by that much.
+  // Non-blocking, the endpoint is made at once, and what is posted on it
+  // ends by the peer's failure or the caller's deadline. Set whatever the
+  // transports ("all" may come to tcp too), under the same two spellings as
+  // the send segment's (UCX 1.13 applies "CONN_NB", 1.22 "TCP_CONN_NB").
+  if (ucp_config_modify(ucp_config, "CONN_NB", "y") != UCS_OK) {
+    REFIT_RETURN_IF_ERROR(modify("TCP_CONN_NB", "y", "tcp non-blocking connect"));
+  }
   if (config.keepalive_interval.count() > 0) {
     REFIT_RETURN_IF_ERROR(modify("KEEPALIVE_INTERVAL",
                                  std::to_string(config.keepalive_interval.count()) + "ms",
