@@ -62,6 +62,8 @@ constexpr milliseconds kStalled{1000};
 // while the network was down is retransmitted with backoff (1 s, 3 s, 7 s,
 // ...), so after the network heals a new attempt is quicker than waiting.
 constexpr milliseconds kConnectSlice{1000};
+// Between connection attempts that found no route to the coordinator.
+constexpr milliseconds kUnreachablePause{100};
 
 // Why the connection on `fd` has stopped moving bytes, or "" while it
 // moves them. The evidence is the kernel's (TCP_INFO): bytes sent and not
@@ -201,10 +203,14 @@ Status CoordinatorLink::connect_once(Clock::time_point deadline, std::unique_loc
   }
   old.clear();
   Result<std::unique_ptr<control::Client>> client = Status::timeout("no time left to connect");
+  bool no_route = false;  // the last attempt found no route to the coordinator
   // In slices: an attempt that used all of its slice (its SYN or the
   // handshake went unanswered) is given up for a new one, so that a network
   // that comes back is noticed at once, not at the next SYN retransmission.
-  // One that fails sooner (refused, or the coordinator said no) is the answer.
+  // One that fails sooner (refused, or the coordinator said no) is the
+  // answer, except "no route" (a timeout: the link was down, or the
+  // neighbour entry still says so for a moment after it came back), tried
+  // again after kUnreachablePause.
   for (milliseconds slice = kConnectSlice;; slice = kConnectSlice * 2) {
     const auto left = duration_cast<milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) break;
@@ -216,9 +222,17 @@ Status CoordinatorLink::connect_once(Clock::time_point deadline, std::unique_loc
     };
     const auto t0 = Clock::now();
     client = control::Client::connect(config_.coordinator.host, port_, credential_, options);
-    if (client.is_ok() || options.timeout == left || Clock::now() - t0 < options.timeout) break;
+    no_route = false;
+    if (client.is_ok() || options.timeout == left) break;
+    if (Clock::now() - t0 < options.timeout) {
+      if (client.status().code() != Code::kTimeout) break;
+      no_route = true;
+      std::this_thread::sleep_until(std::min(deadline, Clock::now() + kUnreachablePause));
+    }
   }
   lock.lock();
+  // Still no route at the deadline: an I/O error, as any failed connection.
+  if (!client.is_ok() && no_route) return Status::io_error(client.status().message());
   if (!client.is_ok()) return client.status();
   if (closing_) return Status::io_error("the coordinator link is closing");
   control::AuthenticatedSocket sock = (*client)->release();

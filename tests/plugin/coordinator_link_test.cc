@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -456,6 +457,108 @@ TEST(LinkAcrossAPartition, ACallAfterThePartitionHealsReconnectsAndRegistersAgai
   std::printf("%s", line.c_str());
   if (line.rfind("skip: ", 0) == 0) GTEST_SKIP() << line.substr(6);
   EXPECT_EQ(line.rfind("ok: ", 0), 0u) << (line.empty() ? std::string("no word from the child in 40 s") : line);
+}
+
+// Right after a link comes back, the kernel may still answer a connect()
+// with "No route to host" for a moment (the neighbour entry of the peer is
+// still marked failed). That is not an answer from the coordinator: the
+// link tries again until its deadline. Here the route answers so (an nft
+// rule that rejects the SYN with ICMP host-unreachable, toward a veth
+// address in a network namespace of its own) for the first 600 ms of the
+// link's 3 s to connect; it connects once the rule is gone. Before, it
+// failed at once with the kernel's error.
+std::string run_no_route(const std::string& dir) {
+  if (::unshare(CLONE_NEWNET) != 0) return std::string("skip: unshare(CLONE_NEWNET): ") + std::strerror(errno);
+  if (std::system("ip link set lo up >/dev/null 2>&1 && ip link add va type veth peer name vb && "
+                  "ip addr add 10.99.0.1/24 dev va && ip link set va up && ip link set vb up") != 0) {
+    return "skip: cannot make a veth pair (iproute2)";
+  }
+  if (std::system("nft list tables >/dev/null 2>&1") != 0) return "skip: no nft";
+  const std::string token = "0123456789abcdef0123456789abcdef";
+  const std::string token_file = dir + "/token";
+  std::ofstream(token_file) << token;
+  ::chmod(token_file.c_str(), 0600);
+  control::CoordinatorConfig cc;
+  cc.host = "10.99.0.1";
+  cc.token = token;
+  cc.log = [](const std::string&) {};
+  auto coordinator = control::Coordinator::start(cc);
+  if (!coordinator.is_ok()) return "fail: " + coordinator.status().message();
+  const std::string port = std::to_string((*coordinator)->port());
+  const std::string reject = "nft add table inet cut && nft add chain inet cut out '{ type filter hook output "
+                             "priority 0; }' && nft add rule inet cut out ip daddr 10.99.0.1 tcp dport " + port +
+                             " reject with icmp type host-unreachable";
+  if (std::system(reject.c_str()) != 0) return "skip: nft cannot add a reject rule";
+  const std::string config_json = R"({"rank": 0, "heartbeat_ms": 200, "log_level": "error",
+      "coordinator": {"address": "10.99.0.1:)" + port + R"(", "token_file": ")" + token_file +
+                                  R"(", "timeout_ms": 3000}})";
+  Result<AgentConfig> config = parse_agent_config(config_json, /*receiver=*/true);
+  if (!config.is_ok()) return "fail: " + config.status().message();
+  const Log log("receiver", 0, config->log_level);
+  std::atomic<bool> removed{false};
+  const auto t0 = Clock::now();
+  std::thread heal([&removed] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    removed = std::system("nft delete table inet cut") == 0;
+  });
+  // The link connects at once, within the coordinator timeout (3 s).
+  auto link = CoordinatorLink::connect(*config, log);
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+  heal.join();
+  if (!removed) return "fail: nft cannot remove the rule";
+  const std::string out = "connected after " + std::to_string(took) + " ms";
+  if (!link.is_ok()) return "fail: " + out + ": " + link.status().message();
+  if (took < 500) return "fail: " + out + ": while the route still refused it";
+  control::RegisterReceiver m;
+  m.rank = 0;
+  m.worker_address = {1, 2, 3};
+  if (auto r = (*link)->request(control::MsgType::kRegisterReceiver, control::to_json(m)); !r.is_ok()) {
+    return "fail: " + out + ": register: " + r.status().message();
+  }
+  return "ok: " + out;
+}
+
+// The child's one line, read with a deadline of `seconds`.
+std::string in_a_child(const std::function<std::string(const std::string&)>& body, int seconds) {
+  char dir[] = "/tmp/refit-link-XXXXXX";
+  if (mkdtemp(dir) == nullptr) return "fail: mkdtemp";
+  int fds[2];
+  if (::pipe(fds) != 0) return "fail: pipe";
+  const pid_t pid = ::fork();
+  if (pid < 0) return "fail: fork";
+  if (pid == 0) {
+    ::close(fds[0]);
+    const std::string line = body(dir) + "\n";
+    (void)!::write(fds[1], line.data(), line.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string line;
+  const auto until = Clock::now() + std::chrono::seconds(seconds);
+  for (char buf[512]; line.find('\n') == std::string::npos;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+    pollfd p{fds[0], POLLIN, 0};
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) break;
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n <= 0) break;
+    line.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  if (line.find('\n') == std::string::npos) ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::remove((std::string(dir) + "/token").c_str());
+  ::rmdir(dir);
+  if (line.empty()) return "fail: no word from the child in " + std::to_string(seconds) + " s";
+  return line;
+}
+
+TEST(LinkAcrossAPartition, NoRouteToTheCoordinatorIsTriedAgainUntilTheCallsDeadline) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: a network namespace of its own, and nft";
+  const std::string line = in_a_child(run_no_route, 20);
+  std::printf("%s", line.c_str());
+  if (line.rfind("skip: ", 0) == 0) GTEST_SKIP() << line.substr(6);
+  EXPECT_EQ(line.rfind("ok: ", 0), 0u) << line;
 }
 
 // The embedded coordinator's relayout knobs (docs/refresh.md, "Column-major

@@ -45,8 +45,14 @@ class Client::Impl {
     tcp::endpoint ep(addr, port);
     ec = run(options_.timeout, [&](auto h) { socket_.async_connect(ep, h); });
     if (ec) {
-      return Status::io_error("client: cannot connect to " + host + ":" + std::to_string(port) + ": " +
-                              ec.message());
+      const std::string what = "client: cannot connect to " + host + ":" + std::to_string(port) + ": " + ec.message();
+      // No route now (the host's link was down, or its neighbour entry
+      // still says so after it came back): a timeout, which a caller with
+      // time left tries again; a refusal is an answer.
+      if (ec == asio::error::host_unreachable || ec == asio::error::network_unreachable) {
+        return Status::timeout(what);
+      }
+      return Status::io_error(what);
     }
     socket_.set_option(tcp::no_delay(true), ec);
     return Status::ok();

@@ -53,6 +53,8 @@ class Client {
   // naming the step: connect, challenge, auth (the coordinator refuses a
   // wrong credential with an error frame; a close without one is a cut
   // connection, see ClientOptions::on_cut), or the coordinator's proof.
+  // No route to the host is a timeout (the network may come back: worth
+  // another try), a refused connection an I/O error.
   static Result<std::unique_ptr<Client>> connect(const std::string& host, uint16_t port,
                                                  const Credential& credential, ClientOptions options = {});
   // The same with the token itself.
