@@ -352,6 +352,15 @@ TEST_F(LinkThroughRelay, AReplayedFrameIsRefused) {
   EXPECT_GE(refused, 1u);
 }
 
+// `token` in dir/token, readable by its owner only (a token others may
+// read is refused); its path.
+std::string write_token(const std::string& dir, const std::string& token) {
+  const std::string file = dir + "/token";
+  std::ofstream(file) << token;
+  ::chmod(file.c_str(), 0600);
+  return file;
+}
+
 // The network between the link and the coordinator drops everything for
 // 7 s (nft in a network namespace of its own), longer than the member's
 // heartbeat timeout, then comes back. TCP alone would send the bytes
@@ -368,9 +377,7 @@ std::string run_partition(const std::string& dir) {
   if (std::system("ip link set lo up >/dev/null 2>&1") != 0) return "skip: cannot bring up lo (iproute2)";
   if (std::system("nft list tables >/dev/null 2>&1") != 0) return "skip: no nft";
   const std::string token = "0123456789abcdef0123456789abcdef";
-  const std::string token_file = dir + "/token";
-  std::ofstream(token_file) << token;
-  ::chmod(token_file.c_str(), 0600);
+  const std::string token_file = write_token(dir, token);
   control::CoordinatorConfig cc;
   cc.token = token;
   cc.log = [](const std::string&) {};
@@ -423,23 +430,23 @@ std::string run_partition(const std::string& dir) {
   return "ok: " + out;
 }
 
-TEST(LinkAcrossAPartition, ACallAfterThePartitionHealsReconnectsAndRegistersAgainWithinItsDeadline) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: a network namespace of its own, and nft to cut it";
+// The child's one line, read with a deadline of `seconds`.
+std::string in_a_child(const std::function<std::string(const std::string&)>& body, int seconds) {
   char dir[] = "/tmp/refit-link-XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
+  if (mkdtemp(dir) == nullptr) return "fail: mkdtemp";
   int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
+  if (::pipe(fds) != 0) return "fail: pipe";
   const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
+  if (pid < 0) return "fail: fork";
   if (pid == 0) {
     ::close(fds[0]);
-    const std::string line = run_partition(dir) + "\n";
+    const std::string line = body(dir) + "\n";
     (void)!::write(fds[1], line.data(), line.size());
     ::_exit(0);
   }
   ::close(fds[1]);
   std::string line;
-  const auto until = Clock::now() + std::chrono::seconds(40);
+  const auto until = Clock::now() + std::chrono::seconds(seconds);
   for (char buf[512]; line.find('\n') == std::string::npos;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
     pollfd p{fds[0], POLLIN, 0};
@@ -454,9 +461,23 @@ TEST(LinkAcrossAPartition, ACallAfterThePartitionHealsReconnectsAndRegistersAgai
   ::waitpid(pid, &status, 0);
   std::remove((std::string(dir) + "/token").c_str());
   ::rmdir(dir);
-  std::printf("%s", line.c_str());
-  if (line.rfind("skip: ", 0) == 0) GTEST_SKIP() << line.substr(6);
-  EXPECT_EQ(line.rfind("ok: ", 0), 0u) << (line.empty() ? std::string("no word from the child in 40 s") : line);
+  if (line.empty()) return "fail: no word from the child in " + std::to_string(seconds) + " s";
+  return line;
+}
+
+// The scenario `body` as root in a child (in_a_child): its "ok: " passes,
+// its "skip: " skips.
+#define EXPECT_OK_FROM_CHILD(body, seconds)                                                          \
+  do {                                                                                                \
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root: a network namespace of its own, and nft";      \
+    const std::string line = in_a_child(body, seconds);                                               \
+    std::printf("%s", line.c_str());                                                                  \
+    if (line.rfind("skip: ", 0) == 0) GTEST_SKIP() << line.substr(6);                                 \
+    EXPECT_EQ(line.rfind("ok: ", 0), 0u) << line;                                                     \
+  } while (0)
+
+TEST(LinkAcrossAPartition, ACallAfterThePartitionHealsReconnectsAndRegistersAgainWithinItsDeadline) {
+  EXPECT_OK_FROM_CHILD(run_partition, 40);
 }
 
 // Right after a link comes back, the kernel may still answer a connect()
@@ -475,9 +496,7 @@ std::string run_no_route(const std::string& dir) {
   }
   if (std::system("nft list tables >/dev/null 2>&1") != 0) return "skip: no nft";
   const std::string token = "0123456789abcdef0123456789abcdef";
-  const std::string token_file = dir + "/token";
-  std::ofstream(token_file) << token;
-  ::chmod(token_file.c_str(), 0600);
+  const std::string token_file = write_token(dir, token);
   control::CoordinatorConfig cc;
   cc.host = "10.99.0.1";
   cc.token = token;
@@ -518,47 +537,8 @@ std::string run_no_route(const std::string& dir) {
   return "ok: " + out;
 }
 
-// The child's one line, read with a deadline of `seconds`.
-std::string in_a_child(const std::function<std::string(const std::string&)>& body, int seconds) {
-  char dir[] = "/tmp/refit-link-XXXXXX";
-  if (mkdtemp(dir) == nullptr) return "fail: mkdtemp";
-  int fds[2];
-  if (::pipe(fds) != 0) return "fail: pipe";
-  const pid_t pid = ::fork();
-  if (pid < 0) return "fail: fork";
-  if (pid == 0) {
-    ::close(fds[0]);
-    const std::string line = body(dir) + "\n";
-    (void)!::write(fds[1], line.data(), line.size());
-    ::_exit(0);
-  }
-  ::close(fds[1]);
-  std::string line;
-  const auto until = Clock::now() + std::chrono::seconds(seconds);
-  for (char buf[512]; line.find('\n') == std::string::npos;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
-    pollfd p{fds[0], POLLIN, 0};
-    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) break;
-    const ssize_t n = ::read(fds[0], buf, sizeof buf);
-    if (n <= 0) break;
-    line.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fds[0]);
-  if (line.find('\n') == std::string::npos) ::kill(pid, SIGKILL);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  std::remove((std::string(dir) + "/token").c_str());
-  ::rmdir(dir);
-  if (line.empty()) return "fail: no word from the child in " + std::to_string(seconds) + " s";
-  return line;
-}
-
-TEST(LinkAcrossAPartition, NoRouteToTheCoordinatorIsTriedAgainUntilTheCallsDeadline) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: a network namespace of its own, and nft";
-  const std::string line = in_a_child(run_no_route, 20);
-  std::printf("%s", line.c_str());
-  if (line.rfind("skip: ", 0) == 0) GTEST_SKIP() << line.substr(6);
-  EXPECT_EQ(line.rfind("ok: ", 0), 0u) << line;
+TEST(LinkAcrossAPartition, NoRouteToTheCoordinatorIsTriedAgainUntilTheDeadline) {
+  EXPECT_OK_FROM_CHILD(run_no_route, 20);
 }
 
 // The embedded coordinator's relayout knobs (docs/refresh.md, "Column-major
