@@ -20,7 +20,9 @@
 // is taken for broken. A coordinator that is slow to answer is not: its
 // host acknowledges the bytes, so no reconnection storm. On reconnecting,
 // the link connects and authenticates again (in attempts of a second or
-// two, so that a network that comes back is seen at once), registers the
+// two, so that a network that comes back is seen at once; "no route to
+// host", which the kernel may still answer for a moment after a link came
+// back, is tried again every 100 ms until the deadline), registers the
 // member again with the registration it last sent, and subscribes again if
 // it was subscribed. A request that was waiting when the connection broke is sent
 // again on the new connection when it only reads or renews (heartbeat,
