@@ -33,11 +33,16 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 // "Leases"): three times per lease timeout, on a thread of its own, so that
 // a refresh of any length keeps it. If a renewal is refused (the lease
 // expired or was revoked: the sources may be overwriting the version), it
-// stops and lost() says why; the refresh then fails.
+// stops and lost() says why; the refresh then fails. A renewal ends by the
+// refresh's deadline, so that stop() waits for none past it (the library's
+// bound on a failing refresh counts no renewal).
 class LeaseKeeper {
  public:
-  LeaseKeeper(CoordinatorLink& link, Json lease, std::chrono::milliseconds timeout)
-      : link_(link), lease_(std::move(lease)), period_(std::max(timeout / 3, std::chrono::milliseconds(10))) {
+  LeaseKeeper(CoordinatorLink& link, Json lease, std::chrono::milliseconds timeout, Clock::time_point deadline)
+      : link_(link),
+        lease_(std::move(lease)),
+        period_(std::max(timeout / 3, std::chrono::milliseconds(10))),
+        deadline_(deadline) {
     lease_["renew"] = true;
   }
   ~LeaseKeeper() { stop(); }
@@ -70,7 +75,7 @@ class LeaseKeeper {
     std::unique_lock<std::mutex> lock(mu_);
     while (!cv_.wait_for(lock, period_, [this] { return stop_; })) {
       lock.unlock();
-      Result<Json> r = link_.request(MsgType::kLease, lease_);
+      Result<Json> r = link_.request(MsgType::kLease, lease_, deadline_);
       lock.lock();
       // A refusal is final; a connection that failed may recover before
       // the lease expires, and the release at the end tells either way.
@@ -84,6 +89,7 @@ class LeaseKeeper {
   CoordinatorLink& link_;
   Json lease_;
   const std::chrono::milliseconds period_;
+  const Clock::time_point deadline_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;  // guarded by mu_
@@ -129,7 +135,7 @@ Status RefreshSession::attempt(int64_t requested, Clock::time_point deadline,
   report->version = version;
   enter_(ReceiverState::kLeased);
   const Json body{{"rank", config_.rank}, {"version", version}};
-  LeaseKeeper keeper(link_, body, leased->timeout);
+  LeaseKeeper keeper(link_, body, leased->timeout, deadline);
   Status st = keeper.start(threads_);
   if (st.is_ok()) {
     TraceSpan span(trace_, "fetch_plan");
