@@ -517,6 +517,8 @@ std::string run_no_route(const std::string& dir) {
   std::atomic<bool> removed{false};
   const auto t0 = Clock::now();
   std::thread heal([&removed] {
+    // The no-route window's length: what the test is about, not a wait for
+    // anyone (the link's connect is measured against it).
     std::this_thread::sleep_for(std::chrono::milliseconds(600));
     removed = std::system("nft delete table inet cut") == 0;
   });
