@@ -54,10 +54,12 @@ const std::vector<HardwareKey> kKeys = {
      "datasheet HBM bandwidth: H100 SXM HBM3 3.35 TB/s; B200 (GB200) HBM3e 8 TB/s. The packed fan-out's gather "
      "and scatter kernels copy at it"},
     {"gpu_memory_achievable", "fraction", 0.8,
-     "not measured here: device-to-device copy kernels (BabelStream's copy, nvbandwidth) typically reach 80-90% "
-     "of the datasheet HBM rate; a copy reads and writes each byte, so it moves bytes at half of this"},
+     "measured on one H200 (refit_gpu_kernel_bench, docs/measurements.md): the scatter kernel copies 16-byte aligned "
+     "pieces of 64 KiB or more at 1,943 to 1,950 GB/s, 0.81 of the 4.8 TB/s datasheet rate counting each byte read "
+     "and written (cudaMemcpy 0.87); a copy moves bytes at half of this rate"},
     {"h2d_gbyte_per_gpu", "GB/s", 50,
-     "PCIe Gen5 x16 is 64 GB/s each way; CUDA bandwidthTest reaches about 50 GB/s from pinned memory"},
+     "PCIe Gen5 x16 is 64 GB/s each way; CUDA bandwidthTest reaches about 50 GB/s from pinned memory, and "
+     "refit_staging_bench's pinned copies 55.2 to 55.4 GB/s on one H200 machine (docs/measurements.md)"},
     {"d2h_gbyte_per_gpu", "GB/s", 50, "as h2d_gbyte_per_gpu, the other way"},
     {"gets_land_in_host", "bool", 0,
      "true where UCX cannot write GPU memory: GETs land in the receiver's pinned landing ring and are copied to "
@@ -65,10 +67,11 @@ const std::vector<HardwareKey> kKeys = {
     {"source_host_mirror", "bool", 0,
      "true where sources serve a pinned host mirror of their GPU shards, filled by a device-to-host copy at "
      "publish (docs/refresh.md)"},
-    {"convert_gbyte_per_gpu", "GB/s", 500,
-     "not measured: the CUDA block quantization kernel (transport/convert) has not run on a GPU yet; it reads 2 "
-     "bytes and writes about 1 per element, memory bound, and 500 GB/s is a conservative 15% of an H100's 3.35 TB/s "
-     "HBM3. GB/s of source bytes read; the staged box's copy to the GPU is charged at h2d_gbyte_per_gpu"},
+    {"convert_gbyte_per_gpu", "GB/s", 237,
+     "measured on one H200 (refit_gpu_kernel_bench, docs/measurements.md): the CUDA block quantization call reads "
+     "BF16 at 237 GB/s on a Kimi-K2 expert (7168 x 2048, its scratch allocation and wait included) and 359 GB/s on "
+     "1 GiB; it is not bound by memory, so an H100 should not differ much. GB/s of source bytes read; the staged "
+     "box's copy to the GPU is charged at h2d_gbyte_per_gpu"},
     {"host_convert_gbyte", "GB/s", 2.1,
      "refit_convert_bench on the project's 2-core test machine, one thread: BF16 to F8_E4M3 in 128x128 blocks "
      "reads 2.03 to 2.16 GB/s (three runs, best of 5 each); its casts read 3.2 to 14.5 GB/s, so charging them this rate is conservative. "
