@@ -399,9 +399,22 @@ class Parser {
   // tensor's is a copy its source converted ("quantize": "source",
   // docs/conversion.md): kept apart from the sources (out->converted),
   // resolve_conversions decides its use.
-  Status segment_dtype(Tensor& t, Side side, DType dtype, bool own_dtype, const std::string& path, Segment* out) {
-    if (side == Side::kReceiver && t.dtype != dtype && !t.receiver_dtype && t.receivers.empty())
-      t.receiver_dtype = dtype;
+  // The receivers' dtype is their first segment's: a later one in another
+  // dtype is refused whichever comes first, the sources' dtype or not (a
+  // buffer in the sources' dtype beside one converted would otherwise be
+  // handed the converted bytes).
+  Status segment_dtype(uint32_t tensor, Side side, DType dtype, bool own_dtype, const std::string& path,
+                       Segment* out) {
+    Tensor& t = L_.tensors[tensor];
+    if (side == Side::kReceiver) {
+      const auto [seen, first] = receiver_dtypes_.try_emplace(tensor, dtype);
+      if (!first && seen->second != dtype)
+        return fail(path, "the tensor is " + std::string(dtype_name(seen->second)) + " in another receiver " +
+                              (own_dtype ? "segment" : "buffer") + " but this " + (own_dtype ? "segment" : "buffer") +
+                              " is " + std::string(dtype_name(dtype)) + "; all of a tensor's " +
+                              (own_dtype ? "segments" : "buffers") + " on one side hold one dtype");
+      if (first && t.dtype != dtype && !t.receiver_dtype && t.receivers.empty()) t.receiver_dtype = dtype;
+    }
     out->converted = side == Side::kSource && dtype != t.dtype && conversion_for(t.name, t.dtype, dtype).is_ok();
     if (out->converted && t.converted_dtype && *t.converted_dtype != dtype)
       return fail(path, "the sources' converted copies of the tensor are " +
@@ -432,7 +445,7 @@ class Parser {
     DType dtype = buffer_dtype;
     const bool own_dtype = s.contains("dtype");
     if (own_dtype) REFIT_RETURN_IF_ERROR(dtype_field(s, path, &dtype));
-    REFIT_RETURN_IF_ERROR(segment_dtype(t, side, dtype, own_dtype, path, out));
+    REFIT_RETURN_IF_ERROR(segment_dtype(it->second, side, dtype, own_dtype, path, out));
     const int64_t elems = bytes / dtype_bytes(dtype);
     const int nd = static_cast<int>(t.shape.size());
     std::vector<int64_t> start, size, strides;
@@ -546,6 +559,7 @@ class Parser {
   std::string context_;
   Layout L_;
   std::unordered_map<std::string, uint32_t> tensor_index_;
+  std::unordered_map<uint32_t, DType> receiver_dtypes_;  // tensor -> its first receiver segment's dtype
   std::unordered_map<std::string, size_t> names_;  // (side, rank, name) -> buffers[i]
   std::unordered_map<std::string, size_t> group_index_;
   std::vector<Group> groups_;

@@ -230,7 +230,13 @@ TEST(ConversionLayout, OneDtypePerTensorOnTheReceivers) {
   j["buffers"][1]["dtype"] = "BF16";
   j["buffers"][1]["bytes"] = 256 * 384 * 2;
   const std::string m = refusal(j);
-  EXPECT_NE(m.find("F8_E4M3 on the receiver side but the buffer is BF16"), std::string::npos) << m;
+  EXPECT_NE(m.find("the tensor is F8_E4M3 in another receiver buffer but this buffer is BF16"), std::string::npos) << m;
+  // The other order: the sources' dtype first, then a converted buffer.
+  j = fp8_layout();
+  j["buffers"][0]["dtype"] = "BF16";
+  j["buffers"][0]["bytes"] = 256 * 384 * 2;
+  const std::string m2 = refusal(j);
+  EXPECT_NE(m2.find("the tensor is BF16 in another receiver buffer but this buffer is F8_E4M3"), std::string::npos) << m2;
 }
 
 TEST(JoinSides, MatchesTensorsByNameAndDerivesScales) {

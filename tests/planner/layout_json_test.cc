@@ -368,6 +368,20 @@ TEST(ParseLayout, BufferErrors) {
   d["buffers"][0]["side"] = "source";
   EXPECT_EQ(error_of(d),
             R"J(L.json: buffers[0].segments[0] (source rank 0 buffer "qkv", tensor "q"): the tensor is BF16 on the source side but the buffer is F32; all of a tensor's buffers on one side hold one dtype)J");
+  // A tensor's receivers hold it in one dtype, whichever buffer comes
+  // first: the sources' dtype beside a cast, or a cast beside the sources'.
+  for (const char* first : {"BF16", "F16"}) {
+    d = formats_example();
+    const char* second = std::string(first) == "BF16" ? "F16" : "BF16";
+    d["buffers"][0]["dtype"] = first;
+    json other = d["buffers"][0];
+    other["name"] = "q16";
+    other["dtype"] = second;
+    d["buffers"].push_back(other);
+    EXPECT_EQ(error_of(d), std::string(R"J(L.json: buffers[1].segments[0] (receiver rank 0 buffer "q16", tensor "q"): the tensor is )J") +
+                               first + " in another receiver buffer but this buffer is " + second +
+                               "; all of a tensor's buffers on one side hold one dtype");
+  }
   d = formats_example();
   d["buffers"][0]["side"] = "trainer";
   EXPECT_EQ(error_of(d), R"J(L.json: buffers[0].side: must be "source" or "receiver", got "trainer")J");

@@ -104,6 +104,17 @@ def test_a_buffer_in_another_dtype_is_cast_or_refused_at_join(coordinator):
             rx.add("model.b", torch.zeros(8, dtype=torch.float32), {**whole, "shape": [8]})
             with pytest.raises(refit.InvalidArgumentError, match=r'"model.b".*BF16.*F32|"model.b".*F32.*BF16'):
                 rx.join()
+        # One tensor in two dtypes on the receivers (rows as the trainer's
+        # F32, all of it cast to BF16): refused by name, never filled with
+        # the other buffer's bytes.
+        with refit.Receiver(receiver_config(coordinator)) as rx:
+            rx.add("w_rows", torch.zeros(4, 6), {"segments": [{"tensor": "model.w", "start": [4, 0], "size": [4, 6],
+                                                               "offset": 0, "strides": [6, 1]}]})
+            rx.add("model.w", torch.zeros(8, 6, dtype=torch.bfloat16), {**whole, "shape": [8, 6]})
+            with pytest.raises(refit.InvalidArgumentError,
+                               match=r'buffer "model.w", tensor "model.w"\): the tensor is F32 in another receiver '
+                                     r'buffer but this buffer is BF16'):
+                rx.join()
 
 
 def test_library_errors_are_typed_and_carry_the_message(coordinator):
