@@ -8,8 +8,23 @@
 #include "transport/convert/convert_kernel.h"
 #include "transport/convert/relayout_kernel.h"
 #include "transport/cuda/cuda_status.h"
+#include "transport/cuda/device_guard.h"
+#include "transport/cuda/pointer_probe.h"
 
 namespace refit::convert {
+namespace {
+
+// The GPU that holds `dst`: the calls below run there, whatever device the
+// calling thread has current (a receiver's fan-out thread never set one;
+// on a second GPU the scratch and the kernel would land on the first), and
+// the thread's device is restored when they return.
+Result<int> device_of(const void* dst, const std::string& where) {
+  const ::refit::cuda::PointerKind kind = ::refit::cuda::probe_pointer(dst);
+  if (!kind.device) return Status::invalid(where + ": the destination is not GPU memory");
+  return kind.ordinal;
+}
+
+}  // namespace
 
 Status quantize_e4m3_blocks_cuda(const QuantizeArgs& a, void* stream) {
   REFIT_RETURN_IF_ERROR(check_quantize_args(a));
@@ -18,6 +33,10 @@ Status quantize_e4m3_blocks_cuda(const QuantizeArgs& a, void* stream) {
   const int64_t nblocks = brows * bcols;
   if (nblocks == 0) return Status::ok();
   const std::string where = "quantize to F8_E4M3 on the GPU: tensor \"" + std::string(a.tensor) + "\"";
+  Result<int> device = device_of(a.dst, where);
+  if (!device.is_ok()) return device.status();
+  const ::refit::cuda::DeviceGuard guard(*device);
+  REFIT_RETURN_IF_ERROR(guard.status().with_context(where));
   auto s = static_cast<cudaStream_t>(stream);
 
   const size_t scratch_bytes = 8 + 4 * static_cast<size_t>(nblocks);
@@ -64,6 +83,10 @@ Status quantize_e4m3_blocks_cuda_from_host(const QuantizeArgs& a, void* stream) 
   REFIT_RETURN_IF_ERROR(check_quantize_args(a));
   if (a.rows == 0 || a.cols == 0) return Status::ok();
   const std::string where = "quantize to F8_E4M3 on the GPU: tensor \"" + std::string(a.tensor) + "\"";
+  Result<int> device = device_of(a.dst, where);
+  if (!device.is_ok()) return device.status();
+  const ::refit::cuda::DeviceGuard guard(*device);
+  REFIT_RETURN_IF_ERROR(guard.status().with_context(where));
   const size_t bytes = static_cast<size_t>(((a.rows - 1) * a.src_stride + a.cols) * dtype_bytes(a.src_dtype));
   void* src = nullptr;
   REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMalloc(&src, bytes), "cudaMalloc(" + std::to_string(bytes) + " bytes)")
@@ -98,6 +121,10 @@ Status relayout_box_cuda_from_host(const uint8_t* src, uint8_t* dst, int elem_by
     bytes *= static_cast<size_t>(sizes[d]);
   }
   if (bytes == 0) return Status::ok();
+  Result<int> device = device_of(dst, where);
+  if (!device.is_ok()) return device.status();
+  const ::refit::cuda::DeviceGuard guard(*device);
+  REFIT_RETURN_IF_ERROR(guard.status().with_context(where));
   void* staged = nullptr;
   REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMalloc(&staged, bytes), "cudaMalloc(" + std::to_string(bytes) + " bytes)")
                             .with_context(where));
@@ -124,6 +151,10 @@ Status cast_to_device(DType from, DType to, const void* src, void* dst, int64_t 
   REFIT_RETURN_IF_ERROR(cast(from, to, src, host.data(), n, tensor));
   auto s = static_cast<cudaStream_t>(stream);
   const std::string where = "cast to " + std::string(dtype_name(to)) + " on the GPU: tensor \"" + std::string(tensor) + "\"";
+  Result<int> device = device_of(dst, where);
+  if (!device.is_ok()) return device.status();
+  const ::refit::cuda::DeviceGuard guard(*device);
+  REFIT_RETURN_IF_ERROR(guard.status().with_context(where));
   REFIT_RETURN_IF_ERROR(::refit::cuda::from_cuda(cudaMemcpyAsync(dst, host.data(), host.size(), cudaMemcpyHostToDevice, s),
                                                  "cudaMemcpyAsync(" + std::to_string(host.size()) + " bytes to the device)")
                             .with_context(where));

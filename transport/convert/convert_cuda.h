@@ -3,6 +3,11 @@
 // with every pointer of QuantizeArgs in device memory, same bits, same
 // refusals (NaN or infinity in a block: nothing written). Built when CUDA,
 // NCCL and nvcc are found (REFIT_HAVE_CONVERT_KERNEL).
+//
+// Each call runs on the GPU that holds its destination: that device is made
+// current for the call (its scratch, copies and kernels go there) and the
+// calling thread's device is restored before it returns. A destination that
+// is not GPU memory is refused. `stream` must belong to that device.
 
 #include <cstdint>
 #include <span>

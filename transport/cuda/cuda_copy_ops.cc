@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "transport/cuda/cuda_status.h"
+#include "transport/cuda/device_guard.h"
 #include "transport/cuda/scatter_kernel.h"
 
 namespace refit::cuda {
@@ -12,27 +13,6 @@ namespace {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
-
-// Makes `device` current on this thread for one call and restores the
-// caller's device afterwards: refit runs on the application's threads and
-// must not change which device they work on.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = from_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  const Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  Status status_;
-};
 
 }  // namespace
 

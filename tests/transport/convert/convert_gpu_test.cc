@@ -139,6 +139,33 @@ TEST_F(ConvertGpu, NaNRefusedNothingWritten) {
   for (float f : gpu.scales) ASSERT_EQ(f, -1.0f);
 }
 
+// Every call runs on the GPU that holds its destination, so a destination in
+// host memory is refused before any CUDA call, naming the tensor (no GPU
+// needed: the pointer probe answers "host" everywhere).
+TEST(ConvertCuda, AHostDestinationIsRefusedNamingTheTensor) {
+  std::vector<uint16_t> src(128 * 128, 0x3F80);  // BF16 1.0
+  std::vector<uint8_t> dst(128 * 128);
+  std::vector<float> scales(1);
+  QuantizeArgs a;
+  a.src = src.data();
+  a.src_stride = 128;
+  a.rows = a.cols = 128;
+  a.dst = dst.data();
+  a.dst_stride = 128;
+  a.scales = scales.data();
+  a.scale_stride = 1;
+  a.tensor = "layers.0.w";
+  for (const Status& s : {quantize_e4m3_blocks_cuda(a, nullptr), quantize_e4m3_blocks_cuda_from_host(a, nullptr)}) {
+    EXPECT_EQ(s.code(), Code::kInvalidArgument);
+    EXPECT_NE(s.message().find("\"layers.0.w\": the destination is not GPU memory"), std::string::npos) << s.message();
+  }
+  const int64_t sizes[] = {128, 128}, strides[] = {1, 128};
+  const Status r = relayout_box_cuda_from_host(dst.data(), dst.data(), 1, sizes, strides, "layers.1.w", nullptr);
+  EXPECT_NE(r.message().find("\"layers.1.w\": the destination is not GPU memory"), std::string::npos) << r.message();
+  const Status c = cast_to_device(DType::kF32, DType::kBF16, scales.data(), dst.data(), 1, "layers.2.b", nullptr);
+  EXPECT_NE(c.message().find("\"layers.2.b\": the destination is not GPU memory"), std::string::npos) << c.message();
+}
+
 // The CUDA relayout (docs/refresh.md, "Column-major receivers") against
 // the host's relayout_box: column-major, a 3-dim permutation, padding, every
 // element size.
