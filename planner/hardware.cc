@@ -55,7 +55,7 @@ const std::vector<HardwareKey> kKeys = {
      "and scatter kernels copy at it"},
     {"gpu_memory_achievable", "fraction", 0.8,
      "measured on one H200 (refit_gpu_kernel_bench, docs/measurements.md): the scatter kernel copies 16-byte aligned "
-     "pieces of 64 KiB or more at 1,943 to 1,950 GB/s, 0.81 of the 4.8 TB/s datasheet rate counting each byte read "
+     "pieces of 64 KiB or more at 1,928 to 1,968 GB/s (three runs), 0.80 to 0.82 of the 4.8 TB/s datasheet rate counting each byte read "
      "and written (cudaMemcpy 0.87); a copy moves bytes at half of this rate"},
     {"h2d_gbyte_per_gpu", "GB/s", 50,
      "PCIe Gen5 x16 is 64 GB/s each way; CUDA bandwidthTest reaches about 50 GB/s from pinned memory, and "
@@ -69,8 +69,8 @@ const std::vector<HardwareKey> kKeys = {
      "publish (docs/refresh.md)"},
     {"convert_gbyte_per_gpu", "GB/s", 237,
      "measured on one H200 (refit_gpu_kernel_bench, docs/measurements.md): the CUDA block quantization call reads "
-     "BF16 at 237 GB/s on a Kimi-K2 expert (7168 x 2048, its scratch allocation and wait included) and 359 GB/s on "
-     "1 GiB; it is not bound by memory, so an H100 should not differ much. GB/s of source bytes read; the staged "
+     "BF16 at 217 to 237 GB/s on a Kimi-K2 expert (7168 x 2048, its scratch allocation and wait included; three runs, "
+     "the first's 237 is the default) and 359 to 362 GB/s on 1 GiB; it is not bound by memory, so an H100 should not differ much. GB/s of source bytes read; the staged "
      "box's copy to the GPU is charged at h2d_gbyte_per_gpu"},
     {"host_convert_gbyte", "GB/s", 2.1,
      "refit_convert_bench on the project's 2-core test machine, one thread: BF16 to F8_E4M3 in 128x128 blocks "

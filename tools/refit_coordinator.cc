@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
   app.add_option("--relayout-below-bytes", relayout_below,
                  "relayout units whose network runs would average under N bytes (a column-major receiver of a "
                  "row-major source) in the puller's staging area; default 0: never (docs/refresh.md, "
-                 "\"Column-major receivers\"; the GPU kernel is not yet run on a GPU)")
+                 "\"Column-major receivers\"; into GPU memory by a CUDA kernel)")
       ->type_name("N")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--relayout-staging-bytes", relayout_staging,

@@ -64,7 +64,7 @@
  *                      column-major receiver of a row-major source) row-major
  *                      into the puller's staging area and copy it into its
  *                      layout there (docs/refresh.md, "Column-major
- *                      receivers"; into GPU memory not yet run on a GPU)
+ *                      receivers"; into GPU memory by a CUDA kernel)
  *        "relayout_staging_bytes" integer, with "embedded" only [1073741824]:
  *                      the most staging bytes one puller's relayouts take
  *     "network"      object: the UCX context the data crosses the network on
