@@ -484,8 +484,9 @@ Result<control::Json> SourceAgent::hash_served() {
 
 Status SourceAgent::gpu_mirror(Buf* b) {
 #ifdef HAVE_CUDA
-  if (!config_.snapshot && !config_.verify) {
-    // Served in place where this UCX can read device memory.
+  if (!config_.snapshot && !config_.verify && config_.network.has_rdma()) {
+    // Served in place where this UCX can read device memory over RDMA (over
+    // tcp the source's own replies would copy it with the CPU).
     Result<ucx::MemoryRegion> probe = ucx::MemoryRegion::map(*context_, b->data, b->bytes, b->name,
                                                                       ucx::Access::kRemoteRead);
     if (probe.is_ok() && probe->type() == ucx::MemoryType::kCuda) return Status::ok();

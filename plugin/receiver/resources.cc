@@ -173,8 +173,10 @@ Status Resources::add_buffer(BufferPart part, uint8_t* data, uint64_t bytes) {
   REFIT_RETURN_IF_ERROR(check_memory(b));
   if (config_.staged) REFIT_RETURN_IF_ERROR(stage(&b));
   Result<ucx::MemoryRegion> net = ucx::MemoryRegion::map(*net_context_, b.data, bytes, b.part.name);
-  if ((b.device && (!net.is_ok() || net->type() != ucx::MemoryType::kCuda)) || (!b.device && copy_ops_)) {
-    // This UCX cannot write device memory: GETs land in the landing ring.
+  if ((b.device && (!net.is_ok() || net->type() != ucx::MemoryType::kCuda || !config_.network.has_rdma())) ||
+      (!b.device && copy_ops_)) {
+    // This UCX cannot write device memory, or not without the CPU (no RDMA
+    // transport: refit's own GETs copy): GETs land in the landing ring.
     REFIT_RETURN_IF_ERROR(make_landing_ring(/*pinned=*/b.device).with_context("buffer \"" + b.part.name + "\""));
     b.through_slot = true;
   } else if (!net.is_ok()) {

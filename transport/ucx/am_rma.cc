@@ -191,7 +191,7 @@ AmRmaServer::~AmRmaServer() {
 
 void AmRmaServer::export_region(const MemoryRegion& region, Words words) {
   std::lock_guard<std::mutex> lock(mutex_);
-  regions_.push_back(Exported{&region, words});
+  regions_.push_back(Exported{&region, words, cpu_can_copy(region.type())});
 }
 
 void AmRmaServer::unexport_region(const MemoryRegion& region) {
@@ -199,10 +199,14 @@ void AmRmaServer::unexport_region(const MemoryRegion& region) {
   std::erase_if(regions_, [&](const Exported& e) { return e.region == &region; });
 }
 
-bool AmRmaServer::exported(uint64_t address, uint64_t length, bool for_write, Words* words) const {
+bool AmRmaServer::exported(uint64_t address, uint64_t length, bool for_write, Words* words, bool* gpu) const {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const Exported& e : regions_) {
     if (!e.region->contains(reinterpret_cast<const void*>(address), length)) continue;
+    if (!e.cpu) {  // a CPU copy of GPU memory would fault
+      if (gpu != nullptr) *gpu = true;
+      continue;
+    }
     if (for_write && e.region->access() != Access::kRemoteReadWrite) continue;
     if (e.words == Words::kAtomicWords && (address % sizeof(uint64_t) != 0 || length % sizeof(uint64_t) != 0)) {
       continue;
@@ -262,12 +266,14 @@ ucs_status_t AmRmaServer::on_get(void* arg, const void* header, size_t header_le
     return UCS_OK;  // malformed, and no way to answer
   }
   std::memcpy(&h, header, sizeof(h));
+  Words words = Words::kBytes;
+  bool gpu = false;
   if (h.magic != am_rma::kMagic) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
     self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_UNSUPPORTED);
-  } else if (Words words = Words::kBytes; h.length == 0 || !self->exported(h.address, h.length, false, &words)) {
+  } else if (h.length == 0 || !self->exported(h.address, h.length, false, &words, &gpu)) {
     self->refused_.fetch_add(1, std::memory_order_relaxed);
-    self->reply(param->reply_ep, am_rma::kGetReply, h.token, UCS_ERR_INVALID_ADDR);
+    self->reply(param->reply_ep, am_rma::kGetReply, h.token, gpu ? UCS_ERR_NO_DEVICE : UCS_ERR_INVALID_ADDR);
   } else {
     self->served_.fetch_add(1, std::memory_order_relaxed);
     self->reply_data(param->reply_ep, h.token, reinterpret_cast<const uint8_t*>(h.address), h.length, words);
@@ -303,6 +309,7 @@ ucs_status_t AmRmaServer::check_gather(const am_rma::GatherHeader& h, const void
       return r.words == Words::kBytes && r.region->contains(a, e.length);
     });
     if (it == regions_.end()) return UCS_ERR_INVALID_ADDR;
+    if (!it->cpu) return UCS_ERR_NO_DEVICE;  // GPU memory: a CPU copy would fault
     last = it->region;
   }
   return UCS_OK;
@@ -426,14 +433,15 @@ ucs_status_t AmRmaServer::on_put(void* arg, const void* header, size_t header_le
   std::memcpy(&h, header, sizeof(h));
   ucs_status_t st = UCS_OK;
   Words words = Words::kBytes;
+  bool gpu = false;
   if (h.magic != am_rma::kMagic) {
     st = UCS_ERR_UNSUPPORTED;
   } else if (self->puts_ == Puts::kRefused) {
     st = UCS_ERR_REJECTED;  // nothing here may be written by a peer
   } else if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
     st = UCS_ERR_UNSUPPORTED;  // the engine always sends eager
-  } else if (h.length != length || length == 0 || !self->exported(h.address, h.length)) {
-    st = UCS_ERR_INVALID_ADDR;
+  } else if (h.length != length || length == 0 || !self->exported(h.address, h.length, false, nullptr, &gpu)) {
+    st = gpu ? UCS_ERR_NO_DEVICE : UCS_ERR_INVALID_ADDR;
   } else if (!self->exported(h.address, h.length, /*for_write=*/true, &words)) {
     st = UCS_ERR_REJECTED;  // a region mapped remote-read-only
   }

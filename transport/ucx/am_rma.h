@@ -202,7 +202,11 @@ class AmRmaServer {
   // to it when the server serves PUTs and the region was mapped with
   // Access::kRemoteReadWrite; a PUT into a region mapped kRemoteRead is
   // refused with UCS_ERR_REJECTED. Requests outside every exported region
-  // are refused with UCS_ERR_INVALID_ADDR in the reply.
+  // are refused with UCS_ERR_INVALID_ADDR in the reply; requests into a
+  // region of GPU memory (a CUDA-aware UCX maps it so, memory.h
+  // cpu_can_copy) with UCS_ERR_NO_DEVICE: the server copies with the
+  // CPU, and a peer that reaches it only so (tcp) must GET such memory
+  // through a transport that reads it, or from a host copy.
   //
   // `words` says how the server touches the region's bytes. kBytes: with
   // memcpy, for memory its owner does not change while peers may read it
@@ -272,8 +276,10 @@ class AmRmaServer {
   // Whether [address, +length) lies in one exported region (and, with
   // `for_write`, one mapped Access::kRemoteReadWrite), and a region of
   // atomic words only in whole aligned words. *words, if given, is how
-  // that region is touched.
-  bool exported(uint64_t address, uint64_t length, bool for_write = false, Words* words = nullptr) const;
+  // that region is touched. *gpu (optional) is set when the range lies in
+  // a region of GPU memory, which is never served.
+  bool exported(uint64_t address, uint64_t length, bool for_write = false, Words* words = nullptr,
+                bool* gpu = nullptr) const;
   // A reply without bytes: a PUT's, or a refusal.
   void reply(ucp_ep_h ep, unsigned id, uint64_t token, ucs_status_t status);
   // A GET's bytes, in pieces of at most am_rma::kReplyPieceBytes; from a
@@ -290,6 +296,7 @@ class AmRmaServer {
   struct Exported {
     const MemoryRegion* region;
     Words words;
+    bool cpu;  // cpu_can_copy(region->type()): served; else refused
   };
   std::vector<Exported> regions_;  // guarded by mutex_
   std::atomic<uint64_t> served_{0};

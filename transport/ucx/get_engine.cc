@@ -192,6 +192,12 @@ Status GetEngine::validate_locked(std::span<const GetRun> runs,
                              " is not inside a registered region; register the buffer with "
                              "MemoryRegion::map and GetEngine::add_local_region");
     }
+    if (r.endpoint->rma_in_software() && !cpu_can_copy((*local)->type())) {
+      return Status::unsupported(run_name(i, r) + ": its local range is " + memory_type_name((*local)->type()) +
+                                 " memory, and the endpoint has no RMA lane (tcp), so its " + op_name(r.op) +
+                                 "s are copied by the CPU: give both ends a transport that reaches GPU "
+                                 "memory (rc, dc), or land the bytes in host memory");
+    }
     auto it = std::find(batch_eps_.begin(), batch_eps_.end(), r.endpoint);
     uint32_t e = static_cast<uint32_t>(it - batch_eps_.begin());
     if (it == batch_eps_.end()) batch_eps_.push_back(r.endpoint);
@@ -231,10 +237,16 @@ Status GetEngine::validate_gather_locked(uint32_t i, const GetRun& r) {
                              ") is not inside the region of rkey " + std::to_string(p.rkey_id) +
                              (key == nullptr ? " (never imported on this endpoint)" : ""));
     }
-    if (std::none_of(local_regions_.begin(), local_regions_.end(),
-                     [&](const MemoryRegion* m) { return m->contains(p.local_address, p.bytes); })) {
+    auto local = std::find_if(local_regions_.begin(), local_regions_.end(),
+                              [&](const MemoryRegion* m) { return m->contains(p.local_address, p.bytes); });
+    if (local == local_regions_.end()) {
       return Status::invalid(part() + ": local range at " + hex(reinterpret_cast<uint64_t>(p.local_address)) +
                              " is not inside a registered region");
+    }
+    if (!cpu_can_copy((*local)->type())) {
+      return Status::unsupported(part() + ": its local range is " + memory_type_name((*local)->type()) +
+                                 " memory; a gather's replies are scattered by the CPU, so gathers land in "
+                                 "host memory only");
     }
     gather_offsets_.push_back(sum);
     sum += p.bytes;
@@ -882,6 +894,15 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
                                                   std::to_string(am_rma::kMaxGatherBytes) +
                                                   " bytes at most), or a malformed list; lower "
                                                   "\"gather_entries\" or \"gather_bytes\""));
+    } else if (am_refused && status == UCS_ERR_NO_DEVICE) {
+      // The source copies with the CPU and its range is GPU memory (am_rma.h).
+      fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer cannot serve the " + op_name(r.op) +
+                                                  " of " + std::to_string(c.bytes) + " bytes at offset " +
+                                                  std::to_string(c.offset) +
+                                                  " over this endpoint: its range is GPU memory and the endpoint has "
+                                                  "no RMA lane (tcp), so the peer would copy it with the CPU; give "
+                                                  "both ends a transport that reaches GPU memory (rc, dc), or let the "
+                                                  "source serve a host copy (its \"snapshot\": true)"));
     } else if (am_refused && status == UCS_ERR_NO_MEMORY && !r.gather.empty()) {
       // The source could not allocate a reply buffer (am_rma.h).
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the source ran out of memory for the "

@@ -20,6 +20,13 @@ enum class MemoryType { kHost, kCuda, kCudaManaged, kRocm, kRocmManaged, kOther 
 
 const char* memory_type_name(MemoryType type);
 
+// Whether the CPU can copy to and from memory of this type: host memory and
+// managed memory. refit's own GETs, PUTs and gathers (am_rma.h) copy with
+// the CPU at both ends; GPU memory needs a transport that reaches it.
+inline bool cpu_can_copy(MemoryType type) {
+  return type == MemoryType::kHost || type == MemoryType::kCudaManaged || type == MemoryType::kRocmManaged;
+}
+
 // What peers may do with a region. kRemoteRead maps it with
 // UCP_MEM_MAP_PROT_LOCAL_READ | LOCAL_WRITE | REMOTE_READ: on a transport
 // with RMA in hardware (rc, dc) the NIC refuses a peer's PUT into it, and
