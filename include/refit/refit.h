@@ -402,7 +402,8 @@ REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_s
  * re-register the source.
  *
  * In a build with CUDA a shard may be GPU memory. Where UCX cannot read
- * device memory (or in snapshot mode, or with "verify") the source serves it
+ * device memory over RDMA (no rc, dc or ud transport in "network"
+ * "transports"; or in snapshot mode, or with "verify") the source serves it
  * from a pinned host mirror that each publish fills (a device-to-host copy);
  * the trainer may then write its shard again as soon as publish returns, and,
  * as in snapshot mode, a publish first waits (up to coordinator.timeout_ms)
