@@ -248,7 +248,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
 
 bool TransportConfig::has_rdma() const {
   for (const std::string& t : transports) {
-    if (t == "ib" || t.starts_with("rc") || t.starts_with("dc") || t.starts_with("ud")) return true;
+    if (t == "ib" || t.starts_with("rc") || t.starts_with("dc")) return true;
   }
   return false;
 }

@@ -43,11 +43,12 @@ struct CoordinatorEndpoint {
 struct TransportConfig {
   std::vector<std::string> transports;
   std::vector<std::string> devices;
-  // Whether one of `transports` moves bytes with RDMA (UCX's rc, dc and ud
-  // families, or "ib"), which a CUDA-aware UCX points at GPU memory. tcp and
-  // shared memory have no such lane: refit's own GETs over them copy with
-  // the CPU (transport/ucx/am_rma.h), so GPU memory goes through host
-  // memory there (a source's pinned mirror, a receiver's landing ring).
+  // Whether one of `transports` has RDMA reads (UCX's rc and dc families,
+  // or "ib"), which a CUDA-aware UCX points at GPU memory. tcp, shared
+  // memory and ud (no RDMA read) have none: refit's own GETs over them copy
+  // with the CPU (transport/ucx/am_rma.h), so GPU memory goes through host
+  // memory there (a receiver's landing ring). "all" counts as none: it may
+  // leave an endpoint with tcp only.
   bool has_rdma() const;
 };
 

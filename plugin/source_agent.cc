@@ -484,13 +484,11 @@ Result<control::Json> SourceAgent::hash_served() {
 
 Status SourceAgent::gpu_mirror(Buf* b) {
 #ifdef HAVE_CUDA
-  if (!config_.snapshot && !config_.verify && config_.network.has_rdma()) {
-    // Served in place where this UCX can read device memory over RDMA (over
-    // tcp the source's own replies would copy it with the CPU).
-    Result<ucx::MemoryRegion> probe = ucx::MemoryRegion::map(*context_, b->data, b->bytes, b->name,
-                                                                      ucx::Access::kRemoteRead);
-    if (probe.is_ok() && probe->type() == ucx::MemoryType::kCuda) return Status::ok();
-  }
+  // Always from a pinned host mirror: receivers gather small runs
+  // (docs/refresh.md, "Gathers"), and the source's replies to a gather, as
+  // to any GET over tcp, are CPU copies, which GPU memory would fault
+  // (transport/ucx/am_rma.h refuses them). Serving GPU shards in place
+  // waits for gathers served from GPU memory.
   Result<cuda::PinnedBuffer> mirror = cuda::PinnedBuffer::allocate(b->bytes);
   if (!mirror.is_ok()) return mirror.status().with_context("pinned mirror of a GPU shard");
   auto owner = std::make_shared<cuda::PinnedBuffer>(std::move(mirror).value());

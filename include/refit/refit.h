@@ -401,10 +401,9 @@ REFIT_EXPORT refit_status_t refit_source_create(const char* config_json, refit_s
  * at refit_source_join() (or the first publish); tensors added later
  * re-register the source.
  *
- * In a build with CUDA a shard may be GPU memory. Where UCX cannot read
- * device memory over RDMA (no rc, dc or ud transport in "network"
- * "transports"; or in snapshot mode, or with "verify") the source serves it
- * from a pinned host mirror that each publish fills (a device-to-host copy);
+ * In a build with CUDA a shard may be GPU memory. The source serves it
+ * from a pinned host mirror that each publish fills (a device-to-host copy:
+ * receivers' gathers and GETs over tcp are answered by CPU copies);
  * the trainer may then write its shard again as soon as publish returns, and,
  * as in snapshot mode, a publish first waits (up to coordinator.timeout_ms)
  * until no receiver still reads the mirror's previous version.

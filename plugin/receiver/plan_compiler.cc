@@ -152,6 +152,7 @@ class Compiler {
       out_->through_slots = true;
     } else {
       g.local = *place;
+      g.local_on_gpu = target->device;
     }
     if (!run.to.stage) landed_.push_back({*place, *place + run.bytes, static_cast<uint32_t>(out_->gets.size())});
     out_->gets.push_back(g);
@@ -346,7 +347,7 @@ class Compiler {
     auto it = mine_.find(buffer);
     if (it == mine_.end()) return bad(what + " names buffer \"" + buffer + "\", which this rank does not have");
     const LocalBuffer& b = buffers_[it->second];
-    *device = b.device || b.through_slot;
+    *device = b.device;  // a host buffer through the landing ring (a test's switch) converts on the host
     const size_t n = sizes.size();
     const std::string past = what + " writes past the end of buffer \"" + buffer + "\" (" + std::to_string(b.bytes) +
                              " bytes)";

@@ -83,6 +83,9 @@ struct CompiledPart {
     uint64_t bytes = 0;
     uint8_t* local = nullptr;  // where it lands; null when through a landing slot
     uint8_t* device = nullptr; // through a landing slot: where the slot's bytes are copied on to
+    // `local` is GPU memory the network writes directly (over RDMA): never
+    // gathered, since a gather's replies are scattered by the CPU.
+    bool local_on_gpu = false;
   };
   PlanEpoch epoch;
   bool through_slots = false;  // some GETs land in the landing ring first

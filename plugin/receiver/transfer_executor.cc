@@ -88,12 +88,13 @@ Status TransferExecutor::prepare() {
     ring_ = std::move(ring).value();
   }
   // Gathers: small runs of one source that land in host memory travel as
-  // one request (docs/refresh.md, "Gathers"); runs through a landing slot
-  // never do.
+  // one request (docs/refresh.md, "Gathers"); runs through a landing slot,
+  // or straight into GPU memory, never do.
   std::vector<ucx::NetRunRef> refs;
   refs.reserve(part_.gets.size());
   for (const CompiledPart::Get& g : part_.gets) {
-    refs.push_back(ucx::NetRunRef{g.source, ucx::GatherPart{g.rkey_id, g.remote, g.local, g.bytes}, g.device == nullptr});
+    refs.push_back(ucx::NetRunRef{g.source, ucx::GatherPart{g.rkey_id, g.remote, g.local, g.bytes},
+                                  g.device == nullptr && !g.local_on_gpu});
   }
   gathers_ = ucx::make_gather_ops(refs, setup_.gather);
   for (uint32_t i = 0; i < part_.gets.size(); ++i) {

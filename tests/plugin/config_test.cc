@@ -9,13 +9,14 @@ namespace {
 
 TEST(TransportConfig, OnlyTheRdmaFamiliesReachGpuMemoryWithoutTheCpu) {
   for (const std::vector<std::string>& t : std::vector<std::vector<std::string>>{
-           {"rc"}, {"dc"}, {"ud"}, {"ib"}, {"rc_x"}, {"dc_mlx5"}, {"ud_verbs"}, {"tcp", "rc"}, {"cuda_copy", "dc_x"}}) {
+           {"rc"}, {"dc"}, {"ib"}, {"rc_x"}, {"dc_mlx5"}, {"rc_verbs"}, {"tcp", "rc"}, {"cuda_copy", "dc_x"}}) {
     EXPECT_TRUE((TransportConfig{t, {}}.has_rdma())) << t.back();
   }
-  // tcp and shared memory copy with the CPU (transport/ucx/am_rma.h), and
-  // cuda_copy alone stages through host memory.
+  // tcp and shared memory copy with the CPU (transport/ucx/am_rma.h), ud
+  // has no RDMA read, cuda_copy alone stages through host memory, and "all"
+  // may leave an endpoint with tcp only.
   for (const std::vector<std::string>& t : std::vector<std::vector<std::string>>{
-           {"tcp"}, {"shm"}, {"tcp", "cuda_copy"}, {"posix", "sysv", "cma"}, {}}) {
+           {"tcp"}, {"shm"}, {"ud"}, {"ud_verbs"}, {"all"}, {"tcp", "cuda_copy"}, {"posix", "sysv", "cma"}, {}}) {
     EXPECT_FALSE((TransportConfig{t, {}}.has_rdma())) << (t.empty() ? "none" : t.front());
   }
 }

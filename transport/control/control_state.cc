@@ -159,6 +159,7 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
   }
   // What cannot be planned is refused now, naming the buffer, rather than
   // found when planning, where it would fail every member's plan.
+  REFIT_RETURN_IF_ERROR(one_dtype(m.rank, m).with_context("register_receiver"));
   if (!sources_.empty()) REFIT_RETURN_IF_ERROR(plannable(m.rank, m, /*full=*/true).with_context("register_receiver"));
   const std::vector<int32_t> peers = instance_ranks(m.instance);
   for (int32_t other : peers) {
@@ -177,6 +178,7 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
                            "registered; receiver rank " + std::to_string(m.rank) + " would be one too many");
   }
   const int32_t rank = m.rank;
+  count_receiver_dtypes(rank, m, /*add=*/true);
   receivers_.emplace(rank, Member<RegisterReceiver>{session, now, std::move(m)});
   membership_changed();
   return Status::ok();
@@ -193,6 +195,38 @@ std::optional<TensorDecl> ControlState::decl_of(const std::string& tensor, const
   return TensorDecl{tensor, "F32", scale_shape(w->second.decl.shape, block)};
 }
 
+namespace {
+const std::string& dtype_of(const MemberBuffer& b, const Segment& s) { return s.dtype.empty() ? b.dtype : s.dtype; }
+}  // namespace
+
+void ControlState::count_receiver_dtypes(int32_t rank, const RegisterReceiver& m, bool add) {
+  for (const MemberBuffer& b : m.buffers) {
+    for (const Segment& seg : b.segments) {
+      HeldDtype& h = receiver_dtypes_[seg.tensor];
+      if (add) {
+        if (h.segments++ == 0) h = HeldDtype{dtype_of(b, seg), rank, 1};
+      } else if (--h.segments == 0) {
+        receiver_dtypes_.erase(seg.tensor);
+      }
+    }
+  }
+}
+
+Status ControlState::one_dtype(int32_t rank, const RegisterReceiver& m) const {
+  for (const MemberBuffer& b : m.buffers) {
+    for (size_t i = 0; i < b.segments.size(); ++i) {
+      const Segment& seg = b.segments[i];
+      auto held = receiver_dtypes_.find(seg.tensor);
+      if (held == receiver_dtypes_.end() || held->second.dtype == dtype_of(b, seg)) continue;
+      return Status::invalid("receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
+                             std::to_string(i) + "] (tensor \"" + seg.tensor + "\"): holds the tensor as " +
+                             dtype_of(b, seg) + ", receiver rank " + std::to_string(held->second.rank) +
+                             " holds it as " + held->second.dtype + "; all of a tensor's receivers hold one dtype");
+    }
+  }
+  return Status::ok();
+}
+
 Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool full) const {
   for (const auto& [other, r] : receivers_) {
     if (full && other != rank && r.info.weight_block_size != m.weight_block_size) {
@@ -207,6 +241,7 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
       const Segment& seg = b.segments[i];
       const std::string where = "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
                                 std::to_string(i) + "] (tensor \"" + seg.tensor + "\")";
+
       const std::optional<TensorDecl> found = decl_of(seg.tensor, m.weight_block_size);
       if (!found) {
         // Held once, and every source of it is gone: a peer lost, not a
@@ -404,6 +439,7 @@ void ControlState::remove_receiver(int32_t rank, const std::string& why) {
   auto it = receivers_.find(rank);
   if (it == receivers_.end()) return;
   const int32_t instance = it->second.info.instance;
+  count_receiver_dtypes(rank, it->second.info, /*add=*/false);
   receivers_.erase(it);
   if (instance_ranks(instance).empty()) {
     aborted_.erase(instance);

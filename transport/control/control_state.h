@@ -357,6 +357,21 @@ class ControlState {
   Clock::duration heartbeat_timeout_;
   std::map<int32_t, Member<RegisterSource>> sources_;
   std::map<int32_t, Member<RegisterReceiver>> receivers_;
+  // The dtype the registered receivers hold each tensor in (the first
+  // one's), and how many of their segments name it: a receiver holding a
+  // tensor in another dtype is refused at registration (docs/conversion.md,
+  // "What converts"), not found when planning, where it would fail every
+  // member's plan.
+  struct HeldDtype {
+    std::string dtype;
+    int32_t rank = 0;  // a receiver that holds it so
+    size_t segments = 0;
+  };
+  std::map<std::string, HeldDtype> receiver_dtypes_;
+  void count_receiver_dtypes(int32_t rank, const RegisterReceiver& m, bool add);
+  // Refuses a receiver that holds a tensor in another dtype than the
+  // registered receivers, naming both ranks.
+  Status one_dtype(int32_t rank, const RegisterReceiver& m) const;
   // Tensors declared by sources: the declaration, how many sources made it,
   // and the order of first declaration (the layout lists tensors in it, and
   // the plan's run order follows the layout's tensor order).

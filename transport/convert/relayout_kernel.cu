@@ -34,6 +34,9 @@ int launch_relayout(const DeviceRelayout& r, void* stream) {
   const int64_t want = (numel + kThreads - 1) / kThreads;
   const unsigned grid = static_cast<unsigned>(want < 65535 ? want : 65535);
   auto s = static_cast<cudaStream_t>(stream);
+  // cudaGetLastError() after a launch reports any earlier error of this
+  // thread too: clear it first, as the other kernels' launches do.
+  (void)cudaGetLastError();
   switch (r.elem_bytes) {
     case 1: relayout_kernel<uint8_t><<<grid, kThreads, 0, s>>>(r, numel); break;
     case 2: relayout_kernel<uint16_t><<<grid, kThreads, 0, s>>>(r, numel); break;

@@ -9,14 +9,19 @@
 
 #include "planner/status.h"
 #include "transport/cuda/cuda_status.h"
+#include "transport/cuda/pointer_probe.h"
 
 namespace refit::cuda {
 
 class DeviceGuard {
  public:
+  // A thread without a context (one that never used CUDA: cudaGetDevice
+  // says 0 there too) keeps `device` afterwards: restoring "device 0" would
+  // make GPU 0's context in a process that works on another GPU.
   explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = from_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+    if (!thread_has_context() || cudaGetDevice(&previous_) != cudaSuccess || previous_ == device) previous_ = -1;
+    status_ = device < 0 ? Status::invalid("no GPU to run on (the memory's device is unknown)")
+                         : from_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
   }
   ~DeviceGuard() {
     if (previous_ >= 0) cudaSetDevice(previous_);

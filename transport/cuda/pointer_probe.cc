@@ -16,9 +16,11 @@ constexpr int kAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDIN
 constexpr unsigned kMemoryTypeDevice = 2;   // CU_MEMORYTYPE_DEVICE
 using InitFn = CuResult (*)(unsigned);
 using PointerGetAttributeFn = CuResult (*)(void*, int, uintptr_t);
+using CtxGetCurrentFn = CuResult (*)(void**);
 
 struct Driver {
   PointerGetAttributeFn get = nullptr;  // null: no usable driver
+  CtxGetCurrentFn current = nullptr;
 };
 
 const Driver& driver() {
@@ -31,6 +33,7 @@ const Driver& driver() {
     auto get = reinterpret_cast<PointerGetAttributeFn>(dlsym(lib, "cuPointerGetAttribute"));
     if (init == nullptr || get == nullptr || init(0) != kCudaSuccess) return;  // the library stays open
     d.get = get;
+    d.current = reinterpret_cast<CtxGetCurrentFn>(dlsym(lib, "cuCtxGetCurrent"));
   });
   return d;
 }
@@ -49,6 +52,12 @@ PointerKind probe_pointer(const void* p) {
   int ordinal = -1;
   if (kind.device && d.get(&ordinal, kAttributeDeviceOrdinal, address) == kCudaSuccess) kind.ordinal = ordinal;
   return kind;
+}
+
+bool thread_has_context() {
+  const Driver& d = driver();
+  void* ctx = nullptr;
+  return d.current != nullptr && d.current(&ctx) == kCudaSuccess && ctx != nullptr;
 }
 
 }  // namespace refit::cuda

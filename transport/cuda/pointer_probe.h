@@ -21,4 +21,9 @@ struct PointerKind {
 
 PointerKind probe_pointer(const void* p);
 
+// Whether the calling thread has a CUDA context current (cuCtxGetCurrent):
+// a thread that never used CUDA has none, and the runtime's cudaGetDevice
+// answers 0 for it all the same.
+bool thread_has_context();
+
 }  // namespace refit::cuda

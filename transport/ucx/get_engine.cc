@@ -899,10 +899,10 @@ void GetEngine::complete_locked(Slot* slot, ucs_status_t status) {
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the peer cannot serve the " + op_name(r.op) +
                                                   " of " + std::to_string(c.bytes) + " bytes at offset " +
                                                   std::to_string(c.offset) +
-                                                  " over this endpoint: its range is GPU memory and the endpoint has "
-                                                  "no RMA lane (tcp), so the peer would copy it with the CPU; give "
-                                                  "both ends a transport that reaches GPU memory (rc, dc), or let the "
-                                                  "source serve a host copy (its \"snapshot\": true)"));
+                                                  ": its range is GPU memory, which it serves only by CPU copies (the "
+                                                  "replies to a gather, and to any GET over an endpoint without an RMA "
+                                                  "lane, such as tcp); a source of this version serves GPU shards "
+                                                  "from a pinned host mirror, so the peer is of another build"));
     } else if (am_refused && status == UCS_ERR_NO_MEMORY && !r.gather.empty()) {
       // The source could not allocate a reply buffer (am_rma.h).
       fail_run_locked(c.run, from_ucs(status, run_name(c.run, r) + ": the source ran out of memory for the "

@@ -1099,6 +1099,33 @@ TEST(ControlState, AnUnplannableReceiverIsRefusedAndDoesNotStallTheOthers) {
 }
 
 
+// A tensor's receivers hold it in one dtype (docs/conversion.md, "What
+// converts"): a receiver holding it in another is refused at registration,
+// naming both ranks, whether or not a source has registered yet, and the
+// plan of the others stays whole. Once the last holder of the first dtype
+// leaves, another dtype may come.
+TEST(ControlState, AReceiverHoldingATensorInAnotherDtypeIsRefusedNamingBothRanks) {
+  ControlState s(StateLimits{}, 10s);
+  auto now = Clock::now();
+  ASSERT_TRUE(s.register_receiver(10, whole_receiver(0), now).is_ok());
+  RegisterReceiver f16 = whole_receiver(1);
+  f16.buffers[0].dtype = "F16";
+  Status st = s.register_receiver(11, f16, now);
+  EXPECT_EQ(st.message(),
+            "register_receiver: receiver rank 1, buffer \"model\" segments[0] (tensor \"w\"): holds the tensor as F16, "
+            "receiver rank 0 holds it as BF16; all of a tensor's receivers hold one dtype");
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  RegisterReceiver seg_f16 = whole_receiver(1);
+  seg_f16.buffers[0].segments[0].dtype = "F16";  // the segment's own dtype counts too
+  EXPECT_FALSE(s.register_receiver(11, seg_f16, now).is_ok());
+  ASSERT_TRUE(s.register_receiver(12, whole_receiver(2), now).is_ok()) << "the same dtype joins";
+  Result<Json> plan = s.plan_part(10, 0);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  ASSERT_TRUE(s.unregister(10, MemberRef{Role::kReceiver, 0}).is_ok());
+  ASSERT_TRUE(s.unregister(12, MemberRef{Role::kReceiver, 2}).is_ok());
+  EXPECT_TRUE(s.register_receiver(11, f16, now).is_ok()) << st.message();
+}
+
 // A tensor every source of which is gone is a peer lost, not a mistake:
 // the receiver that needs it is told which source held it last and why it
 // went, with reason kNoSource (not retried; REFIT_PEER_LOST), and a source
