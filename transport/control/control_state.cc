@@ -241,7 +241,6 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
       const Segment& seg = b.segments[i];
       const std::string where = "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
                                 std::to_string(i) + "] (tensor \"" + seg.tensor + "\")";
-
       const std::optional<TensorDecl> found = decl_of(seg.tensor, m.weight_block_size);
       if (!found) {
         // Held once, and every source of it is gone: a peer lost, not a
