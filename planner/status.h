@@ -91,9 +91,16 @@ class Status {
   const std::string& message() const { return message_; }
 
   // Returns a copy whose message starts with `context: `, for errors that
-  // travel up through layers that know more about where they came from.
+  // travel up through layers that know more about where they came from. A
+  // message that already starts with "context: " is kept as it is: a
+  // refusal that names its request, passed up through the layer that sent
+  // the request, does not name it twice.
   Status with_context(const std::string& context) const {
     if (is_ok()) return *this;
+    if (message_.size() > context.size() + 1 && message_.compare(0, context.size(), context) == 0 &&
+        message_.compare(context.size(), 2, ": ") == 0) {
+      return *this;
+    }
     Status s(code_, context + ": " + message_);
     s.reason_ = reason_;
     return s;
