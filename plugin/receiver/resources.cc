@@ -8,6 +8,9 @@
 #include "transport/cuda/nccl_comm.h"
 #include "transport/fabric/nccl_fabric.h"
 #endif
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+#include "transport/convert/convert_cuda.h"
+#endif
 #include "plugin/host_memory.h"
 #include "transport/cuda/host_copy_ops.h"
 #include "transport/cuda/pointer_probe.h"
@@ -110,6 +113,7 @@ Result<std::unique_ptr<Resources>> Resources::create(const AgentConfig& config, 
 }
 
 Resources::~Resources() {
+  gpu_work_.reset();  // waits for its stream, frees its scratch
   fabric_.reset();
   copy_ops_.reset();  // waits for its copies, before the memory they touch goes
   sources_.clear();   // endpoints before their worker
@@ -327,6 +331,12 @@ Result<TransferSetup> Resources::transfer_setup(const CompiledPart& part) {
   if (ring_memory_) s.landing_ring = std::span<uint8_t>(ring_memory_.get(), config_.landing_bytes);
   s.landing_slot_bytes = landing_slot_bytes(config_);
   s.fabric_waits_for_copies = config_.local_fabric == "nccl";
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+  // Kept across refreshes: its stream and scratch are made at the first
+  // conversion into GPU memory (none without one).
+  if (!gpu_work_) gpu_work_ = std::make_shared<convert::GpuWork>();
+#endif
+  s.gpu_work = gpu_work_;
   return s;
 }
 

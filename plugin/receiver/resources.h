@@ -120,6 +120,9 @@ class Resources {
   // own that the NCCL fabric's sends wait for (null without the GPU path).
   std::unique_ptr<cuda::CopyOps> copy_ops_;
   int fabric_gpu_ = -1;  // the NCCL fabric's device
+  // What conversions into GPU memory reuse (TransferSetup::gpu_work); made
+  // by the first transfer_setup in builds with the CUDA kernels.
+  std::shared_ptr<convert::GpuWork> gpu_work_;
   std::unique_ptr<fabric::LocalFabric> fabric_;
 };
 

@@ -289,10 +289,15 @@ bool TransferExecutor::release_locked(uint32_t get) {
 // One unit of a converted tensor, from its staged box into the buffer: per
 // index of the leading dims (stacked experts), one call of the CPU kernel
 // over the last two dims (the CUDA kernel into GPU memory, after a copy of
-// the staged rows to the device), or a cast per row. The kernel refuses a block
-// with NaN or infinity before writing it (docs/conversion.md).
-Status TransferExecutor::convert(uint32_t k) const {
+// the staged rows to the device), or a cast per row (into GPU memory, one
+// cast and one copy of the last two dims' rows). The kernel refuses a block
+// with NaN or infinity before writing it (docs/conversion.md). Calls into
+// GPU memory reuse gpu_work_'s stream and scratch.
+Status TransferExecutor::convert(uint32_t k) {
   const CompiledPart::Convert& c = part_.converts[k];
+#ifdef REFIT_HAVE_CONVERT_KERNEL
+  if (c.device && !gpu_work_) gpu_work_ = setup_.gpu_work ? setup_.gpu_work : std::make_shared<convert::GpuWork>();
+#endif
   // A relayout: the staged box into the region's strides, on the host, or
   // copied to the GPU and written by the CUDA kernel (the compiler refuses
   // GPU memory in a build without it).
@@ -300,14 +305,15 @@ Status TransferExecutor::convert(uint32_t k) const {
 #ifdef REFIT_HAVE_CONVERT_KERNEL
     if (c.device)
       return convert::relayout_box_cuda_from_host(c.staged, c.dst, dtype_bytes(c.to), c.size, c.strides, c.tensor,
-                                                  nullptr);
+                                                  *gpu_work_);
 #endif
     return convert::relayout_box(c.staged, c.dst, dtype_bytes(c.to), c.size, c.strides);
   }
   const size_t n = c.size.size();
   const int in = dtype_bytes(c.from), out = dtype_bytes(c.to);
   const bool quantize = c.scales != nullptr;
-  const size_t inner = quantize ? 2 : 1;  // dims each call covers
+  // The dims each call covers.
+  const size_t inner = quantize ? 2 : c.device ? std::min<size_t>(2, n) : 1;
   int64_t inner_elems = 1;
   for (size_t d = n - inner; d < n; ++d) inner_elems *= c.size[d];
   std::vector<int64_t> idx(n - inner, 0);
@@ -335,13 +341,15 @@ Status TransferExecutor::convert(uint32_t k) const {
       a.block_col0 = c.start[n - 1] / c.block.cols;
 #ifdef REFIT_HAVE_CONVERT_KERNEL
       if (c.device) {
-        REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks_cuda_from_host(a, nullptr));
+        REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks_cuda_from_host(a, *gpu_work_));
       } else {
         REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
       }
     } else if (c.device) {
-      REFIT_RETURN_IF_ERROR(
-          convert::cast_to_device(c.from, c.to, src, c.dst + dst_off * out, c.size[n - 1], c.tensor, nullptr));
+      const int64_t rows = inner == 2 ? c.size[n - 2] : 1;
+      const int64_t dst_stride = inner == 2 ? c.strides[n - 2] : c.size[n - 1];
+      REFIT_RETURN_IF_ERROR(convert::cast_to_device(c.from, c.to, src, c.dst + dst_off * out, rows, c.size[n - 1],
+                                                    dst_stride, c.tensor, *gpu_work_));
 #else
       REFIT_RETURN_IF_ERROR(convert::quantize_e4m3_blocks(a));
 #endif

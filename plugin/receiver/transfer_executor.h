@@ -47,6 +47,10 @@
 #include "transport/ucx/gather_ops.h"
 #include "transport/ucx/get_engine.h"
 
+namespace refit::convert {
+class GpuWork;  // convert_cuda.h, in builds with the CUDA kernels
+}  // namespace refit::convert
+
 namespace refit::plugin::receiver {
 
 using Clock = std::chrono::steady_clock;
@@ -91,6 +95,10 @@ struct TransferSetup {
   // counter of GET bytes in flight; null: nowhere.
   Trace* trace = nullptr;
   Progress* progress = nullptr;  // told the GET bytes as they land; null: none
+  // What conversions into GPU memory reuse across units and refreshes (a
+  // stream of refit's own and a device scratch, convert_cuda.h), used by
+  // the fan-out thread only; null: the attempt makes its own.
+  std::shared_ptr<convert::GpuWork> gpu_work;
 };
 
 struct TransferReport {
@@ -155,7 +163,7 @@ class TransferExecutor {
   // back. REQUIRES mu_. Returns whether any became ready.
   bool release_locked(uint32_t get);
   // Runs conversion `k` of the part (the fan-out's thread).
-  Status convert(uint32_t k) const;
+  Status convert(uint32_t k);
 
   const TransferSetup setup_;
   const CompiledPart& part_;
@@ -189,6 +197,7 @@ class TransferExecutor {
   Status fan_status_;                // the fan-out's; read after it is joined
   Clock::time_point fan_end_;        // the fan-out's; read after it is joined
   double convert_s_ = 0;             // the fan-out's; read after it is joined
+  std::shared_ptr<convert::GpuWork> gpu_work_;  // the fan-out's: setup_'s, or made at its first GPU conversion
   ucx::BatchReport batch_;           // the caller's thread's
   Clock::time_point start_, net_end_;
   bool inputs_over_ = false;         // the caller's thread's

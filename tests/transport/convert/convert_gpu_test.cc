@@ -155,15 +155,23 @@ TEST(ConvertCuda, AHostDestinationIsRefusedNamingTheTensor) {
   a.scales = scales.data();
   a.scale_stride = 1;
   a.tensor = "layers.0.w";
-  for (const Status& s : {quantize_e4m3_blocks_cuda(a, nullptr), quantize_e4m3_blocks_cuda_from_host(a, nullptr)}) {
+  GpuWork work;
+  for (const Status& s : {quantize_e4m3_blocks_cuda(a, nullptr), quantize_e4m3_blocks_cuda_from_host(a, work)}) {
     EXPECT_EQ(s.code(), Code::kInvalidArgument);
     EXPECT_NE(s.message().find("\"layers.0.w\": the destination is not GPU memory"), std::string::npos) << s.message();
   }
   const int64_t sizes[] = {128, 128}, strides[] = {1, 128};
-  const Status r = relayout_box_cuda_from_host(dst.data(), dst.data(), 1, sizes, strides, "layers.1.w", nullptr);
+  const Status r = relayout_box_cuda_from_host(dst.data(), dst.data(), 1, sizes, strides, "layers.1.w", work);
   EXPECT_NE(r.message().find("\"layers.1.w\": the destination is not GPU memory"), std::string::npos) << r.message();
-  const Status c = cast_to_device(DType::kF32, DType::kBF16, scales.data(), dst.data(), 1, "layers.2.b", nullptr);
+  const Status c = cast_to_device(DType::kF32, DType::kBF16, scales.data(), dst.data(), 1, 1, 1, "layers.2.b", work);
   EXPECT_NE(c.message().find("\"layers.2.b\": the destination is not GPU memory"), std::string::npos) << c.message();
+  // Rows that overlap their destination's stride are refused by name.
+  const Status o = cast_to_device(DType::kF32, DType::kBF16, scales.data(), dst.data(), 2, 8, 4, "layers.3.b", work);
+  EXPECT_EQ(o.code(), Code::kInvalidArgument);
+  EXPECT_NE(o.message().find("\"layers.3.b\": 2 rows of 8 elements do not fit rows 4 elements apart"), std::string::npos)
+      << o.message();
+  // Refused before any CUDA call: no stream, no scratch.
+  EXPECT_EQ(work.devices(), 0u);
 }
 
 // The CUDA relayout (docs/refresh.md, "Column-major receivers") against
@@ -178,6 +186,7 @@ TEST_F(ConvertGpu, RelayoutWritesWhatTheHostRelayoutWrites) {
                                    {{5, 40, 33}, {1, 5 * 33, 5}},    // a permutation
                                    {{64, 96}, {1, 70}},              // padded columns
                                    {{1000}, {3}}};                   // one strided dim
+  GpuWork work;
   for (const Case& c : cases) {
     for (int eb : {1, 2, 4, 8}) {
       int64_t numel = 1, extent = 1;
@@ -192,13 +201,98 @@ TEST_F(ConvertGpu, RelayoutWritesWhatTheHostRelayoutWrites) {
       ASSERT_EQ(cudaMalloc(&ddst, got.size()), cudaSuccess);
       ASSERT_EQ(cudaMemset(ddst, 0xee, got.size()), cudaSuccess);
       const Status st = relayout_box_cuda_from_host(src.data(), static_cast<uint8_t*>(ddst), eb, c.sizes, c.strides,
-                                                    "w", nullptr);
+                                                    "w", work);
       EXPECT_TRUE(st.is_ok()) << st.message();
       EXPECT_EQ(cudaMemcpy(got.data(), ddst, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
       EXPECT_EQ(cudaFree(ddst), cudaSuccess);
       EXPECT_EQ(got, want) << c.sizes.size() << " dims, " << eb << "-byte elements";
     }
   }
+}
+
+// What the receivers' conversions reuse (GpuWork): one non-blocking stream
+// per device, a scratch kept across calls while it is within the bound, and
+// an area of its own, freed on return, for a call that needs more. The
+// quantizer from host memory writes what the CPU kernel writes through it.
+TEST_F(ConvertGpu, GpuWorkKeepsItsStreamAndScratchWithinTheBound) {
+  int device = -1;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  GpuWork work;
+  const int64_t rows = 300, cols = 700;
+  const BlockSize block{128, 128};
+  const std::vector<uint8_t> src = random_box(DType::kBF16, rows, cols, 77);
+  const size_t nscales = 3 * 6;
+  Out cpu;
+  cpu.values.assign(rows * cols, 0);
+  cpu.scales.assign(nscales, 0);
+  ASSERT_TRUE(quantize_e4m3_blocks(box_args(DType::kBF16, src.data(), rows, cols, block, cpu.values.data(),
+                                            cpu.scales.data()))
+                  .is_ok());
+  void *ddst = nullptr, *dscales = nullptr;
+  ASSERT_EQ(cudaMalloc(&ddst, rows * cols), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dscales, nscales * 4), cudaSuccess);
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_EQ(cudaMemset(ddst, 0, rows * cols), cudaSuccess);
+    const Status st = quantize_e4m3_blocks_cuda_from_host(
+        box_args(DType::kBF16, src.data(), rows, cols, block, static_cast<uint8_t*>(ddst), static_cast<float*>(dscales)),
+        work);
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    Out gpu;
+    gpu.values.resize(rows * cols);
+    gpu.scales.resize(nscales);
+    ASSERT_EQ(cudaMemcpy(gpu.values.data(), ddst, gpu.values.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(gpu.scales.data(), dscales, nscales * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(gpu.values, cpu.values) << "round " << round;
+    EXPECT_EQ(std::memcmp(gpu.scales.data(), cpu.scales.data(), nscales * 4), 0) << "round " << round;
+    EXPECT_EQ(work.devices(), 1u);
+    EXPECT_EQ(work.kept_scratch_bytes(device), size_t{1} << 20);  // 420,000 bytes, rounded up to 1 MiB
+  }
+  // Its stream is its own and does not synchronize with blocking streams.
+  Result<void*> stream = work.stream(device);
+  ASSERT_TRUE(stream.is_ok()) << stream.status().message();
+  unsigned int flags = 0;
+  ASSERT_EQ(cudaStreamGetFlags(static_cast<cudaStream_t>(*stream), &flags), cudaSuccess);
+  EXPECT_EQ(flags, static_cast<unsigned int>(cudaStreamNonBlocking));
+  // A relayout of a box over the bound gets an area of its own, and the
+  // kept scratch stays as it was.
+  const int64_t big_rows = 4, big_cols = static_cast<int64_t>(GpuWork::kKeepScratchBytes / 4) / big_rows + 1;
+  std::vector<uint8_t> box(static_cast<size_t>(big_rows * big_cols) * 4);
+  for (size_t i = 0; i < box.size(); ++i) box[i] = static_cast<uint8_t>(i * 131 + 7);
+  void* dbig = nullptr;
+  ASSERT_EQ(cudaMalloc(&dbig, box.size()), cudaSuccess);
+  const int64_t sizes[] = {big_rows, big_cols}, strides[] = {1, big_rows};  // column-major
+  const Status r = relayout_box_cuda_from_host(box.data(), static_cast<uint8_t*>(dbig), 4, sizes, strides, "big", work);
+  ASSERT_TRUE(r.is_ok()) << r.message();
+  std::vector<uint8_t> want(box.size()), got(box.size());
+  ASSERT_TRUE(relayout_box(box.data(), want.data(), 4, sizes, strides).is_ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), dbig, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(work.kept_scratch_bytes(device), size_t{1} << 20);
+  cudaFree(dbig);
+  cudaFree(ddst);
+  cudaFree(dscales);
+}
+
+// A cast into GPU memory is one cast and one copy of all rows, into rows
+// `dst_stride` elements apart; the bytes between them are not touched.
+TEST_F(ConvertGpu, CastToDeviceWritesStridedRows) {
+  GpuWork work;
+  const int64_t rows = 5, cols = 300, stride = 320;
+  std::vector<float> src(rows * cols);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i) * 0.25f - 100.0f;
+  std::vector<uint16_t> want(rows * stride, 0xEEEE);
+  for (int64_t r = 0; r < rows; ++r) {
+    ASSERT_TRUE(cast(DType::kF32, DType::kBF16, src.data() + r * cols, want.data() + r * stride, cols, "b").is_ok());
+  }
+  void* ddst = nullptr;
+  ASSERT_EQ(cudaMalloc(&ddst, want.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(ddst, 0xEE, want.size() * 2), cudaSuccess);
+  const Status st = cast_to_device(DType::kF32, DType::kBF16, src.data(), ddst, rows, cols, stride, "b", work);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  std::vector<uint16_t> got(want.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), ddst, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, want);
+  cudaFree(ddst);
 }
 
 }  // namespace
