@@ -284,7 +284,9 @@ class Compiler {
     Result<uint8_t*> dst = rows(c.buffer, c.offset, c.strides, sizes, eb, name, index, &device);
     if (!dst.is_ok()) return dst.status();
     cv.dst = *dst;
-    if (relayout && !nested(c.size, c.strides)) {
+    // A cast or a quantization writes rows too: rows that overlap would be
+    // written twice (on the GPU, by one strided copy that refuses them).
+    if (!nested(c.size, c.strides)) {
       return bad(name + ": its strides are not proven one-to-one, so two elements of the box may land in the "
                  "same place (taking the dims of more than one index by growing stride, each stride must pass "
                  "the span of those before it, as in every refit-layout/1 segment)");

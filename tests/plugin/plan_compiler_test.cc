@@ -508,6 +508,27 @@ TEST_F(PlanCompilerConvert, ARelayoutWhoseStridesMapTwoElementsToOnePlaceIsRefus
   EXPECT_EQ((*c)->written[1], (Ranges{{0, 2}, {4, 4}, {10, 2}}));
 }
 
+// A cast's rows that overlap (rows 8 elements apart, 16 long) would be
+// written twice: refused as a relayout's are, before anything runs.
+TEST_F(PlanCompilerConvert, ACastWhoseRowsOverlapIsRefused) {
+  auto c = std::make_shared<control::ConvertSpec>(*convert_step().convert);
+  c->to_dtype = "F16";
+  c->scale_buffer.clear();
+  c->scale_strides.clear();
+  c->size = {8, 16};
+  c->strides = {8, 1};
+  PlanRun step;
+  step.convert = c;
+  part_.runs = {staged_get(0, 0, 512), step};
+  auto compiled = compile_staged();
+  ASSERT_FALSE(compiled.is_ok()) << "a cast of rows 8 elements apart, 16 long, was accepted";
+  EXPECT_NE(compiled.status().message().find("converts tensor \"w\""), std::string::npos) << compiled.status().message();
+  EXPECT_NE(compiled.status().message().find("same place"), std::string::npos) << compiled.status().message();
+  c->strides = {16, 1};
+  auto kept = compile_staged();
+  ASSERT_TRUE(kept.is_ok()) << kept.status().message();
+}
+
 // What a relayout records as written is every byte it writes and no other,
 // for boxes of 1 to 3 dims in any memory order, padded or not: compared with
 // the bytes relayout_box's walk reaches.

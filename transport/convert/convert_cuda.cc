@@ -56,8 +56,11 @@ Status quantize_on(const QuantizeArgs& a, cudaStream_t s, void* scratch, int64_t
   }
   unsigned long long bad_host = ~0ull;
   if (st.is_ok()) st = from_cuda(cudaMemcpyAsync(&bad_host, bad, 8, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync(8 bytes to host)");
-  if (st.is_ok()) st = from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  // Waited for whatever failed: a kernel already queued may still write the
+  // weights or read the scratch that the next call reuses.
+  const Status waited = from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   REFIT_RETURN_IF_ERROR(st.with_context(where));
+  REFIT_RETURN_IF_ERROR(waited.with_context(where));
   if (bad_host != ~0ull) {
     const int64_t b = static_cast<int64_t>(bad_host);
     return Status::invalid("quantize to F8_E4M3: tensor \"" + std::string(a.tensor) + "\" block (" +
@@ -88,10 +91,12 @@ GpuWork::~GpuWork() {
   for (Device& d : devices_) {
     const ::refit::cuda::DeviceGuard guard(d.device);
     if (!guard.status().is_ok()) continue;
-    if (d.stream) cudaStreamSynchronize(static_cast<cudaStream_t>(d.stream));
-    if (d.once) cudaFree(d.once);
-    if (d.kept) cudaFree(d.kept);
-    if (d.stream) cudaStreamDestroy(static_cast<cudaStream_t>(d.stream));
+    release(d, d.once);
+    release(d, d.kept);
+    if (d.stream) {
+      cudaStreamSynchronize(static_cast<cudaStream_t>(d.stream));
+      cudaStreamDestroy(static_cast<cudaStream_t>(d.stream));
+    }
   }
 }
 
@@ -117,8 +122,30 @@ Result<GpuWork::Device*> GpuWork::get(int device) {
   Device d;
   d.device = device;
   d.stream = s;
+  int pools = 0;
+  d.pools = cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) == cudaSuccess && pools != 0;
   devices_.push_back(d);
   return &devices_.back();
+}
+
+Result<void*> GpuWork::allocate(Device& d, size_t bytes) {
+  void* p = nullptr;
+  const std::string what = std::string(d.pools ? "cudaMallocAsync(" : "cudaMalloc(") + std::to_string(bytes) +
+                           " bytes of scratch on device " + std::to_string(d.device) + ")";
+  const cudaError_t e = d.pools ? cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(d.stream)) : cudaMalloc(&p, bytes);
+  REFIT_RETURN_IF_ERROR(from_cuda(e, what));
+  ++d.allocations;
+  return p;
+}
+
+void GpuWork::release(Device& d, void*& p) {
+  if (!p) return;
+  if (d.pools) {
+    cudaFreeAsync(p, static_cast<cudaStream_t>(d.stream));
+  } else {
+    cudaFree(p);
+  }
+  p = nullptr;
 }
 
 Result<void*> GpuWork::stream(int device) {
@@ -132,39 +159,43 @@ Result<void*> GpuWork::scratch(int device, size_t bytes) {
   if (!got.is_ok()) return got.status();
   Device& d = **got;
   if (bytes <= d.kept_bytes) return d.kept;
-  const std::string what = "cudaMalloc(" + std::to_string(bytes) + " bytes of scratch on device " +
-                           std::to_string(device) + ")";
   if (bytes > kKeepScratchBytes) {
-    release_scratch(device);
-    void* p = nullptr;
-    REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&p, bytes), what));
-    d.once = p;
+    release(d, d.once);
+    Result<void*> p = allocate(d, bytes);
+    if (p.is_ok()) d.once = *p;
     return p;
   }
   // Grown to the next power of two from 1 MiB (at most the bound), so a
-  // run of slightly larger units frees and allocates a few times only.
+  // run of slightly larger units grows it a few times only.
   size_t grow = std::max<size_t>(d.kept_bytes, 1u << 20);
   while (grow < bytes) grow *= 2;
   grow = std::min(grow, kKeepScratchBytes);
-  if (d.kept) {
-    // Nothing of this work is in flight: every call waits for its stream.
-    cudaFree(d.kept);
-    d.kept = nullptr;
-    d.kept_bytes = 0;
-  }
-  void* p = nullptr;
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaMalloc(&p, grow), what));
-  d.kept = p;
+  // Stream-ordered: the old area goes once the work queued on it is done.
+  release(d, d.kept);
+  d.kept_bytes = 0;
+  Result<void*> p = allocate(d, grow);
+  if (!p.is_ok()) return p;
+  d.kept = *p;
   d.kept_bytes = grow;
   return p;
 }
 
 void GpuWork::release_scratch(int device) {
-  Device* d = find(device);
-  if (d && d->once) {
-    cudaFree(d->once);
-    d->once = nullptr;
+  if (Device* d = find(device)) release(*d, d->once);
+}
+
+size_t GpuWork::allocations(int device) const {
+  for (const Device& d : devices_) {
+    if (d.device == device) return d.allocations;
   }
+  return 0;
+}
+
+bool GpuWork::holds_once_area(int device) const {
+  for (const Device& d : devices_) {
+    if (d.device == device) return d.once != nullptr;
+  }
+  return false;
 }
 
 Status quantize_e4m3_blocks_cuda(const QuantizeArgs& a, void* stream) {
@@ -208,9 +239,12 @@ Status quantize_e4m3_blocks_cuda_from_host(const QuantizeArgs& a, GpuWork& work)
   Result<void*> area = work.scratch(*device, at + quantize_scratch_bytes(nblocks));
   if (!area.is_ok()) return area.status().with_context(where);
   auto s = static_cast<cudaStream_t>(*stream);
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaMemcpyAsync(*area, a.src, bytes, cudaMemcpyHostToDevice, s),
-                                  "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes to the device)")
-                            .with_context(where));
+  const Status copied = from_cuda(cudaMemcpyAsync(*area, a.src, bytes, cudaMemcpyHostToDevice, s),
+                                  "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes to the device)");
+  if (!copied.is_ok()) {
+    cudaStreamSynchronize(s);
+    return copied.with_context(where);
+  }
   QuantizeArgs d = a;
   d.src = *area;
   return quantize_on(d, s, static_cast<char*>(*area) + at, bcols, where);  // waits, the copy included
@@ -242,14 +276,16 @@ Status relayout_box_cuda_from_host(const uint8_t* src, uint8_t* dst, int elem_by
   Result<void*> staged = work.scratch(*device, bytes);
   if (!staged.is_ok()) return staged.status().with_context(where);
   auto s = static_cast<cudaStream_t>(*stream);
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaMemcpyAsync(*staged, src, bytes, cudaMemcpyHostToDevice, s),
-                                  "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes to the device)")
-                            .with_context(where));
+  Status st = from_cuda(cudaMemcpyAsync(*staged, src, bytes, cudaMemcpyHostToDevice, s),
+                        "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes to the device)")
+                  .with_context(where);
   r.src = *staged;
   r.dst = dst;
-  Status st = from_cuda(static_cast<cudaError_t>(::refit::convert::cuda::launch_relayout(r, *stream)),
-                        "the relayout kernel's launch")
-                  .with_context(where);
+  if (st.is_ok()) {
+    st = from_cuda(static_cast<cudaError_t>(::refit::convert::cuda::launch_relayout(r, *stream)),
+                   "the relayout kernel's launch")
+             .with_context(where);
+  }
   // Waited for even after a failed launch: the copy into the scratch may
   // still be running, and the next call reuses the scratch.
   const Status waited = from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize").with_context(where);
@@ -267,24 +303,33 @@ Status cast_to_device(DType from, DType to, const void* src, void* dst, int64_t 
   if (rows == 0 || cols == 0) return Status::ok();
   Result<int> device = device_of(dst, where);
   if (!device.is_ok()) return device.status();
-  const size_t out = static_cast<size_t>(dtype_bytes(to));
-  std::vector<uint8_t> host(static_cast<size_t>(rows * cols) * out);
-  REFIT_RETURN_IF_ERROR(cast(from, to, src, host.data(), rows * cols, tensor));
   const ::refit::cuda::DeviceGuard guard(*device);
   REFIT_RETURN_IF_ERROR(guard.status().with_context(where));
   Result<void*> stream = work.stream(*device);
   if (!stream.is_ok()) return stream.status().with_context(where);
   auto s = static_cast<cudaStream_t>(*stream);
+  const size_t in = static_cast<size_t>(dtype_bytes(from)), out = static_cast<size_t>(dtype_bytes(to));
   const size_t row = static_cast<size_t>(cols) * out;
-  const size_t pitch = rows > 1 ? static_cast<size_t>(dst_stride) * out : row;
-  // The host vector is pageable: the copy has read it by the time the call
-  // returns; the wait below is for the device side.
-  REFIT_RETURN_IF_ERROR(from_cuda(cudaMemcpy2DAsync(dst, pitch, host.data(), row, row, static_cast<size_t>(rows),
-                                                    cudaMemcpyHostToDevice, s),
-                                  "cudaMemcpy2DAsync(" + std::to_string(rows) + " rows of " + std::to_string(row) +
-                                      " bytes to the device)")
-                            .with_context(where));
-  return from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize").with_context(where);
+  const size_t pitch = static_cast<size_t>(dst_stride) * out;
+  // In pieces of at most GpuWork::kCastPieceBytes (one row at least), cast
+  // into the work's host buffer, then one copy of the piece's rows; waited
+  // for before the buffer takes the next piece.
+  const int64_t per_piece = static_cast<int64_t>(std::max<size_t>(1, GpuWork::kCastPieceBytes / row));
+  for (int64_t r0 = 0; r0 < rows; r0 += per_piece) {
+    const int64_t n = std::min(per_piece, rows - r0);
+    std::vector<uint8_t>& host = work.host_buffer(static_cast<size_t>(n) * row);
+    REFIT_RETURN_IF_ERROR(cast(from, to, static_cast<const uint8_t*>(src) + static_cast<size_t>(r0 * cols) * in,
+                               host.data(), n * cols, tensor));
+    uint8_t* at = static_cast<uint8_t*>(dst) + static_cast<size_t>(r0) * pitch;
+    Status st = from_cuda(cudaMemcpy2DAsync(at, n > 1 ? pitch : row, host.data(), row, row, static_cast<size_t>(n),
+                                            cudaMemcpyHostToDevice, s),
+                          "cudaMemcpy2DAsync(" + std::to_string(n) + " rows of " + std::to_string(row) +
+                              " bytes to the device)");
+    const Status waited = from_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    REFIT_RETURN_IF_ERROR(st.with_context(where));
+    REFIT_RETURN_IF_ERROR(waited.with_context(where));
+  }
+  return Status::ok();
 }
 
 }  // namespace refit::convert

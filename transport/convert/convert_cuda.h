@@ -20,54 +20,72 @@
 
 namespace refit::convert {
 
-// What one thread's conversions into GPU memory reuse from one call to the
-// next, per device:
+// What the conversions into GPU memory reuse from one call to the next,
+// per device:
 // - a stream of refit's own, created non-blocking: its copies and kernels
 //   neither wait for nor hold up the work the server queues on that GPU (the
 //   legacy default stream waits for every blocking stream and they for it);
 // - a device scratch area (the staged box copied over, the kernel's
-//   per-block maxima), kept while it is at most kKeepScratchBytes, so that a
-//   refresh does not cudaMalloc and cudaFree per unit: cudaFree waits for
-//   the whole device, the server's kernels included. A call that needs more
-//   allocates it for itself and frees it before it returns.
-// Released by the destructor. Not thread-safe: one per thread that
-// converts (a receiver's fan-out thread).
+//   per-block maxima), kept while it is at most kKeepScratchBytes. A call
+//   that needs more gets an area of its own, freed when it returns.
+//   Allocated and freed in stream order (cudaMallocAsync, cudaFreeAsync)
+//   where the device has memory pools, so that neither waits for the rest
+//   of the device; cudaMalloc and cudaFree (which waits for the whole
+//   device, the server's kernels included) where it has none;
+// - a host buffer for casts, at most kCastPieceBytes (or one row).
+// Released by the destructor. Not thread-safe: used by one thread at a
+// time (a receiver's fan-out threads, one attempt after another).
 class GpuWork {
  public:
   static constexpr size_t kKeepScratchBytes = 64u << 20;
+  static constexpr size_t kCastPieceBytes = 8u << 20;
 
   GpuWork() = default;
   ~GpuWork();
   GpuWork(const GpuWork&) = delete;
   GpuWork& operator=(const GpuWork&) = delete;
 
-  // For the tests: the devices it holds a stream for, and the scratch bytes
-  // it keeps on `device` (0: none).
+  // For the tests: the devices it holds a stream for; on `device`, the
+  // scratch bytes it keeps (0: none), the areas it has allocated so far,
+  // and whether it holds an area made for one call.
   size_t devices() const { return devices_.size(); }
   size_t kept_scratch_bytes(int device) const;
+  size_t allocations(int device) const;
+  bool holds_once_area(int device) const;
 
   // REQUIRES `device` is current on the calling thread. Its stream (made on
   // first use).
   Result<void*> stream(int device);
-  // REQUIRES `device` is current. At least `bytes` of device memory until
-  // the next call for that device or release_scratch: the kept area, grown
-  // when it is too small and the size is within kKeepScratchBytes;
-  // otherwise an area of its own, which release_scratch frees.
+  // REQUIRES `device` is current. At least `bytes` of device memory, for
+  // work on the device's stream, until the next call for that device or
+  // release_scratch: the kept area, grown when it is too small and the size
+  // is within kKeepScratchBytes; otherwise an area of its own, which
+  // release_scratch frees.
   Result<void*> scratch(int device, size_t bytes);
   // Frees an area scratch() made for one call (the kept one stays).
   void release_scratch(int device);
+  // At least `bytes` of host memory, until the next call.
+  std::vector<uint8_t>& host_buffer(size_t bytes) {
+    if (host_.size() < bytes) host_.resize(bytes);
+    return host_;
+  }
 
  private:
   struct Device {
     int device = -1;
     void* stream = nullptr;
+    bool pools = false;  // cudaDevAttrMemoryPoolsSupported
     void* kept = nullptr;
     size_t kept_bytes = 0;
     void* once = nullptr;  // an area over kKeepScratchBytes, for one call
+    size_t allocations = 0;
   };
   Device* find(int device);
   Result<Device*> get(int device);
+  Result<void*> allocate(Device& d, size_t bytes);
+  void release(Device& d, void*& p);
   std::vector<Device> devices_;
+  std::vector<uint8_t> host_;
 };
 
 // Enqueues the kernels on `stream` (a cudaStream_t; null: the legacy
@@ -90,8 +108,8 @@ Status relayout_box_cuda_from_host(const uint8_t* src, uint8_t* dst, int elem_by
 
 // cast() of `rows` x `cols` host elements at `src` (rows one after
 // another) into device memory at `dst`, whose rows start `dst_stride`
-// elements apart: cast on the host, then one copy of all rows on the work's
-// stream; waits.
+// elements apart: cast on the host, then one copy of the rows on the work's
+// stream, in pieces of at most GpuWork::kCastPieceBytes; waits.
 Status cast_to_device(DType from, DType to, const void* src, void* dst, int64_t rows, int64_t cols,
                       int64_t dst_stride, std::string_view tensor, GpuWork& work);
 

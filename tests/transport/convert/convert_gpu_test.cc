@@ -246,6 +246,7 @@ TEST_F(ConvertGpu, GpuWorkKeepsItsStreamAndScratchWithinTheBound) {
     EXPECT_EQ(std::memcmp(gpu.scales.data(), cpu.scales.data(), nscales * 4), 0) << "round " << round;
     EXPECT_EQ(work.devices(), 1u);
     EXPECT_EQ(work.kept_scratch_bytes(device), size_t{1} << 20);  // 420,000 bytes, rounded up to 1 MiB
+    EXPECT_EQ(work.allocations(device), 1u) << "round " << round << ": the kept scratch was allocated again";
   }
   // Its stream is its own and does not synchronize with blocking streams.
   Result<void*> stream = work.stream(device);
@@ -268,31 +269,53 @@ TEST_F(ConvertGpu, GpuWorkKeepsItsStreamAndScratchWithinTheBound) {
   ASSERT_EQ(cudaMemcpy(got.data(), dbig, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(got, want);
   EXPECT_EQ(work.kept_scratch_bytes(device), size_t{1} << 20);
+  EXPECT_EQ(work.allocations(device), 2u);  // the kept scratch, then the relayout's own area
+  EXPECT_FALSE(work.holds_once_area(device)) << "the relayout's own area outlived its call";
+  // A box between the kept size and the bound grows the kept scratch.
+  std::vector<uint8_t> mid(3u << 20, 0x5A);
+  void* dmid = nullptr;
+  ASSERT_EQ(cudaMalloc(&dmid, mid.size()), cudaSuccess);
+  const int64_t mid_sizes[] = {static_cast<int64_t>(mid.size())}, mid_strides[] = {1};
+  const Status m = relayout_box_cuda_from_host(mid.data(), static_cast<uint8_t*>(dmid), 1, mid_sizes, mid_strides, "mid",
+                                               work);
+  ASSERT_TRUE(m.is_ok()) << m.message();
+  std::vector<uint8_t> mid_back(mid.size());
+  ASSERT_EQ(cudaMemcpy(mid_back.data(), dmid, mid.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(mid_back, mid);
+  EXPECT_EQ(work.kept_scratch_bytes(device), size_t{4} << 20);
+  EXPECT_EQ(work.allocations(device), 3u);
+  cudaFree(dmid);
   cudaFree(dbig);
   cudaFree(ddst);
   cudaFree(dscales);
 }
 
-// A cast into GPU memory is one cast and one copy of all rows, into rows
-// `dst_stride` elements apart; the bytes between them are not touched.
+// A cast into GPU memory is a cast on the host and one copy of the rows,
+// into rows `dst_stride` elements apart (the bytes between them are not
+// touched), in pieces of at most GpuWork::kCastPieceBytes: a few short rows,
+// and rows of 2 MiB, four to a piece, in three pieces.
 TEST_F(ConvertGpu, CastToDeviceWritesStridedRows) {
-  GpuWork work;
-  const int64_t rows = 5, cols = 300, stride = 320;
-  std::vector<float> src(rows * cols);
-  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i) * 0.25f - 100.0f;
-  std::vector<uint16_t> want(rows * stride, 0xEEEE);
-  for (int64_t r = 0; r < rows; ++r) {
-    ASSERT_TRUE(cast(DType::kF32, DType::kBF16, src.data() + r * cols, want.data() + r * stride, cols, "b").is_ok());
+  struct Case {
+    int64_t rows, cols, stride;
+  };
+  for (const Case& k : {Case{5, 300, 320}, Case{9, int64_t{1} << 20, (int64_t{1} << 20) + 64}}) {
+    GpuWork work;
+    std::vector<float> src(k.rows * k.cols);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i % 100003) * 0.25f - 100.0f;
+    std::vector<uint16_t> want(k.rows * k.stride, 0xEEEE);
+    for (int64_t r = 0; r < k.rows; ++r) {
+      ASSERT_TRUE(cast(DType::kF32, DType::kBF16, src.data() + r * k.cols, want.data() + r * k.stride, k.cols, "b").is_ok());
+    }
+    void* ddst = nullptr;
+    ASSERT_EQ(cudaMalloc(&ddst, want.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMemset(ddst, 0xEE, want.size() * 2), cudaSuccess);
+    const Status st = cast_to_device(DType::kF32, DType::kBF16, src.data(), ddst, k.rows, k.cols, k.stride, "b", work);
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    std::vector<uint16_t> got(want.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), ddst, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(got, want) << k.rows << " rows of " << k.cols;
+    cudaFree(ddst);
   }
-  void* ddst = nullptr;
-  ASSERT_EQ(cudaMalloc(&ddst, want.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMemset(ddst, 0xEE, want.size() * 2), cudaSuccess);
-  const Status st = cast_to_device(DType::kF32, DType::kBF16, src.data(), ddst, rows, cols, stride, "b", work);
-  ASSERT_TRUE(st.is_ok()) << st.message();
-  std::vector<uint16_t> got(want.size());
-  ASSERT_EQ(cudaMemcpy(got.data(), ddst, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(got, want);
-  cudaFree(ddst);
 }
 
 }  // namespace
