@@ -66,20 +66,35 @@ class Parser {
  public:
   explicit Parser(const std::string& origin) : origin_(origin) {}
 
-  Result<Layout> parse(std::string_view text) {
-    json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-    if (doc.is_discarded()) {
-      return Status::invalid(origin_ + ": not valid JSON: " + json_util::syntax_error(text));
-    }
+  // The document but its buffers: format, ranks and tensors (its
+  // "buffers", if it holds them, are not read here). Once.
+  Status head(const json& doc) {
     if (!doc.is_object())
       return Status::invalid(origin_ + ": a layout must be a JSON object, got " + show(doc));
-    REFIT_RETURN_IF_ERROR(
-        check_keys(doc, "", {"format", "sources", "receivers", "tensors", "buffers", "weight_block_size"}));
+    REFIT_RETURN_IF_ERROR(check_keys(doc, "", {"format", "sources", "receivers", "tensors", "buffers", "weight_block_size"}));
     auto fmt = doc.find("format");
     if (fmt == doc.end()) return fail("", "missing key \"format\"");
     if (!fmt->is_string() || fmt->get_ref<const std::string&>() != kLayoutFormat)
       return fail("format", "must be \"" + std::string(kLayoutFormat) + "\", got " + show(*fmt));
+    REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kSource));
+    REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kReceiver));
+    auto tensors = list(doc, "tensors", true);
+    if (!tensors) return tensors.status();
+    L_.tensors.reserve((*tensors)->size());
+    for (size_t i = 0; i < (*tensors)->size(); ++i) REFIT_RETURN_IF_ERROR(parse_tensor((**tensors)[i], i));
+    return Status::ok();
+  }
 
+  // The document's next explicit buffer, after head().
+  Status buffer(const json& b) { return parse_buffer(b, buffers_read_++); }
+
+  // After head() and every buffer: `doc` again, whole but for what was
+  // handed to buffer() (keys that came after the buffers are checked here),
+  // then the layout's checks.
+  Result<Layout> finish(const json& doc) {
+    REFIT_RETURN_IF_ERROR(check_keys(doc, "", {"format", "sources", "receivers", "tensors", "buffers", "weight_block_size"}));
+    // A "buffers" that is a list was handed to buffer() element by element.
+    if (auto buffers = list(doc, "buffers", false); !buffers) return buffers.status();
     // The F8_E4M3 block (rows, cols), as quantization_config.weight_block_size.
     if (auto wb = doc.find("weight_block_size"); wb != doc.end()) {
       const bool ok = wb->is_array() && wb->size() == 2 && (*wb)[0].is_number_integer() &&
@@ -87,21 +102,21 @@ class Parser {
       if (!ok) return fail("weight_block_size", "must be two positive integers (rows, cols), got " + show(*wb));
       L_.weight_block_size = {(*wb)[0].get<int64_t>(), (*wb)[1].get<int64_t>()};
     }
-    REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kSource));
-    REFIT_RETURN_IF_ERROR(parse_ranks(doc, Side::kReceiver));
-    auto tensors = list(doc, "tensors", true);
-    if (!tensors) return tensors.status();
-    L_.tensors.reserve((*tensors)->size());
-    for (size_t i = 0; i < (*tensors)->size(); ++i) REFIT_RETURN_IF_ERROR(parse_tensor((**tensors)[i], i));
-    auto buffers = list(doc, "buffers", false);
-    if (!buffers) return buffers.status();
-    if (*buffers) {
-      for (size_t i = 0; i < (*buffers)->size(); ++i) REFIT_RETURN_IF_ERROR(parse_buffer((**buffers)[i], i));
-    }
     build_groups();
     Status s = has_conversions(L_) ? resolve_conversions(L_) : validate(L_);
     if (!s) return s.with_context(origin_);
     return std::move(L_);
+  }
+
+  // A whole document held as a DOM.
+  Result<Layout> parse(const json& doc) {
+    REFIT_RETURN_IF_ERROR(head(doc));
+    auto buffers = list(doc, "buffers", false);
+    if (!buffers) return buffers.status();
+    if (*buffers) {
+      for (const json& b : **buffers) REFIT_RETURN_IF_ERROR(buffer(b));
+    }
+    return finish(doc);
   }
 
  private:
@@ -557,12 +572,137 @@ class Parser {
 
   const std::string& origin_;
   std::string context_;
+  size_t buffers_read_ = 0;
   Layout L_;
   std::unordered_map<std::string, uint32_t> tensor_index_;
   std::unordered_map<uint32_t, DType> receiver_dtypes_;  // tensor -> its first receiver segment's dtype
   std::unordered_map<std::string, size_t> names_;  // (side, rank, name) -> buffers[i]
   std::unordered_map<std::string, size_t> group_index_;
   std::vector<Group> groups_;
+};
+
+// Reads a document as it is parsed: its top-level "buffers" are handed to
+// the parser one element at a time and dropped, so that only the rest of
+// the document (ranks and tensors) is ever held as a DOM. A layout of a
+// thousand ranks lists millions of buffers: as one DOM they took seven
+// times the text's size (13.3 GB for a document of 1.8 GB).
+class StreamingReader : public nlohmann::json_sax<json> {
+ public:
+  StreamingReader(Parser& parser, const std::string& origin) : parser_(parser), origin_(origin) {}
+
+  Result<Layout> read(std::string_view text) {
+    const bool parsed = json::sax_parse(text, this);
+    if (!status_.is_ok()) return status_;
+    if (!parsed) return Status::invalid(origin_ + ": not valid JSON: " + syntax_);
+    REFIT_RETURN_IF_ERROR(head_now());
+    return parser_.finish(head_);
+  }
+
+  bool null() override { return add(json(nullptr), false); }
+  bool boolean(bool v) override { return add(json(v), false); }
+  bool number_integer(number_integer_t v) override { return add(json(v), false); }
+  bool number_unsigned(number_unsigned_t v) override { return add(json(v), false); }
+  bool number_float(number_float_t v, const string_t&) override { return add(json(v), false); }
+  bool string(string_t& v) override { return add(json(std::move(v)), false); }
+  bool binary(binary_t& v) override { return add(json::binary(std::move(v)), false); }
+  bool start_object(std::size_t) override { return add(json::object(), true); }
+  bool key(string_t& k) override {
+    key_ = std::move(k);
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    // The top-level "buffers": its elements go to the parser one by one.
+    if (stack_.size() == 1 && !in_buffers_ && head_.is_object() && key_ == "buffers") {
+      if (buffers_seen_) return refuse(origin_ + ": key \"buffers\" is given twice");
+      in_buffers_ = buffers_seen_ = true;
+      return true;
+    }
+    return add(json::array(), true);
+  }
+  bool end_object() override { return close(); }
+  bool end_array() override {
+    if (in_buffers_ && stack_.size() == 1) {
+      in_buffers_ = false;
+      return true;
+    }
+    return close();
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+    syntax_ = json_util::describe(ex);
+    return false;
+  }
+
+ private:
+  // A value at the current place: the document itself, a member or element
+  // of the open container, or an element of "buffers" (its own DOM).
+  bool add(json&& v, bool container) {
+    if (in_buffers_ && stack_.size() == 1) {
+      if (!container) return element(std::move(v));
+      element_ = std::move(v);
+      stack_.push_back(&element_);
+      return true;
+    }
+    json* slot = nullptr;
+    if (stack_.empty()) {
+      head_ = std::move(v);
+      slot = &head_;
+    } else if (json& parent = *stack_.back(); parent.is_object()) {
+      slot = &(parent[key_] = std::move(v));
+    } else {
+      parent.push_back(std::move(v));
+      slot = &parent.back();
+    }
+    if (container) stack_.push_back(slot);
+    return true;
+  }
+
+  bool close() {
+    stack_.pop_back();
+    if (in_buffers_ && stack_.size() == 1) return element(std::move(element_));
+    return true;
+  }
+
+  // One element of "buffers": parsed once the ranks and tensors are read,
+  // kept until then (a document may list its buffers first).
+  bool element(json&& b) {
+    if (!head_read_ && !(head_.contains("format") && head_.contains("sources") && head_.contains("receivers") &&
+                         head_.contains("tensors"))) {
+      waiting_.push_back(std::move(b));
+      return true;
+    }
+    if (Status st = head_now(); !st.is_ok()) return refuse(std::move(st));
+    if (Status st = parser_.buffer(b); !st.is_ok()) return refuse(std::move(st));
+    return true;
+  }
+
+  // The head, once, then the buffers that came before it.
+  Status head_now() {
+    if (head_read_) return Status::ok();
+    head_read_ = true;
+    REFIT_RETURN_IF_ERROR(parser_.head(head_));
+    for (const json& b : waiting_) REFIT_RETURN_IF_ERROR(parser_.buffer(b));
+    waiting_.clear();
+    return Status::ok();
+  }
+
+  bool refuse(Status st) {
+    status_ = std::move(st);
+    return false;
+  }
+  bool refuse(std::string message) { return refuse(Status::invalid(std::move(message))); }
+
+  Parser& parser_;
+  const std::string& origin_;
+  json head_;                  // the document without its buffers
+  std::vector<json*> stack_;   // the containers open, in head_ or element_
+  std::string key_;            // the key of the next member
+  bool in_buffers_ = false;    // inside the top-level "buffers" list
+  bool buffers_seen_ = false;
+  json element_;               // the element of "buffers" being read
+  std::vector<json> waiting_;  // elements read before the head could be
+  bool head_read_ = false;
+  Status status_;              // why the parser stopped reading
+  std::string syntax_;         // why the text is not JSON
 };
 
 // ---------------------------------------------------------------- writing
@@ -747,7 +887,48 @@ void write_runs(const Plan& plan, Writer& w) {
 }  // namespace
 
 Result<Layout> parse_layout_json(std::string_view text, const std::string& origin) {
-  return Parser(origin).parse(text);
+  Parser parser(origin);
+  return StreamingReader(parser, origin).read(text);
+}
+
+struct LayoutBuilder::Impl {
+  explicit Impl(std::string o) : origin(std::move(o)), parser(origin) {}
+  // `st`, remembered when it failed.
+  Status keep(Status st) {
+    if (!st.is_ok()) failed = st;
+    return st;
+  }
+  std::string origin;
+  Parser parser;
+  Status failed;  // the first failure; every later call returns it
+  bool head_read = false, finished = false;
+};
+
+LayoutBuilder::LayoutBuilder(std::string origin) : impl_(std::make_unique<Impl>(std::move(origin))) {}
+LayoutBuilder::~LayoutBuilder() = default;
+
+Status LayoutBuilder::head(const nlohmann::json& doc) {
+  if (!impl_->failed.is_ok()) return impl_->failed;
+  if (impl_->head_read) return impl_->keep(Status::internal(impl_->origin + ": the layout's head was given twice"));
+  impl_->head_read = true;
+  return impl_->keep(impl_->parser.head(doc));
+}
+
+Status LayoutBuilder::buffer(const nlohmann::json& b) {
+  if (!impl_->failed.is_ok()) return impl_->failed;
+  if (!impl_->head_read || impl_->finished)
+    return impl_->keep(Status::internal(impl_->origin + ": a buffer was given outside head() and finish()"));
+  return impl_->keep(impl_->parser.buffer(b));
+}
+
+Result<Layout> LayoutBuilder::finish(const nlohmann::json& doc) {
+  if (!impl_->failed.is_ok()) return impl_->failed;
+  if (!impl_->head_read || impl_->finished)
+    return impl_->keep(Status::internal(impl_->origin + ": finish() without head(), or twice"));
+  impl_->finished = true;
+  Result<Layout> layout = impl_->parser.finish(doc);
+  if (!layout.is_ok()) impl_->keep(layout.status());
+  return layout;
 }
 
 std::string write_layout_json(const Layout& layout) {

@@ -10,8 +10,11 @@
 // every rank with its segments, so the file says exactly what the planner saw.
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
+
+#include <nlohmann/json.hpp>
 
 #include "planner/layout.h"
 #include "planner/plan.h"
@@ -24,8 +27,34 @@ namespace refit {
 // placements[1]`), the tensor or the buffer, and the problem. Explicit buffers
 // of one name, dtype, size and identical segments on several ranks of a side
 // share one Buffer, so reading back a written layout gives the rank sets that
-// were written.
+// were written. The top-level "buffers" are checked and dropped one at a
+// time as the text is read, so that only the rest of the document is ever
+// held as a DOM (its size is the text's, not seven times it).
 Result<Layout> parse_layout_json(std::string_view text, const std::string& origin);
+
+// parse_layout_json for a caller that makes the document piece by piece
+// (the coordinator, from its members' registrations), so that the whole
+// document is never held at once: head() with the document without its
+// "buffers", buffer() with each explicit buffer object in turn, finish()
+// with the document again (its keys after the buffers are checked there).
+// The same checks and messages as parse_layout_json, which reads its text
+// this way; a buffer's path in a message counts the buffers handed over.
+// Each call after one that failed is refused too.
+class LayoutBuilder {
+ public:
+  explicit LayoutBuilder(std::string origin);
+  ~LayoutBuilder();
+  LayoutBuilder(const LayoutBuilder&) = delete;
+  LayoutBuilder& operator=(const LayoutBuilder&) = delete;
+
+  Status head(const nlohmann::json& doc);
+  Status buffer(const nlohmann::json& buffer);
+  Result<Layout> finish(const nlohmann::json& doc);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // The explicit form of `layout`: sources, receivers, tensors (name, dtype,
 // shape), and one explicit buffer per rank of every Buffer's rank set with the

@@ -470,6 +470,90 @@ TEST(ParseLayout, OverlappingSegmentsInOneBuffer) {
   EXPECT_EQ(error_of(d), "");
 }
 
+// The text with its keys in a given order (a json object dumps them
+// sorted, "buffers" first).
+std::string in_order(const json& doc, std::initializer_list<const char*> keys) {
+  std::string text = "{";
+  for (const char* k : keys) {
+    if (!doc.contains(k)) continue;
+    if (text.size() > 1) text += ", ";
+    text += json(k).dump() + ": " + doc.at(k).dump();
+  }
+  return text + "}";
+}
+
+// The buffers are read one at a time as the text is parsed: listed after
+// the tensors (as written) or before them (held until the tensors are read),
+// the layout is the same; the checks on the document's keys still see
+// every key, wherever it comes.
+TEST(ParseLayout, BuffersAreReadWhereverTheDocumentListsThem) {
+  const json d = two_domains();
+  auto sorted = parse(d);  // "buffers" first
+  ASSERT_TRUE(sorted) << sorted.status().message();
+  auto last = parse_layout_json(in_order(d, {"format", "sources", "receivers", "tensors", "buffers"}), "L.json");
+  ASSERT_TRUE(last) << last.status().message();
+  auto middle = parse_layout_json(in_order(d, {"format", "sources", "buffers", "receivers", "tensors"}), "L.json");
+  ASSERT_TRUE(middle) << middle.status().message();
+  EXPECT_EQ(flatten(*last), flatten(*sorted));
+  EXPECT_EQ(flatten(*middle), flatten(*sorted));
+  EXPECT_EQ(write_layout_json(*last), write_layout_json(*sorted));
+
+  // A key after the buffers is checked, and so is a second "buffers".
+  std::string text = in_order(d, {"format", "sources", "receivers", "tensors", "buffers"});
+  text.pop_back();
+  EXPECT_EQ(parse_layout_json(text + ", \"plan\": 1}", "L.json").status().message(),
+            R"J(L.json: unknown key "plan" (known: format, sources, receivers, tensors, buffers, weight_block_size))J");
+  EXPECT_EQ(parse_layout_json(text + ", \"buffers\": []}", "L.json").status().message(),
+            R"J(L.json: key "buffers" is given twice)J");
+  EXPECT_EQ(parse_layout_json(text + ", \"weight_block_size\": [0, 1]}", "L.json").status().message(),
+            "L.json: weight_block_size: must be two positive integers (rows, cols), got [0,1]");
+  // A buffer error names the buffer by its place in the list, read last or first.
+  json bad = d;
+  bad["buffers"][2]["rank"] = 9;
+  const std::string want =
+      "L.json: buffers[2].rank: receiver rank 9 is out of range: the layout has 4 receiver ranks";
+  EXPECT_EQ(parse_layout_json(in_order(bad, {"format", "sources", "receivers", "tensors", "buffers"}), "L.json")
+                .status()
+                .message(),
+            want);
+  EXPECT_EQ(error_of(bad), want);
+  // Cut short inside the buffers: not JSON, whatever was read before.
+  const std::string whole = in_order(d, {"format", "sources", "receivers", "tensors", "buffers"});
+  auto cut = parse_layout_json(whole.substr(0, whole.size() - 40), "L.json");
+  ASSERT_FALSE(cut);
+  EXPECT_EQ(cut.status().message().rfind("L.json: not valid JSON: parse error", 0), 0u) << cut.status().message();
+}
+
+// The coordinator hands its document over piece by piece: the same layout
+// as parse_layout_json's, and a mistake in the order of calls is refused.
+TEST(LayoutBuilder, GivesWhatParseGivesAndKeepsItsFirstFailure) {
+  json d = two_domains();
+  const json buffers = d["buffers"];
+  d.erase("buffers");
+  LayoutBuilder b("membership");
+  ASSERT_TRUE(b.head(d).is_ok());
+  for (const json& x : buffers) ASSERT_TRUE(b.buffer(x).is_ok());
+  auto built = b.finish(d);
+  ASSERT_TRUE(built) << built.status().message();
+  auto parsed = parse(two_domains());
+  ASSERT_TRUE(parsed);
+  EXPECT_EQ(write_layout_json(*built), write_layout_json(*parsed));
+  EXPECT_EQ(b.finish(d).status().code(), Code::kInternal);  // twice
+
+  LayoutBuilder early("membership");
+  EXPECT_EQ(early.buffer(buffers[0]).code(), Code::kInternal);  // before the head
+  EXPECT_EQ(early.head(d).code(), Code::kInternal);             // the failure stays
+
+  LayoutBuilder wrong("membership");
+  ASSERT_TRUE(wrong.head(d).is_ok());
+  json b0 = buffers[0];
+  b0["side"] = "trainer";
+  const Status st = wrong.buffer(b0);
+  EXPECT_EQ(st.message(), R"J(membership: buffers[0].side: must be "source" or "receiver", got "trainer")J");
+  EXPECT_EQ(wrong.buffer(buffers[1]).message(), st.message());
+  EXPECT_EQ(wrong.finish(d).status().message(), st.message());
+}
+
 TEST(WriteLayout, RoundTripGivesTheSameRegions) {
   for (const json& doc : {formats_example(), two_domains()}) {
     auto a = parse(doc);
