@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <optional>
+#include <span>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "planner/conversion.h"
 #include "planner/dtype.h"
@@ -99,18 +103,18 @@ bool same_tensors(const std::vector<TensorDecl>& a, const std::vector<TensorDecl
 
 Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::time_point now) {
   if (auto it = sources_.find(m.rank); it != sources_.end()) {
-    if (session != 0 && it->second.session == session && same_tensors(it->second.info.tensors, m.tensors) &&
-        it->second.info.worker_address == m.worker_address && it->second.info.domain == m.domain &&
-        to_json(it->second.info) != to_json(m)) {
+    if (session != 0 && it->second.session == session && same_tensors(it->second.info->tensors, m.tensors) &&
+        it->second.info->worker_address == m.worker_address && it->second.info->domain == m.domain &&
+        to_json(*it->second.info) != to_json(m)) {
       // The same source on its own connection, the same tensors, other
       // buffers (its converted copies changed at a publish): replaced in
       // place. The very same registration again is refused below. Its tensors never lose their source, so no version moves.
-      it->second.info = std::move(m);
+      it->second.info = std::make_shared<const RegisterSource>(std::move(m));
       it->second.last_seen = now;
       membership_changed();
       return Status::ok();
     }
-    if (it->second.session != 0 || to_json(it->second.info) == to_json(m)) {
+    if (it->second.session != 0 || to_json(*it->second.info) == to_json(m)) {
       return registered_again("register_source", sources_, Role::kSource, session, m, now);
     }
     remove_source(m.rank, "was replaced by a new registration");  // its connection closed (replaced())
@@ -140,14 +144,14 @@ Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::
     }
   }
   const int32_t rank = m.rank;
-  sources_.emplace(rank, Member<RegisterSource>{session, now, std::move(m)});
+  sources_.emplace(rank, Member<RegisterSource>{session, now, std::make_shared<const RegisterSource>(std::move(m))});
   membership_changed();
   return Status::ok();
 }
 
 Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clock::time_point now) {
   if (auto it = receivers_.find(m.rank); it != receivers_.end()) {
-    if (it->second.session != 0 || to_json(it->second.info) == to_json(m)) {
+    if (it->second.session != 0 || to_json(*it->second.info) == to_json(m)) {
       return registered_again("register_receiver", receivers_, Role::kReceiver, session, m, now);
     }
     // Its connection closed: a new process takes the rank.
@@ -163,7 +167,7 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
   if (!sources_.empty()) REFIT_RETURN_IF_ERROR(plannable(m.rank, m, /*full=*/true).with_context("register_receiver"));
   const std::vector<int32_t> peers = instance_ranks(m.instance);
   for (int32_t other : peers) {
-    const int32_t declared = receivers_.at(other).info.instance_ranks;
+    const int32_t declared = receivers_.at(other).info->instance_ranks;
     if (declared != m.instance_ranks) {
       return Status::invalid("register_receiver: receiver rank " + std::to_string(m.rank) + " declares instance " +
                              std::to_string(m.instance) + " to have " +
@@ -179,7 +183,7 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
   }
   const int32_t rank = m.rank;
   count_receiver_dtypes(rank, m, /*add=*/true);
-  receivers_.emplace(rank, Member<RegisterReceiver>{session, now, std::move(m)});
+  receivers_.emplace(rank, Member<RegisterReceiver>{session, now, std::make_shared<const RegisterReceiver>(std::move(m))});
   membership_changed();
   return Status::ok();
 }
@@ -197,6 +201,27 @@ std::optional<TensorDecl> ControlState::decl_of(const std::string& tensor, const
 
 namespace {
 const std::string& dtype_of(const MemberBuffer& b, const Segment& s) { return s.dtype.empty() ? b.dtype : s.dtype; }
+
+// Buffer `b` of the member at `position` as a refit-layout/1 document lists
+// it, less the segments `left_out` names ((buffer, segment) pairs, ascending,
+// of this buffer).
+Json buffer_json(bool source, int32_t position, const MemberBuffer& b,
+                 std::span<const std::pair<uint32_t, uint32_t>> left_out) {
+  Json segs = Json::array();
+  size_t skip = 0;
+  for (size_t si = 0; si < b.segments.size(); ++si) {
+    if (skip < left_out.size() && left_out[skip].second == si) {
+      ++skip;
+      continue;
+    }
+    const Segment& s = b.segments[si];
+    segs.push_back({{"tensor", s.tensor}, {"start", s.start}, {"size", s.size}, {"offset", s.offset},
+                    {"strides", s.strides}});
+    if (!s.dtype.empty()) segs.back()["dtype"] = s.dtype;
+  }
+  return Json{{"side", source ? "source" : "receiver"}, {"rank", position}, {"name", b.name},
+              {"dtype", b.dtype}, {"bytes", b.bytes}, {"segments", std::move(segs)}};
+}
 }  // namespace
 
 void ControlState::count_receiver_dtypes(int32_t rank, const RegisterReceiver& m, bool add) {
@@ -229,18 +254,21 @@ Status ControlState::one_dtype(int32_t rank, const RegisterReceiver& m) const {
 
 Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool full) const {
   for (const auto& [other, r] : receivers_) {
-    if (full && other != rank && r.info.weight_block_size != m.weight_block_size) {
+    if (full && other != rank && r.info->weight_block_size != m.weight_block_size) {
       return Status::invalid("receiver rank " + std::to_string(rank) + " declares \"weight_block_size\" " +
                              dims({m.weight_block_size[0], m.weight_block_size[1]}) + ", receiver rank " +
                              std::to_string(other) + " declared " +
-                             dims({r.info.weight_block_size[0], r.info.weight_block_size[1]}));
+                             dims({r.info->weight_block_size[0], r.info->weight_block_size[1]}));
     }
   }
   for (const MemberBuffer& b : m.buffers) {
     for (size_t i = 0; i < b.segments.size(); ++i) {
       const Segment& seg = b.segments[i];
-      const std::string where = "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
-                                std::to_string(i) + "] (tensor \"" + seg.tensor + "\")";
+      // Made only for a message: a receiver has tens of thousands of segments.
+      auto where = [&] {
+        return "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" + std::to_string(i) +
+               "] (tensor \"" + seg.tensor + "\")";
+      };
       const std::optional<TensorDecl> found = decl_of(seg.tensor, m.weight_block_size);
       if (!found) {
         // Held once, and every source of it is gone: a peer lost, not a
@@ -250,21 +278,21 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
           o = orphaned_.find(weight);
         }
         if (o != orphaned_.end()) {
-          return Status::io_error(where + ": no live source holds this tensor: " + o->second)
+          return Status::io_error(where() + ": no live source holds this tensor: " + o->second)
               .with_reason(Reason::kNoSource);
         }
-        return Status::invalid(where + ": no registered source declares this tensor");
+        return Status::invalid(where() + ": no registered source declares this tensor");
       }
       const TensorDecl& decl = *found;
       if (seg.start.size() != decl.shape.size() || seg.size.size() != decl.shape.size()) {
-        return Status::invalid(where + ": start " + dims(seg.start) + " size " + dims(seg.size) + " do not have the " +
+        return Status::invalid(where() + ": start " + dims(seg.start) + " size " + dims(seg.size) + " do not have the " +
                                std::to_string(decl.shape.size()) + " dims of the tensor, " + decl.dtype +
                                dims(decl.shape));
       }
       for (size_t d = 0; d < decl.shape.size(); ++d) {
         if (seg.start[d] < 0 || seg.size[d] <= 0 || seg.size[d] > decl.shape[d] ||
             seg.start[d] > decl.shape[d] - seg.size[d]) {
-          return Status::invalid(where + ": the box start " + dims(seg.start) + " size " + dims(seg.size) +
+          return Status::invalid(where() + ": the box start " + dims(seg.start) + " size " + dims(seg.size) +
                                  " is not inside the tensor, " + decl.dtype + dims(decl.shape));
         }
       }
@@ -275,7 +303,7 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
         Result<ConversionKind> kind = from && to ? conversion_for(seg.tensor, *from, *to)
                                                  : Result<ConversionKind>(Status::invalid("unknown dtype"));
         if (!kind.is_ok()) {
-          return Status::invalid(where + ": the " + (seg.dtype.empty() ? "buffer" : "segment") + "'s dtype is " +
+          return Status::invalid(where() + ": the " + (seg.dtype.empty() ? "buffer" : "segment") + "'s dtype is " +
                                  segment_dtype(b, seg) + ", the sources declare the tensor as " + decl.dtype +
                                  ": " + kind.status().message());
         }
@@ -287,27 +315,24 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
   // its buffer, no two segments overlapping, whole blocks and their scales),
   // by the planner itself: a layout of this receiver alone, with the
   // tensors it names.
-  Json tensors = Json::array(), buffers = Json::array();
-  std::set<std::string> named;
+  // Handed over one buffer at a time (LayoutBuilder), as a plan's layout is.
+  Json tensors = Json::array();
+  std::unordered_set<std::string_view> named;
   for (const MemberBuffer& b : m.buffers) {
-    Json segs = Json::array();
     for (const Segment& seg : b.segments) {
-      segs.push_back({{"tensor", seg.tensor}, {"start", seg.start}, {"size", seg.size}, {"offset", seg.offset},
-                      {"strides", seg.strides}});
-      if (!seg.dtype.empty()) segs.back()["dtype"] = seg.dtype;
       if (named.insert(seg.tensor).second) {
         const TensorDecl d = *decl_of(seg.tensor, m.weight_block_size);
         tensors.push_back({{"name", d.name}, {"dtype", d.dtype}, {"shape", d.shape}});
       }
     }
-    buffers.push_back({{"side", "receiver"}, {"rank", 0}, {"name", b.name}, {"dtype", b.dtype}, {"bytes", b.bytes},
-                       {"segments", std::move(segs)}});
   }
-  const Json doc{{"format", "refit-layout/1"}, {"sources", Json::array({{{"rank", 0}, {"domain", 0}}})},
-                 {"receivers", Json::array({{{"rank", 0}, {"domain", 0}, {"instance", 0}}})},
-                 {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)},
-                 {"weight_block_size", m.weight_block_size}};
-  Result<Layout> alone = parse_layout_json(doc.dump(), "receiver rank " + std::to_string(rank) + " alone");
+  const Json head{{"format", "refit-layout/1"}, {"sources", Json::array({{{"rank", 0}, {"domain", 0}}})},
+                  {"receivers", Json::array({{{"rank", 0}, {"domain", 0}, {"instance", 0}}})},
+                  {"tensors", std::move(tensors)}, {"weight_block_size", m.weight_block_size}};
+  LayoutBuilder builder("receiver rank " + std::to_string(rank) + " alone");
+  REFIT_RETURN_IF_ERROR(builder.head(head));
+  for (const MemberBuffer& b : m.buffers) REFIT_RETURN_IF_ERROR(builder.buffer(buffer_json(false, 0, b, {})));
+  Result<Layout> alone = builder.finish(head);
   if (!alone.is_ok()) return alone.status();
   return resolve_conversions(*alone);
 }
@@ -316,7 +341,7 @@ std::vector<int32_t> ControlState::planned_receivers() const {
   std::vector<int32_t> out;
   out.reserve(receivers_.size());
   for (const auto& [rank, r] : receivers_) {
-    if (plannable(rank, r.info, /*full=*/false).is_ok()) out.push_back(rank);
+    if (plannable(rank, *r.info, /*full=*/false).is_ok()) out.push_back(rank);
   }
   return out;
 }
@@ -326,7 +351,7 @@ bool ControlState::instance_complete(int32_t instance) const { return instance_s
 std::string ControlState::instance_shortfall(int32_t instance) const {
   const std::vector<int32_t> ranks = instance_ranks(instance);
   if (ranks.empty()) return "";
-  const int32_t declared = receivers_.at(ranks.front()).info.instance_ranks;
+  const int32_t declared = receivers_.at(ranks.front()).info->instance_ranks;
   if (declared == 0 || ranks.size() >= static_cast<size_t>(declared)) return "";
   return "instance " + std::to_string(instance) + " has " + std::to_string(ranks.size()) + " of its " +
          std::to_string(declared) + " ranks (\"instance_ranks\") registered";
@@ -335,7 +360,7 @@ std::string ControlState::instance_shortfall(int32_t instance) const {
 bool ControlState::committed(int32_t rank, int64_t version) const {
   auto r = receivers_.find(rank);
   if (r == receivers_.end()) return false;
-  auto c = committed_.find(r->second.info.instance);
+  auto c = committed_.find(r->second.info->instance);
   return c != committed_.end() && c->second >= version;
 }
 
@@ -384,19 +409,19 @@ Status ControlState::owned(const char* message, const std::map<int32_t, Member<T
 
 Result<int32_t> ControlState::receiver_instance(uint64_t session, int32_t rank, const char* message) const {
   REFIT_RETURN_IF_ERROR(owned(message, receivers_, Role::kReceiver, rank, session));
-  return receivers_.at(rank).info.instance;
+  return receivers_.at(rank).info->instance;
 }
 
 std::set<int32_t> ControlState::instances() const {
   std::set<int32_t> out;
-  for (const auto& [rank, r] : receivers_) out.insert(r.info.instance);
+  for (const auto& [rank, r] : receivers_) out.insert(r.info->instance);
   return out;
 }
 
 void ControlState::remove_source(int32_t rank, const std::string& why) {
   auto it = sources_.find(rank);
   if (it == sources_.end()) return;
-  for (const TensorDecl& t : it->second.info.tensors) {
+  for (const TensorDecl& t : it->second.info->tensors) {
     auto d = tensors_.find(t.name);
     if (d != tensors_.end() && --d->second.sources == 0) {
       tensors_.erase(d);
@@ -413,7 +438,7 @@ void ControlState::remove_source(int32_t rank, const std::string& why) {
 std::vector<int32_t> ControlState::instance_ranks(int32_t instance) const {
   std::vector<int32_t> out;
   for (const auto& [rank, r] : receivers_) {
-    if (r.info.instance == instance) out.push_back(rank);
+    if (r.info->instance == instance) out.push_back(rank);
   }
   return out;
 }
@@ -437,8 +462,8 @@ void ControlState::abort_instance(int32_t instance, int64_t version, const std::
 void ControlState::remove_receiver(int32_t rank, const std::string& why) {
   auto it = receivers_.find(rank);
   if (it == receivers_.end()) return;
-  const int32_t instance = it->second.info.instance;
-  count_receiver_dtypes(rank, it->second.info, /*add=*/false);
+  const int32_t instance = it->second.info->instance;
+  count_receiver_dtypes(rank, *it->second.info, /*add=*/false);
   receivers_.erase(it);
   if (instance_ranks(instance).empty()) {
     aborted_.erase(instance);
@@ -516,7 +541,7 @@ Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxH
                              ", which this connection did not register");
     }
     bool inside = false;
-    for (const MemberBuffer& b : src->second->info.buffers) {
+    for (const MemberBuffer& b : src->second->info->buffers) {
       for (const Segment& seg : b.segments) inside = inside || (seg.tensor == h.tensor && box_inside(seg, h.start, h.size));
     }
     // A box of a block scale tensor "<W>_scale_inv" (verify_boxes): the
@@ -525,7 +550,7 @@ Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxH
     const std::string weight = scale_weight(h.tensor);
     if (!inside && !weight.empty() && tensors_.count(weight) != 0 && h.dtype.empty()) {
       if (receivers_.empty()) continue;
-      const std::array<int64_t, 2>& block = receivers_.begin()->second.info.weight_block_size;
+      const std::array<int64_t, 2>& block = receivers_.begin()->second.info->weight_block_size;
       const std::vector<int64_t>& shape = tensors_.at(weight).decl.shape;
       std::vector<int64_t> wstart = h.start, wsize = h.size;
       const size_t n = wstart.size();
@@ -535,7 +560,7 @@ Status ControlState::publish(uint64_t session, int64_t version, std::vector<BoxH
           wstart[d] = h.start[d] * block[k];
           wsize[d] = std::min((h.start[d] + h.size[d]) * block[k], shape[d]) - wstart[d];
         }
-        for (const MemberBuffer& b : src->second->info.buffers) {
+        for (const MemberBuffer& b : src->second->info->buffers) {
           for (const Segment& seg : b.segments) inside = inside || (seg.tensor == weight && box_inside(seg, wstart, wsize));
         }
       }
@@ -584,7 +609,7 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
   // Each receiver's block scale segments by tensor, for a quantized box.
   std::map<std::pair<int32_t, std::string>, std::vector<const Segment*>> segments_of;
   for (const auto& [rr, r] : receivers_) {
-    for (const MemberBuffer& rb : r.info.buffers) {
+    for (const MemberBuffer& rb : r.info->buffers) {
       for (const Segment& want : rb.segments) {
         if (!scale_weight(want.tensor).empty()) segments_of[{rr, want.tensor}].push_back(&want);
       }
@@ -595,11 +620,11 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
     is_source = true;
     // Box key -> its index in `boxes`, and the scale boxes it lists.
     std::map<std::string, std::pair<size_t, std::set<std::string>>> seen;
-    for (const MemberBuffer& b : s.info.buffers) {
+    for (const MemberBuffer& b : s.info->buffers) {
       for (const Segment& seg : b.segments) {
         if (converted_copy(b, seg)) continue;  // "quantize": "source": hashed as the segment it copies
         for (const auto& [rr, r] : receivers_) {
-          for (const MemberBuffer& rb : r.info.buffers) {
+          for (const MemberBuffer& rb : r.info->buffers) {
             for (const Segment& want : rb.segments) {
               if (want.tensor != seg.tensor || !intersect_box(seg, want, &start, &size)) continue;
               // A receiver of another dtype checks the converted bytes: the
@@ -609,9 +634,9 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
               const bool convert = to != tensors_.at(seg.tensor).decl.dtype;
               const bool quantize = convert && to == "F8_E4M3";
               if (convert) {
-                converts[seg.tensor] = {{"tensor", seg.tensor}, {"dtype", to}, {"block", r.info.weight_block_size}};
+                converts[seg.tensor] = {{"tensor", seg.tensor}, {"dtype", to}, {"block", r.info->weight_block_size}};
               }
-              if (quantize && !whole_blocks(start, size, tensors_.at(seg.tensor).decl.shape, r.info.weight_block_size)) {
+              if (quantize && !whole_blocks(start, size, tensors_.at(seg.tensor).decl.shape, r.info->weight_block_size)) {
                 continue;
               }
               auto [it, added] = seen.try_emplace(box_key(seg.tensor, start, size) + (convert ? "@" + to : ""),
@@ -620,13 +645,13 @@ Result<Json> ControlState::verify_boxes(uint64_t session) const {
                 boxes.push_back({{"rank", rank}, {"tensor", seg.tensor}, {"start", start}, {"size", size}});
                 if (convert) {
                   boxes.back()["dtype"] = to;
-                  boxes.back()["block"] = r.info.weight_block_size;
+                  boxes.back()["block"] = r.info->weight_block_size;
                 }
               }
               if (!quantize) continue;
               // The scales of the box's blocks, as this receiver's scale
               // segments hold them: the source computes them too.
-              const IndexBox blocks = scale_box_of(start, size, r.info.weight_block_size);
+              const IndexBox blocks = scale_box_of(start, size, r.info->weight_block_size);
               const Segment grid{scale_tensor_name(seg.tensor), blocks.start, blocks.size, 0, {}};
               auto scale_segments = segments_of.find({rr, grid.tensor});
               if (scale_segments == segments_of.end()) continue;
@@ -660,14 +685,14 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
   // The sources' segments by tensor.
   std::map<std::string, std::vector<const Segment*>> held;
   for (const auto& [rank, s] : sources_) {
-    for (const MemberBuffer& b : s.info.buffers) {
+    for (const MemberBuffer& b : s.info->buffers) {
       for (const Segment& seg : b.segments)
         if (!converted_copy(b, seg)) held[seg.tensor].push_back(&seg);
     }
   }
   // The receiver's F8_E4M3 segments by tensor, for its scale segments.
   std::map<std::string, std::vector<const Segment*>> quantized;
-  for (const MemberBuffer& b : r.info.buffers) {
+  for (const MemberBuffer& b : r.info->buffers) {
     for (const Segment& seg : b.segments) {
       if (segment_dtype(b, seg) == "F8_E4M3") quantized[seg.tensor].push_back(&seg);
     }
@@ -675,15 +700,15 @@ Result<Json> ControlState::version_hashes(uint64_t session, const VersionHashes&
   Json hashes = Json::array(), unverified = Json::array();
   int64_t unverified_bytes = 0;
   std::vector<int64_t> start, size;
-  for (size_t bi = 0; bi < r.info.buffers.size(); ++bi) {
-    const MemberBuffer& b = r.info.buffers[bi];
+  for (size_t bi = 0; bi < r.info->buffers.size(); ++bi) {
+    const MemberBuffer& b = r.info->buffers[bi];
     for (size_t si = 0; si < b.segments.size(); ++si) {
       const Segment& want = b.segments[si];
       const std::optional<DType> dt = parse_dtype(segment_dtype(b, want));
       const int64_t elem = dt ? dtype_bytes(*dt) : 1;
       auto h = held.find(want.tensor);
       if (h == held.end()) {
-        scale_hashes(want, bi, si, r.info.weight_block_size, quantized, held, known, &hashes, &unverified_bytes,
+        scale_hashes(want, bi, si, r.info->weight_block_size, quantized, held, known, &hashes, &unverified_bytes,
                      &unverified);
         continue;
       }
@@ -783,10 +808,15 @@ Status ControlState::subscribe(uint64_t session) {
 }
 
 ControlState::CopyFilter ControlState::stale_copies(const std::array<int64_t, 2>& block) const {
+  return stale_copies(block, planned_receivers());
+}
+
+ControlState::CopyFilter ControlState::stale_copies(const std::array<int64_t, 2>& block,
+                                                    const std::vector<int32_t>& planned) const {
   // What the planned receivers hold each converted tensor as.
   std::map<std::string, std::string> held_as;
-  for (int32_t rank : planned_receivers()) {
-    for (const MemberBuffer& b : receivers_.at(rank).info.buffers) {
+  for (int32_t rank : planned) {
+    for (const MemberBuffer& b : receivers_.at(rank).info->buffers) {
       for (const Segment& s : b.segments) held_as.emplace(s.tensor, segment_dtype(b, s));
     }
   }
@@ -807,8 +837,8 @@ ControlState::CopyFilter ControlState::stale_copies(const std::array<int64_t, 2>
   };
 }
 
-Json ControlState::layout_document(bool solo) const {
-  Json sources = Json::array(), receivers = Json::array(), tensors = Json::array(), buffers = Json::array();
+void ControlState::layout_pieces(bool solo, PlanInput* in) const {
+  Json sources = Json::array(), receivers = Json::array(), tensors = Json::array();
   std::vector<const Declared*> ordered;
   ordered.reserve(tensors_.size());
   for (const auto& [name, d] : tensors_) ordered.push_back(&d);
@@ -819,8 +849,11 @@ Json ControlState::layout_document(bool solo) const {
   // The block scale tensors the planned receivers hold: derived, not declared.
   std::array<int64_t, 2> block{128, 128};
   std::set<std::string> derived, described;
-  for (int32_t rank : planned_receivers()) {
-    const RegisterReceiver& r = receivers_.at(rank).info;
+  // Which receivers can be planned is worked out once: each asks of every
+  // segment it registered.
+  const std::vector<int32_t> planned = planned_receivers();
+  for (int32_t rank : planned) {
+    const RegisterReceiver& r = *receivers_.at(rank).info;
     block = r.weight_block_size;
     for (const MemberBuffer& b : r.buffers) {
       for (const Segment& s : b.segments) {
@@ -836,42 +869,94 @@ Json ControlState::layout_document(bool solo) const {
   // it quantized, "quantize": "source", that no planned receiver holds) is
   // left out, and so is a copy made for what the receivers held before
   // (another dtype or block) until the source's next publish replaces it.
-  const CopyFilter stale = stale_copies(block);
-  auto add_buffers = [&](const char* side, int32_t rank, const std::vector<MemberBuffer>& bs) {
-    for (const MemberBuffer& b : bs) {
-      Json segs = Json::array();
-      for (const Segment& s : b.segments) {
-        if (!tensors_.count(s.tensor) && !described.count(s.tensor)) continue;
-        if (side[0] == 's' && stale(b, s)) continue;
-        segs.push_back({{"tensor", s.tensor}, {"start", s.start}, {"size", s.size}, {"offset", s.offset},
-                        {"strides", s.strides}});
-        if (!s.dtype.empty()) segs.back()["dtype"] = s.dtype;
+  const CopyFilter stale = stale_copies(block, planned);
+  // Each tensor the document lists, by name: its declared dtype, or none
+  // for a derived scale tensor. Hashed: a membership has millions of
+  // segments, each looked up once.
+  std::unordered_map<std::string_view, const std::string*> listed;
+  listed.reserve(tensors_.size() + described.size());
+  for (const auto& [name, d] : tensors_) listed.emplace(name, &d.decl.dtype);
+  for (const std::string& name : described) listed.emplace(name, nullptr);
+  auto add_member = [&](bool source, int32_t position, const auto& info) {
+    PlanInput::MemberBuffers m;
+    m.source = source;
+    m.position = position;
+    m.buffers = std::shared_ptr<const std::vector<MemberBuffer>>(info, &info->buffers);
+    for (size_t bi = 0; bi < info->buffers.size(); ++bi) {
+      const MemberBuffer& b = info->buffers[bi];
+      for (size_t si = 0; si < b.segments.size(); ++si) {
+        const Segment& s = b.segments[si];
+        const auto t = listed.find(s.tensor);
+        bool out = t == listed.end();
+        // A source's segment of the declared tensor itself is never stale:
+        // only its copies in other dtypes and their scales are looked at.
+        if (!out && source && !(t->second && segment_dtype(b, s) == *t->second)) out = stale(b, s);
+        if (out) m.left_out.emplace_back(static_cast<uint32_t>(bi), static_cast<uint32_t>(si));
       }
-      buffers.push_back({{"side", side}, {"rank", rank}, {"name", b.name}, {"dtype", b.dtype},
-                         {"bytes", b.bytes}, {"segments", std::move(segs)}});
     }
+    in->members.push_back(std::move(m));
   };
   // The maps iterate in rank order, so position i is the i-th live rank.
   int32_t dense = 0;
   for (const auto& [rank, s] : sources_) {
-    sources.push_back({{"rank", dense}, {"domain", s.info.domain}});
-    add_buffers("source", dense++, s.info.buffers);
+    sources.push_back({{"rank", dense}, {"domain", s.info->domain}});
+    add_member(true, dense++, s.info);
   }
   dense = 0;
-  for (int32_t rank : planned_receivers()) {
+  for (int32_t rank : planned) {
     const Member<RegisterReceiver>& r = receivers_.at(rank);
-    receivers.push_back({{"rank", dense}, {"domain", solo ? dense : r.info.domain}, {"instance", r.info.instance}});
-    add_buffers("receiver", dense++, r.info.buffers);
+    receivers.push_back({{"rank", dense}, {"domain", solo ? dense : r.info->domain}, {"instance", r.info->instance}});
+    add_member(false, dense++, r.info);
   }
-  return Json{{"format", "refit-layout/1"}, {"sources", std::move(sources)}, {"receivers", std::move(receivers)},
-              {"tensors", std::move(tensors)}, {"buffers", std::move(buffers)}, {"weight_block_size", block}};
+  in->receiver_ranks = planned;
+  in->layout_head = Json{{"format", "refit-layout/1"}, {"sources", std::move(sources)},
+                         {"receivers", std::move(receivers)}, {"tensors", std::move(tensors)},
+                         {"weight_block_size", block}};
+}
+
+namespace {
+
+// Member `m`'s buffer `bi` as the document lists it; `skip` walks m.left_out.
+Json buffer_entry(const PlanInput::MemberBuffers& m, size_t bi, size_t* skip) {
+  const size_t from = *skip;
+  while (*skip < m.left_out.size() && m.left_out[*skip].first == bi) ++*skip;
+  return buffer_json(m.source, m.position, (*m.buffers)[bi],
+                     std::span<const std::pair<uint32_t, uint32_t>>(m.left_out.data() + from, *skip - from));
+}
+
+}  // namespace
+
+Result<Layout> membership_layout(const PlanInput& input) {
+  if (!input.layout_json.empty()) return parse_layout_json(input.layout_json, "membership");
+  LayoutBuilder builder("membership");
+  REFIT_RETURN_IF_ERROR(builder.head(input.layout_head));
+  for (const PlanInput::MemberBuffers& m : input.members) {
+    size_t skip = 0;
+    for (size_t bi = 0; bi < m.buffers->size(); ++bi) REFIT_RETURN_IF_ERROR(builder.buffer(buffer_entry(m, bi, &skip)));
+  }
+  return builder.finish(input.layout_head);
+}
+
+Json ControlState::layout_document(bool solo) const {
+  PlanInput in;
+  layout_pieces(solo, &in);
+  Json buffers = Json::array();
+  for (const PlanInput::MemberBuffers& m : in.members) {
+    size_t skip = 0;
+    for (size_t bi = 0; bi < m.buffers->size(); ++bi) buffers.push_back(buffer_entry(m, bi, &skip));
+  }
+  Json doc = std::move(in.layout_head);
+  doc["buffers"] = std::move(buffers);
+  return doc;
 }
 
 PlanInput ControlState::plan_input(bool solo) const {
-  PlanInput in{epoch_, solo, layout_document(solo).dump(), {}, {}};
+  PlanInput in;
+  in.epoch = epoch_;
+  in.solo = solo;
+  layout_pieces(solo, &in);  // and in.receiver_ranks
   in.source_ranks.reserve(sources_.size());
   for (const auto& [rank, s] : sources_) in.source_ranks.push_back(rank);
-  in.receiver_ranks = planned_receivers();
   in.relayout_below_bytes = relayout_below_bytes_;
   in.relayout_staging_bytes = relayout_staging_bytes_;
   return in;
@@ -959,7 +1044,7 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
     out->status = note.empty() ? st : st.with_context("the layout numbers the live " + note);
     return out;
   };
-  Result<Layout> layout = parse_layout_json(input.layout_json, "membership");
+  Result<Layout> layout = membership_layout(input);
   if (!layout.is_ok()) return failed(layout.status());
   Layout& L = *layout;
   if (Status st = resolve_conversions(L); !st.is_ok()) return failed(st);
@@ -1044,7 +1129,7 @@ Result<const Json*> ControlState::cached_part_ref(int32_t rank) const {
   if (auto r = receivers_.find(rank); r != receivers_.end()) {
     // Left out of the plan: the others are planned without it.
     REFIT_RETURN_IF_ERROR(
-        plannable(rank, r->second.info, /*full=*/false).with_context("fetch_plan: this receiver cannot be planned"));
+        plannable(rank, *r->second.info, /*full=*/false).with_context("fetch_plan: this receiver cannot be planned"));
   }
   const bool solo = wants_solo(rank);
   if (!variant_current(solo)) return Status::internal("fetch_plan: no plan of the current membership");
@@ -1117,8 +1202,8 @@ std::shared_ptr<const PeerDirectory> ControlState::peer_directory() const {
     for (const MemberBuffer& b : info.buffers) m.buffers.push_back(PeerBuffer{b.name, b.address, b.rkey});
     return m;
   };
-  for (const auto& [rank, s] : sources_) out->sources.emplace(rank, copy(s.info));
-  for (const auto& [rank, r] : receivers_) out->receivers.emplace(rank, copy(r.info));
+  for (const auto& [rank, s] : sources_) out->sources.emplace(rank, copy(*s.info));
+  for (const auto& [rank, r] : receivers_) out->receivers.emplace(rank, copy(*r.info));
   return out;
 }
 
@@ -1131,7 +1216,7 @@ Result<Json> ControlState::plan_part(uint64_t session, int32_t rank) {
 
 Status ControlState::report_staged(uint64_t session, const StageReport& m) {
   REFIT_RETURN_IF_ERROR(owned("report_staged", receivers_, Role::kReceiver, m.rank, session));
-  const int32_t instance = receivers_[m.rank].info.instance;
+  const int32_t instance = receivers_[m.rank].info->instance;
   if (committed(m.rank, m.version)) {
     // It reports again what the instance already committed (it had not
     // heard yet): it is told commit, as the others were.
@@ -1190,7 +1275,7 @@ Status ControlState::report_staged(uint64_t session, const StageReport& m) {
 
 Status ControlState::report_failed(uint64_t session, const StageReport& m) {
   REFIT_RETURN_IF_ERROR(owned("report_failed", receivers_, Role::kReceiver, m.rank, session));
-  abort_instance(receivers_[m.rank].info.instance, m.version,
+  abort_instance(receivers_[m.rank].info->instance, m.version,
                  "receiver rank " + std::to_string(m.rank) + " failed: " + m.reason);
   return Status::ok();
 }
@@ -1214,7 +1299,7 @@ Status ControlState::lease(uint64_t session, const StageReport& m, Clock::time_p
                              " or older, and may be overwriting it); the latest is " + std::to_string(version_))
         .with_reason(Reason::kDrained);
   }
-  if (const std::string missing = instance_shortfall(receivers_.at(m.rank).info.instance); !missing.empty()) {
+  if (const std::string missing = instance_shortfall(receivers_.at(m.rank).info->instance); !missing.empty()) {
     return Status::unsupported("lease: " + missing + "; a version is refreshed only with all of them")
         .with_reason(Reason::kInstanceIncomplete);
   }

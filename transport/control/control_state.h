@@ -64,6 +64,7 @@
 #include <string>
 #include <vector>
 
+#include "planner/layout.h"
 #include "planner/status.h"
 #include "transport/control/frame_codec.h"
 #include "transport/control/messages.h"
@@ -77,9 +78,26 @@ using Clock = std::chrono::steady_clock;
 // and leave gaps: the document numbers the live members of each side densely
 // in rank order, and the two lists map those positions back to the
 // registered ranks (source_ranks[i] is the rank of the document's source i).
+//
+// The document is handed to the planner piece by piece and never held whole
+// (a thousand ranks register millions of buffers; as one JSON text and its
+// parse that took many times the memory of the plan): `layout_head` is the
+// document without its buffers, and `members` each member's buffers, in the
+// document's order (sources, then receivers, each by position). A whole
+// document as text in `layout_json` is read instead (tests).
 struct PlanInput {
   uint64_t epoch = 0;
   bool solo = false;  // every receiver in a domain of its own (ControlState::wants_solo)
+  Json layout_head;
+  struct MemberBuffers {
+    bool source = false;
+    int32_t position = 0;  // its rank in the document
+    std::shared_ptr<const std::vector<MemberBuffer>> buffers;  // the registration's, shared
+    // (buffer, segment) indexes left out of the document, ascending: the
+    // segments of tensors the document lacks, and stale converted copies.
+    std::vector<std::pair<uint32_t, uint32_t>> left_out;
+  };
+  std::vector<MemberBuffers> members;
   std::string layout_json;
   std::vector<int32_t> source_ranks;
   std::vector<int32_t> receiver_ranks;
@@ -127,6 +145,10 @@ Json peers_from(const PeerDirectory& directory, int32_t rank, bool solo, const J
 
 // Parses and plans `input`. Thread-safe: touches nothing shared.
 std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input);
+
+// The layout `input` describes, as compute_plan reads it (one buffer's JSON
+// at a time), unchecked beyond what parse_layout_json checks. Thread-safe.
+Result<Layout> membership_layout(const PlanInput& input);
 
 struct StateLimits {
   size_t max_sources = 4096;
@@ -281,13 +303,19 @@ class ControlState {
   std::vector<Notice> take_notices() { return std::move(notices_); }
 
   // The refit-layout/1 document of the current membership, each side's
-  // ranks numbered densely in rank order (PlanInput says how).
+  // ranks numbered densely in rank order (PlanInput says how), whole: for
+  // tests and diagnostics; planning reads it piece by piece (layout_pieces).
   Json layout_document(bool solo = false) const;
+  // The document's head, the members' buffers and the planned receivers
+  // (receiver_ranks), into `in`.
+  void layout_pieces(bool solo, PlanInput* in) const;
   // Whether a source's segment is a converted copy (or its scales) made for
   // what the planned receivers no longer hold: another dtype, or another
   // block than `block` ("quantize": "source", docs/conversion.md).
   using CopyFilter = std::function<bool(const MemberBuffer&, const Segment&)>;
   CopyFilter stale_copies(const std::array<int64_t, 2>& block) const;
+  // The same for the receivers `planned` (planned_receivers(), worked out once).
+  CopyFilter stale_copies(const std::array<int64_t, 2>& block, const std::vector<int32_t>& planned) const;
 
   size_t num_sources() const { return sources_.size(); }
   size_t num_receivers() const { return receivers_.size(); }
@@ -311,7 +339,9 @@ class ControlState {
   struct Member {
     uint64_t session = 0;  // 0: its connection closed (session_closed)
     Clock::time_point last_seen;
-    T info;
+    // Immutable once registered (a new registration replaces it): a plan
+    // being made off the I/O thread reads the members' buffers through it.
+    std::shared_ptr<const T> info;
     int64_t published = 0;  // sources only: the last version it published
   };
   struct Barrier {
