@@ -12,10 +12,13 @@
 // declared dead by sweep() and its state removed. Counts are bounded by
 // StateLimits and MessageLimits, so the state cannot grow without bound.
 //
-// The plan: registrations carry refit-layout/1 parts; plan_input() assembles
-// them into one layout document, compute_plan() (a pure function, run on any
-// thread) plans it with make_plan, and install_plan() keeps the result until
-// the membership changes (a register, an unregister or a death replans).
+// The plan: registrations carry refit-layout/1 parts; plan_input() takes the
+// document's head and shares the registrations (never the whole document:
+// at a thousand ranks that is gigabytes of JSON), compute_plan() (a pure
+// function, run on any thread) reads the layout from them one buffer at a
+// time and plans it with make_plan, and install_plan() keeps the result
+// until the membership changes (a register, an unregister or a death
+// replans).
 //
 // Versions: a trainer group has several source ranks, each of which
 // publishes version v once it has written its own shards. v is available to

@@ -4,14 +4,15 @@
 // buffers and their segments, the tensors it holds), then the plan is made
 // from the registrations as the coordinator makes it.
 //
-//   refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text]
+//   refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only]
 //
 // --whole-text builds the layout the way the coordinator did before it read
 // the membership piece by piece: the whole document as one JSON value, its
 // text, that text parsed into a DOM, then the layout from the DOM. It stops
 // there (the plan from a layout is the same either way); without it the
 // layout is built as the coordinator builds it now, then the whole plan
-// (compute_plan, the layout again, the plan and every receiver's part).
+// (compute_plan, the layout again, the plan and every receiver's part);
+// --layout-only stops after the layout, as --whole-text does.
 // Peak resident
 // memory is measured from after the registrations (/proc/self/clear_refs),
 // so it is what planning adds to the members the coordinator holds anyway.
@@ -128,7 +129,7 @@ void registrations(const Layout& L, std::vector<RegisterSource>* sources, std::v
 
 int run(int argc, char** argv) {
   std::string scenario_path, manifest_path;
-  bool whole_text = false;
+  bool whole_text = false, layout_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--scenario" && i + 1 < argc) {
@@ -137,13 +138,15 @@ int run(int argc, char** argv) {
       manifest_path = argv[++i];
     } else if (a == "--whole-text") {
       whole_text = true;
+    } else if (a == "--layout-only") {
+      layout_only = true;
     } else {
-      std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text]\n";
+      std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only]\n";
       return 2;
     }
   }
   if (scenario_path.empty() || manifest_path.empty()) {
-    std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text]\n";
+    std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only]\n";
     return 2;
   }
   auto scenario = parse_scenario(read(scenario_path), scenario_path);
@@ -220,6 +223,11 @@ int run(int argc, char** argv) {
     }
     const double layout_s = since(t1);
     const long layout_peak_kib = status_kib("VmHWM");
+    if (layout_only) {
+      std::printf(", \"document_s\": %.2f, \"layout_s\": %.2f, \"tensors\": %zu, \"peak_over_members_mib\": %.0f}\n",
+                  input_s, layout_s, tensors, (layout_peak_kib - members_kib) / 1024.0);
+      return 0;
+    }
     const auto t2 = Clock::now();
     std::shared_ptr<const PlannedParts> parts = compute_plan(in);
     if (!parts->status.is_ok()) throw std::runtime_error(parts->status.message());
