@@ -108,17 +108,6 @@ class Parser {
     return std::move(L_);
   }
 
-  // A whole document held as a DOM.
-  Result<Layout> parse(const json& doc) {
-    REFIT_RETURN_IF_ERROR(head(doc));
-    auto buffers = list(doc, "buffers", false);
-    if (!buffers) return buffers.status();
-    if (*buffers) {
-      for (const json& b : **buffers) REFIT_RETURN_IF_ERROR(buffer(b));
-    }
-    return finish(doc);
-  }
-
  private:
   // "origin: path (context): msg"; the context names the tensor or buffer
   // being read, when there is one.
@@ -910,6 +899,8 @@ LayoutBuilder::~LayoutBuilder() = default;
 Status LayoutBuilder::head(const nlohmann::json& doc) {
   if (!impl_->failed.is_ok()) return impl_->failed;
   if (impl_->head_read) return impl_->keep(Status::internal(impl_->origin + ": the layout's head was given twice"));
+  if (doc.is_object() && doc.contains("buffers"))
+    return impl_->keep(Status::internal(impl_->origin + ": the layout's head holds \"buffers\"; hand each to buffer()"));
   impl_->head_read = true;
   return impl_->keep(impl_->parser.head(doc));
 }

@@ -28,8 +28,11 @@ namespace refit {
 // of one name, dtype, size and identical segments on several ranks of a side
 // share one Buffer, so reading back a written layout gives the rank sets that
 // were written. The top-level "buffers" are checked and dropped one at a
-// time as the text is read, so that only the rest of the document is ever
-// held as a DOM (its size is the text's, not seven times it).
+// time as the text is read, once "format", "sources", "receivers" and
+// "tensors" have been: a document that lists them first (as
+// write_layout_json does) is never held as a DOM but for those four keys
+// (a DOM takes about seven times its text); buffers listed before them are
+// held until they come.
 Result<Layout> parse_layout_json(std::string_view text, const std::string& origin);
 
 // parse_layout_json for a caller that makes the document piece by piece
@@ -37,6 +40,7 @@ Result<Layout> parse_layout_json(std::string_view text, const std::string& origi
 // document is never held at once: head() with the document without its
 // "buffers", buffer() with each explicit buffer object in turn, finish()
 // with the document again (its keys after the buffers are checked there).
+// A head that holds "buffers" is refused: they are handed to buffer().
 // The same checks and messages as parse_layout_json, which reads its text
 // this way; a buffer's path in a message counts the buffers handed over.
 // Each call after one that failed is refused too.

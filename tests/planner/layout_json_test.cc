@@ -540,6 +540,9 @@ TEST(LayoutBuilder, GivesWhatParseGivesAndKeepsItsFirstFailure) {
   EXPECT_EQ(write_layout_json(*built), write_layout_json(*parsed));
   EXPECT_EQ(b.finish(d).status().code(), Code::kInternal);  // twice
 
+  LayoutBuilder whole("membership");
+  EXPECT_EQ(whole.head(two_domains()).code(), Code::kInternal);  // its buffers would be dropped
+
   LayoutBuilder early("membership");
   EXPECT_EQ(early.buffer(buffers[0]).code(), Code::kInternal);  // before the head
   EXPECT_EQ(early.head(d).code(), Code::kInternal);             // the failure stays

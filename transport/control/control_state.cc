@@ -807,10 +807,6 @@ Status ControlState::subscribe(uint64_t session) {
   return Status::ok();
 }
 
-ControlState::CopyFilter ControlState::stale_copies(const std::array<int64_t, 2>& block) const {
-  return stale_copies(block, planned_receivers());
-}
-
 ControlState::CopyFilter ControlState::stale_copies(const std::array<int64_t, 2>& block,
                                                     const std::vector<int32_t>& planned) const {
   // What the planned receivers hold each converted tensor as.

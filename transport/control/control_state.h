@@ -146,7 +146,8 @@ struct PeerDirectory {
 // `solo`: the rank is a domain of its own. Thread-safe.
 Json peers_from(const PeerDirectory& directory, int32_t rank, bool solo, const Json& runs);
 
-// Parses and plans `input`. Thread-safe: touches nothing shared.
+// Parses and plans `input`. Thread-safe: what it shares with the state (the
+// registrations in input.members) is immutable.
 std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input);
 
 // The layout `input` describes, as compute_plan reads it (one buffer's JSON
@@ -316,8 +317,7 @@ class ControlState {
   // what the planned receivers no longer hold: another dtype, or another
   // block than `block` ("quantize": "source", docs/conversion.md).
   using CopyFilter = std::function<bool(const MemberBuffer&, const Segment&)>;
-  CopyFilter stale_copies(const std::array<int64_t, 2>& block) const;
-  // The same for the receivers `planned` (planned_receivers(), worked out once).
+  // `planned`: planned_receivers(), worked out once by the caller.
   CopyFilter stale_copies(const std::array<int64_t, 2>& block, const std::vector<int32_t>& planned) const;
 
   size_t num_sources() const { return sources_.size(); }
