@@ -1,7 +1,9 @@
 #include "planner/layout_json.h"
 
 #include <algorithm>
+#include <array>
 #include <charconv>
+#include <span>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -25,7 +27,7 @@ constexpr std::string_view kRunsFormat = "refit-runs/1";
 
 std::string show_box(const Box& b) { return b.to_string(); }
 
-std::string show_shape(const std::vector<int64_t>& shape) {
+std::string show_shape(std::span<const int64_t> shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
@@ -87,6 +89,8 @@ class Parser {
 
   // The document's next explicit buffer, after head().
   Status buffer(const json& b) { return parse_buffer(b, buffers_read_++); }
+  Status view(const LayoutBuilder::BufferView& b) { return view_buffer(b, buffers_read_++); }
+  Status view(const LayoutBuilder::HeadView& h) { return head_view(h); }
 
   // After head() and every buffer: `doc` again, whole but for what was
   // handed to buffer() (keys that came after the buffers are checked here),
@@ -102,6 +106,48 @@ class Parser {
       if (!ok) return fail("weight_block_size", "must be two positive integers (rows, cols), got " + show(*wb));
       L_.weight_block_size = {(*wb)[0].get<int64_t>(), (*wb)[1].get<int64_t>()};
     }
+    return finish_layout();
+  }
+
+  // The head as values (LayoutBuilder::HeadView): parse_ranks' and
+  // parse_tensor's checks of what a value may hold, with their messages,
+  // and the block size finish() reads from the document.
+  Status head_view(const LayoutBuilder::HeadView& h) {
+    REFIT_RETURN_IF_ERROR(view_ranks(h.sources, Side::kSource));
+    REFIT_RETURN_IF_ERROR(view_ranks(h.receivers, Side::kReceiver));
+    L_.tensors.reserve(h.tensors.size());
+    for (size_t i = 0; i < h.tensors.size(); ++i) {
+      const LayoutBuilder::TensorView& t = h.tensors[i];
+      const std::string path = "tensors[" + std::to_string(i) + "]";
+      if (t.name.empty()) return fail(path + ".name", "must be a non-empty string, got \"\"");
+      std::string name(t.name);
+      Context ctx(this, " (tensor \"" + name + "\")");
+      const std::optional<DType> dtype = parse_dtype(t.dtype);
+      if (!dtype) return fail(path + ".dtype", kDtypeChoices + show(json(t.dtype)));
+      const json shown(std::vector<int64_t>(t.shape.begin(), t.shape.end()));
+      if (t.shape.size() > static_cast<size_t>(kMaxDims))
+        return fail(path + ".shape", "has " + std::to_string(t.shape.size()) + " dims; at most " +
+                                         std::to_string(kMaxDims) + " are supported");
+      for (int64_t d : t.shape)
+        if (d < 0) return fail(path + ".shape", "must be a list of non-negative integers, got " + show(shown));
+      REFIT_RETURN_IF_ERROR(add_tensor(std::move(name), *dtype, std::vector<int64_t>(t.shape.begin(), t.shape.end()),
+                                       path));
+    }
+    view_block_ = h.weight_block_size;  // checked where finish(doc) checks it
+    return Status::ok();
+  }
+
+  // finish() after head_view(): the block size, then the layout's checks.
+  Result<Layout> finish_view() {
+    const auto& wb = view_block_;
+    if (wb[0] <= 0 || wb[1] <= 0)
+      return fail("weight_block_size", "must be two positive integers (rows, cols), got " + show(json(wb)));
+    L_.weight_block_size = wb;
+    return finish_layout();
+  }
+
+  // After every buffer: the layout's own checks.
+  Result<Layout> finish_layout() {
     build_groups();
     Status s = has_conversions(L_) ? resolve_conversions(L_) : validate(L_);
     if (!s) return s.with_context(origin_);
@@ -112,7 +158,13 @@ class Parser {
   // "origin: path (context): msg"; the context names the tensor or buffer
   // being read, when there is one.
   Status fail(const std::string& path, const std::string& msg) const {
-    return Status::invalid(origin_ + ": " + (path.empty() ? "" : path + context_ + ": ") + msg);
+    if (path.empty()) return Status::invalid(origin_ + ": " + msg);
+    if (segment_tensor_ && !context_.empty()) {
+      // Within a segment: the buffer's context, and its tensor.
+      return Status::invalid(origin_ + ": " + path + context_.substr(0, context_.size() - 1) + ", tensor \"" +
+                             *segment_tensor_ + "\"): " + msg);
+    }
+    return Status::invalid(origin_ + ": " + path + context_ + ": " + msg);
   }
 
   Status check_keys(const json& obj, const std::string& path, std::initializer_list<const char*> known) const {
@@ -242,6 +294,20 @@ class Parser {
     REFIT_RETURN_IF_ERROR(check_keys(t, path, {"name", "dtype", "shape", "source", "receiver"}));
     REFIT_RETURN_IF_ERROR(dtype_field(t, path, &dtype));
     REFIT_RETURN_IF_ERROR(int_list(t, "shape", path, -1, 0, "non-negative integers", &shape));
+    REFIT_RETURN_IF_ERROR(add_tensor(name, dtype, std::move(shape), path));
+    const uint32_t ti = static_cast<uint32_t>(L_.tensors.size() - 1);
+    for (Side side : {Side::kSource, Side::kReceiver}) {
+      const char* key = side == Side::kSource ? "source" : "receiver";
+      auto spec = t.find(key);
+      if (spec == t.end()) continue;
+      REFIT_RETURN_IF_ERROR(parse_spec(*spec, ti, side, path + "." + key));
+    }
+    return Status::ok();
+  }
+
+  // A tensor whose name, dtype and shape are each of their kind: its size
+  // fits, and its name is new.
+  Status add_tensor(std::string name, DType dtype, std::vector<int64_t> shape, const std::string& path) {
     uint64_t bytes = static_cast<uint64_t>(dtype_bytes(dtype));
     for (int64_t s : shape) {
       if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(s), &bytes) || bytes > static_cast<uint64_t>(INT64_MAX))
@@ -251,12 +317,25 @@ class Parser {
     if (!inserted)
       return fail(path, "tensor \"" + name + "\" is listed twice (first at tensors[" + std::to_string(it->second) +
                             "])");
-    const uint32_t ti = L_.add_tensor(name, dtype, std::move(shape));
-    for (Side side : {Side::kSource, Side::kReceiver}) {
-      const char* key = side == Side::kSource ? "source" : "receiver";
-      auto spec = t.find(key);
-      if (spec == t.end()) continue;
-      REFIT_RETURN_IF_ERROR(parse_spec(*spec, ti, side, path + "." + key));
+    L_.add_tensor(std::move(name), dtype, std::move(shape));
+    return Status::ok();
+  }
+
+  Status view_ranks(std::span<const LayoutBuilder::RankView> ranks, Side side) {
+    const char* key = side == Side::kSource ? "sources" : "receivers";
+    if (ranks.empty()) return fail(key, "must list at least one rank");
+    if (ranks.size() > static_cast<size_t>(INT32_MAX)) return fail(key, "lists too many ranks");
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const std::string path = std::string(key) + "[" + std::to_string(i) + "]";
+      if (ranks[i].domain < 0)
+        return fail(path + ".domain", "must be a non-negative integer, got " + std::to_string(ranks[i].domain));
+      if (side == Side::kSource) {
+        L_.sources.push_back(SourceRank{ranks[i].domain});
+        continue;
+      }
+      if (ranks[i].instance < 0)
+        return fail(path + ".instance", "must be a non-negative integer, got " + std::to_string(ranks[i].instance));
+      L_.receivers.push_back(ReceiverRank{ranks[i].domain, ranks[i].instance});
     }
     return Status::ok();
   }
@@ -347,17 +426,108 @@ class Parser {
       return fail(path + ".side", "must be \"source\" or \"receiver\", got " + show(**side));
     }
     int64_t rank;
-    const int32_t nranks = L_.num_ranks(g.side);
     REFIT_RETURN_IF_ERROR(int_field(b, "rank", path, INT64_MIN, INT64_MAX, "an integer", &rank));
-    if (rank < 0 || rank >= nranks)
-      return fail(path + ".rank", std::string(side_name(g.side)) + " rank " + std::to_string(rank) +
-                                      " is out of range: the layout has " + std::to_string(nranks) + " " +
-                                      side_name(g.side) + " ranks");
+    REFIT_RETURN_IF_ERROR(buffer_rank(g.side, rank, path));
     REFIT_RETURN_IF_ERROR(name_field(b, path, &g.name));
-    Context ctx(this, " (" + std::string(side_name(g.side)) + " rank " + std::to_string(rank) + " buffer \"" + g.name +
-                          "\")");
+    Context ctx(this, buffer_context(g.side, rank, g.name));
     REFIT_RETURN_IF_ERROR(dtype_field(b, path, &g.dtype));
     REFIT_RETURN_IF_ERROR(int_field(b, "bytes", path, 0, INT64_MAX, "a non-negative integer", &g.bytes));
+    REFIT_RETURN_IF_ERROR(buffer_head(g, rank, i, path));
+    auto segs = list(b, "segments", true, path);
+    if (!segs) return segs.status();
+    g.segments.reserve((*segs)->size());
+    for (size_t j = 0; j < (*segs)->size(); ++j) {
+      Segment seg;
+      REFIT_RETURN_IF_ERROR(
+          parse_segment((**segs)[j], path + ".segments[" + std::to_string(j) + "]", g.side, g.dtype, g.bytes, &seg));
+      g.segments.push_back(seg);
+    }
+    add_to_group(std::move(g), static_cast<int32_t>(rank));
+    return Status::ok();
+  }
+
+ public:
+  // The same as parse_buffer, from values instead of a JSON object: the
+  // same checks of what a value may hold, with the same messages (a value
+  // in a message is shown as JSON), without making or reading a DOM.
+  Status view_buffer(const LayoutBuilder::BufferView& b, size_t i) {
+    std::string path = "buffers[" + std::to_string(i) + "]";
+    Group g;
+    g.side = b.side;
+    REFIT_RETURN_IF_ERROR(buffer_rank(g.side, b.rank, path));
+    if (b.name.empty()) return fail(path + ".name", "must be a non-empty string, got \"\"");
+    g.name = std::string(b.name);
+    Context ctx(this, buffer_context(g.side, b.rank, g.name));
+    const std::optional<DType> dtype = parse_dtype(b.dtype);
+    if (!dtype) return fail(path + ".dtype", kDtypeChoices + show(json(b.dtype)));
+    g.dtype = *dtype;
+    if (b.bytes < 0) return fail(path + ".bytes", "must be a non-negative integer, got " + std::to_string(b.bytes));
+    g.bytes = b.bytes;
+    REFIT_RETURN_IF_ERROR(buffer_head(g, b.rank, i, path));
+    g.segments.reserve(b.segments.size());
+    const size_t base = path.size();
+    for (size_t j = 0; j < b.segments.size(); ++j) {
+      const LayoutBuilder::SegmentView& v = b.segments[j];
+      path.resize(base);
+      path += ".segments[";
+      path += std::to_string(j);
+      path += ']';
+      auto it = tensor_index_.find(v.tensor);
+      if (it == tensor_index_.end()) return fail(path + ".tensor", "unknown tensor " + show(json(v.tensor)));
+      SegmentTensor in_tensor(this, &L_.tensors[it->second].name);
+      DType seg_dtype = g.dtype;
+      const bool own_dtype = !v.dtype.empty();
+      if (own_dtype) {
+        const std::optional<DType> d = parse_dtype(v.dtype);
+        if (!d) return fail(path + ".dtype", kDtypeChoices + show(json(v.dtype)));
+        seg_dtype = *d;
+      }
+      Segment seg;
+      REFIT_RETURN_IF_ERROR(segment_dtype(it->second, g.side, seg_dtype, own_dtype, path, &seg));
+      const int nd = static_cast<int>(L_.tensors[it->second].shape.size());
+      REFIT_RETURN_IF_ERROR(view_list(v.start, path, "start", nd, 0, "non-negative integers"));
+      REFIT_RETURN_IF_ERROR(view_list(v.size, path, "size", nd, 1, "positive integers"));
+      REFIT_RETURN_IF_ERROR(view_list(v.strides, path, "strides", nd, 0, "non-negative integers"));
+      if (v.offset < 0) return fail(path + ".offset", "must be a non-negative integer, got " + std::to_string(v.offset));
+      REFIT_RETURN_IF_ERROR(segment(it->second, seg_dtype, v.start, v.size, v.strides, v.offset, g.bytes, path, &seg));
+      g.segments.push_back(seg);
+    }
+    add_to_group(std::move(g), static_cast<int32_t>(b.rank));
+    return Status::ok();
+  }
+
+ private:
+  static constexpr const char* kDtypeChoices = "must be one of BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 U8 I16 I32 I64 BOOL, got ";
+
+  // int_list's checks of a list given as values.
+  Status view_list(std::span<const int64_t> v, const std::string& path, const char* key, int n, int64_t lo,
+                   const char* what) const {
+    bool ok = v.size() == static_cast<size_t>(n);
+    for (int64_t x : v) ok = ok && x >= lo;
+    if (ok) return Status::ok();
+    const json shown(std::vector<int64_t>(v.begin(), v.end()));
+    if (v.size() != static_cast<size_t>(n))
+      return fail(join(path, key), "must list " + std::to_string(n) + " " + what + " (one per tensor dim), got " +
+                                       show(shown));
+    return fail(join(path, key), std::string("must be a list of ") + what + ", got " + show(shown));
+  }
+
+  Status buffer_rank(Side side, int64_t rank, const std::string& path) const {
+    const int32_t nranks = L_.num_ranks(side);
+    if (rank < 0 || rank >= nranks)
+      return fail(path + ".rank", std::string(side_name(side)) + " rank " + std::to_string(rank) +
+                                      " is out of range: the layout has " + std::to_string(nranks) + " " +
+                                      side_name(side) + " ranks");
+    return Status::ok();
+  }
+
+  static std::string buffer_context(Side side, int64_t rank, const std::string& name) {
+    return " (" + std::string(side_name(side)) + " rank " + std::to_string(rank) + " buffer \"" + name + "\")";
+  }
+
+  // A buffer's checks before its segments: whole elements, and one name
+  // per rank and side.
+  Status buffer_head(const Group& g, int64_t rank, size_t i, const std::string& path) {
     const int elem = dtype_bytes(g.dtype);
     if (g.bytes % elem != 0)
       return fail(path + ".bytes", std::to_string(g.bytes) + " is not a whole number of " +
@@ -383,16 +553,6 @@ class Parser {
                                 " spec of tensor \"" + g.name + "\"");
       }
     }
-
-    auto segs = list(b, "segments", true, path);
-    if (!segs) return segs.status();
-    for (size_t j = 0; j < (*segs)->size(); ++j) {
-      Segment s;
-      REFIT_RETURN_IF_ERROR(
-          parse_segment((**segs)[j], path + ".segments[" + std::to_string(j) + "]", g.side, g.dtype, g.bytes, &s));
-      g.segments.push_back(s);
-    }
-    add_to_group(std::move(g), static_cast<int32_t>(rank));
     return Status::ok();
   }
 
@@ -443,14 +603,13 @@ class Parser {
     if (!(*name)->is_string()) return fail(path + ".tensor", "must be a tensor name, got " + show(**name));
     auto it = tensor_index_.find((*name)->get_ref<const std::string&>());
     if (it == tensor_index_.end()) return fail(path + ".tensor", "unknown tensor " + show(**name));
-    Tensor& t = L_.tensors[it->second];
-    Context ctx(this, context_.substr(0, context_.size() - 1) + ", tensor \"" + t.name + "\")");
+    const Tensor& t = L_.tensors[it->second];
+    SegmentTensor in_tensor(this, &t.name);
     REFIT_RETURN_IF_ERROR(check_keys(s, path, {"tensor", "dtype", "start", "size", "offset", "strides"}));
     DType dtype = buffer_dtype;
     const bool own_dtype = s.contains("dtype");
     if (own_dtype) REFIT_RETURN_IF_ERROR(dtype_field(s, path, &dtype));
     REFIT_RETURN_IF_ERROR(segment_dtype(it->second, side, dtype, own_dtype, path, out));
-    const int64_t elems = bytes / dtype_bytes(dtype);
     const int nd = static_cast<int>(t.shape.size());
     std::vector<int64_t> start, size, strides;
     REFIT_RETURN_IF_ERROR(int_list(s, "start", path, nd, 0, "non-negative integers", &start));
@@ -458,7 +617,19 @@ class Parser {
     REFIT_RETURN_IF_ERROR(int_list(s, "strides", path, nd, 0, "non-negative integers", &strides));
     int64_t offset;
     REFIT_RETURN_IF_ERROR(int_field(s, "offset", path, 0, INT64_MAX, "a non-negative integer", &offset));
-    out->tensor = it->second;
+    return segment(it->second, dtype, start, size, strides, offset, bytes, path, out);
+  }
+
+  // What a segment's values say, once each is known to be of its kind and
+  // its dtype was checked (segment_dtype): `start`, `size` and `strides`
+  // have one entry per dim of the tensor.
+  Status segment(uint32_t tensor, DType dtype, std::span<const int64_t> start, std::span<const int64_t> size,
+                 std::span<const int64_t> strides, int64_t offset, int64_t bytes, const std::string& path,
+                 Segment* out) {
+    const Tensor& t = L_.tensors[tensor];
+    const int64_t elems = bytes / dtype_bytes(dtype);
+    const int nd = static_cast<int>(t.shape.size());
+    out->tensor = tensor;
     out->box.ndim = nd;
     out->offset = offset;
     for (int d = 0; d < nd; ++d) {
@@ -488,12 +659,15 @@ class Parser {
     // Strides must not map two elements of the box to one place: ordered by
     // stride, each must step over everything the smaller ones span. This is
     // sufficient and holds for every row-major or transposed layout.
-    std::vector<int> dims;
+    std::array<int, kMaxDims> dims{};
+    int n = 0;
     for (int d = 0; d < nd; ++d)
-      if (size[d] > 1) dims.push_back(d);
-    std::sort(dims.begin(), dims.end(), [&](int a, int b) { return strides[a] < strides[b]; });
+      if (size[d] > 1) dims[n++] = d;
+    for (int k = 1; k < n; ++k)  // by stride (at most kMaxDims of them)
+      for (int m = k; m > 0 && strides[dims[m]] < strides[dims[m - 1]]; --m) std::swap(dims[m], dims[m - 1]);
     int64_t reach = 0;  // elements spanned by the dims so far, minus one
-    for (int d : dims) {
+    for (int k = 0; k < n; ++k) {
+      const int d = dims[k];
       if (strides[d] <= reach)
         return fail(path, "strides " + show_shape(strides) + " map two elements of box " + show_box(out->box) +
                                " to the same place");
@@ -559,11 +733,30 @@ class Parser {
     std::string saved_;
   };
 
+  // Names segment_tensor_ while a segment of it is read (messages name it
+  // after the buffer; made only for a message).
+  class SegmentTensor {
+   public:
+    SegmentTensor(Parser* p, const std::string* name) : p_(p) { p->segment_tensor_ = name; }
+    ~SegmentTensor() { p_->segment_tensor_ = nullptr; }
+    SegmentTensor(const SegmentTensor&) = delete;
+    SegmentTensor& operator=(const SegmentTensor&) = delete;
+
+   private:
+    Parser* p_;
+  };
+
   const std::string& origin_;
   std::string context_;
+  const std::string* segment_tensor_ = nullptr;
+  std::array<int64_t, 2> view_block_{};  // HeadView::weight_block_size, until finish_view()
   size_t buffers_read_ = 0;
   Layout L_;
-  std::unordered_map<std::string, uint32_t> tensor_index_;
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, uint32_t, NameHash, std::equal_to<>> tensor_index_;
   std::unordered_map<uint32_t, DType> receiver_dtypes_;  // tensor -> its first receiver segment's dtype
   std::unordered_map<std::string, size_t> names_;  // (side, rank, name) -> buffers[i]
   std::unordered_map<std::string, size_t> group_index_;
@@ -891,6 +1084,7 @@ struct LayoutBuilder::Impl {
   Parser parser;
   Status failed;  // the first failure; every later call returns it
   bool head_read = false, finished = false;
+  bool head_view = false;  // the head came as values: finish() without a document
 };
 
 LayoutBuilder::LayoutBuilder(std::string origin) : impl_(std::make_unique<Impl>(std::move(origin))) {}
@@ -912,10 +1106,35 @@ Status LayoutBuilder::buffer(const nlohmann::json& b) {
   return impl_->keep(impl_->parser.buffer(b));
 }
 
-Result<Layout> LayoutBuilder::finish(const nlohmann::json& doc) {
+Status LayoutBuilder::head(const HeadView& h) {
+  if (!impl_->failed.is_ok()) return impl_->failed;
+  if (impl_->head_read) return impl_->keep(Status::internal(impl_->origin + ": the layout's head was given twice"));
+  impl_->head_read = true;
+  impl_->head_view = true;
+  return impl_->keep(impl_->parser.view(h));
+}
+
+Result<Layout> LayoutBuilder::finish() {
+  if (!impl_->failed.is_ok()) return impl_->failed;
+  if (!impl_->head_read || impl_->finished || !impl_->head_view)
+    return impl_->keep(Status::internal(impl_->origin + ": finish() without head(HeadView), or twice"));
+  impl_->finished = true;
+  Result<Layout> layout = impl_->parser.finish_view();
+  if (!layout.is_ok()) impl_->keep(layout.status());
+  return layout;
+}
+
+Status LayoutBuilder::buffer(const BufferView& b) {
   if (!impl_->failed.is_ok()) return impl_->failed;
   if (!impl_->head_read || impl_->finished)
-    return impl_->keep(Status::internal(impl_->origin + ": finish() without head(), or twice"));
+    return impl_->keep(Status::internal(impl_->origin + ": a buffer was given outside head() and finish()"));
+  return impl_->keep(impl_->parser.view(b));
+}
+
+Result<Layout> LayoutBuilder::finish(const nlohmann::json& doc) {
+  if (!impl_->failed.is_ok()) return impl_->failed;
+  if (!impl_->head_read || impl_->finished || impl_->head_view)
+    return impl_->keep(Status::internal(impl_->origin + ": finish(doc) without head(doc), or twice"));
   impl_->finished = true;
   Result<Layout> layout = impl_->parser.finish(doc);
   if (!layout.is_ok()) impl_->keep(layout.status());

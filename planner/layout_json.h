@@ -9,8 +9,10 @@
 // segments, or both. Writing always uses the explicit form: every buffer of
 // every rank with its segments, so the file says exactly what the planner saw.
 
+#include <array>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -54,6 +56,48 @@ class LayoutBuilder {
   Status head(const nlohmann::json& doc);
   Status buffer(const nlohmann::json& buffer);
   Result<Layout> finish(const nlohmann::json& doc);
+
+  // An explicit buffer as values, not a JSON object: what a buffer object
+  // says, its keys by their names. buffer(BufferView) checks and reports
+  // what buffer(json) does (a value in a message shown as JSON), less what
+  // only JSON can get wrong (a key missing or unknown, a value of another
+  // kind), without a DOM: a DOM costs tens of allocations a segment, and a
+  // cluster's membership has millions of segments.
+  struct SegmentView {
+    std::string_view tensor;
+    std::span<const int64_t> start, size, strides;
+    int64_t offset = 0;
+    std::string_view dtype;  // "": the buffer's
+  };
+  struct BufferView {
+    Side side = Side::kSource;
+    int64_t rank = 0;
+    std::string_view name;
+    std::string_view dtype;
+    int64_t bytes = 0;
+    std::span<const SegmentView> segments;
+  };
+  Status buffer(const BufferView& buffer);
+
+  // The head as values: the ranks and the tensors (name, dtype, shape; no
+  // DTensor specs) and the block size, in place of head(doc); the layout is
+  // then made by finish() with no document. The same checks and messages.
+  struct RankView {
+    int32_t domain = 0;
+    int32_t instance = 0;  // receivers
+  };
+  struct TensorView {
+    std::string_view name;
+    std::string_view dtype;
+    std::span<const int64_t> shape;
+  };
+  struct HeadView {
+    std::span<const RankView> sources, receivers;
+    std::span<const TensorView> tensors;
+    std::array<int64_t, 2> weight_block_size{128, 128};
+  };
+  Status head(const HeadView& head);
+  Result<Layout> finish();
 
  private:
   struct Impl;

@@ -1,11 +1,14 @@
 #include "planner/layout_json.h"
 
+#include <array>
 #include <cstring>
 #include <map>
 #include <set>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include <functional>
 
 #include <gtest/gtest.h>
 
@@ -555,6 +558,185 @@ TEST(LayoutBuilder, GivesWhatParseGivesAndKeepsItsFirstFailure) {
   EXPECT_EQ(st.message(), R"J(membership: buffers[0].side: must be "source" or "receiver", got "trainer")J");
   EXPECT_EQ(wrong.buffer(buffers[1]).message(), st.message());
   EXPECT_EQ(wrong.finish(d).status().message(), st.message());
+}
+
+// A buffer object as LayoutBuilder::BufferView, over storage it keeps.
+struct ViewOf {
+  explicit ViewOf(const json& b) {
+    for (const json& s : b["segments"]) {
+      segs.push_back({s["tensor"].get<std::string>(), s["start"].get<std::vector<int64_t>>(),
+                      s["size"].get<std::vector<int64_t>>(), s["strides"].get<std::vector<int64_t>>(),
+                      s.value("dtype", std::string())});
+      offsets.push_back(s["offset"].get<int64_t>());
+    }
+    for (size_t i = 0; i < segs.size(); ++i) {
+      views.push_back(LayoutBuilder::SegmentView{segs[i].tensor, segs[i].start, segs[i].size, segs[i].strides,
+                                                 offsets[i], segs[i].dtype});
+    }
+    name = b["name"].get<std::string>();
+    dtype = b["dtype"].get<std::string>();
+    view = LayoutBuilder::BufferView{b["side"] == "source" ? Side::kSource : Side::kReceiver, b["rank"].get<int64_t>(),
+                                     name, dtype, b["bytes"].get<int64_t>(), views};
+  }
+  struct Owned {
+    std::string tensor;
+    std::vector<int64_t> start, size, strides;
+    std::string dtype;
+  };
+  std::vector<Owned> segs;
+  std::vector<int64_t> offsets;
+  std::vector<LayoutBuilder::SegmentView> views;
+  std::string name, dtype;
+  LayoutBuilder::BufferView view;
+};
+
+// A buffer handed over as values is checked as its JSON object is: the same
+// layout from good ones, the same message for every value a well-formed
+// object can get wrong.
+TEST(LayoutBuilder, ABufferAsValuesIsCheckedAsItsJsonIs) {
+  json d = two_domains();
+  const json buffers = d["buffers"];
+  d.erase("buffers");
+  struct Case {
+    const char* what;
+    std::function<void(json&)> change;  // of buffers[0]
+    bool ok = false;                     // buffers[0] is taken
+  };
+  const std::vector<Case> cases = {
+      {"as it is", [](json&) {}, true},
+      {"rank out of range", [](json& b) { b["rank"] = 7; }},
+      {"negative rank", [](json& b) { b["rank"] = -1; }},
+      {"empty name", [](json& b) { b["name"] = ""; }},
+      {"unknown dtype", [](json& b) { b["dtype"] = "X8"; }},
+      {"negative bytes", [](json& b) { b["bytes"] = -4; }},
+      {"part of an element", [](json& b) { b["bytes"] = 130; }},
+      {"the name of a spec's buffer", [](json& b) { b["name"] = "w"; }},
+      {"unknown tensor", [](json& b) { b["segments"][0]["tensor"] = "zz"; }},
+      {"another dtype", [](json& b) { b["segments"][1]["dtype"] = "F32"; }, true},
+      {"start of one dim", [](json& b) { b["segments"][0]["start"] = {0}; }},
+      {"negative start", [](json& b) { b["segments"][0]["start"] = {-1, 0}; }},
+      {"empty size", [](json& b) { b["segments"][1]["size"] = {0, 4}; }},
+      {"negative stride", [](json& b) { b["segments"][0]["strides"] = {4, -1}; }},
+      {"negative offset", [](json& b) { b["segments"][1]["offset"] = -1; }},
+      {"outside the shape", [](json& b) { b["segments"][0]["start"] = {6, 0}; }},
+      {"past the end", [](json& b) { b["segments"][1]["offset"] = 100; }},
+      {"overlapping strides", [](json& b) { b["segments"][0]["strides"] = {1, 1}; }},
+  };
+  for (const Case& c : cases) {
+    json b0 = buffers[0];
+    c.change(b0);
+    LayoutBuilder as_json("membership"), as_values("membership");
+    ASSERT_TRUE(as_json.head(d).is_ok());
+    ASSERT_TRUE(as_values.head(d).is_ok());
+    const ViewOf v(b0);
+    const Status a = as_json.buffer(b0);
+    const Status b = as_values.buffer(v.view);
+    EXPECT_EQ(a.message(), b.message()) << c.what;
+    EXPECT_EQ(a.code(), b.code()) << c.what;
+    EXPECT_EQ(b.is_ok(), c.ok) << c.what << ": " << b.message();
+    if (!a.is_ok()) {
+      EXPECT_EQ(a.code(), Code::kInvalidArgument) << c.what << ": " << a.message();
+      continue;
+    }
+    // The others as they are (a tensor in another dtype is refused at the
+    // next buffer that holds it in the first).
+    for (size_t i = 1; i < buffers.size(); ++i) {
+      const ViewOf rest(buffers[i]);
+      EXPECT_EQ(as_json.buffer(buffers[i]).message(), as_values.buffer(rest.view).message()) << c.what;
+    }
+    auto x = as_json.finish(d);
+    auto y = as_values.finish(d);
+    EXPECT_EQ(x.status().message(), y.status().message()) << c.what;
+    if (x && y) EXPECT_EQ(write_layout_json(*x), write_layout_json(*y)) << c.what;
+  }
+  // Two of the messages as they read (the JSON path's are pinned above).
+  for (const auto& [change, want] : std::vector<std::pair<std::function<void(json&)>, std::string>>{
+           {[](json& b) { b["segments"][1]["offset"] = 100; },
+            "membership: buffers[0].segments[1] (receiver rank 0 buffer \"qk\", tensor \"k\"): box [0:2, 0:4] at "
+            "element offset 100 with strides [4, 1] reaches past the end of the buffer (32 elements)"},
+           {[](json& b) { b["segments"][0]["tensor"] = "zz"; },
+            "membership: buffers[0].segments[0].tensor (receiver rank 0 buffer \"qk\"): unknown tensor \"zz\""}}) {
+    json b0 = buffers[0];
+    change(b0);
+    LayoutBuilder builder("membership");
+    ASSERT_TRUE(builder.head(d).is_ok());
+    const ViewOf v(b0);
+    EXPECT_EQ(builder.buffer(v.view).message(), want);
+  }
+
+  LayoutBuilder twice_json("membership"), twice_values("membership");
+  ASSERT_TRUE(twice_json.head(d).is_ok());
+  ASSERT_TRUE(twice_values.head(d).is_ok());
+  const ViewOf v(buffers[0]);
+  ASSERT_TRUE(twice_json.buffer(buffers[0]).is_ok());
+  ASSERT_TRUE(twice_values.buffer(v.view).is_ok());
+  const Status again = twice_values.buffer(v.view);
+  EXPECT_EQ(again.message(), twice_json.buffer(buffers[0]).message());
+  EXPECT_NE(again.message().find("already has a buffer \"qk\" (buffers[0])"), std::string::npos) << again.message();
+}
+
+// The head as values is checked as its JSON is, and the layout made from
+// values is the one made from the document.
+TEST(LayoutBuilder, AHeadAsValuesIsCheckedAsItsJsonIs) {
+  struct Owned {
+    std::vector<LayoutBuilder::RankView> sources{{0, 0}}, receivers{{0, 0}, {0, 0}};
+    std::vector<std::string> names{"w", "b"}, dtypes{"BF16", "F32"};
+    std::vector<std::vector<int64_t>> shapes{{4, 6}, {6}};
+    std::array<int64_t, 2> block{128, 128};
+  };
+  auto doc_of = [](const Owned& o) {
+    json d = {{"format", "refit-layout/1"}, {"sources", json::array()}, {"receivers", json::array()},
+              {"tensors", json::array()}, {"weight_block_size", o.block}};
+    for (size_t i = 0; i < o.sources.size(); ++i) d["sources"].push_back({{"rank", i}, {"domain", o.sources[i].domain}});
+    for (size_t i = 0; i < o.receivers.size(); ++i)
+      d["receivers"].push_back({{"rank", i}, {"domain", o.receivers[i].domain}, {"instance", o.receivers[i].instance}});
+    for (size_t i = 0; i < o.names.size(); ++i)
+      d["tensors"].push_back({{"name", o.names[i]}, {"dtype", o.dtypes[i]}, {"shape", o.shapes[i]}});
+    return d;
+  };
+  const json buffer = json::parse(R"J({"side": "receiver", "rank": 1, "name": "w", "dtype": "BF16", "bytes": 48,
+      "segments": [{"tensor": "w", "start": [0, 0], "size": [4, 6], "offset": 0, "strides": [6, 1]}]})J");
+  struct Case {
+    const char* what;
+    std::function<void(Owned&)> change;
+    bool ok = false;
+  };
+  const std::vector<Case> cases = {
+      {"as it is", [](Owned&) {}, true},
+      {"no sources", [](Owned& o) { o.sources.clear(); }},
+      {"no receivers", [](Owned& o) { o.receivers.clear(); }},
+      {"negative domain", [](Owned& o) { o.sources[0].domain = -1; }},
+      {"negative instance", [](Owned& o) { o.receivers[1].instance = -2; }},
+      {"empty name", [](Owned& o) { o.names[1] = ""; }},
+      {"unknown dtype", [](Owned& o) { o.dtypes[1] = "F12"; }},
+      {"negative dim", [](Owned& o) { o.shapes[1] = {-6}; }},
+      {"too many dims", [](Owned& o) { o.shapes[1] = {1, 1, 1, 1, 1, 1, 1, 1, 6}; }},
+      {"too large", [](Owned& o) { o.shapes[1] = {int64_t{1} << 40, int64_t{1} << 40}; }},
+      {"listed twice", [](Owned& o) { o.names[1] = "w"; }},
+      {"no block", [](Owned& o) { o.block = {0, 128}; }},
+  };
+  for (const Case& c : cases) {
+    Owned o;
+    c.change(o);
+    std::vector<LayoutBuilder::TensorView> tensors;
+    for (size_t i = 0; i < o.names.size(); ++i) tensors.push_back({o.names[i], o.dtypes[i], o.shapes[i]});
+    const json d = doc_of(o);
+    LayoutBuilder as_json("membership"), as_values("membership");
+    const ViewOf v(buffer);
+    Status a = as_json.head(d);
+    if (a.is_ok()) a = as_json.buffer(buffer);
+    Result<Layout> x = a.is_ok() ? as_json.finish(d) : Result<Layout>(a);
+    Status b = as_values.head(LayoutBuilder::HeadView{o.sources, o.receivers, tensors, o.block});
+    if (b.is_ok()) b = as_values.buffer(v.view);
+    Result<Layout> y = b.is_ok() ? as_values.finish() : Result<Layout>(b);
+    EXPECT_EQ(x.status().message(), y.status().message()) << c.what;
+    EXPECT_EQ(y.is_ok(), c.ok) << c.what << ": " << y.status().message();
+    if (x && y) EXPECT_EQ(write_layout_json(*x), write_layout_json(*y)) << c.what;
+  }
+  LayoutBuilder wrong("membership");
+  const Owned o;
+  ASSERT_TRUE(wrong.head(doc_of(o)).is_ok());
+  EXPECT_EQ(wrong.finish().status().code(), Code::kInternal);  // a document's head is finished with it
 }
 
 TEST(WriteLayout, RoundTripGivesTheSameRegions) {
