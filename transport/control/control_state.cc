@@ -1,6 +1,7 @@
 #include "transport/control/control_state.h"
 
 #include <algorithm>
+#include <deque>
 #include <array>
 #include <optional>
 #include <span>
@@ -189,14 +190,23 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
 }
 
 std::optional<TensorDecl> ControlState::decl_of(const std::string& tensor, const std::array<int64_t, 2>& block) const {
-  if (auto t = tensors_.find(tensor); t != tensors_.end()) return t->second.decl;
+  TensorDecl scratch;
+  const TensorDecl* d = find_decl(tensor, block, &scratch);
+  if (!d) return std::nullopt;
+  return *d;
+}
+
+const TensorDecl* ControlState::find_decl(const std::string& tensor, const std::array<int64_t, 2>& block,
+                                          TensorDecl* scratch) const {
+  if (auto t = tensors_.find(tensor); t != tensors_.end()) return &t->second.decl;
   // A block scale tensor of a declared weight: derived by the receivers
   // that quantize it (docs/conversion.md).
   const std::string weight = scale_weight(tensor);
-  if (weight.empty()) return std::nullopt;
+  if (weight.empty()) return nullptr;
   auto w = tensors_.find(weight);
-  if (w == tensors_.end() || w->second.decl.shape.size() < 2) return std::nullopt;
-  return TensorDecl{tensor, "F32", scale_shape(w->second.decl.shape, block)};
+  if (w == tensors_.end() || w->second.decl.shape.size() < 2) return nullptr;
+  *scratch = TensorDecl{tensor, "F32", scale_shape(w->second.decl.shape, block)};
+  return scratch;
 }
 
 namespace {
@@ -221,6 +231,26 @@ Json buffer_json(bool source, int32_t position, const MemberBuffer& b,
   }
   return Json{{"side", source ? "source" : "receiver"}, {"rank", position}, {"name", b.name},
               {"dtype", b.dtype}, {"bytes", b.bytes}, {"segments", std::move(segs)}};
+}
+
+// The same buffer handed to `builder` as values (LayoutBuilder::BufferView),
+// without its JSON; `views` is scratch space kept between calls.
+Status add_buffer(LayoutBuilder& builder, bool source, int32_t position, const MemberBuffer& b,
+                  std::span<const std::pair<uint32_t, uint32_t>> left_out,
+                  std::vector<LayoutBuilder::SegmentView>& views) {
+  views.clear();
+  views.reserve(b.segments.size());
+  size_t skip = 0;
+  for (size_t si = 0; si < b.segments.size(); ++si) {
+    if (skip < left_out.size() && left_out[skip].second == si) {
+      ++skip;
+      continue;
+    }
+    const Segment& s = b.segments[si];
+    views.push_back(LayoutBuilder::SegmentView{s.tensor, s.start, s.size, s.strides, s.offset, s.dtype});
+  }
+  return builder.buffer(LayoutBuilder::BufferView{source ? Side::kSource : Side::kReceiver, position, b.name,
+                                                  b.dtype, b.bytes, views});
 }
 }  // namespace
 
@@ -269,7 +299,8 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
         return "receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" + std::to_string(i) +
                "] (tensor \"" + seg.tensor + "\")";
       };
-      const std::optional<TensorDecl> found = decl_of(seg.tensor, m.weight_block_size);
+      TensorDecl scratch;
+      const TensorDecl* found = find_decl(seg.tensor, m.weight_block_size, &scratch);
       if (!found) {
         // Held once, and every source of it is gone: a peer lost, not a
         // mistake in the registration (a weight's scales: its weight's).
@@ -316,23 +347,25 @@ Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool ful
   // by the planner itself: a layout of this receiver alone, with the
   // tensors it names.
   // Handed over one buffer at a time (LayoutBuilder), as a plan's layout is.
-  Json tensors = Json::array();
+  // Handed over as values (LayoutBuilder's views), with no JSON.
+  std::vector<LayoutBuilder::TensorView> tensors;
+  std::deque<TensorDecl> derived;  // the scale tensors the views name
   std::unordered_set<std::string_view> named;
   for (const MemberBuffer& b : m.buffers) {
     for (const Segment& seg : b.segments) {
-      if (named.insert(seg.tensor).second) {
-        const TensorDecl d = *decl_of(seg.tensor, m.weight_block_size);
-        tensors.push_back({{"name", d.name}, {"dtype", d.dtype}, {"shape", d.shape}});
-      }
+      if (!named.insert(seg.tensor).second) continue;
+      TensorDecl scratch;
+      const TensorDecl* d = find_decl(seg.tensor, m.weight_block_size, &scratch);
+      if (d == &scratch) d = &derived.emplace_back(std::move(scratch));
+      tensors.push_back(LayoutBuilder::TensorView{d->name, d->dtype, d->shape});
     }
   }
-  const Json head{{"format", "refit-layout/1"}, {"sources", Json::array({{{"rank", 0}, {"domain", 0}}})},
-                  {"receivers", Json::array({{{"rank", 0}, {"domain", 0}, {"instance", 0}}})},
-                  {"tensors", std::move(tensors)}, {"weight_block_size", m.weight_block_size}};
+  const LayoutBuilder::RankView one{};
   LayoutBuilder builder("receiver rank " + std::to_string(rank) + " alone");
-  REFIT_RETURN_IF_ERROR(builder.head(head));
-  for (const MemberBuffer& b : m.buffers) REFIT_RETURN_IF_ERROR(builder.buffer(buffer_json(false, 0, b, {})));
-  Result<Layout> alone = builder.finish(head);
+  REFIT_RETURN_IF_ERROR(builder.head(LayoutBuilder::HeadView{{&one, 1}, {&one, 1}, tensors, m.weight_block_size}));
+  std::vector<LayoutBuilder::SegmentView> views;
+  for (const MemberBuffer& b : m.buffers) REFIT_RETURN_IF_ERROR(add_buffer(builder, false, 0, b, {}, views));
+  Result<Layout> alone = builder.finish();
   if (!alone.is_ok()) return alone.status();
   return resolve_conversions(*alone);
 }
@@ -926,9 +959,17 @@ Result<Layout> membership_layout(const PlanInput& input) {
   if (!input.layout_json.empty()) return parse_layout_json(input.layout_json, "membership");
   LayoutBuilder builder("membership");
   REFIT_RETURN_IF_ERROR(builder.head(input.layout_head));
+  std::vector<LayoutBuilder::SegmentView> views;
   for (const PlanInput::MemberBuffers& m : input.members) {
     size_t skip = 0;
-    for (size_t bi = 0; bi < m.buffers->size(); ++bi) REFIT_RETURN_IF_ERROR(builder.buffer(buffer_entry(m, bi, &skip)));
+    for (size_t bi = 0; bi < m.buffers->size(); ++bi) {
+      const size_t from = skip;
+      while (skip < m.left_out.size() && m.left_out[skip].first == bi) ++skip;
+      REFIT_RETURN_IF_ERROR(add_buffer(builder, m.source, m.position, (*m.buffers)[bi],
+                                       std::span<const std::pair<uint32_t, uint32_t>>(m.left_out.data() + from,
+                                                                                      skip - from),
+                                       views));
+    }
   }
   return builder.finish(input.layout_head);
 }
@@ -976,55 +1017,75 @@ std::string renumbering(const char* side, const std::vector<int32_t>& ranks) {
 // One rank's list of entries in its part, grouping as it goes (the message's
 // run groups, docs/refresh.md "The plan part"): a run that continues the last
 // entry (same kind, ends and bytes, its offsets at the group's strides from
-// the previous run) extends that entry's "count" instead of adding one, so a
+// the previous run) extends that entry's count instead of adding one, so a
 // column slice of a row-major source costs one entry, not one per row. Only
 // consecutive runs merge, so the list expands to exactly the runs added, in
-// their order; a convert step ends the open group.
+// their order; a convert step ends the open group. The planner's run groups
+// are added whole, with the result of adding their runs one by one.
 class PartList {
  public:
-  // `entry()` makes the run's entry; it is called only when the run starts one.
-  template <typename MakeEntry>
-  void add_run(const Run& run, const MakeEntry& entry) {
-    if (extends(run)) {
-      Json& group = list_.back();
-      group["count"] = count_;
-      if (count_ == 2) group["stride"] = {stride_[0], stride_[1]};
-    } else {
-      list_.push_back(entry());
-      count_ = 1;
+  void add(const RunGroup& g) {
+    if (!extends(g.run)) {
+      part_.entries.push_back(PartEntry{g.run});
+      open_ = true;
     }
-    last_ = run;
+    if (g.count == 1) return;
+    // The group's second run continues the entry if the entry's stride is
+    // the group's (or the entry has one run); then so do all the others.
+    // Otherwise the second run starts an entry that the rest continue.
+    PartEntry& e = part_.entries.back();
+    const std::array<int64_t, 2> step{g.from_stride, g.to_stride};
+    if (e.count == 1 || e.stride == step) {
+      e.stride = step;
+      e.count += g.count - 1;
+      return;
+    }
+    PartEntry next{g.at(1), g.count - 1};
+    if (next.count >= 2) next.stride = step;
+    part_.entries.push_back(next);
   }
-  void add_step(const Json& entry) {
-    list_.push_back(entry);
-    last_.reset();
+  void add_step(const ConvertStep& c) {
+    part_.entries.push_back(PartEntry{Run{}, 1, {}, static_cast<int32_t>(part_.steps.size())});
+    part_.steps.push_back(c);
+    open_ = false;
   }
-  Json take() { return std::move(list_); }
+  PlannedPart take() {
+    part_.entries.shrink_to_fit();
+    part_.steps.shrink_to_fit();
+    return std::move(part_);
+  }
 
  private:
-  // Whether `run` continues the open group, counting it in if so.
+  // Whether `run` continues the open entry, counting it in if so.
   bool extends(const Run& run) {
-    if (!last_) return false;
-    const Run& l = *last_;
-    if (run.local != l.local || run.bytes != l.bytes || run.from.side != l.from.side ||
-        run.from.rank != l.from.rank || run.from.buffer != l.from.buffer || run.to.rank != l.to.rank ||
-        run.to.buffer != l.to.buffer) {
+    if (!open_) return false;
+    PartEntry& e = part_.entries.back();
+    const Run& f = e.run;
+    if (run.local != f.local || run.bytes != f.bytes || run.from.side != f.from.side ||
+        run.from.rank != f.from.rank || run.from.buffer != f.from.buffer || run.to.rank != f.to.rank ||
+        run.to.buffer != f.to.buffer) {
+      return false;
+    }
+    // From the entry's last run.
+    int64_t last_from = 0, last_to = 0;
+    if (__builtin_mul_overflow(e.count - 1, e.stride[0], &last_from) ||
+        __builtin_add_overflow(f.from.offset, last_from, &last_from) ||
+        __builtin_mul_overflow(e.count - 1, e.stride[1], &last_to) ||
+        __builtin_add_overflow(f.to.offset, last_to, &last_to)) {
       return false;
     }
     std::array<int64_t, 2> step{};
-    if (__builtin_sub_overflow(run.from.offset, l.from.offset, &step[0]) ||
-        __builtin_sub_overflow(run.to.offset, l.to.offset, &step[1]) || (count_ >= 2 && step != stride_)) {
+    if (__builtin_sub_overflow(run.from.offset, last_from, &step[0]) ||
+        __builtin_sub_overflow(run.to.offset, last_to, &step[1]) || (e.count >= 2 && step != e.stride)) {
       return false;
     }
-    stride_ = step;
-    ++count_;
+    e.stride = step;
+    ++e.count;
     return true;
   }
 
-  Json list_ = Json::array();
-  std::optional<Run> last_;  // the open group's last run; none after a step
-  int64_t count_ = 0;        // the open group's runs
-  std::array<int64_t, 2> stride_{};  // its [from, to] strides once it has two runs
+  PlannedPart part_;
+  bool open_ = false;  // the last entry is a run group that may go on
 };
 
 }  // namespace
@@ -1057,45 +1118,75 @@ std::shared_ptr<const PlannedParts> compute_plan(const PlanInput& input) {
     const std::vector<int32_t>& ranks = source ? input.source_ranks : input.receiver_ranks;
     return position >= 0 && static_cast<size_t>(position) < ranks.size() ? ranks[position] : position;
   };
+  out->buffer_names.reserve(L.buffers.size());
+  for (const Buffer& b : L.buffers) out->buffer_names.push_back(b.name);
+  out->weight_block_size = L.weight_block_size;
   std::map<int32_t, PartList> lists;
-  auto on_run = [&](const Run& run) {
-    const int32_t from = real(run.from.side == Side::kSource, run.from.rank);
-    const int32_t to = real(false, run.to.rank);
-    auto entry = [&] {
-      Json j = {{"kind", run.local ? "local" : "net"},
-                {"from", {{"side", side_name(run.from.side)}, {"rank", from},
-                          {"buffer", L.buffers[run.from.buffer].name}, {"offset", run.from.offset}}},
-                {"bytes", run.bytes}};
-      if (run.to.buffer == kStagingBuffer) {
-        j["to"] = {{"rank", to}, {"stage", true}, {"offset", run.to.offset}};
-      } else {
-        j["to"] = {{"rank", to}, {"buffer", L.buffers[run.to.buffer].name}, {"offset", run.to.offset}};
-      }
-      return j;
-    };
-    if (run.local && from != to) lists[from].add_run(run, entry);
-    lists[to].add_run(run, entry);
+  auto on_group = [&](const RunGroup& g) {
+    RunGroup named = g;
+    named.run.from.rank = real(g.run.from.side == Side::kSource, g.run.from.rank);
+    named.run.to.rank = real(false, g.run.to.rank);
+    if (g.run.local && named.run.from.rank != named.run.to.rank) lists[named.run.from.rank].add(named);
+    lists[named.run.to.rank].add(named);
   };
   // A converted tensor's puller converts what it pulled before the fan-out
   // (docs/conversion.md, "At the receiver"); a relayouted unit's puller
   // copies it into its layout (one dtype, docs/refresh.md "Column-major
   // receivers").
   auto on_convert = [&](const ConvertStep& c) {
-    const Tensor& t = L.tensors[c.tensor];
-    auto list = [&c](const Index& v) { return std::vector<int64_t>(v.begin(), v.begin() + c.box.ndim); };
-    Json j = {{"kind", "convert"}, {"tensor", t.name}, {"from_dtype", dtype_name(t.dtype)},
-              {"to_dtype", dtype_name(t.dtype_on(Side::kReceiver))}, {"block", L.weight_block_size},
-              {"stage", c.stage_offset}, {"start", list(c.box.start)}, {"size", list(c.box.size)},
-              {"dst", {{"buffer", L.buffers[c.buffer].name}, {"offset", c.offset}, {"strides", list(c.strides)}}}};
-    if (c.scale_tensor >= 0) {
-      j["scales"] = {{"buffer", L.buffers[c.scale_buffer].name}, {"offset", c.scale_offset},
-                     {"strides", list(c.scale_strides)}};
+    if (out->tensors.size() <= c.tensor) out->tensors.resize(L.tensors.size());
+    PlannedParts::StepTensor& t = out->tensors[c.tensor];
+    if (t.name.empty()) {
+      t = PlannedParts::StepTensor{L.tensors[c.tensor].name, L.tensors[c.tensor].dtype,
+                                   L.tensors[c.tensor].dtype_on(Side::kReceiver)};
     }
-    lists[real(false, c.rank)].add_step(j);
+    ConvertStep named = c;
+    named.rank = real(false, c.rank);
+    lists[named.rank].add_step(named);
   };
-  if (Status st = for_each_run(*plan, on_run, on_convert); !st.is_ok()) return failed(st);
+  if (Status st = for_each_run_group(*plan, on_group, on_convert); !st.is_ok()) return failed(st);
   for (auto& [rank, list] : lists) out->parts[rank] = list.take();
   return out;
+}
+
+Json PlannedParts::part(int32_t rank) const {
+  Json list = Json::array();
+  auto it = parts.find(rank);
+  if (it == parts.end()) return list;
+  const PlannedPart& p = it->second;
+  for (const PartEntry& e : p.entries) {
+    if (e.step >= 0) {
+      const ConvertStep& c = p.steps[e.step];
+      const StepTensor& t = tensors[c.tensor];
+      auto dims = [&c](const Index& v) { return std::vector<int64_t>(v.begin(), v.begin() + c.box.ndim); };
+      Json j = {{"kind", "convert"}, {"tensor", t.name}, {"from_dtype", dtype_name(t.from)},
+                {"to_dtype", dtype_name(t.to)}, {"block", weight_block_size},
+                {"stage", c.stage_offset}, {"start", dims(c.box.start)}, {"size", dims(c.box.size)},
+                {"dst", {{"buffer", buffer_names[c.buffer]}, {"offset", c.offset}, {"strides", dims(c.strides)}}}};
+      if (c.scale_tensor >= 0) {
+        j["scales"] = {{"buffer", buffer_names[c.scale_buffer]}, {"offset", c.scale_offset},
+                       {"strides", dims(c.scale_strides)}};
+      }
+      list.push_back(std::move(j));
+      continue;
+    }
+    const Run& run = e.run;
+    Json j = {{"kind", run.local ? "local" : "net"},
+              {"from", {{"side", side_name(run.from.side)}, {"rank", run.from.rank},
+                        {"buffer", buffer_names[run.from.buffer]}, {"offset", run.from.offset}}},
+              {"bytes", run.bytes}};
+    if (run.to.buffer == kStagingBuffer) {
+      j["to"] = {{"rank", run.to.rank}, {"stage", true}, {"offset", run.to.offset}};
+    } else {
+      j["to"] = {{"rank", run.to.rank}, {"buffer", buffer_names[run.to.buffer]}, {"offset", run.to.offset}};
+    }
+    if (e.count >= 2) {
+      j["count"] = e.count;
+      j["stride"] = {e.stride[0], e.stride[1]};
+    }
+    list.push_back(std::move(j));
+  }
+  return list;
 }
 
 Status ControlState::check_fetch(uint64_t session, int32_t rank) const {
@@ -1115,13 +1206,11 @@ bool ControlState::install_plan(std::shared_ptr<const PlannedParts> plan) {
 }
 
 Result<Json> ControlState::cached_part(int32_t rank) const {
-  Result<const Json*> part = cached_part_ref(rank);
-  if (!part.is_ok()) return part.status();
-  return **part;
+  REFIT_RETURN_IF_ERROR(cached_part_status(rank));
+  return (wants_solo(rank) ? solo_plan_ : plan_)->part(rank);
 }
 
-Result<const Json*> ControlState::cached_part_ref(int32_t rank) const {
-  static const Json kNoRuns = Json::array();
+Status ControlState::cached_part_status(int32_t rank) const {
   if (auto r = receivers_.find(rank); r != receivers_.end()) {
     // Left out of the plan: the others are planned without it.
     REFIT_RETURN_IF_ERROR(
@@ -1131,8 +1220,7 @@ Result<const Json*> ControlState::cached_part_ref(int32_t rank) const {
   if (!variant_current(solo)) return Status::internal("fetch_plan: no plan of the current membership");
   const PlannedParts& plan = *(solo ? solo_plan_ : plan_);
   if (!plan.status.is_ok()) return plan.status.with_context("fetch_plan: the membership cannot be planned");
-  auto it = plan.parts.find(rank);
-  return it == plan.parts.end() ? &kNoRuns : &it->second;
+  return Status::ok();
 }
 
 Json ControlState::plan_totals(int32_t rank) const {

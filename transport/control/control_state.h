@@ -63,11 +63,13 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <unordered_map>
 #include <utility>
 #include <string>
 #include <vector>
 
 #include "planner/layout.h"
+#include "planner/plan.h"
 #include "planner/status.h"
 #include "transport/control/frame_codec.h"
 #include "transport/control/messages.h"
@@ -117,11 +119,40 @@ struct PlanInput {
 // "The plan part"). Ranks, in the keys and
 // in the runs' "from" and "to", are the registered ranks, not the layout
 // document's dense positions. Immutable once made.
+//
+// Each rank's part is kept compact until a reply is built from it
+// (PlannedParts::part): an entry is a run group or a conversion step, not
+// a JSON tree. A tree cost about a kilobyte an entry; DeepSeek-V3's plan
+// at 128+128 ranks has millions of entries (docs/operations.md, "The
+// coordinator at scale").
+struct PartEntry {
+  Run run;                  // the group's first run; its ranks are the registered ones
+  int64_t count = 1;        // its runs
+  std::array<int64_t, 2> stride{};  // [from, to], once it has two runs
+  int32_t step = -1;        // >= 0: a conversion step (PlannedPart::steps), not a run group
+};
+struct PlannedPart {
+  std::vector<PartEntry> entries;
+  std::vector<ConvertStep> steps;  // rank: the registered one
+};
 struct PlannedParts {
   uint64_t epoch = 0;
   bool solo = false;
   Status status;  // why planning failed, if it did
-  std::map<int32_t, Json> parts;
+  std::map<int32_t, PlannedPart> parts;
+  // What the entries name by index: the layout's buffers and, for the
+  // conversion steps, its tensors' names and dtypes and its block size.
+  std::vector<std::string> buffer_names;
+  struct StepTensor {
+    std::string name;
+    DType from, to;
+  };
+  std::vector<StepTensor> tensors;  // by Layout::tensors index, only where a step names one
+  std::array<int64_t, 2> weight_block_size{};
+  // Receiver `rank`'s part as the fetch_plan message carries it
+  // (refit-runs/1 entries; docs/refresh.md, "The plan part"): an empty list
+  // when it has none.
+  Json part(int32_t rank) const;
   // The whole plan's totals (PlanSummary), for the receivers' reports.
   int64_t network_bytes = 0;
   int64_t minimum_network_bytes = 0;
@@ -237,9 +268,9 @@ class ControlState {
   bool install_plan(std::shared_ptr<const PlannedParts> plan);
   // REQUIRES: plan_current(rank). Fails when the membership could not be planned.
   Result<Json> cached_part(int32_t rank) const;
-  // The same without a copy (parts of cluster scale are megabytes); it lives
-  // until the next install_plan().
-  Result<const Json*> cached_part_ref(int32_t rank) const;
+  // Whether cached_part(rank) succeeds, without building the part (parts of
+  // cluster scale are megabytes of JSON).
+  Status cached_part_status(int32_t rank) const;
   // REQUIRES: plan_current(rank). The plan's totals, as a fetch_plan reply carries them.
   Json plan_totals(int32_t rank) const;
   // The epoch a fetch_plan reply names for `rank`'s part: the membership
@@ -375,6 +406,10 @@ class ControlState {
   // The declaration of `tensor`: a source's, or a block scale tensor
   // "<W>_scale_inv" of a declared weight W, F32 with one value per block.
   std::optional<TensorDecl> decl_of(const std::string& tensor, const std::array<int64_t, 2>& block) const;
+  // The same without a copy: the declaration, or a derived one made in
+  // *scratch; nullptr when none.
+  const TensorDecl* find_decl(const std::string& tensor, const std::array<int64_t, 2>& block,
+                              TensorDecl* scratch) const;
   // Whether a source's segment is a copy it converted ("quantize": "source",
   // docs/conversion.md): a tensor the sources did not declare (block scales)
   // or of another dtype than declared. Planned from, never hashed.
@@ -413,7 +448,14 @@ class ControlState {
     int sources = 0;
     uint64_t order = 0;
   };
-  std::map<std::string, Declared> tensors_;
+  // By name, hashed: a registration looks up each of its segments'
+  // tensors (millions at cluster scale); ordered where it matters by
+  // `order`.
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, Declared, NameHash, std::equal_to<>> tensors_;
   // Tensors whose every source is gone, each with the last one to go and
   // why, until a source declares them again; at most kMaxOrphans (the
   // oldest names are not kept past it).

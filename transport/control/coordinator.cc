@@ -84,20 +84,17 @@ struct PartReply {
 };
 
 // Runs on a reply thread and touches nothing shared: `plan` and
-// `directory` are immutable. The part is checked against its message
-// (parsed as the receiver parses it), then encoded as it is: the planner
-// writes the runs in the message's form (compute_plan), and rebuilding them
-// from the parsed runs would only cost a JSON tree of the whole part, its
-// build and its freeing (two thirds of a reply's cost for tiny-moe). An
-// exception (memory, a bug) becomes a reply that failed with the reason.
+// `directory` are immutable. The part's message JSON is made from the
+// plan's compact entries (PlannedParts::part), checked against its message
+// (parsed as the receiver parses it), then encoded as it is; it lives only
+// while its reply is built. An exception (memory, a bug) becomes a reply
+// that failed with the reason.
 PartReply build_part_reply(const PlannedParts& plan, const PeerDirectory& directory, int32_t rank, bool solo,
                            uint64_t epoch, const std::atomic<bool>& stopped) {
   PartReply out;
   out.epoch = epoch;
   try {
-    static const Json kNoRuns = Json::array();
-    auto it = plan.parts.find(rank);
-    const Json& part = it == plan.parts.end() ? kNoRuns : it->second;
+    const Json part = plan.part(rank);
     Status checked;
     {  // the parsed runs are not needed past the check
       Result<std::vector<PlanRun>> runs = parse_plan_runs(part);
@@ -1052,7 +1049,7 @@ bool Coordinator::Impl::reply_ready(const FetchPlan& request) {
   auto it = part_replies_.find(request.rank);
   if (it != part_replies_.end() && it->second.epoch == epoch) return true;
   // Last, as it checks the whole registration: refused, nothing to build.
-  return !state_.cached_part_ref(request.rank).is_ok();
+  return !state_.cached_part_status(request.rank).is_ok();
 }
 
 void Coordinator::Impl::build_reply(int32_t rank) {
@@ -1100,13 +1097,12 @@ void Coordinator::Impl::on_built(int32_t rank, PartReply built, int64_t ms) {
 
 void Coordinator::Impl::answer_fetch(Session& s, const FetchPlan& request) {
   if (config_.test_answer_delay.count() > 0) std::this_thread::sleep_for(config_.test_answer_delay);
-  Result<const Json*> part = state_.cached_part_ref(request.rank);
-  if (!part.is_ok()) {
-    log("refused a request from " + s.peer() + ": " + part.status().message());
-    s.reply("fetch_plan", reply(part.status()));
+  if (Status part = state_.cached_part_status(request.rank); !part.is_ok()) {
+    log("refused a request from " + s.peer() + ": " + part.message());
+    s.reply("fetch_plan", reply(part));
     return;
   }
-  // cached_part() succeeded, so the plan is of the current epoch. The
+  // cached_part_status() succeeded, so the plan is of the current epoch. The
   // reply is a PlanPart (messages.h), the struct the receiver parses it into.
   PlanPart reply_part;
   reply_part.version = state_.version();

@@ -62,7 +62,8 @@ TEST(ComputePlan, QuantizesAtThePullerAndFansOutTheConvertedBytes) {
   auto parts = compute_plan(conversion_input("BF16", "F8_E4M3", true));
   ASSERT_TRUE(parts->status.is_ok()) << parts->status.message();
   int pullers = 0;
-  for (const auto& [rank, runs] : parts->parts) {
+  for (const auto& [rank, compact] : parts->parts) {
+    const Json runs = parts->part(rank);
     bool converts = false;
     uint64_t staged = 0, local_w = 0, local_s = 0;
     for (const Json& run : runs) {
@@ -91,8 +92,8 @@ TEST(ComputePlan, CastsWithoutScales) {
   auto parts = compute_plan(conversion_input("F32", "BF16", false));
   ASSERT_TRUE(parts->status.is_ok()) << parts->status.message();
   int converts = 0;
-  for (const auto& [rank, runs] : parts->parts)
-    for (const Json& run : runs)
+  for (const auto& [rank, compact] : parts->parts)
+    for (const Json& run : parts->part(rank))
       if (run["kind"] == "convert") {
         ++converts;
         EXPECT_FALSE(run.contains("scales"));
@@ -132,6 +133,8 @@ std::map<int32_t, std::vector<PlanRun>> ungrouped_parts(const std::string& layou
   return out;
 }
 
+const PlanRun& last_or(const PlanRun* last, const PlanRun& r) { return last ? *last : r; }
+
 bool same_end(const RunEnd& a, const RunEnd& b) {
   return a.side == b.side && a.rank == b.rank && a.buffer == b.buffer && a.offset == b.offset && a.stage == b.stage;
 }
@@ -143,6 +146,39 @@ struct PartSize {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The entries `runs` make when each run joins the last entry if it
+// continues it (same kind, ends and bytes, its offsets at the entry's
+// strides from the run before) and a conversion step ends the entry: the
+// grouping a part has, whatever groups the planner handed over.
+size_t entries_one_by_one(const std::vector<PlanRun>& runs) {
+  size_t entries = 0;
+  const PlanRun* last = nullptr;
+  int64_t count = 0;
+  std::array<int64_t, 2> stride{};
+  for (const PlanRun& r : runs) {
+    if (r.convert) {
+      ++entries;
+      last = nullptr;
+      continue;
+    }
+    bool extends = last && last->network == r.network && last->bytes == r.bytes && last->from.side == r.from.side &&
+                   last->from.rank == r.from.rank && last->from.buffer == r.from.buffer &&
+                   last->to.rank == r.to.rank && last->to.buffer == r.to.buffer && last->to.stage == r.to.stage;
+    const std::array<int64_t, 2> step{static_cast<int64_t>(r.from.offset - last_or(last, r).from.offset),
+                                      static_cast<int64_t>(r.to.offset - last_or(last, r).to.offset)};
+    extends = extends && (count < 2 || step == stride);
+    if (extends) {
+      stride = step;
+      ++count;
+    } else {
+      ++entries;
+      count = 1;
+    }
+    last = &r;
+  }
+  return entries;
 }
 
 // Plans `layout_json` with compute_plan and checks that every rank's part,
@@ -157,7 +193,8 @@ std::map<int32_t, PartSize> expect_parts_expand_to_the_runs(const std::string& l
   const std::map<int32_t, std::vector<PlanRun>> want = ungrouped_parts(layout_json);
   EXPECT_EQ(planned->parts.size(), want.size());
   std::map<int32_t, PartSize> sizes;
-  for (const auto& [rank, part] : planned->parts) {
+  for (const auto& [rank, compact] : planned->parts) {
+    const Json part = planned->part(rank);
     const auto t0 = std::chrono::steady_clock::now();
     Result<std::vector<PlanRun>> got = parse_plan_runs(part);
     const double parse_seconds = seconds_since(t0);
@@ -180,6 +217,7 @@ std::map<int32_t, PartSize> expect_parts_expand_to_the_runs(const std::string& l
         break;
       }
     }
+    EXPECT_EQ(part.size(), entries_one_by_one(it->second)) << "rank " << rank;
     Json ungrouped = Json::array();
     for (const PlanRun& w : it->second) {
       if (!w.convert) ungrouped.push_back(to_json(w));
@@ -880,7 +918,7 @@ TEST(ControlState, ListsWhatSourcesConvertAndPlansTheirCopies) {
 
   auto parts = compute_plan(s.plan_input());
   ASSERT_TRUE(parts->status.is_ok()) << parts->status.message();
-  const Json& part = parts->parts.at(0);
+  const Json part = parts->part(0);
   int64_t from_copy = 0, staged = 0, converts = 0;
   for (const Json& e : part) {
     if (e["kind"] == "convert") {
@@ -925,10 +963,11 @@ TEST(ControlState, CopiesMadeForWhatReceiversHeldBeforeAreLeftOut) {
     auto parts = compute_plan(s.plan_input());
     ASSERT_TRUE(parts->status.is_ok()) << copy_dtype << ": " << parts->status.message();
     int64_t from_copy = 0;
-    for (const Json& e : parts->parts.at(0)) {
+    const Json part = parts->part(0);
+    for (const Json& e : part) {
       if (e.contains("from") && e["from"]["buffer"] == "refit.converted") ++from_copy;
     }
-    EXPECT_EQ(from_copy, 0) << copy_dtype << ": " << parts->parts.at(0).dump();
+    EXPECT_EQ(from_copy, 0) << copy_dtype << ": " << part.dump();
   }
 }
 

@@ -11,7 +11,10 @@
 // text, that text parsed into a DOM, then the layout from the DOM. It stops
 // there (the plan from a layout is the same either way); without it the
 // layout is built as the coordinator builds it now, then the whole plan
-// (compute_plan, the layout again, the plan and every receiver's part);
+// (compute_plan, the layout again, the plan and every receiver's part),
+// then every receiver's reply, one after another (the part's message JSON,
+// checked as the receiver parses it, its peers, and the CBOR of both, as a
+// reply thread makes them);
 // --layout-only stops after the layout, as --whole-text does.
 // Peak resident
 // memory is measured from after the registrations (/proc/self/clear_refs),
@@ -20,6 +23,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -179,6 +183,7 @@ int run(int argc, char** argv) {
     Status st = state.register_source(session++, std::move(m), now);
     if (!st.is_ok()) throw std::runtime_error("source " + std::to_string(rank) + ": " + st.message());
   }
+  const double register_sources_s = since(t_reg);
   for (RegisterReceiver& m : receivers) {
     const int32_t rank = m.rank;
     Status st = state.register_receiver(session++, std::move(m), now);
@@ -195,10 +200,10 @@ int run(int argc, char** argv) {
   const long members_kib = status_kib("VmRSS");
   if (!reset_peak()) throw std::runtime_error("cannot reset the peak through /proc/self/clear_refs");
 
-  std::printf("{\"scenario\": \"%s\", \"mode\": \"%s\", \"sources\": %zu, \"receivers\": %zu, \"register_s\": %.2f, "
+  std::printf("{\"scenario\": \"%s\", \"mode\": \"%s\", \"sources\": %zu, \"receivers\": %zu, \"register_s\": %.2f, \"of_sources_s\": %.2f, "
               "\"members_rss_mib\": %.0f",
               scenario_path.c_str(), whole_text ? "whole-text" : "pieces", state.num_sources(),
-              state.num_receivers(), register_s, members_kib / 1024.0);
+              state.num_receivers(), register_s, register_sources_s, members_kib / 1024.0);
   if (whole_text) {
     const auto t0 = Clock::now();
     std::string text = state.layout_document().dump();
@@ -237,10 +242,32 @@ int run(int argc, char** argv) {
     const auto t2 = Clock::now();
     std::shared_ptr<const PlannedParts> parts = compute_plan(in);
     if (!parts->status.is_ok()) throw std::runtime_error(parts->status.message());
+    const double plan_s = since(t2);
+    const long plan_peak_kib = status_kib("VmHWM");
+    // Each receiver's reply, one after another, as a reply thread builds
+    // it (build_part_reply): the part's message JSON, checked as the
+    // receiver parses it, its peers, then the CBOR of both.
+    const std::shared_ptr<const PeerDirectory> directory = state.peer_directory();
+    const auto t3 = Clock::now();
+    size_t entries = 0, cbor_bytes = 0, largest = 0;
+    for (const auto& [rank, compact] : parts->parts) {
+      const Json part = parts->part(rank);
+      entries += part.size();
+      if (Result<std::vector<PlanRun>> runs = parse_plan_runs(part); !runs)
+        throw std::runtime_error("rank " + std::to_string(rank) + ": " + runs.status().message());
+      Result<PlanPeers> peers = parse_plan_peers(peers_from(*directory, rank, false, part));
+      if (!peers) throw std::runtime_error("rank " + std::to_string(rank) + ": " + peers.status().message());
+      const size_t n = Json::to_cbor(part).size();
+      cbor_bytes += n + Json::to_cbor(to_json(*peers)).size();
+      largest = std::max(largest, n);
+    }
     std::printf(", \"document_s\": %.2f, \"layout_s\": %.2f, \"tensors\": %zu, \"layout_peak_over_members_mib\": %.0f, "
-                "\"compute_plan_s\": %.2f, \"network_bytes\": %lld, \"parts\": %zu",
-                input_s, layout_s, tensors, (layout_peak_kib - members_kib) / 1024.0, since(t2),
-                static_cast<long long>(parts->network_bytes), parts->parts.size());
+                "\"compute_plan_s\": %.2f, \"plan_peak_over_members_mib\": %.0f, \"network_bytes\": %lld, "
+                "\"parts\": %zu, \"entries\": %zu, \"replies_s\": %.2f, \"reply_cbor_bytes\": %zu, "
+                "\"largest_runs_cbor_bytes\": %zu",
+                input_s, layout_s, tensors, (layout_peak_kib - members_kib) / 1024.0, plan_s,
+                (plan_peak_kib - members_kib) / 1024.0, static_cast<long long>(parts->network_bytes),
+                parts->parts.size(), entries, since(t3), cbor_bytes, largest);
   }
   std::printf(", \"peak_over_members_mib\": %.0f}\n", (status_kib("VmHWM") - members_kib) / 1024.0);
   return 0;
