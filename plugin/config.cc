@@ -95,7 +95,7 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
   if (receiver) {
     r.object(doc, "", {"rank", "domain", "instance", "instance_ranks", "coordinator", "network", "local",
                        "window_bytes", "chunk_bytes", "landing_bytes", "gather_below_bytes", "gather_bytes",
-                       "gather_entries", "heartbeat_ms", "log_level", "log_format", "recipe", "mode", "verify",
+                       "gather_entries", "max_plan_runs", "heartbeat_ms", "log_level", "log_format", "recipe", "mode", "verify",
                        "weight_block_size", "test", "trace"});
     c.trace = r.string(doc, "", "trace", std::string());
     const std::string mode = r.string(doc, "", "mode", std::string("direct"));
@@ -201,6 +201,8 @@ Result<AgentConfig> parse_agent_config(std::string_view json_text, bool receiver
                                    std::min<int64_t>(c.gather.max_bytes, static_cast<int64_t>(c.window_bytes)), 1,
                                    int64_t{64} << 20);
     c.gather.max_entries = r.integer(doc, "", "gather_entries", c.gather.max_entries, 2, kGatherEntriesMax);
+    c.max_plan_runs = static_cast<uint64_t>(r.integer(doc, "", "max_plan_runs", static_cast<int64_t>(c.max_plan_runs),
+                                                      1, static_cast<int64_t>(control::kMaxPlanRunsCeiling)));
     // A gather is one request, in flight as a whole.
     if (r.ok() && c.gather.enabled && static_cast<uint64_t>(c.gather.max_bytes) > c.window_bytes) {
       r.fail("gather_bytes", "must not exceed \"window_bytes\" (" + std::to_string(c.window_bytes) + "), got " +

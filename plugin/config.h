@@ -15,6 +15,7 @@
 
 #include "planner/gather.h"
 #include "planner/status.h"
+#include "transport/control/messages.h"
 #include "transport/fabric/pack.h"
 
 namespace refit::plugin {
@@ -91,6 +92,8 @@ struct AgentConfig {
   uint64_t window_bytes = 64ull << 20;
   uint64_t chunk_bytes = 1ull << 20;
   uint64_t landing_bytes = 64ull << 20;  // receivers: the landing ring (transport/cuda/staging.h)
+  // Receivers: the most runs a plan part may expand to (MessageLimits::max_runs).
+  uint64_t max_plan_runs = control::MessageLimits{}.max_runs;
   GatherOptions gather;                  // receivers: small runs in gathers (planner/gather.h)
   // Sources: the most memory held for the replies of the gathers served
   // (transport/ucx/am_rma.h); more waits, and a larger gather is refused.

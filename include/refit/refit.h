@@ -188,6 +188,12 @@
  *                    below "gather_below_bytes" but above this travels alone
  *                    and the report counts it ("gathers": {"unpacked"})
  *     "gather_entries" integer [8192]: runs of one gather, 2 to 65536
+ *     "max_plan_runs" integer [16777216]: the most runs this rank's plan part
+ *                    may hold once its run groups are expanded, 1 to 2^26;
+ *                    a larger part is refused naming this key. Each run
+ *                    takes about 250 bytes of host memory while the part is
+ *                    parsed and compiled (a Qwen3-235B receiver at TP 8 in a
+ *                    64-GPU domain has 6.4 million)
  *     "landing_bytes" integer [67108864]: pinned host
  *                    memory of the landing ring (GPU buffers that UCX cannot
  *                    write), in slots of "chunk_bytes" but at most 4 MiB each:

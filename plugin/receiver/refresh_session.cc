@@ -242,12 +242,20 @@ Result<RefreshSession::Lease> RefreshSession::lease(int64_t requested, Clock::ti
 
 // The plan part of the current membership, compiled; the coordinator
 // answers "unchanged" when `compiled` holds it already.
+// The bounds a plan part from the coordinator is parsed within: the
+// defaults, and this receiver's "max_plan_runs".
+control::MessageLimits RefreshSession::part_limits() const {
+  control::MessageLimits lim;
+  lim.max_runs = config_.max_plan_runs;
+  return lim;
+}
+
 Status RefreshSession::fetch_plan(Clock::time_point deadline, std::shared_ptr<const CompiledPart>* compiled) {
   Json fetch{{"rank", config_.rank}};
   if (*compiled) fetch["epoch"] = (*compiled)->epoch.wire();
   Result<Json> reply = link_.request(MsgType::kFetchPlan, fetch, deadline);
   if (!reply.is_ok()) return reply.status();
-  Result<control::PlanPart> part = control::parse_plan_part(*reply);
+  Result<control::PlanPart> part = control::parse_plan_part(*reply, part_limits());
   if (!part.is_ok()) return part.status().with_context("from the coordinator");
   if (part->unchanged) {
     if (*compiled) return Status::ok();
@@ -307,7 +315,7 @@ TransferWatch RefreshSession::watch(const CompiledPart& part, int64_t version, C
   w.check = [this, &part, deadline, epoch = part.epoch](std::vector<int32_t>* gone) mutable -> Status {
     Result<Json> p = link_.request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", epoch.wire()}}, deadline);
     if (!p.is_ok()) return Status::ok();
-    Result<control::PlanPart> next = control::parse_plan_part(*p);
+    Result<control::PlanPart> next = control::parse_plan_part(*p, part_limits());
     if (!next.is_ok() || next->unchanged) return Status::ok();
     epoch = next->epoch;
     // A source the new plan does not read from (or reads from at another

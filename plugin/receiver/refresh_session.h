@@ -83,6 +83,7 @@ class RefreshSession {
   Status wait_for_version(int64_t want, int64_t requested, const std::string& drained, Clock::time_point deadline,
                           int64_t* latest);
   Status fetch_plan(Clock::time_point deadline, std::shared_ptr<const CompiledPart>* compiled);
+  control::MessageLimits part_limits() const;
   Status transfer(const CompiledPart& part, int64_t version, Clock::time_point deadline, RefreshReport* report);
   TransferWatch watch(const CompiledPart& part, int64_t version, Clock::time_point deadline);
   Status verify(int64_t version, Clock::time_point deadline, RefreshReport* report);

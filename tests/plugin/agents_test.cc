@@ -40,6 +40,9 @@ int g_tamper = 0;
 // must then say. Rank 1's half of w is a column slice: one 2000-byte run
 // per row from sources that hold whole rows.
 int64_t g_gather_below = -1, g_gather_bytes = -1;
+// The receivers' "max_plan_runs" (-1: unset); set, every refresh must be
+// refused for it, naming the key.
+int64_t g_max_plan_runs = -1;
 enum class Gathers { kAny, kUsed, kOff, kUnpacked };
 Gathers g_expect_gathers = Gathers::kAny;
 
@@ -65,6 +68,7 @@ std::string config(int rank, int domain, uint16_t port, const std::string& token
   if (receiver) {
     if (g_gather_below >= 0) c["gather_below_bytes"] = g_gather_below;
     if (g_gather_bytes >= 0) c["gather_bytes"] = g_gather_bytes;
+    if (g_max_plan_runs >= 0) c["max_plan_runs"] = g_max_plan_runs;
     c["instance"] = staged ? 0 : rank;  // staged: one instance, which commits all or nothing
     if (staged) c["mode"] = "staged";
     const char* ring = std::getenv("REFIT_LANDING_RING");
@@ -161,6 +165,16 @@ void receiver_child(int rank, uint16_t port, const std::string& token, int up, i
     if (!read_byte(down, &c)) fail("the parent is gone", 2);
     const Step step = steps.empty() ? Step::kRefresh : steps[v - 1];
     const refit_status_t st = refit_receiver_refresh(r, v, step == Step::kFailOnPurpose ? 1 : 20000);
+    if (g_max_plan_runs >= 0) {  // the part is larger than this rank allows
+      const std::string error = refit_last_error();
+      if (st == REFIT_OK || error.find("\"max_plan_runs\"") == std::string::npos) {
+        std::fprintf(stderr, "rank %d v%d: %s\n", rank, v, error.c_str());
+        fail("a part over \"max_plan_runs\" was not refused naming it", 14);
+      }
+      check(0);  // nothing written
+      write_byte(up, 'd');
+      continue;
+    }
     if (step != Step::kRefresh) {
       if (st == REFIT_OK) fail("a refresh that should fail succeeded");
       if (v == g_tamper) {  // this rank, or its instance, found the tampered bytes
@@ -390,6 +404,15 @@ TEST(Agents, GathersOffPullsEveryRowAlone) {
   g_gather_below = -1;
   g_expect_gathers = Gathers::kAny;
   g_verify = false;
+}
+
+// A part that expands to more runs than the receiver allows
+// ("max_plan_runs") is refused by it, naming the key, before anything is
+// written; the coordinator serves it (it checks against the largest limit).
+TEST(Agents, APartOverTheReceiversRunLimitIsRefusedNamingIt) {
+  g_max_plan_runs = 1;  // every part has w's runs and b's
+  run_agents(false, {{}, {}});
+  g_max_plan_runs = -1;
 }
 
 TEST(Agents, AGatherBoundSmallerThanARowLeavesRowsUnpacked) {

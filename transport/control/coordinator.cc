@@ -96,10 +96,12 @@ PartReply build_part_reply(const PlannedParts& plan, const PeerDirectory& direct
   try {
     const Json part = plan.part(rank);
     Status checked;
-    {  // the parsed runs are not needed past the check
-      Result<std::vector<PlanRun>> runs = parse_plan_runs(part);
+    {  // checked as the receiver parses it, the runs counted, not held
+      MessageLimits lim;
+      lim.max_runs = kMaxPlanRunsCeiling;  // each receiver applies its own "max_plan_runs"
+      Result<size_t> runs = check_plan_runs(part, lim);
       checked = runs.status();
-      if (runs.is_ok()) out.run_count = runs->size();
+      if (runs.is_ok()) out.run_count = *runs;
       out.entry_count = part.size();
     }
     Result<PlanPeers> peers = checked.is_ok() ? parse_plan_peers(peers_from(directory, rank, solo, part)) : checked;

@@ -584,9 +584,9 @@ void parse_move(Reader& r, const Json& run, const std::string& p, bool network, 
 // What most often makes a part too long: a receiver that orders a tensor's
 // dims otherwise in memory than its source gets one run per element.
 constexpr const char* kManyRunsHint =
-    " (a receiver that holds a tensor in another memory order than its source, column-major from a row-major "
-    "trainer, gets a run per element: the coordinator's \"relayout_below_bytes\" pulls such tensors in large "
-    "transfers, docs/refresh.md \"Column-major receivers\")";
+    " (the receiver's \"max_plan_runs\" sets it; a receiver that holds a tensor in another memory order than its "
+    "source, column-major from a row-major trainer, gets a run per element: the coordinator's "
+    "\"relayout_below_bytes\" pulls such tensors in large transfers, docs/refresh.md \"Column-major receivers\")";
 
 // A run group's "count" and "stride" (docs/refresh.md, "The plan part"):
 // `*count` stays 1 without "count". `expanded`: the runs the entries before
@@ -647,20 +647,43 @@ bool expand_group(Reader& r, const std::string& p, const PlanRun& first, int64_t
   return true;
 }
 
+// A group's checks without its runs: its last run's offsets (the group's
+// extremes, as they step evenly), and where those fail, the first run that
+// fails, as expand_group reports it.
+bool check_group(Reader& r, const std::string& p, const PlanRun& first, int64_t count,
+                 const std::array<int64_t, 2>& stride) {
+  uint64_t at = 0;
+  Reader probe("plan");
+  if (group_offset(probe, p, "from", first.from.offset, stride[0], count - 1, count, &at) &&
+      group_offset(probe, p, "to", first.to.offset, stride[1], count - 1, count, &at)) {
+    return true;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    if (!group_offset(r, p, "from", first.from.offset, stride[0], i, count, &at) ||
+        !group_offset(r, p, "to", first.to.offset, stride[1], i, count, &at)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // The part's runs, each group expanded: at most lim.max_runs entries on the
-// wire and at most lim.max_runs runs once expanded.
+// wire and at most lim.max_runs runs once expanded. With `out` null, the
+// same checks, the runs only counted (*counted): the coordinator checks a
+// part of millions of runs without holding them.
 bool parse_runs(Reader& r, const Json& runs, const std::string& path, const MessageLimits& lim,
-                std::vector<PlanRun>* out) {
+                std::vector<PlanRun>* out, size_t* counted = nullptr) {
   if (!runs.is_array()) return r.fail(path, "must be a list, got " + Reader::shown(runs));
   if (runs.size() > lim.max_runs) {
     return r.fail(path, "has " + std::to_string(runs.size()) + " entries, more than the limit of " +
                             std::to_string(lim.max_runs) + kManyRunsHint);
   }
-  out->reserve(runs.size());
+  size_t n = 0;  // runs so far, groups expanded
+  if (out) out->reserve(runs.size());
   for (size_t i = 0; i < runs.size() && r.ok(); ++i) {
     const Json& run = runs[i];
     const std::string p = path + "[" + std::to_string(i) + "]";
-    if (out->size() >= lim.max_runs) {
+    if (n >= lim.max_runs) {
       return r.fail(p, "expands the part past the limit of " + std::to_string(lim.max_runs) + " runs");
     }
     PlanRun pr;
@@ -671,19 +694,24 @@ bool parse_runs(Reader& r, const Json& runs, const std::string& path, const Mess
     if (!r.ok()) break;
     if (kind == "convert") {
       pr.convert = parse_convert(r, run, p, lim);
-      out->push_back(std::move(pr));
+      ++n;
+      if (out) out->push_back(std::move(pr));
       continue;
     }
     parse_move(r, run, p, kind == "net", lim, &pr);
     int64_t count = 1;
     std::array<int64_t, 2> stride{};
-    if (!r.ok() || !parse_group(r, run, p, out->size(), lim, &count, &stride)) break;
-    if (count == 1) {
+    if (!r.ok() || !parse_group(r, run, p, n, lim, &count, &stride)) break;
+    n += static_cast<size_t>(count);
+    if (!out) {
+      if (count > 1) check_group(r, p, pr, count, stride);
+    } else if (count == 1) {
       out->push_back(std::move(pr));
     } else {
       expand_group(r, p, pr, count, stride, out);
     }
   }
+  if (counted) *counted = n;
   return r.ok();
 }
 
@@ -765,6 +793,13 @@ Result<std::vector<PlanRun>> parse_plan_runs(const Json& runs, const MessageLimi
   std::vector<PlanRun> out;
   if (!parse_runs(r, runs, "runs", lim, &out)) return r.status();
   return out;
+}
+
+Result<size_t> check_plan_runs(const Json& runs, const MessageLimits& lim) {
+  Reader r("plan");
+  size_t n = 0;
+  if (!parse_runs(r, runs, "runs", lim, nullptr, &n)) return r.status();
+  return n;
 }
 
 Result<PlanPeers> parse_plan_peers(const Json& peers, const MessageLimits& lim) {

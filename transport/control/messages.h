@@ -28,13 +28,21 @@ struct MessageLimits {
   size_t max_segments = size_t{1} << 20; // per member, all buffers
   size_t max_dims = 8;
   // Per plan part, its run groups expanded. An expanded run takes about 150
-  // bytes of the receiver's memory (more with long buffer names), so a part
-  // of a few bytes can ask for about 1 GiB at most. (Before run groups the
-  // 64 MiB frame bound held a part to about 350,000 runs.)
-  size_t max_runs = size_t{1} << 22;
+  // bytes of the receiver's memory while it is parsed (more with long buffer
+  // names) and about 100 once compiled, so a part of a few bytes can ask for
+  // a few GiB at most. A receiver of Qwen3-235B at TP 8 in a 64-GPU domain
+  // needs 6.4 million (docs/refresh.md, "The plan part"); receivers set their
+  // own bound ("max_plan_runs"), up to kMaxPlanRunsCeiling. (Before run
+  // groups the 64 MiB frame bound held a part to about 350,000 runs.)
+  size_t max_runs = size_t{1} << 24;
   size_t max_peers = size_t{1} << 20;    // per plan part, each list
   size_t max_reason_bytes = 4096;        // an abort's reason
 };
+
+// The most a receiver's "max_plan_runs" may allow, and what the coordinator
+// checks the parts it serves against: a receiver that allows fewer refuses
+// a larger part itself, naming its setting.
+inline constexpr size_t kMaxPlanRunsCeiling = size_t{1} << 26;
 
 enum class Role : uint8_t { kSource, kReceiver };
 const char* role_name(Role r);
@@ -317,6 +325,9 @@ struct PlanPart {
 Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& limits = MessageLimits{});
 // A list of runs alone (the coordinator's cached part), groups expanded.
 Result<std::vector<PlanRun>> parse_plan_runs(const Json& runs, const MessageLimits& limits = MessageLimits{});
+// The same checks and messages without the runs: how many there are once
+// expanded (a receiver's part can have millions).
+Result<size_t> check_plan_runs(const Json& runs, const MessageLimits& limits = MessageLimits{});
 Result<PlanPeers> parse_plan_peers(const Json& peers, const MessageLimits& limits = MessageLimits{});
 Result<PlanTotals> parse_plan_totals(const Json& totals);
 // One entry per run: no groups (the receiver accepts either form).

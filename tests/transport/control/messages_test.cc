@@ -10,9 +10,9 @@ namespace {
 
 // The hint the two "too many runs" messages end with (messages.cc).
 const std::string kManyRunsHint =
-    " (a receiver that holds a tensor in another memory order than its source, column-major from a row-major "
-    "trainer, gets a run per element: the coordinator's \"relayout_below_bytes\" pulls such tensors in large "
-    "transfers, docs/refresh.md \"Column-major receivers\")";
+    " (the receiver's \"max_plan_runs\" sets it; a receiver that holds a tensor in another memory order than its "
+    "source, column-major from a row-major trainer, gets a run per element: the coordinator's "
+    "\"relayout_below_bytes\" pulls such tensors in large transfers, docs/refresh.md \"Column-major receivers\")";
 
 RegisterSource a_source() {
   RegisterSource m;
@@ -192,8 +192,14 @@ Json a_group(int64_t count, int64_t from_stride, int64_t to_stride) {
   return g;
 }
 
+// Why parse_plan_runs refuses `runs` ("accepted" if it does not); the
+// coordinator's check without the runs (check_plan_runs) must say the same,
+// and count what the parse expands.
 std::string refusal(const Json& runs, const MessageLimits& lim = MessageLimits{}) {
   auto parsed = parse_plan_runs(runs, lim);
+  auto checked = check_plan_runs(runs, lim);
+  EXPECT_EQ(checked.status().message(), parsed.status().message());
+  if (parsed.is_ok() && checked.is_ok()) EXPECT_EQ(*checked, parsed->size());
   return parsed.is_ok() ? "accepted" : parsed.status().message();
 }
 
@@ -231,9 +237,9 @@ TEST(Messages, ARunGroupExpandsToItsRunsInOrder) {
 TEST(Messages, ARunGroupIsRefusedNamingTheRunAndTheField) {
   Json g = a_group(2, 1, 1);
   g["count"] = 1;
-  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 4194304], got 1");
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 16777216], got 1");
   g["count"] = "2";
-  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 4194304], got \"2\"");
+  EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].count must be an integer in [2, 16777216], got \"2\"");
   g = a_group(2, 1, 1);
   g.erase("stride");
   EXPECT_EQ(refusal(Json::array({g})), "plan: runs[0].stride is missing");
@@ -293,9 +299,13 @@ TEST(Messages, ARunGroupCannotExpandPastTheRunLimit) {
   auto at_limit = parse_plan_runs(Json::array({a_group(60, 256, 256), a_group(40, 256, 256)}), lim);
   ASSERT_TRUE(at_limit.is_ok()) << at_limit.status().message();
   EXPECT_EQ(at_limit->size(), 100u);
-  // The default limit: a group of more than 2^22 runs is refused.
+  // The default limit: a group of more than 2^24 runs is refused.
   EXPECT_EQ(refusal(Json::array({a_group(int64_t{1} << 40, 1, 1)})),
-            "plan: runs[0].count must be an integer in [2, 4194304], got 1099511627776");
+            "plan: runs[0].count must be an integer in [2, 16777216], got 1099511627776");
+  // Counted without expanding: a part of 2^24 runs in two groups.
+  auto counted = check_plan_runs(Json::array({a_group(int64_t{1} << 23, 1, 1), a_group(int64_t{1} << 23, 1, 1)}));
+  ASSERT_TRUE(counted.is_ok()) << counted.status().message();
+  EXPECT_EQ(*counted, size_t{1} << 24);
   // The same through the whole reply.
   Json part = to_json(PlanPart{});
   part["runs"] = Json::array({a_group(60, 256, 256), a_group(41, 256, 256)});

@@ -249,12 +249,25 @@ int run(int argc, char** argv) {
     // receiver parses it, its peers, then the CBOR of both.
     const std::shared_ptr<const PeerDirectory> directory = state.peer_directory();
     const auto t3 = Clock::now();
-    size_t entries = 0, cbor_bytes = 0, largest = 0;
+    size_t entries = 0, cbor_bytes = 0, largest = 0, most_runs = 0, refused = 0, over_default = 0;
+    MessageLimits lim;
+    lim.max_runs = kMaxPlanRunsCeiling;  // as the coordinator checks them
+    std::string first_refusal;
     for (const auto& [rank, compact] : parts->parts) {
+      size_t expanded = 0;
+      for (const PartEntry& e : compact.entries) expanded += static_cast<size_t>(e.count);
+      most_runs = std::max(most_runs, expanded);
       const Json part = parts->part(rank);
       entries += part.size();
-      if (Result<std::vector<PlanRun>> runs = parse_plan_runs(part); !runs)
-        throw std::runtime_error("rank " + std::to_string(rank) + ": " + runs.status().message());
+      // A part the coordinator refuses to serve is counted, and its reply
+      // not made: the coordinator answers its fetches with why. Parts over
+      // a receiver's default "max_plan_runs" are counted too.
+      Result<size_t> runs = check_plan_runs(part, lim);
+      if (!runs) {
+        if (refused++ == 0) first_refusal = "rank " + std::to_string(rank) + ": " + runs.status().message();
+        continue;
+      }
+      if (*runs > MessageLimits{}.max_runs) ++over_default;
       Result<PlanPeers> peers = parse_plan_peers(peers_from(*directory, rank, false, part));
       if (!peers) throw std::runtime_error("rank " + std::to_string(rank) + ": " + peers.status().message());
       const size_t n = Json::to_cbor(part).size();
@@ -264,10 +277,12 @@ int run(int argc, char** argv) {
     std::printf(", \"document_s\": %.2f, \"layout_s\": %.2f, \"tensors\": %zu, \"layout_peak_over_members_mib\": %.0f, "
                 "\"compute_plan_s\": %.2f, \"plan_peak_over_members_mib\": %.0f, \"network_bytes\": %lld, "
                 "\"parts\": %zu, \"entries\": %zu, \"replies_s\": %.2f, \"reply_cbor_bytes\": %zu, "
-                "\"largest_runs_cbor_bytes\": %zu",
+                "\"largest_runs_cbor_bytes\": %zu, \"most_runs_per_receiver\": %zu, \"refused_replies\": %zu, \"over_receiver_default\": %zu, "
+                "\"first_refusal\": %s",
                 input_s, layout_s, tensors, (layout_peak_kib - members_kib) / 1024.0, plan_s,
                 (plan_peak_kib - members_kib) / 1024.0, static_cast<long long>(parts->network_bytes),
-                parts->parts.size(), entries, since(t3), cbor_bytes, largest);
+                parts->parts.size(), entries, since(t3), cbor_bytes, largest, most_runs, refused, over_default,
+                Json(first_refusal).dump().c_str());
   }
   std::printf(", \"peak_over_members_mib\": %.0f}\n", (status_kib("VmHWM") - members_kib) / 1024.0);
   return 0;
