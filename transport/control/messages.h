@@ -27,10 +27,11 @@ struct MessageLimits {
   size_t max_buffers = size_t{1} << 16;  // per member
   size_t max_segments = size_t{1} << 20; // per member, all buffers
   size_t max_dims = 8;
-  // Per plan part, its run groups expanded. An expanded run takes about 150
-  // bytes of the receiver's memory while it is parsed (more with long buffer
-  // names) and about 100 once compiled, so a part of a few bytes can ask for
-  // a few GiB at most. A receiver of Qwen3-235B at TP 8 in a 64-GPU domain
+  // Per plan part, its run groups expanded. An expanded run takes about 270
+  // bytes of the receiver's memory once parsed (its two buffer names are
+  // strings of their own; measured on Qwen3-235B's largest part,
+  // refit_coordinator_plan_bench --parse-largest), and more while it is
+  // compiled, so a part of a few bytes can ask for several GiB at most. A receiver of Qwen3-235B at TP 8 in a 64-GPU domain
   // needs 6.4 million (docs/refresh.md, "The plan part"); receivers set their
   // own bound ("max_plan_runs"), up to kMaxPlanRunsCeiling. (Before run
   // groups the 64 MiB frame bound held a part to about 350,000 runs.)

@@ -4,7 +4,7 @@
 // buffers and their segments, the tensors it holds), then the plan is made
 // from the registrations as the coordinator makes it.
 //
-//   refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only]
+//   refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest]
 //
 // --whole-text builds the layout the way the coordinator did before it read
 // the membership piece by piece: the whole document as one JSON value, its
@@ -15,7 +15,9 @@
 // then every receiver's reply, one after another (the part's message JSON,
 // checked as the receiver parses it, its peers, and the CBOR of both, as a
 // reply thread makes them);
-// --layout-only stops after the layout, as --whole-text does.
+// --layout-only stops after the layout, as --whole-text does;
+// --parse-largest then parses the largest part as its receiver does (groups
+// expanded) and prints the memory that took per run.
 // Peak resident
 // memory is measured from after the registrations (/proc/self/clear_refs),
 // so it is what planning adds to the members the coordinator holds anyway.
@@ -136,7 +138,7 @@ void registrations(const Layout& L, std::vector<RegisterSource>* sources, std::v
 
 int run(int argc, char** argv) {
   std::string scenario_path, manifest_path;
-  bool whole_text = false, layout_only = false;
+  bool whole_text = false, layout_only = false, parse_largest = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--scenario" && i + 1 < argc) {
@@ -147,13 +149,15 @@ int run(int argc, char** argv) {
       whole_text = true;
     } else if (a == "--layout-only") {
       layout_only = true;
+    } else if (a == "--parse-largest") {
+      parse_largest = true;
     } else {
-      std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only]\n";
+      std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest]\n";
       return 2;
     }
   }
   if (scenario_path.empty() || manifest_path.empty()) {
-    std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only]\n";
+    std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest]\n";
     return 2;
   }
   auto scenario = parse_scenario(read(scenario_path), scenario_path);
@@ -253,9 +257,11 @@ int run(int argc, char** argv) {
     MessageLimits lim;
     lim.max_runs = kMaxPlanRunsCeiling;  // as the coordinator checks them
     std::string first_refusal;
+    int32_t most_runs_rank = -1;
     for (const auto& [rank, compact] : parts->parts) {
       size_t expanded = 0;
       for (const PartEntry& e : compact.entries) expanded += static_cast<size_t>(e.count);
+      if (expanded > most_runs) most_runs_rank = rank;
       most_runs = std::max(most_runs, expanded);
       const Json part = parts->part(rank);
       entries += part.size();
@@ -283,6 +289,20 @@ int run(int argc, char** argv) {
                 (plan_peak_kib - members_kib) / 1024.0, static_cast<long long>(parts->network_bytes),
                 parts->parts.size(), entries, since(t3), cbor_bytes, largest, most_runs, refused, over_default,
                 Json(first_refusal).dump().c_str());
+    if (parse_largest && most_runs_rank >= 0) {
+      // The largest part as its receiver parses it (groups expanded): the
+      // memory that takes, per run.
+      const Json part = parts->part(most_runs_rank);
+      malloc_trim(0);
+      const long before_kib = status_kib("VmRSS");
+      const auto t4 = Clock::now();
+      Result<std::vector<PlanRun>> runs = parse_plan_runs(part, lim);
+      if (!runs) throw std::runtime_error(runs.status().message());
+      const double parse_s = since(t4);
+      const long after_kib = status_kib("VmRSS");
+      std::printf(", \"receiver_parse_s\": %.2f, \"receiver_parsed_runs\": %zu, \"receiver_bytes_per_run\": %.0f",
+                  parse_s, runs->size(), (after_kib - before_kib) * 1024.0 / static_cast<double>(runs->size()));
+    }
   }
   std::printf(", \"peak_over_members_mib\": %.0f}\n", (status_kib("VmHWM") - members_kib) / 1024.0);
   return 0;
