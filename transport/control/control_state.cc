@@ -212,23 +212,30 @@ const TensorDecl* ControlState::find_decl(const std::string& tensor, const std::
 namespace {
 const std::string& dtype_of(const MemberBuffer& b, const Segment& s) { return s.dtype.empty() ? b.dtype : s.dtype; }
 
-// Buffer `b` of the member at `position` as a refit-layout/1 document lists
-// it, less the segments `left_out` names ((buffer, segment) pairs, ascending,
-// of this buffer).
-Json buffer_json(bool source, int32_t position, const MemberBuffer& b,
-                 std::span<const std::pair<uint32_t, uint32_t>> left_out) {
-  Json segs = Json::array();
+// Calls `fn` with each segment of `b` but those `left_out` names
+// ((buffer, segment) pairs, ascending, of this buffer).
+template <typename Fn>
+void for_each_kept(const MemberBuffer& b, std::span<const std::pair<uint32_t, uint32_t>> left_out, const Fn& fn) {
   size_t skip = 0;
   for (size_t si = 0; si < b.segments.size(); ++si) {
     if (skip < left_out.size() && left_out[skip].second == si) {
       ++skip;
       continue;
     }
-    const Segment& s = b.segments[si];
+    fn(b.segments[si]);
+  }
+}
+
+// Buffer `b` of the member at `position` as a refit-layout/1 document lists
+// it, less the segments `left_out` names.
+Json buffer_json(bool source, int32_t position, const MemberBuffer& b,
+                 std::span<const std::pair<uint32_t, uint32_t>> left_out) {
+  Json segs = Json::array();
+  for_each_kept(b, left_out, [&segs](const Segment& s) {
     segs.push_back({{"tensor", s.tensor}, {"start", s.start}, {"size", s.size}, {"offset", s.offset},
                     {"strides", s.strides}});
     if (!s.dtype.empty()) segs.back()["dtype"] = s.dtype;
-  }
+  });
   return Json{{"side", source ? "source" : "receiver"}, {"rank", position}, {"name", b.name},
               {"dtype", b.dtype}, {"bytes", b.bytes}, {"segments", std::move(segs)}};
 }
@@ -240,15 +247,9 @@ Status add_buffer(LayoutBuilder& builder, bool source, int32_t position, const M
                   std::vector<LayoutBuilder::SegmentView>& views) {
   views.clear();
   views.reserve(b.segments.size());
-  size_t skip = 0;
-  for (size_t si = 0; si < b.segments.size(); ++si) {
-    if (skip < left_out.size() && left_out[skip].second == si) {
-      ++skip;
-      continue;
-    }
-    const Segment& s = b.segments[si];
+  for_each_kept(b, left_out, [&views](const Segment& s) {
     views.push_back(LayoutBuilder::SegmentView{s.tensor, s.start, s.size, s.strides, s.offset, s.dtype});
-  }
+  });
   return builder.buffer(LayoutBuilder::BufferView{source ? Side::kSource : Side::kReceiver, position, b.name,
                                                   b.dtype, b.bytes, views});
 }
