@@ -192,8 +192,9 @@
  *                    may hold once its run groups are expanded, 1 to 2^26;
  *                    a larger part is refused naming this key. Each run
  *                    takes about 270 bytes of host memory once the part is
- *                    parsed, more while it is compiled (a Qwen3-235B
- *                    receiver at TP 8 in a 64-GPU domain has 6.4 million)
+ *                    parsed (more with buffer names of hundreds of bytes),
+ *                    more while it is compiled (a Qwen3-235B receiver at
+ *                    TP 8 in a 64-GPU domain has 6.4 million)
  *     "landing_bytes" integer [67108864]: pinned host
  *                    memory of the landing ring (GPU buffers that UCX cannot
  *                    write), in slots of "chunk_bytes" but at most 4 MiB each:

@@ -240,8 +240,6 @@ Result<RefreshSession::Lease> RefreshSession::lease(int64_t requested, Clock::ti
   }
 }
 
-// The plan part of the current membership, compiled; the coordinator
-// answers "unchanged" when `compiled` holds it already.
 // The bounds a plan part from the coordinator is parsed within: the
 // defaults, and this receiver's "max_plan_runs".
 control::MessageLimits RefreshSession::part_limits() const {
@@ -250,6 +248,8 @@ control::MessageLimits RefreshSession::part_limits() const {
   return lim;
 }
 
+// The plan part of the current membership, compiled; the coordinator
+// answers "unchanged" when `compiled` holds it already.
 Status RefreshSession::fetch_plan(Clock::time_point deadline, std::shared_ptr<const CompiledPart>* compiled) {
   Json fetch{{"rank", config_.rank}};
   if (*compiled) fetch["epoch"] = (*compiled)->epoch.wire();
@@ -315,7 +315,10 @@ TransferWatch RefreshSession::watch(const CompiledPart& part, int64_t version, C
   w.check = [this, &part, deadline, epoch = part.epoch](std::vector<int32_t>* gone) mutable -> Status {
     Result<Json> p = link_.request(MsgType::kFetchPlan, Json{{"rank", config_.rank}, {"epoch", epoch.wire()}}, deadline);
     if (!p.is_ok()) return Status::ok();
-    Result<control::PlanPart> next = control::parse_plan_part(*p, part_limits());
+    // Its peers only: the runs of a new part are not needed to tell that
+    // the membership changed and whom it reads from (nor parsed, millions
+    // of them, while the transfer runs).
+    Result<control::PlanPart> next = control::parse_plan_part(*p, part_limits(), /*with_runs=*/false);
     if (!next.is_ok() || next->unchanged) return Status::ok();
     epoch = next->epoch;
     // A source the new plan does not read from (or reads from at another

@@ -584,8 +584,8 @@ void parse_move(Reader& r, const Json& run, const std::string& p, bool network, 
 // What most often makes a part too long: a receiver that orders a tensor's
 // dims otherwise in memory than its source gets one run per element.
 constexpr const char* kManyRunsHint =
-    " (the receiver's \"max_plan_runs\" sets it; a receiver that holds a tensor in another memory order than its "
-    "source, column-major from a row-major trainer, gets a run per element: the coordinator's "
+    " (a receiver's \"max_plan_runs\" sets the limit, at most 2^26; a receiver that holds a tensor in another memory "
+    "order than its source, column-major from a row-major trainer, gets a run per element: the coordinator's "
     "\"relayout_below_bytes\" pulls such tensors in large transfers, docs/refresh.md \"Column-major receivers\")";
 
 // A run group's "count" and "stride" (docs/refresh.md, "The plan part"):
@@ -596,8 +596,16 @@ bool parse_group(Reader& r, const Json& run, const std::string& p, size_t expand
   if (!run.contains("count")) {
     return run.contains("stride") ? r.fail(p + ".stride", "is given without \"count\"") : r.ok();
   }
+  // A count over the limit is refused as the limit's, naming the setting.
+  if (const Json& c = run["count"]; c.is_number_integer() && (c.is_number_unsigned() || c.get<int64_t>() > 0)) {
+    const uint64_t asked = c.get<uint64_t>();
+    if (asked > lim.max_runs) {
+      return r.fail(p + ".count", "asks for " + std::to_string(asked) + " runs, more than the limit of " +
+                                      std::to_string(lim.max_runs) + kManyRunsHint);
+    }
+  }
   const int64_t most = static_cast<int64_t>(std::min<size_t>(lim.max_runs, std::numeric_limits<int64_t>::max()));
-  if (!r.int_in(run, p, "count", 2, most, count)) return false;
+  if (!r.int_in(run, p, "count", 2, std::max<int64_t>(most, 2), count)) return false;
   if (expanded + static_cast<size_t>(*count) > lim.max_runs) {
     return r.fail(p + ".count", "expands the part to " + std::to_string(expanded + static_cast<size_t>(*count)) +
                                     " runs, more than the limit of " + std::to_string(lim.max_runs) + kManyRunsHint);
@@ -679,12 +687,12 @@ bool parse_runs(Reader& r, const Json& runs, const std::string& path, const Mess
                             std::to_string(lim.max_runs) + kManyRunsHint);
   }
   size_t n = 0;  // runs so far, groups expanded
-  if (out) out->reserve(runs.size());
+  if (out && out->capacity() < runs.size()) out->reserve(runs.size());
   for (size_t i = 0; i < runs.size() && r.ok(); ++i) {
     const Json& run = runs[i];
     const std::string p = path + "[" + std::to_string(i) + "]";
     if (n >= lim.max_runs) {
-      return r.fail(p, "expands the part past the limit of " + std::to_string(lim.max_runs) + " runs");
+      return r.fail(p, "expands the part past the limit of " + std::to_string(lim.max_runs) + " runs" + kManyRunsHint);
     }
     PlanRun pr;
     std::string kind;
@@ -771,7 +779,7 @@ bool parse_totals(Reader& r, const Json& totals, const std::string& path, PlanTo
 
 }  // namespace
 
-Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& lim) {
+Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& lim, bool with_runs) {
   Reader r("plan");
   PlanPart m;
   uint64_t epoch = 0;
@@ -781,7 +789,15 @@ Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& lim) {
   r.boolean(body, "", "unchanged", &m.unchanged);
   if (const Json* totals = r.field(body, "", "plan", /*required=*/false)) parse_totals(r, *totals, "plan", &m.totals);
   if (r.ok() && !m.unchanged) {
-    if (const Json* runs = r.field(body, "", "runs")) parse_runs(r, *runs, "runs", lim, &m.runs);
+    if (const Json* runs = r.field(body, "", "runs"); runs && with_runs) {
+      // Counted and checked first: a part over the limit is refused before
+      // any run is made, and the runs are held in one allocation.
+      size_t n = 0;
+      if (parse_runs(r, *runs, "runs", lim, nullptr, &n)) {
+        m.runs.reserve(n);
+        parse_runs(r, *runs, "runs", lim, &m.runs);
+      }
+    }
     if (const Json* peers = r.field(body, "", "peers")) parse_peers(r, *peers, "peers", lim, &m.peers);
   }
   if (!r.ok()) return r.status();

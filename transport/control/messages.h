@@ -28,10 +28,11 @@ struct MessageLimits {
   size_t max_segments = size_t{1} << 20; // per member, all buffers
   size_t max_dims = 8;
   // Per plan part, its run groups expanded. An expanded run takes about 270
-  // bytes of the receiver's memory once parsed (its two buffer names are
-  // strings of their own; measured on Qwen3-235B's largest part,
-  // refit_coordinator_plan_bench --parse-largest), and more while it is
-  // compiled, so a part of a few bytes can ask for several GiB at most. A receiver of Qwen3-235B at TP 8 in a 64-GPU domain
+  // bytes of the receiver's memory once parsed (measured on Qwen3-235B's
+  // largest part, refit_coordinator_plan_bench --parse-largest), and more
+  // while it is compiled; its two buffer names are strings of their own, so
+  // names near max_name_bytes make it about 2 KiB. A part of a few KiB can
+  // ask for N times that. A receiver of Qwen3-235B at TP 8 in a 64-GPU domain
   // needs 6.4 million (docs/refresh.md, "The plan part"); receivers set their
   // own bound ("max_plan_runs"), up to kMaxPlanRunsCeiling. (Before run
   // groups the 64 MiB frame bound held a part to about 350,000 runs.)
@@ -323,7 +324,11 @@ struct PlanPart {
 // entries on the wire and lim.max_runs runs once its groups are expanded;
 // a group's every run's offsets lie in [0, 2^63), computed without overflow.
 // At most lim.max_buffers buffers per peer.
-Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& limits = MessageLimits{});
+// `with_runs` false: the runs are neither parsed nor checked (their key
+// must be there), for a receiver that only asks whether the part changed
+// and whom it reads from.
+Result<PlanPart> parse_plan_part(const Json& body, const MessageLimits& limits = MessageLimits{},
+                                 bool with_runs = true);
 // A list of runs alone (the coordinator's cached part), groups expanded.
 Result<std::vector<PlanRun>> parse_plan_runs(const Json& runs, const MessageLimits& limits = MessageLimits{});
 // The same checks and messages without the runs: how many there are once

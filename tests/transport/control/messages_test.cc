@@ -10,8 +10,8 @@ namespace {
 
 // The hint the two "too many runs" messages end with (messages.cc).
 const std::string kManyRunsHint =
-    " (the receiver's \"max_plan_runs\" sets it; a receiver that holds a tensor in another memory order than its "
-    "source, column-major from a row-major trainer, gets a run per element: the coordinator's "
+    " (a receiver's \"max_plan_runs\" sets the limit, at most 2^26; a receiver that holds a tensor in another memory "
+    "order than its source, column-major from a row-major trainer, gets a run per element: the coordinator's "
     "\"relayout_below_bytes\" pulls such tensors in large transfers, docs/refresh.md \"Column-major receivers\")";
 
 RegisterSource a_source() {
@@ -206,6 +206,7 @@ std::string refusal(const Json& runs, const MessageLimits& lim = MessageLimits{}
 TEST(Messages, ARunGroupExpandsToItsRunsInOrder) {
   const PlanRun local{false, {Role::kReceiver, 0, "q", 0}, {Role::kReceiver, 1, "q", 64}, 16};
   Json runs = Json::array({a_group(3, 1024, 256), to_json(local), a_group(2, -512, 0)});
+  EXPECT_EQ(refusal(runs), "accepted");  // and counted as 6 without them (check_plan_runs)
   auto parsed = parse_plan_runs(runs);
   ASSERT_TRUE(parsed.is_ok()) << parsed.status().message();
   ASSERT_EQ(parsed->size(), 6u);
@@ -290,25 +291,29 @@ TEST(Messages, ARunGroupCannotExpandPastTheRunLimit) {
   MessageLimits lim;
   lim.max_runs = 100;
   EXPECT_EQ(refusal(Json::array({a_group(101, 1, 1)}), lim),
-            "plan: runs[0].count must be an integer in [2, 100], got 101");
+            "plan: runs[0].count asks for 101 runs, more than the limit of 100" + kManyRunsHint);
   EXPECT_EQ(refusal(Json::array({a_group(60, 256, 256), a_group(41, 256, 256)}), lim),
             std::string("plan: runs[1].count expands the part to 101 runs, more than the limit of 100") + kManyRunsHint);
   const Json plain = to_json(PlanRun{true, {Role::kSource, 3, "w", 0}, {Role::kReceiver, 0, "q", 0}, 8});
   EXPECT_EQ(refusal(Json::array({a_group(99, 256, 256), plain, plain}), lim),
-            "plan: runs[2] expands the part past the limit of 100 runs");
+            "plan: runs[2] expands the part past the limit of 100 runs" + kManyRunsHint);
   auto at_limit = parse_plan_runs(Json::array({a_group(60, 256, 256), a_group(40, 256, 256)}), lim);
   ASSERT_TRUE(at_limit.is_ok()) << at_limit.status().message();
   EXPECT_EQ(at_limit->size(), 100u);
   // The default limit: a group of more than 2^24 runs is refused.
   EXPECT_EQ(refusal(Json::array({a_group(int64_t{1} << 40, 1, 1)})),
-            "plan: runs[0].count must be an integer in [2, 16777216], got 1099511627776");
+            "plan: runs[0].count asks for 1099511627776 runs, more than the limit of 16777216" + kManyRunsHint);
   // Counted without expanding: a part of 2^24 runs in two groups.
   auto counted = check_plan_runs(Json::array({a_group(int64_t{1} << 23, 1, 1), a_group(int64_t{1} << 23, 1, 1)}));
   ASSERT_TRUE(counted.is_ok()) << counted.status().message();
   EXPECT_EQ(*counted, size_t{1} << 24);
-  // The same through the whole reply.
+  // The same through the whole reply; a receiver asking only whom the part
+  // reads from does not parse its runs.
   Json part = to_json(PlanPart{});
   part["runs"] = Json::array({a_group(60, 256, 256), a_group(41, 256, 256)});
+  auto peers_only = parse_plan_part(part, lim, /*with_runs=*/false);
+  ASSERT_TRUE(peers_only.is_ok()) << peers_only.status().message();
+  EXPECT_TRUE(peers_only->runs.empty());
   auto whole = parse_plan_part(part, lim);
   ASSERT_FALSE(whole.is_ok());
   EXPECT_EQ(whole.status().message(),
