@@ -81,13 +81,12 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
   }
   while (s.leaves_ < num_endpoints) s.leaves_ *= 2;
   s.tree_.assign(2 * static_cast<size_t>(s.leaves_), Node{});
-  s.keys_.resize(num_endpoints);
+  s.issues_ = num_endpoints;
   for (uint32_t e = 0; e < num_endpoints; ++e) {
-    s.eps_[e].head = s.cut(s.eps_[e], e);
-    s.set_key(e);
-    const Chunk& c = s.eps_[e].head;
-    if (c.bytes == 0 || c.bytes > limits.max_bytes_per_endpoint) continue;
-    s.tree_[s.leaves_ + e] = Node{c.bytes, e};
+    EndpointState& ep = s.eps_[e];
+    ep.head = s.cut(ep, e);
+    ep.last_issued = e;
+    s.tree_[s.leaves_ + e] = s.leaf_of(e);
   }
   for (uint32_t i = s.leaves_ - 1; i >= 1; --i) s.combine(i);
   return s;
@@ -120,66 +119,62 @@ void ChunkScheduler::advance(EndpointState& ep, uint32_t e) {
   ep.waiting.pop_back();
 }
 
-bool ChunkScheduler::Live::operator<(const Live& o) const {
-  const auto mine = static_cast<unsigned __int128>(issued_bytes) * o.total_bytes;
-  const auto theirs = static_cast<unsigned __int128>(o.issued_bytes) * total_bytes;
-  if (mine != theirs) return mine < theirs;
-  if (last_issued != o.last_issued) return last_issued < o.last_issued;
-  return endpoint < o.endpoint;
-}
-
-void ChunkScheduler::set_key(uint32_t e) {
-  const EndpointState& ep = eps_[e];
-  keys_[e] = Live{ep.total_bytes - ep.pending_bytes, ep.total_bytes, ep.last_issued, e};
+uint64_t ChunkScheduler::share_of(const EndpointState& ep) {
+  const uint64_t issued = ep.total_bytes - ep.pending_bytes;
+  // Nothing pending (or nothing at all): not in the tree, never compared.
+  if (issued >= ep.total_bytes) return UINT64_MAX;
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(issued) << 64) / ep.total_bytes);
 }
 
 void ChunkScheduler::combine(uint32_t i) {
   const Node& a = tree_[2 * i];
   const Node& b = tree_[2 * i + 1];
-  tree_[i].win = b.win == kNone || (a.win != kNone && keys_[a.win] < keys_[b.win]) ? a.win : b.win;
-  tree_[i].min_head = std::min(a.min_head, b.min_head);
+  // An empty node's key comes after every endpoint's.
+  const Node& w = before(b, a) ? b : a;
+  tree_[i] = Node{w.share, w.tie, std::min(a.min_head, b.min_head), w.win, w.win_head};
 }
 
-void ChunkScheduler::update(uint32_t e, bool key_changed) {
-  if (key_changed) set_key(e);
+ChunkScheduler::Node ChunkScheduler::leaf_of(uint32_t e) const {
   const EndpointState& ep = eps_[e];
-  const Chunk& c = ep.head;
-  const bool active = c.bytes > 0 && !ep.held && ep.ops_in_flight < limits_.max_ops_per_endpoint &&
-                      ep.bytes_in_flight + c.bytes <= limits_.max_bytes_per_endpoint;
+  if (!in_tree(ep)) return Node{};
+  const uint64_t h = ep.head.bytes;
+  return Node{ep.share, ep.last_issued, h, e, static_cast<uint32_t>(std::min<uint64_t>(h, kWideHead))};
+}
+
+void ChunkScheduler::update(uint32_t e, bool share_changed) {
+  if (share_changed) eps_[e].share = share_of(eps_[e]);
+  const Node leaf = leaf_of(e);
   uint32_t i = leaves_ + e;
-  const uint32_t w = active ? e : kNone;
-  const uint64_t h = active ? c.bytes : UINT64_MAX;
-  if (tree_[i].win == w && tree_[i].min_head == h && !(key_changed && active)) return;
-  tree_[i] = Node{h, w};
+  if (tree_[i] == leaf) return;
+  tree_[i] = leaf;
+  // A node is its children's: once one is unchanged, so is everything above.
   for (i /= 2; i >= 1; i /= 2) {
-    const Node before = tree_[i];
+    const Node was = tree_[i];
     combine(i);
-    // Nothing above changes: the same first, not the endpoint whose place
-    // moved, and the same smallest head.
-    if (tree_[i].win == before.win && tree_[i].min_head == before.min_head && !(key_changed && before.win == e))
-      return;
+    if (tree_[i] == was) return;
   }
 }
 
 uint32_t ChunkScheduler::first_fitting(uint64_t free) const {
-  uint32_t best = kNone;
+  const Node* best = nullptr;
   uint32_t stack[64];
   size_t n = 0;
   stack[n++] = 1;
   while (n > 0) {
     const uint32_t i = stack[--n];
-    const uint32_t w = tree_[i].win;
-    if (w == kNone || tree_[i].min_head > free) continue;
-    if (best != kNone && !(keys_[w] < keys_[best])) continue;  // nothing here comes first
-    if (tree_[leaves_ + w].min_head <= free) {
-      best = w;  // the subtree's first fits: nothing else in it comes before
+    const Node& x = tree_[i];
+    if (x.win == kNone || x.min_head > free) continue;
+    if (best != nullptr && !before(x, *best)) continue;  // nothing here comes first
+    const uint64_t head = x.win_head != kWideHead ? x.win_head : tree_[leaves_ + x.win].min_head;
+    if (head <= free) {
+      best = &x;  // the subtree's first fits: nothing else in it comes before
       continue;
     }
     if (i >= leaves_) continue;
     stack[n++] = 2 * i + 1;
     stack[n++] = 2 * i;
   }
-  return best;
+  return best != nullptr ? best->win : kNone;
 }
 
 std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
@@ -210,7 +205,7 @@ Chunk ChunkScheduler::issue(uint32_t e) {
   EndpointState& ep = eps_[e];
   const Chunk c = ep.head;
   advance(ep, e);
-  ep.last_issued = ++issued_;
+  ep.last_issued = issues_++;
   ep.bytes_in_flight += c.bytes;
   ++ep.ops_in_flight;
   bytes_in_flight_ += c.bytes;
@@ -222,13 +217,15 @@ Chunk ChunkScheduler::issue(uint32_t e) {
 
 bool ChunkScheduler::complete(const Chunk& c) {
   EndpointState& ep = eps_[c.endpoint];
+  // An endpoint in the tree stays there: its window only grows. (Asked of
+  // its state, which is read anyway, rather than of its leaf.)
+  const bool stays = in_tree(ep);
   ep.bytes_in_flight -= c.bytes;
   --ep.ops_in_flight;
   bytes_in_flight_ -= c.bytes;
   --ops_in_flight_;
   --outstanding_[c.run];
-  // An endpoint in the tree stays there: its window only grew.
-  if (tree_[leaves_ + c.endpoint].win != c.endpoint) update(c.endpoint, false);
+  if (!stays) update(c.endpoint, false);
   return run_finished(c.run);
 }
 

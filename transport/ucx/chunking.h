@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <new>
 #include <optional>
 #include <span>
 #include <vector>
@@ -67,8 +68,9 @@ class ChunkScheduler {
 
   // The next chunk that fits the window (and that `gate`, if any, lets go),
   // reserving its bytes and op. Of the endpoints whose next chunk fits, the
-  // one furthest behind goes: the smallest share of its bytes issued, ties
-  // to the one least recently issued (so equal ones take turns). So a
+  // one furthest behind goes: the smallest share of its bytes issued (to
+  // 2^-64, see Node below), ties to the one least recently issued (so equal
+  // ones take turns), then to the one never issued with the lowest index. So a
   // receiver pulls from each source in proportion to what it needs from it,
   // and all its sources finish together: with equal turns, a source it
   // needs more from would be left alone at the end, its NIC the only one
@@ -128,7 +130,11 @@ class ChunkScheduler {
     uint64_t ops_in_flight = 0;
     uint64_t total_bytes = 0;    // of all its chunks
     uint64_t pending_bytes = 0;  // of the chunks not yet issued
-    uint64_t last_issued = 0;    // the scheduler's count of issues when it last issued (0: never)
+    // Its place among issues, unique: e before its first issue (never-issued
+    // endpoints go first, by index), then the scheduler's count of issues
+    // when it last issued, which starts at the number of endpoints.
+    uint64_t last_issued = 0;
+    uint64_t share = 0;  // share_of() its bytes issued, set when they change
     bool held = false;
   };
   // Cuts the next chunk of `ep`'s runs (bytes 0 when they are all cut).
@@ -137,17 +143,9 @@ class ChunkScheduler {
     return r.gather && limits_.gather_chunk_bytes > 0 ? limits_.gather_chunk_bytes : limits_.chunk_bytes;
   }
   void advance(EndpointState& ep, uint32_t endpoint);  // the next pending chunk becomes the head
-  // An endpoint's place in the order of issue: furthest behind first (the
-  // smallest share of its bytes issued), then the least recently issued,
-  // then the lowest index.
-  struct Live {
-    uint64_t issued_bytes = 0;
-    uint64_t total_bytes = 0;
-    uint64_t last_issued = 0;
-    uint32_t endpoint = 0;
-    bool operator<(const Live& o) const;
-  };
-  void set_key(uint32_t endpoint);
+  // The share of its bytes `ep` has issued, as a fraction of 2^64 rounded
+  // down (issued < total while it has a chunk pending, so it fits).
+  static uint64_t share_of(const EndpointState& ep);
   // Which endpoint goes next is found in a tournament tree over the
   // endpoints (heap-ordered: node i has children 2i and 2i+1, endpoint e is
   // leaf leaves_ + e). A leaf holds its endpoint while that has a chunk
@@ -159,30 +157,77 @@ class ChunkScheduler {
   // instead passed over every endpoint whose head did not fit: 12 a chunk
   // on average for a Kimi-K2 receiver with 256 sources, simulated.)
   static constexpr uint32_t kNone = UINT32_MAX;
+  // A node holds its first's key and head itself, so that walking the tree
+  // reads nothing else, and is 32 bytes in storage aligned to 64, so that
+  // a node's sibling, which every step up or down reads too, lies in the
+  // same cache line. (A 16-byte node beside a key array read another line
+  // a level for the key; a 48-byte node that kept the exact key was slower
+  // than that: docs/simulator.md.)
+  //
+  // The key is (share, tie), compared as two integers. `share` is share_of()
+  // the endpoint; `tie` is its last_issued, unique, so no two keys are
+  // equal. The order is the exact one (shares as fractions, then least
+  // recently issued, then never issued by index) except where two shares
+  // differ by less than 2^-64, which rounding down may make equal: those go
+  // by `tie`. Two unequal shares differ by at least 1 / (the product of the
+  // two endpoints' totals), so that happens only where that product exceeds
+  // 2^64 (both totals above 4 GiB, say).
+  static constexpr uint32_t kWideHead = UINT32_MAX;
+  struct Node {
+    uint64_t share = UINT64_MAX;     // UINT64_MAX: no leaf (an endpoint's share is below it)
+    uint64_t tie = UINT64_MAX;
+    uint64_t min_head = UINT64_MAX;  // the smallest head among its leaves (UINT64_MAX: none)
+    uint32_t win = kNone;            // the first of its leaves, or kNone
+    // The first's head, or kWideHead when it is that or more (a chunk of
+    // 4 GiB - 1 bytes or more: its leaf's min_head is read instead).
+    uint32_t win_head = kWideHead;
+    bool operator==(const Node&) const = default;
+  };
+  static_assert(sizeof(Node) == 32, "two nodes a cache line");
+  // Whether key a comes before key b.
+  static bool before(const Node& a, const Node& b) {
+    return a.share != b.share ? a.share < b.share : a.tie < b.tie;
+  }
+  // Whether `ep`'s leaf holds it (update() keeps the leaves so): it has a
+  // chunk pending that its own window takes and is not held.
+  bool in_tree(const EndpointState& ep) const {
+    return ep.head.bytes > 0 && !ep.held && ep.ops_in_flight < limits_.max_ops_per_endpoint &&
+           ep.bytes_in_flight + ep.head.bytes <= limits_.max_bytes_per_endpoint;
+  }
+  // Endpoint e's leaf as its state stands.
+  Node leaf_of(uint32_t e) const;
   // Node i from its children.
   void combine(uint32_t i);
-  // Recomputes endpoint `e`'s leaf and the nodes above it; `key_changed`:
-  // e's place in the order moved (its key is set anew), so every node it
-  // wins is redone.
-  void update(uint32_t e, bool key_changed);
+  // Recomputes endpoint `e`'s leaf and the nodes above it; `share_changed`:
+  // its bytes issued changed, so its share is computed anew.
+  void update(uint32_t e, bool share_changed);
   // The first endpoint in the order of issue whose head chunk is at most
   // `free` bytes (the tree's leaves as they stand), or kNone.
   uint32_t first_fitting(uint64_t free) const;
   Chunk issue(uint32_t endpoint);
+
+  // Allocates the tree's nodes on a cache line (a vector of Node would align
+  // them to 8 bytes only).
+  template <class T>
+  struct LineAligned {
+    using value_type = T;
+    static constexpr std::align_val_t kAlign{64};
+    LineAligned() = default;
+    template <class U>
+    LineAligned(const LineAligned<U>&) {}
+    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+    void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
+    bool operator==(const LineAligned&) const = default;
+  };
 
   WindowLimits limits_;
   // Per run: its chunks not completed, pending or in flight (issuing a
   // chunk reads nothing per run; completing one reads these 4 bytes).
   std::vector<uint32_t> outstanding_;
   std::vector<EndpointState> eps_;
-  std::vector<Live> keys_;  // per endpoint, its place in the order of issue
   uint32_t leaves_ = 1;     // a power of two, at least the endpoints
-  struct Node {
-    uint64_t min_head = UINT64_MAX;  // the smallest head among its leaves (UINT64_MAX: none)
-    uint32_t win = kNone;            // the first of its leaves, or kNone
-  };
-  std::vector<Node> tree_;
-  uint64_t issued_ = 0;  // chunks issued so far
+  std::vector<Node, LineAligned<Node>> tree_;
+  uint64_t issues_ = 0;  // chunks issued so far, plus the number of endpoints
   uint64_t pending_chunks_ = 0;
   uint64_t bytes_in_flight_ = 0;
   uint64_t ops_in_flight_ = 0;

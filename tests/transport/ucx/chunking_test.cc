@@ -187,14 +187,16 @@ class ReferenceScheduler {
     uint64_t total = 0, left = 0, last = 0, bytes = 0, ops = 0;
     bool held = false;
   };
-  // Whether `a` is further behind than `b`: a smaller share issued, then
-  // issued less recently, then the lower index.
+  // Whether `a` is further behind than `b`: a smaller share issued (as a
+  // fraction of 2^64 rounded down), then issued less recently (never
+  // first), then the lower index.
   bool behind(uint32_t a, uint32_t b) const {
     const Ep& x = eps_[a];
     const Ep& y = eps_[b];
-    const auto mine = static_cast<unsigned __int128>(x.total - x.left) * y.total;
-    const auto theirs = static_cast<unsigned __int128>(y.total - y.left) * x.total;
-    if (mine != theirs) return mine < theirs;
+    auto share = [](const Ep& e) {
+      return static_cast<uint64_t>((static_cast<unsigned __int128>(e.total - e.left) << 64) / e.total);
+    };
+    if (share(x) != share(y)) return share(x) < share(y);
     if (x.last != y.last) return x.last < y.last;
     return a < b;
   }
@@ -209,8 +211,9 @@ class ReferenceScheduler {
 
 // Random mixes of next (through a gate), complete, requeue, hold and drop:
 // the scheduler issues exactly the chunk the plain reference does, every
-// time, and its counts agree. Sources of up to 2^61 bytes make the share
-// comparison need its 128 bits.
+// time, and its counts agree. Sources of up to 2^61 bytes make shares
+// need all 64 bits of their fractions, and chunks of 2^40 bytes and more
+// are too wide for a node's copy of its first's head.
 TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
   std::mt19937_64 rng(7);
   for (int iter = 0; iter < 400; ++iter) {
@@ -327,6 +330,84 @@ TEST(ChunkScheduler, RefusesARunOfMoreChunksThanItCountsNamingIt) {
   EXPECT_EQ(s.status().code(), Code::kInvalidArgument);
   EXPECT_NE(s.status().message().find("run 1"), std::string::npos) << s.status().message();
   EXPECT_NE(s.status().message().find("raise chunk_bytes"), std::string::npos) << s.status().message();
+}
+
+// Never-issued endpoints go first, by index; then, among equal shares, the
+// least recently issued. Endpoint 0's chunk taken back leaves it with
+// nothing issued, as 1 and 2, but issued more recently than either.
+TEST(ChunkScheduler, NeverIssuedGoFirstByIndexThenLeastRecentlyIssued) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  std::vector<ChunkRun> runs = {{0, 100}, {1, 100}, {2, 100}};
+  auto sched = ChunkScheduler::create(l, runs, 3);
+  ASSERT_TRUE(sched.is_ok());
+  sched->requeue(*sched->next());
+  std::vector<uint32_t> order;
+  for (int i = 0; i < 6; ++i) order.push_back(sched->next()->endpoint);
+  EXPECT_EQ(order, (std::vector<uint32_t>{1, 2, 0, 1, 2, 0}));
+}
+
+// A chunk taken back lowers its endpoint's share: it goes next, before one
+// that has issued more, and then both take turns again.
+TEST(ChunkScheduler, ARequeueLowersTheShare) {
+  WindowLimits l;
+  l.chunk_bytes = 10;
+  std::vector<ChunkRun> runs = {{0, 40}, {1, 40}};
+  auto sched = ChunkScheduler::create(l, runs, 2);
+  ASSERT_TRUE(sched.is_ok());
+  std::vector<Chunk> got;
+  for (int i = 0; i < 4; ++i) got.push_back(*sched->next());
+  ASSERT_EQ(got[3].endpoint, 1u);
+  sched->requeue(got[3]);  // endpoint 1 has issued 1/4, endpoint 0 2/4
+  std::vector<uint32_t> order;
+  for (int i = 0; i < 3; ++i) order.push_back(sched->next()->endpoint);
+  EXPECT_EQ(order, (std::vector<uint32_t>{1, 0, 1}));
+}
+
+// Shares are compared as fractions of 2^64 rounded down (chunking.h). With
+// totals of 3c - 1 and 3c bytes, one chunk of c issued from each, endpoint
+// 1 (1/3) is behind endpoint 0 (c / (3c - 1)) by 1 / (3 (3c - 1)): with
+// c = 2^62 that is under 2^-64, both round to the same share, and endpoint
+// 0, issued less recently, goes; with c = 2^20 endpoint 1 goes.
+TEST(ChunkScheduler, SharesCloserThan2ToTheMinus64GoByLastIssue) {
+  for (const uint64_t c : {uint64_t{1} << 62, uint64_t{1} << 20}) {
+    WindowLimits l;
+    l.chunk_bytes = c;
+    l.max_bytes_in_flight = c;
+    l.max_bytes_per_endpoint = c;
+    std::vector<ChunkRun> runs = {{0, 3 * c - 1}, {1, 3 * c}};
+    auto sched = ChunkScheduler::create(l, runs, 2);
+    ASSERT_TRUE(sched.is_ok());
+    std::vector<uint32_t> order;
+    for (int i = 0; i < 3; ++i) {
+      const Chunk k = *sched->next();
+      EXPECT_FALSE(sched->next()) << "the window holds one chunk";
+      order.push_back(k.endpoint);
+      sched->complete(k);
+    }
+    const uint32_t third = c == uint64_t{1} << 62 ? 0 : 1;
+    EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, third})) << "c = " << c;
+  }
+}
+
+// A chunk of 4 GiB or more is too wide for a node's copy of its first's
+// head: the fit is checked against the exact one.
+TEST(ChunkScheduler, ChunksOf4GiBAndMoreFitExactly) {
+  WindowLimits l;
+  l.chunk_bytes = uint64_t{1} << 33;
+  l.max_bytes_in_flight = (uint64_t{1} << 33) + (uint64_t{1} << 32);
+  l.max_bytes_per_endpoint = l.max_bytes_in_flight;
+  std::vector<ChunkRun> runs = {{0, uint64_t{1} << 34}, {1, (uint64_t{1} << 33) + 100}};
+  auto sched = ChunkScheduler::create(l, runs, 2);
+  ASSERT_TRUE(sched.is_ok());
+  const Chunk first = *sched->next();
+  EXPECT_EQ(first.endpoint, 0u);
+  EXPECT_FALSE(sched->next()) << "2^32 bytes free, every head 2^33";
+  sched->complete(first);
+  EXPECT_EQ(sched->next()->endpoint, 1u);
+  const Chunk tail = *sched->next();  // 2^32 free again: endpoint 1's 100 bytes fit, 0's 2^33 not
+  EXPECT_EQ(tail.endpoint, 1u);
+  EXPECT_EQ(tail.bytes, 100u);
 }
 
 TEST(ChunkScheduler, EndpointsTakeTurns) {
