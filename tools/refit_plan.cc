@@ -408,6 +408,7 @@ struct Options {
   bool compare = false;
   bool quiet = false;
   bool simulate = false;
+  int sim_threads = 0;
   std::string trace_out;
   std::string hardware_file;
   double progress_after = 2;
@@ -991,6 +992,7 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
     refit::sim::SimOptions so;
     so.trace = !o.trace_out.empty();
     so.gather = g_gather;
+    so.threads = o.sim_threads;
     auto r = refit::sim::simulate(*plan, hw->model, so);
     if (!r) return fail(r.status().with_context(in.origin));
     result = std::move(*r);
@@ -1090,8 +1092,8 @@ int run(const Options& o) {
   }
   if (po.strategy == Strategy::kBroadcast && !o.runs_out.empty())
     return usage_error("--runs needs a plan of units; the broadcast baseline has only a summary");
-  if (!o.simulate && (!o.trace_out.empty() || !o.hardware_file.empty()))
-    return usage_error("--trace and --hardware go with --simulate");
+  if (!o.simulate && (!o.trace_out.empty() || !o.hardware_file.empty() || o.sim_threads != 0))
+    return usage_error("--trace, --hardware and --threads go with --simulate");
   if (o.simulate && o.compare) return usage_error("--simulate takes one input; drop --compare");
   if (o.simulate && (!o.runs_out.empty() || !o.layout_out.empty()))
     return usage_error("--simulate writes no --runs or --layout-out; plan without it for those");
@@ -1219,6 +1221,11 @@ int main(int argc, char** argv) {
                "lower bound and the reported figures");
   app.add_option("--trace", o.trace_out, "with --simulate: write the timeline as Chrome/Perfetto trace JSON")
       ->type_name("FILE");
+  app.add_option("--threads", o.sim_threads,
+                 "with --simulate: threads that simulate the network (default 0: one per core, at most one per "
+                 "256 receivers; one with --trace or without fan-out rounds); the result does not depend on it")
+      ->type_name("N")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--hardware", o.hardware_file,
                  "with --simulate: a JSON object of hardware figures that override the scenario's")
       ->type_name("FILE");

@@ -100,6 +100,18 @@ void expect_same(const sim::SimResult& a, const sim::SimResult& b, const std::st
   EXPECT_EQ(a.busiest_receiver_nic.busy_seconds, b.busiest_receiver_nic.busy_seconds);
   EXPECT_EQ(a.busiest_posting.bytes, b.busiest_posting.bytes);
   EXPECT_EQ(a.busiest_nvlink_out.busy_seconds, b.busiest_nvlink_out.busy_seconds);
+  EXPECT_EQ(a.busiest_nvlink_in.busy_seconds, b.busiest_nvlink_in.busy_seconds);
+  EXPECT_EQ(a.busiest_source_nic.rank, b.busiest_source_nic.rank);
+  EXPECT_EQ(a.busiest_source_nic.busy_seconds, b.busiest_source_nic.busy_seconds);
+  EXPECT_EQ(a.busiest_convert.busy_seconds, b.busiest_convert.busy_seconds);
+  EXPECT_EQ(a.phases.network.start, b.phases.network.start);
+  EXPECT_EQ(a.phases.fanout.start, b.phases.fanout.start);
+  EXPECT_EQ(a.phases.h2d.start, b.phases.h2d.start);
+  EXPECT_EQ(a.phases.h2d.end, b.phases.h2d.end);
+  EXPECT_EQ(a.phases.convert.start, b.phases.convert.start);
+  EXPECT_EQ(a.local_ops, b.local_ops);
+  EXPECT_EQ(a.local_packed, b.local_packed);
+  EXPECT_EQ(a.local_rounds, b.local_rounds);
 }
 
 // Grouping options: the agents' defaults, off, and bounds small enough that
@@ -163,6 +175,40 @@ int64_t check(const Layout& L, const std::string& name) {
     }
   }
   return grouped;
+}
+
+// The network and the rounds simulated by several threads, each with a
+// block of the receivers and of the sources (with few sources, some thread
+// has none): the same result to the bit, with GETs landing in GPU or in
+// host memory, with conversions (moe-bf16-to-fp8). Every window of the
+// network costs each thread two barriers; a latency of 20 us keeps their
+// number, and this test's time, small.
+TEST(RunGroups, ExampleScenariosSimulateTheSameOnSeveralThreads) {
+  for (const char* name : {"fsdp-to-tp", "moe-ep", "moe-bf16-to-fp8", "tp2-to-tp4", "local-3hosts-replica"}) {
+    const Layout L = layout_of(scenario_json(name));  // the plan points into it
+    auto plan = make_plan(L);
+    ASSERT_TRUE(plan.is_ok()) << name << ": " << plan.status().message();
+    HardwareModel hw = default_hardware();
+    hw.get_chunk_bytes = 65536;
+    hw.window_bytes = 262144;
+    hw.latency_us = 20;
+    sim::SimOptions so;
+    for (bool host : {false, true}) {
+      hw.gets_land_in_host = host;
+      so.threads = 1;
+      auto one = sim::simulate(*plan, hw, so);
+      ASSERT_TRUE(one.is_ok()) << one.status().message();
+      EXPECT_GT(one->events, 0) << name;
+      for (int threads : {2, 3}) {
+        so.threads = threads;
+        auto c = sim::simulate(*plan, hw, so);
+        ASSERT_TRUE(c.is_ok()) << c.status().message();
+        expect_same(*one, *c,
+                    std::string(name) + (host ? ", landing in host memory, " : ", ") + std::to_string(threads) +
+                        " threads");
+      }
+    }
+  }
 }
 
 TEST(RunGroups, ExampleScenariosGiveTheSameStatsAndSimulationGroupedAndOneByOne) {

@@ -1,6 +1,7 @@
 #include "tools/sim/simulator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <map>
 #include <queue>
 #include <span>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -100,20 +102,26 @@ struct Resource {
 
 struct Event {
   double t;
-  uint64_t seq;  // ties in issue order: the same input gives the same result
+  // Posted: when the receiver decided to post it, and its count of posts
+  // before it. A source serves posts of one time in the order they were
+  // decided, then by receiver, then by this count.
+  double decided;
+  uint64_t seq;
   int32_t receiver;
   int32_t source;  // of the chunk's job (so crossing reads no job)
   bool landed;     // false: posted, about to cross
   ucx::Chunk chunk;
 };
 
-// The network's events in (time, seq) order. Each receiver's posted GET
+// The network's events of some receivers in time order. Each receiver's posted GET
 // chunks and its landed ones each come in time order (a receiver posts one
 // after another, and its NIC takes in one chunk after another), so each is
 // a FIFO, and a heap orders only the FIFOs' fronts: 2 entries a receiver,
 // where a heap of every chunk in flight held the windows of all receivers
-// (tens of thousands of entries at 1024 ranks a side). The order, and so the
-// result, is the same as one heap of all events; push() checks the FIFO
+// (tens of thousands of entries at 1024 ranks a side). Events at one time
+// go by FIFO (receiver, then posted before landed): a receiver's events
+// touch only its own state, so their order across receivers does not
+// change the result (Sim::simulate_network). push() checks the FIFO
 // property and fails the simulation should a change ever break it.
 class EventQueue {
  public:
@@ -122,6 +130,8 @@ class EventQueue {
     heap_.clear();
   }
   bool empty() const { return heap_.empty(); }
+  // The earliest event's time; infinity when there is none.
+  double front_time() const { return heap_.empty() ? std::numeric_limits<double>::infinity() : heap_.front().t; }
   // REQUIRES !empty(). Removes and returns the earliest event. Its FIFO's
   // next event takes the front's place in the heap and sinks from there:
   // one pass down the heap, where a pop and a push were two.
@@ -135,7 +145,7 @@ class EventQueue {
       heap_.front() = heap_.back();
       heap_.pop_back();
     } else {
-      heap_.front() = Head{f.events[f.front].t, f.events[f.front].seq, id};
+      heap_.front() = Head{f.events[f.front].t, id};
     }
     if (!heap_.empty()) sink(0);
     return e;
@@ -146,7 +156,7 @@ class EventQueue {
     Fifo& f = fifos_[id];
     if (f.front < f.events.size() && e.t < f.events.back().t) return false;
     if (f.front == f.events.size()) {
-      heap_.push_back(Head{e.t, e.seq, id});
+      heap_.push_back(Head{e.t, id});
       rise(heap_.size() - 1);
     }
     if (f.front > 0 && f.front * 2 >= f.events.size()) {
@@ -164,12 +174,11 @@ class EventQueue {
   };
   struct Head {
     double t;
-    uint64_t seq;
     uint32_t fifo;
-    bool operator<(const Head& o) const { return t != o.t ? t < o.t : seq < o.seq; }
+    bool operator<(const Head& o) const { return t != o.t ? t < o.t : fifo < o.fifo; }
   };
-  // A binary min-heap of the FIFOs' fronts, in (t, seq) order; seq is
-  // unique, so the order of pops is that of any heap.
+  // A binary min-heap of the FIFOs' fronts, in (t, fifo) order; a FIFO has
+  // one entry, so the order of pops is that of any heap.
   void sink(size_t i) {
     const Head h = heap_[i];
     const size_t n = heap_.size();
@@ -193,6 +202,62 @@ class EventQueue {
   std::vector<Head> heap_;
 };
 
+// Runs body(0) .. body(threads - 1), each on its own thread (body(0) on
+// the caller's).
+template <typename Body>
+void parallel(int32_t threads, const Body& body) {
+  std::vector<std::thread> helpers;
+  for (int32_t k = 1; k < threads; ++k) helpers.emplace_back([&body, k] { body(k); });
+  if (threads > 0) body(0);
+  for (std::thread& t : helpers) t.join();
+}
+
+// A barrier for a few threads that each wait a few microseconds at it, a
+// hundred thousand times a simulation: they spin, then yield the core, then
+// sleep (a shared machine, or more threads than cores).
+class SpinBarrier {
+ public:
+  void reset(int32_t threads) {
+    threads_ = threads;
+    arrived_.store(0);
+  }
+  void wait() {
+    if (threads_ == 1) return;
+    const uint32_t round = round_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      round_.fetch_add(1, std::memory_order_acq_rel);
+      round_.notify_all();
+      return;
+    }
+    for (int spins = 0; round_.load(std::memory_order_acquire) == round; ++spins) {
+      if (spins < 1024) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      } else if (spins < 1040) {
+        std::this_thread::yield();
+      } else {
+        round_.wait(round, std::memory_order_acquire);  // more threads than free cores: sleep
+      }
+    }
+  }
+
+ private:
+  int32_t threads_ = 1;
+  std::atomic<int32_t> arrived_{0};
+  std::atomic<uint32_t> round_{0};
+};
+
+// Posts a source takes at one time, decided at one time, go in turns: by
+// the receiver's number plus its count of posts, modulo the receivers.
+// Receivers in lockstep tie at every source, each at the same count: the
+// first place moves on by one receiver each time, so none is favoured.
+// (Ordered by receiver, the last of them lost every tie.)
+uint64_t tie_turn(const Event& e, uint64_t receivers) {
+  return (static_cast<uint64_t>(e.receiver) + e.seq % receivers) % receivers;
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The shared machine's bound (simulator.h): `cpu` seconds of CPU over the
@@ -205,6 +270,31 @@ void apply_host_bound(double cpu, const HardwareModel& hw, SimResult& r) {
     r.host_bound = true;
   }
 }
+
+// A post of a window that a worker's source serves.
+struct Serving {
+  uint32_t worker;  // whose window's posts
+  uint32_t index;   // into them
+};
+
+// What one worker of the network's simulation owns (Sim::simulate_network):
+// a block of receivers and one of sources, its receivers' events, and
+// what it found, summed up once the network is done.
+struct Worker {
+  int32_t lo = 0, hi = 0;          // its receivers
+  int32_t src_lo = 0, src_hi = 0;  // its sources
+  EventQueue events;
+  std::vector<Event> posts;        // its receivers' chunks posted in the window
+  std::vector<double> sent;        // per post: when its source's NIC has sent it
+  std::vector<Serving> serving;    // the window's posts to its sources
+  double front[2] = {0, 0};        // per window's parity: its earliest event after the window
+  double sent_min[2] = {0, 0};     // per parity: the earliest its sources sent a post, plus the latency
+  bool order_kept = true;
+  bool window_kept = true;
+  int64_t events_count = 0;
+  double network_end = 0, h2d_end = 0, convert_end = 0;
+  double first_get = -1, h2d_first = -1, convert_first = -1;
+};
 
 class Sim {
  public:
@@ -235,14 +325,24 @@ class Sim {
     last_span_.assign(static_cast<size_t>(Lane::kConvert) + 1, std::vector<int64_t>(std::max(R, S), -1));
     publish(S);
     if (hw_.fanout_rounds) send_ready_.assign(sends_.size(), std::numeric_limits<float>::infinity());
-    REFIT_RETURN_IF_ERROR(simulate_network(R));
+    REFIT_RETURN_IF_ERROR(simulate_network(R, S, workers(R)));
     release_network();
-    if (hw_.fanout_rounds) simulate_rounds(R);
+    if (hw_.fanout_rounds) simulate_rounds(R, opt_.trace ? 1 : workers(R));
     finish(R, S);
     return std::move(r_);
   }
 
  private:
+  // How many threads simulate the network (SimOptions::threads). A trace's
+  // spans and the fan-out without rounds (each send holds two ranks' links
+  // as it comes) are simulated in the order of their events: one.
+  int32_t workers(int32_t R) const {
+    if (opt_.trace || !hw_.fanout_rounds || R < 2) return 1;
+    int32_t n = opt_.threads;
+    if (n <= 0) n = std::min(static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency())), R / 256);
+    return std::clamp(n, 1, R);
+  }
+
   // Walks the plan's runs in execution order, in their groups (RunGroup),
   // and makes them jobs and sends (simulator.h). Sends read the last job of
   // their puller: the runs of a chunk come right before its fan-out
@@ -406,7 +506,20 @@ class Sim {
     }
   }
 
-  Status simulate_network(int32_t R) {
+  // The network's simulation in windows of time (docs/simulator.md, "The
+  // network in windows"). Receivers interact only through the sources' NICs,
+  // and a GET posted at t lands no earlier than t plus the latency and its
+  // bytes on the wire. So within a window shorter than that, each receiver's
+  // landed chunks (its scheduler, its conversions, the GETs they let it
+  // post) touch only its own state, and what they post in the window lands
+  // after it. A window is therefore simulated in three steps, each in
+  // parallel over blocks of receivers or of sources: every receiver takes
+  // its events in the window (landed chunks are simulated, posted ones set
+  // aside); every source's NIC serves the window's posted chunks in the
+  // order they were posted (ties: Event::decided, then tie_turn); every
+  // receiver's NIC takes them in, and they land in a later window.
+  // The result does not depend on the number of workers.
+  Status simulate_network(int32_t R, int32_t S, int32_t threads) {
     ucx::WindowLimits limits;
     limits.chunk_bytes = static_cast<uint64_t>(hw_.get_chunk_bytes);
     limits.max_bytes_in_flight = static_cast<uint64_t>(hw_.window_bytes);
@@ -418,6 +531,7 @@ class Sim {
     scheds_.reserve(R);
     ep_base_.clear();
     cur_.clear();
+    uint64_t smallest = limits.chunk_bytes;  // the smallest chunk any job is cut into
     for (int32_t p = 0; p < R; ++p) {
       // Endpoints: this receiver's sources, densely numbered.
       std::vector<int32_t> dense;
@@ -430,7 +544,9 @@ class Sim {
           index_of[j.source] = static_cast<int32_t>(dense.size());
           dense.push_back(j.source);
         }
-        runs.push_back(ucx::ChunkRun{static_cast<uint32_t>(index_of[j.source]), static_cast<uint64_t>(j.bytes)});
+        const auto b = static_cast<uint64_t>(j.bytes);
+        runs.push_back(ucx::ChunkRun{static_cast<uint32_t>(index_of[j.source]), b});
+        smallest = std::min(smallest, b % limits.chunk_bytes != 0 ? b % limits.chunk_bytes : limits.chunk_bytes);
       }
       auto s = ucx::ChunkScheduler::create(limits, runs, static_cast<uint32_t>(dense.size()));
       if (!s) return s.status().with_context("receiver " + std::to_string(p));
@@ -438,31 +554,113 @@ class Sim {
       ep_base_.push_back(static_cast<uint32_t>(cur_.size()));
       for (int32_t src : dense) cur_.push_back(Current{.source = src});
     }
-    events_.reset(R);
+    // Half of what separates a post from its landing at least: far more
+    // than the rounding of the sums that compute either.
+    const double window = 0.5 * (hw_.latency_us * 1e-6 + static_cast<double>(smallest) / hw_.nic_bytes_per_s());
     landed_jobs_.assign(R, 0);
     landed_at_.assign(R, 0.0);
     next_step_.assign(R, 0);
     thread_from_.assign(R, 0.0);
-    for (int32_t p = 0; p < R; ++p) {
-      run_steps(p);
-      pump(p, 0.0);
+    post_seq_.assign(R, 0);
+    workers_.clear();
+    workers_.resize(static_cast<size_t>(threads));
+    for (int32_t k = 0; k < threads; ++k) {
+      Worker& w = workers_[k];
+      w.lo = static_cast<int32_t>(static_cast<int64_t>(R) * k / threads);
+      w.hi = static_cast<int32_t>(static_cast<int64_t>(R) * (k + 1) / threads);
+      w.src_lo = static_cast<int32_t>(static_cast<int64_t>(S) * k / threads);
+      w.src_hi = static_cast<int32_t>(static_cast<int64_t>(S) * (k + 1) / threads);
+      w.events.reset(R);
     }
-    while (!events_.empty()) {
-      if (!event_order_kept_) return Status::internal("simulator: an event came before the last of its FIFO");
-      const Event e = events_.pop();
-      if (!e.landed) {
-        cross(e);
-        continue;
-      }
-      landed(e);
-      pump(e.receiver, e.t);
+    barrier_.reset(threads);
+    parallel(threads, [&](int32_t k) { network_worker(k, window); });
+    bool order_kept = true, window_kept = true;
+    for (const Worker& w : workers_) {
+      order_kept &= w.order_kept;
+      window_kept &= w.window_kept;
+      r_.events += w.events_count;
+      r_.phases.network.end = std::max(r_.phases.network.end, w.network_end);
+      r_.phases.h2d.end = std::max(r_.phases.h2d.end, w.h2d_end);
+      r_.phases.convert.end = std::max(r_.phases.convert.end, w.convert_end);
+      for (auto [first, mine] : {std::pair{&first_get_, w.first_get}, std::pair{&h2d_first_, w.h2d_first},
+                                 std::pair{&convert_first_, w.convert_first}})
+        if (mine >= 0 && (*first < 0 || mine < *first)) *first = mine;
     }
+    std::vector<Worker>().swap(workers_);
+    if (!order_kept) return Status::internal("simulator: an event came before the last of its FIFO");
+    if (!window_kept) return Status::internal("simulator: a GET landed within the window it was posted in");
     return Status::ok();
+  }
+
+  // Worker `k`'s part of every window (simulate_network); every worker runs
+  // it, in step with the others: two barriers a window. The next window
+  // starts at the earliest of what is left of every worker's events after
+  // the window and of what the window's posts can land at (when their
+  // sources have sent them, plus the latency): all known at the second
+  // barrier, kept per window's parity so that a worker on to the next
+  // window overwrites nothing another still reads.
+  void network_worker(int32_t k, double window) {
+    constexpr double kNever = std::numeric_limits<double>::infinity();
+    Worker& w = workers_[k];
+    for (int32_t p = w.lo; p < w.hi; ++p) {
+      run_steps(w, p);
+      pump(w, p, 0.0);
+    }
+    w.front[1] = w.events.front_time();
+    w.sent_min[1] = kNever;
+    barrier_.wait();
+    for (int parity = 0;; parity ^= 1) {
+      double start = kNever;
+      for (const Worker& u : workers_) start = std::min({start, u.front[parity ^ 1], u.sent_min[parity ^ 1]});
+      if (start == kNever) return;
+      const double end = start + window;
+      while (w.events.front_time() < end) {
+        const Event e = w.events.pop();
+        if (!e.landed) {
+          w.posts.push_back(e);
+          continue;
+        }
+        landed(w, e);
+        pump(w, e.receiver, e.t);
+      }
+      w.front[parity] = w.events.front_time();
+      w.sent.resize(w.posts.size());
+      barrier_.wait();
+      // Its sources serve the window's posted chunks, of every worker.
+      w.serving.clear();
+      for (uint32_t u = 0; u < workers_.size(); ++u) {
+        const std::vector<Event>& posts = workers_[u].posts;
+        for (uint32_t i = 0; i < posts.size(); ++i)
+          if (posts[i].source >= w.src_lo && posts[i].source < w.src_hi) w.serving.push_back(Serving{u, i});
+      }
+      const auto receivers = static_cast<uint64_t>(jobs_.size());
+      std::sort(w.serving.begin(), w.serving.end(), [&](const Serving& a, const Serving& b) {
+        const Event& x = workers_[a.worker].posts[a.index];
+        const Event& y = workers_[b.worker].posts[b.index];
+        if (x.source != y.source) return x.source < y.source;
+        if (x.t != y.t) return x.t < y.t;
+        if (x.decided != y.decided) return x.decided < y.decided;
+        const uint64_t hx = tie_turn(x, receivers), hy = tie_turn(y, receivers);
+        if (hx != hy) return hx < hy;
+        if (x.receiver != y.receiver) return x.receiver < y.receiver;
+        return x.seq < y.seq;
+      });
+      double sent_min = kNever;
+      for (const Serving& v : w.serving) {
+        const double sent = serve(workers_[v.worker].posts[v.index]);
+        workers_[v.worker].sent[v.index] = sent;
+        sent_min = std::min(sent_min, sent);
+      }
+      w.sent_min[parity] = sent_min + hw_.latency_us * 1e-6;
+      barrier_.wait();
+      for (size_t i = 0; i < w.posts.size(); ++i) take_in(w, w.posts[i], w.sent[i], end);
+      w.posts.clear();
+    }
   }
 
   // Posts every GET chunk that the receiver's window lets go at `now`: the
   // receiver spends its GETs' cost posting them, one chunk after another.
-  void pump(int32_t p, double now) {
+  void pump(Worker& w, int32_t p, double now) {
     const double op = hw_.get_op_us * 1e-6;
     while (auto c = scheds_[p].next()) {
       Current& job = cur_[ep_base_[p] + c->endpoint];
@@ -480,49 +678,58 @@ class Sim {
       post.busy += d;
       post.bytes += gets;  // GETs, for this resource
       if (d > 0) span(Lane::kPosting, p, start, start + d, static_cast<int64_t>(c->bytes));
-      if (first_get_ < 0 || start < first_get_) first_get_ = start;
-      event_order_kept_ &= events_.push(Event{post.free_at, seq_++, p, job.source, false, *c});
-      ++r_.events;
+      if (w.first_get < 0 || start < w.first_get) w.first_get = start;
+      w.order_kept &= w.events.push(Event{post.free_at, now, post_seq_[p]++, p, job.source, false, *c});
+      ++w.events_count;
     }
   }
 
-  // A posted GET chunk crosses: its source's NIC serves posted GETs in the
-  // order they were posted, and the receiver's NIC takes in what arrives at
-  // its own rate, one chunk after another. A source is not held back by a
-  // busy receiver (the switch buffers), so a source idles only when no GET
-  // is posted to it.
-  void cross(const Event& e) {
-    const int32_t p = e.receiver;
-    const double nic = hw_.nic_bytes_per_s();
-    const double wire = static_cast<double>(e.chunk.bytes) / nic;
-    const int64_t bytes = static_cast<int64_t>(e.chunk.bytes);
+  // A posted GET chunk's source NIC serves it: posted GETs in the order they
+  // were posted. A source is not held back by a busy receiver (the switch
+  // buffers), so a source idles only when no GET is posted to it. Returns
+  // when the chunk has left the source.
+  double serve(const Event& e) {
+    const double wire = static_cast<double>(e.chunk.bytes) / hw_.nic_bytes_per_s();
+    const auto bytes = static_cast<int64_t>(e.chunk.bytes);
     Resource& src = src_nic_[e.source];
     const double sent_from = std::max(e.t, src.free_at);
     src.free_at = sent_from + wire;
     src.busy += wire;
     src.bytes += bytes;
     span(Lane::kSourceNic, e.source, sent_from, src.free_at, bytes);
+    return src.free_at;
+  }
+
+  // The receiver's NIC takes in what arrives at its own rate, one chunk
+  // after another (in the order it posted them); the chunk lands a latency
+  // later, after the window it was posted in (`window_end`).
+  void take_in(Worker& w, const Event& e, double sent_until, double window_end) {
+    const int32_t p = e.receiver;
+    const double wire = static_cast<double>(e.chunk.bytes) / hw_.nic_bytes_per_s();
+    const auto bytes = static_cast<int64_t>(e.chunk.bytes);
     Resource& dst = rcv_nic_[p];
-    const double in_until = std::max(src.free_at, dst.free_at + wire);
+    const double in_until = std::max(sent_until, dst.free_at + wire);
     dst.free_at = in_until;
     dst.busy += wire;
     dst.bytes += bytes;
     span(Lane::kReceiverNic, p, in_until - wire, in_until, bytes);
-    event_order_kept_ &= events_.push(Event{in_until + hw_.latency_us * 1e-6, seq_++, p, e.source, true, e.chunk});
+    const double at = in_until + hw_.latency_us * 1e-6;
+    w.window_kept &= at >= window_end;
+    w.order_kept &= w.events.push(Event{at, e.decided, e.seq, p, e.source, true, e.chunk});
   }
 
   // A GET chunk landed: copy it to the GPU where GETs land in host memory;
   // once its job has landed, the job's sends go.
-  void landed(const Event& e) {
+  void landed(Worker& w, const Event& e) {
     const int32_t p = e.receiver;
-    r_.phases.network.end = std::max(r_.phases.network.end, e.t);
+    w.network_end = std::max(w.network_end, e.t);
     double ready = e.t;
     // The conversion staging area is host memory: what lands there is not
     // copied on by the landing ring (a job that also landed elsewhere is).
     if (hw_.gets_land_in_host && !jobs_[p][e.chunk.run].staged) {
       const double start = std::max(e.t, h2d_[p].free_at);
       ready = start + static_cast<double>(e.chunk.bytes) / hw_.h2d_bytes_per_s();
-      hold(h2d_[p], Lane::kH2d, p, start, ready, static_cast<int64_t>(e.chunk.bytes));
+      hold(w, h2d_[p], Lane::kH2d, p, start, ready, static_cast<int64_t>(e.chunk.bytes));
     }
     // A receiver's chunks land in the order it posted them (its landed
     // FIFO), and one job's copies to the GPU follow one another: the job is
@@ -537,15 +744,15 @@ class Sim {
     int32_t& n = landed_jobs_[p];
     for (; n < static_cast<int32_t>(jobs_[p].size()) && jobs_[p][n].landed; ++n)
       landed_at_[p] = std::max(landed_at_[p], jobs_[p][n].ready);
-    run_steps(p);
+    run_steps(w, p);
   }
 
   // Runs puller `p`'s conversion steps, in order, while the jobs each waits
   // for have landed.
-  void run_steps(int32_t p) {
+  void run_steps(Worker& w, int32_t p) {
     size_t& k = next_step_[p];
     for (; k < steps_[p].size() && converts_[steps_[p][k]].wait_job < landed_jobs_[p]; ++k)
-      run_convert(steps_[p][k], landed_at_[p]);
+      run_convert(w, steps_[p][k], landed_at_[p]);
   }
 
   // Conversion step `k` runs on its puller's fan-out thread, which passes
@@ -557,7 +764,7 @@ class Sim {
   // the one-thread CPU rate (host_convert_gbyte, the rate a cast reads at);
   // into GPU memory the staged box to the GPU, then a device copy
   // (gpu_copy_bytes_per_s). Then its sends go.
-  void run_convert(int32_t k, double ready) {
+  void run_convert(Worker& w, int32_t k, double ready) {
     const Convert& c = converts_[k];
     const int32_t p = c.puller;
     Resource& thread = conv_[p];
@@ -570,35 +777,35 @@ class Sim {
       end = start + staged / hw_.host_convert_bytes_per_s();
     } else if (c.relayout) {
       const double copied = std::max(start, h2d.free_at) + staged / hw_.h2d_bytes_per_s();
-      hold(h2d, Lane::kH2d, p, copied - staged / hw_.h2d_bytes_per_s(), copied, c.staged_bytes);
+      hold(w, h2d, Lane::kH2d, p, copied - staged / hw_.h2d_bytes_per_s(), copied, c.staged_bytes);
       end = copied + staged / hw_.gpu_copy_bytes_per_s();
     } else if (!c.cast) {
       const double copied = std::max(start, h2d.free_at) + staged / hw_.h2d_bytes_per_s();
-      hold(h2d, Lane::kH2d, p, copied - staged / hw_.h2d_bytes_per_s(), copied, c.staged_bytes);
+      hold(w, h2d, Lane::kH2d, p, copied - staged / hw_.h2d_bytes_per_s(), copied, c.staged_bytes);
       end = copied + staged / hw_.convert_bytes_per_s();
     } else {
       const double cast = start + staged / hw_.host_convert_bytes_per_s();
       const double copied = std::max(cast, h2d.free_at) + static_cast<double>(c.out_bytes) / hw_.h2d_bytes_per_s();
-      hold(h2d, Lane::kH2d, p, copied - static_cast<double>(c.out_bytes) / hw_.h2d_bytes_per_s(), copied, c.out_bytes);
+      hold(w, h2d, Lane::kH2d, p, copied - static_cast<double>(c.out_bytes) / hw_.h2d_bytes_per_s(), copied, c.out_bytes);
       end = copied;
     }
     thread.free_at = end;
     thread.busy += end - start;
     thread.bytes += c.staged_bytes;
     span(Lane::kConvert, p, start, end, c.staged_bytes);
-    if (convert_first_ < 0 || start < convert_first_) convert_first_ = start;
-    r_.phases.convert.end = std::max(r_.phases.convert.end, end);
+    if (w.convert_first < 0 || start < w.convert_first) w.convert_first = start;
+    w.convert_end = std::max(w.convert_end, end);
     send(p, c.sends_begin, c.sends_count, end);
   }
 
   // Resource `r`, a host-to-GPU copy, busy from `start` to `end`.
-  void hold(Resource& r, Lane lane, int32_t rank, double start, double end, int64_t bytes) {
+  void hold(Worker& w, Resource& r, Lane lane, int32_t rank, double start, double end, int64_t bytes) {
     r.free_at = end;
     r.busy += end - start;
     r.bytes += bytes;
     span(lane, rank, start, end, bytes);
-    if (h2d_first_ < 0 || start < h2d_first_) h2d_first_ = start;
-    r_.phases.h2d.end = std::max(r_.phases.h2d.end, end);
+    if (w.h2d_first < 0 || start < w.h2d_first) w.h2d_first = start;
+    w.h2d_end = std::max(w.h2d_end, end);
   }
 
   // Puller `p`'s sends [begin, begin + count), their bytes ready at `ready`.
@@ -659,7 +866,7 @@ class Sim {
     std::vector<ucx::ChunkScheduler>().swap(scheds_);
     std::vector<Current>().swap(cur_);
     std::vector<uint32_t>().swap(ep_base_);
-    events_.reset(0);
+    std::vector<uint64_t>().swap(post_seq_);
     give_back_free_memory();
   }
 
@@ -674,26 +881,73 @@ class Sim {
   // fan-out, so every send's ready time is known by then. Ranks that pass
   // slices to each other, directly or through others, go in lockstep, as
   // the nccl fabric's count exchange with every active peer makes them.
-  void simulate_rounds(int32_t R) {
-    // Each puller's sends by (peer, order): one range per (puller, peer).
-    std::vector<uint32_t> order;
-    order.reserve(sends_.size());
+  void simulate_rounds(int32_t R, int32_t threads) {
+    // Each puller's sends by (peer, order): one range per (puller, peer), at
+    // the puller's place in `order` (the pullers before it hold as many).
+    std::vector<uint64_t> first(static_cast<size_t>(R) + 1, 0);
+    std::vector<std::vector<int32_t>> steps_of(R);
+    for (size_t k = 0; k < converts_.size(); ++k) {
+      steps_of[converts_[k].puller].push_back(static_cast<int32_t>(k));
+      first[converts_[k].puller + 1] += converts_[k].sends_count;
+    }
+    for (int32_t p = 0; p < R; ++p) {
+      for (const Job& j : jobs_[p]) first[p + 1] += j.sends_count;
+      first[p + 1] += first[p];
+    }
+    std::vector<uint32_t> order(first[R]);
     plan_pos_.assign(sends_.size(), 0);
+    // Pullers in blocks, one a thread; each block's pairs in puller order.
+    std::vector<std::vector<Pair>> block_pairs(static_cast<size_t>(threads));
+    parallel(threads, [&](int32_t k) {
+      const auto lo = static_cast<int32_t>(static_cast<int64_t>(R) * k / threads);
+      const auto hi = static_cast<int32_t>(static_cast<int64_t>(R) * (k + 1) / threads);
+      order_sends(lo, hi, first, steps_of, order, block_pairs[k]);
+    });
     std::vector<Pair> pairs;
+    for (std::vector<Pair>& b : block_pairs) {
+      pairs.insert(pairs.end(), b.begin(), b.end());
+      std::vector<Pair>().swap(b);
+    }
+    give_back_free_memory();
     std::vector<int32_t> parent(R);
     for (int32_t p = 0; p < R; ++p) parent[p] = p;
     auto root = [&](int32_t x) {
       while (parent[x] != x) x = parent[x] = parent[parent[x]];
       return x;
     };
-    std::vector<std::vector<int32_t>> steps_of(R);
-    for (size_t k = 0; k < converts_.size(); ++k) steps_of[converts_[k].puller].push_back(static_cast<int32_t>(k));
+    for (const Pair& x : pairs) parent[root(x.from)] = root(x.to);
+    std::vector<std::vector<uint32_t>> members(R);  // per component's root: its pairs
+    for (size_t i = 0; i < pairs.size(); ++i) members[root(pairs[i].from)].push_back(static_cast<uint32_t>(i));
+    std::vector<const std::vector<uint32_t>*> comps;
+    for (const std::vector<uint32_t>& comp : members)
+      if (!comp.empty()) comps.push_back(&comp);
+    // Components share no rank: they go in parallel, each whole on one
+    // thread, taken in turn from a shared count.
+    acc_.assign(R, RankRound{});
+    std::vector<RoundStats> stats(static_cast<size_t>(threads));
+    std::atomic<size_t> next{0};
+    parallel(std::min<int32_t>(threads, static_cast<int32_t>(comps.size())), [&](int32_t k) {
+      for (size_t c; (c = next.fetch_add(1)) < comps.size();) run_rounds(*comps[c], pairs, order, stats[k]);
+    });
+    for (const RoundStats& st : stats) {
+      r_.local_ops += st.ops;
+      r_.local_packed += st.packed;
+      r_.local_rounds += st.rounds;
+      r_.phases.fanout.end = std::max(r_.phases.fanout.end, st.end);
+      if (st.first >= 0 && (fan_first_ < 0 || st.first < fan_first_)) fan_first_ = st.first;
+    }
+  }
+
+  // Pullers [lo, hi)'s sends in `order` (simulate_rounds), and their pairs.
+  void order_sends(int32_t lo, int32_t hi, const std::vector<uint64_t>& first,
+                   const std::vector<std::vector<int32_t>>& steps_of, std::vector<uint32_t>& order,
+                   std::vector<Pair>& pairs) {
     std::vector<uint32_t> mine;
-    std::vector<uint64_t> at(R, 0);  // per peer: its count, then where its next send goes
+    std::vector<uint64_t> at(jobs_.size(), 0);  // per peer: its count, then where its next send goes
     std::vector<int32_t> peers;
     std::vector<uint64_t> keys;
     std::vector<uint32_t> slice;
-    for (int32_t p = 0; p < R; ++p) {
+    for (int32_t p = lo; p < hi; ++p) {
       // Its sends in plan order (the jobs' and the steps' interleave there),
       // then grouped by peer, in that order.
       mine.clear();
@@ -703,22 +957,20 @@ class Sim {
         for (uint32_t k = 0; k < converts_[c].sends_count; ++k) mine.push_back(converts_[c].sends_begin + k);
       if (!steps_of[p].empty()) std::sort(mine.begin(), mine.end());
       std::vector<Job>().swap(jobs_[p]);  // read for the last time
-      if (p % 256 == 255) give_back_free_memory();
-      const size_t first = order.size();
+      if ((p - lo) % 256 == 255) give_back_free_memory();
       peers.clear();
       for (uint32_t i : mine)
         if (at[sends_[i].to]++ == 0) peers.push_back(sends_[i].to);
       std::sort(peers.begin(), peers.end());
-      uint64_t pos = first;
+      uint64_t pos = first[p];
       for (int32_t q : peers) pos += std::exchange(at[q], pos);
-      order.resize(pos);
       for (uint32_t i : mine) order[at[sends_[i].to]++] = i;
       for (int32_t q : peers) at[q] = 0;
-      for (size_t i = first; i < order.size();) {
+      for (size_t i = first[p]; i < first[p + 1];) {
         const int32_t q = sends_[order[i]].to;
         size_t e = i;
         uint32_t runs = 0;  // the pair's plan-order positions, in runs
-        for (; e < order.size() && sends_[order[e]].to == q; ++e) {
+        for (; e < first[p + 1] && sends_[order[e]].to == q; ++e) {
           plan_pos_[order[e]] = runs;
           runs += sends_[order[e]].runs;
         }
@@ -733,23 +985,24 @@ class Sim {
         std::sort(keys.begin(), keys.end());
         for (size_t k = 0; k < keys.size(); ++k) order[i + k] = slice[static_cast<uint32_t>(keys[k])];
         pairs.push_back(Pair{p, q, i, e, 0});
-        parent[root(p)] = root(q);
         i = e;
       }
     }
-    std::vector<std::vector<uint32_t>> members(R);  // per component's root: its pairs
-    for (size_t i = 0; i < pairs.size(); ++i) members[root(pairs[i].from)].push_back(static_cast<uint32_t>(i));
-    acc_.assign(R, RankRound{});
-    for (const std::vector<uint32_t>& comp : members)
-      if (!comp.empty()) run_rounds(comp, pairs, order);
   }
+
+  // What a thread's components of rounds added up (simulate_rounds).
+  struct RoundStats {
+    int64_t ops = 0, packed = 0, rounds = 0;
+    double first = -1, end = 0;
+  };
 
   // One component's rounds. A round starts when the last one ended (or,
   // when nothing is ready, at the next ready send) and takes, per pair,
   // the prefix of its sends ready by then (take_round); it lasts two
   // local_op_us (the count exchange, the group's launch) and its busiest
   // rank's time (round_seconds).
-  void run_rounds(const std::vector<uint32_t>& comp, std::vector<Pair>& pairs, const std::vector<uint32_t>& order) {
+  void run_rounds(const std::vector<uint32_t>& comp, std::vector<Pair>& pairs, const std::vector<uint32_t>& order,
+                  RoundStats& st) {
     using Head = std::pair<float, uint32_t>;  // the pair's next send's ready time, the pair
     std::priority_queue<Head, std::vector<Head>, std::greater<Head>> heads;
     auto head = [&](uint32_t i) { return Head{send_ready_[order[pairs[i].pos]], i}; };
@@ -760,21 +1013,21 @@ class Sim {
     double t = 0;
     while (!heads.empty()) {
       t = std::max(t, static_cast<double>(heads.top().first));
-      if (fan_first_ < 0 || t < fan_first_) fan_first_ = t;
+      if (st.first < 0 || t < st.first) st.first = t;
       taken.clear();
       touched.clear();
       while (!heads.empty() && static_cast<double>(heads.top().first) <= t) {
         const uint32_t i = heads.top().second;
         heads.pop();
-        take_round(pairs[i], order, t, touched);
+        take_round(pairs[i], order, t, touched, st);
         taken.push_back(i);
       }
       double worst = 0;
       for (int32_t r : touched) worst = std::max(worst, round_seconds(r, t + 2 * op));
       for (int32_t r : touched) acc_[r] = RankRound{};
       t += 2 * op + worst;
-      ++r_.local_rounds;
-      r_.phases.fanout.end = std::max(r_.phases.fanout.end, t);
+      ++st.rounds;
+      st.end = std::max(st.end, t);
       for (uint32_t i : taken)
         if (pairs[i].pos < pairs[i].end) heads.push(head(i));
     }
@@ -785,7 +1038,8 @@ class Sim {
   // below the threshold and within the peer's share goes in the pair's pack
   // (at the next 16-byte offset), and the round stops before the first
   // packed run that would pass the share (fabric::plan_pack's rule).
-  void take_round(Pair& x, const std::vector<uint32_t>& order, double t, std::vector<int32_t>& touched) {
+  void take_round(Pair& x, const std::vector<uint32_t>& order, double t, std::vector<int32_t>& touched,
+                  RoundStats& st) {
     const uint64_t threshold = static_cast<uint64_t>(hw_.fanout_pack_threshold);
     const fabric::PackLimits limits{static_cast<uint64_t>(hw_.fanout_pack_bytes), threshold};
     const uint64_t share = fabric::pack_share(limits, static_cast<size_t>(domain_size_[x.from]));
@@ -836,8 +1090,8 @@ class Sim {
       }
     }
     const int64_t ops = unpacked + (packed > 0 ? 1 : 0);
-    r_.local_ops += ops;
-    r_.local_packed += packed > 0 ? packed - 1 : 0;
+    st.ops += ops;
+    st.packed += packed > 0 ? packed - 1 : 0;
     for (const int32_t r : {x.from, x.to}) {
       RankRound& a = acc_[r];
       if (!a.touched) touched.push_back(r);
@@ -959,9 +1213,9 @@ class Sim {
   std::vector<int32_t> domain_size_;               // per receiver: the GPUs of its domain
   std::unordered_map<uint64_t, Pack> packs_;       // per (puller, peer): its last pack
   std::vector<std::vector<int64_t>> last_span_;  // per lane and rank: its last trace span
-  EventQueue events_;
-  bool event_order_kept_ = true;
-  uint64_t seq_ = 0;
+  std::vector<Worker> workers_;
+  std::vector<uint64_t> post_seq_;  // per receiver: the chunks it has posted
+  SpinBarrier barrier_;
   double first_get_ = -1, h2d_first_ = -1, fan_first_ = -1, convert_first_ = -1;
 };
 

@@ -13,7 +13,8 @@
 // - Resources are exclusive and served first come, first served: a
 //   receiver posts its GETs one after another at the per-GET cost; a posted
 //   GET holds its source's NIC for bytes / bandwidth, in the order GETs were
-//   posted, and its receiver's NIC takes the bytes in at its own rate;
+//   posted (GETs posted at one time in turns, favouring no receiver),
+//   and its receiver's NIC takes the bytes in at its own rate;
 //   host copies hold the GPU's PCIe link.
 // - The fan-out, with `fanout_rounds` (the nccl fabric), in rounds, once
 //   the network is simulated (nothing there waits for it): the ranks that
@@ -52,7 +53,14 @@
 //   receivers' dtype and the block scales. Sources that serve converted
 //   copies (docs/conversion.md, "At the source") make them at publish.
 //
-// Pure computation, no I/O. Not thread-safe; one simulation per call.
+// - The network is simulated in windows of time shorter than any GET takes
+//   from its post to its landing, each window by several threads: one per
+//   block of receivers, then one per block of sources (SimOptions::threads;
+//   the result does not depend on their number). So are the fan-out's
+//   rounds, one set of ranks in lockstep per thread at a time.
+//
+// Pure computation, no I/O. One simulation per call; calls on different
+// plans may run at once.
 
 #include <cstdint>
 #include <string>
@@ -115,6 +123,11 @@ struct SimOptions {
   // group; `expanded` walks them one by one instead, for tests that check
   // that both give the same result.
   bool expanded = false;
+  // Threads that simulate the network (docs/simulator.md, "The network in
+  // windows"); 0: one per core, at most one per 256 receivers. The result
+  // is the same whatever the number. A trace, or the fan-out without
+  // `fanout_rounds`, takes one.
+  int threads = 0;
 };
 
 struct SimResult {
