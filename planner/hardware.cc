@@ -99,6 +99,7 @@ const std::vector<HardwareKey> kKeys = {
 
 // Keys for which 0 means "off" rather than a missing figure.
 constexpr double kMaxPackBytes = 1099511627776.0;  // 2^40
+constexpr double kMaxWindowBytes = 1125899906842624.0;  // 2^50: far beyond any window, well inside an int64
 
 bool may_be_zero(const char* key) {
   for (const char* k : {"fanout_pack_bytes", "host_cores", "get_cpu_ns", "gather_cpu_ns", "local_cpu_ns"})
@@ -226,6 +227,16 @@ Status check_hardware(const HardwareModel& model, const std::string& origin, con
       char shown[32];
       std::snprintf(shown, sizeof shown, "%.17g", v);
       return bad(k, std::string("must be a whole number of bytes, at most 1099511627776 (2^40), got ") + shown);
+    }
+  }
+  // The GET chunk and the window are cut into whole bytes: a fraction would
+  // become a chunk of 0 bytes.
+  for (const char* k : {"get_chunk_bytes", "window_bytes"}) {
+    const double v = *field(m, k);
+    if (v != std::floor(v) || v > kMaxWindowBytes) {
+      char shown[32];
+      std::snprintf(shown, sizeof shown, "%.17g", v);
+      return bad(k, std::string("must be a whole number of bytes, at least 1 and at most 2^50, got ") + shown);
     }
   }
   // A pack area below 64 KiB (other than 0) is refused by the fabric too (transport/fabric/pack.h).

@@ -405,6 +405,19 @@ TEST(Simulator, RefusesBadHardwareNamingTheKey) {
   r = simulate(*plan, hw);
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("nic_gbit_per_gpu"), std::string::npos) << r.status().message();
+  // A fraction of a byte would be cut into chunks of 0 bytes.
+  hw = unit_hardware();
+  hw.get_chunk_bytes = 0.5;
+  r = simulate(*plan, hw);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("\"get_chunk_bytes\" must be a whole number of bytes"), std::string::npos)
+      << r.status().message();
+  hw = unit_hardware();
+  hw.window_bytes = 1e30;
+  r = simulate(*plan, hw);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("\"window_bytes\" must be a whole number of bytes"), std::string::npos)
+      << r.status().message();
 }
 
 TEST(Simulator, BroadcastIsEstimatedNotSimulated) {

@@ -5,11 +5,13 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <limits>
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
 #include <map>
+#include <mutex>
 #include <queue>
 #include <span>
 #include <thread>
@@ -104,12 +106,13 @@ struct Event {
   double t;
   // Posted: when the receiver decided to post it, and its count of posts
   // before it. A source serves posts of one time in the order they were
-  // decided, then by receiver, then by this count.
+  // decided, then in turns (tie_turn), then by receiver, then by this count.
   double decided;
   uint64_t seq;
   int32_t receiver;
   int32_t source;  // of the chunk's job (so crossing reads no job)
   bool landed;     // false: posted, about to cross
+  uint32_t turn;   // posted: tie_turn
   ucx::Chunk chunk;
 };
 
@@ -203,13 +206,40 @@ class EventQueue {
 };
 
 // Runs body(0) .. body(threads - 1), each on its own thread (body(0) on
-// the caller's).
+// the caller's). Should one throw (out of memory), or a thread not start,
+// `stop()` is called so that the others do not wait for it, every thread is
+// joined, and the first exception is thrown on the caller's thread, as it
+// would have been with one thread.
+template <typename Body, typename Stop>
+void parallel(int32_t threads, const Body& body, const Stop& stop) {
+  std::mutex mu;
+  std::exception_ptr failed;
+  auto run = [&](int32_t k) {
+    try {
+      body(k);
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!failed) failed = std::current_exception();
+      }
+      stop();
+    }
+  };
+  std::vector<std::thread> helpers;
+  try {
+    for (int32_t k = 1; k < threads; ++k) helpers.emplace_back(run, k);
+  } catch (...) {
+    stop();
+    for (std::thread& t : helpers) t.join();
+    throw;
+  }
+  if (threads > 0) run(0);
+  for (std::thread& t : helpers) t.join();
+  if (failed) std::rethrow_exception(failed);
+}
 template <typename Body>
 void parallel(int32_t threads, const Body& body) {
-  std::vector<std::thread> helpers;
-  for (int32_t k = 1; k < threads; ++k) helpers.emplace_back([&body, k] { body(k); });
-  if (threads > 0) body(0);
-  for (std::thread& t : helpers) t.join();
+  parallel(threads, body, [] {});
 }
 
 // A barrier for a few threads that each wait a few microseconds at it, a
@@ -220,15 +250,17 @@ class SpinBarrier {
   void reset(int32_t threads) {
     threads_ = threads;
     arrived_.store(0);
+    broken_.store(false);
   }
-  void wait() {
-    if (threads_ == 1) return;
+  // False once the barrier is broken: a thread failed, and the others stop.
+  bool wait() {
+    if (threads_ == 1) return !broken_.load(std::memory_order_acquire);
     const uint32_t round = round_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
       arrived_.store(0, std::memory_order_relaxed);
       round_.fetch_add(1, std::memory_order_acq_rel);
       round_.notify_all();
-      return;
+      return !broken_.load(std::memory_order_acquire);
     }
     for (int spins = 0; round_.load(std::memory_order_acquire) == round; ++spins) {
       if (spins < 1024) {
@@ -241,21 +273,32 @@ class SpinBarrier {
         round_.wait(round, std::memory_order_acquire);  // more threads than free cores: sleep
       }
     }
+    return !broken_.load(std::memory_order_acquire);
+  }
+  // Releases every waiting thread, now and at every later wait.
+  void break_all() {
+    broken_.store(true, std::memory_order_release);
+    round_.fetch_add(1, std::memory_order_acq_rel);
+    round_.notify_all();
   }
 
  private:
   int32_t threads_ = 1;
   std::atomic<int32_t> arrived_{0};
   std::atomic<uint32_t> round_{0};
+  std::atomic<bool> broken_{false};
 };
 
 // Posts a source takes at one time, decided at one time, go in turns: by
-// the receiver's number plus its count of posts, modulo the receivers.
-// Receivers in lockstep tie at every source, each at the same count: the
-// first place moves on by one receiver each time, so none is favoured.
-// (Ordered by receiver, the last of them lost every tie.)
-uint64_t tie_turn(const Event& e, uint64_t receivers) {
-  return (static_cast<uint64_t>(e.receiver) + e.seq % receivers) % receivers;
+// the receiver's number plus its count of posts before the ones it decided
+// then, modulo the receivers. Receivers in lockstep tie at every source,
+// each at the same count: the first place moves on as they post, so none is
+// favoured. (Ordered by receiver, the last of them lost every tie.) All the
+// posts one receiver decides at once share a turn, so they go in the order
+// it posted them; it decides at one time once (its chunks land one after
+// another).
+uint32_t tie_turn(int32_t receiver, uint64_t posted_before, uint64_t receivers) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(receiver) + posted_before % receivers) % receivers);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -573,7 +616,7 @@ class Sim {
       w.events.reset(R);
     }
     barrier_.reset(threads);
-    parallel(threads, [&](int32_t k) { network_worker(k, window); });
+    parallel(threads, [&](int32_t k) { network_worker(k, window); }, [&] { barrier_.break_all(); });
     bool order_kept = true, window_kept = true;
     for (const Worker& w : workers_) {
       order_kept &= w.order_kept;
@@ -608,12 +651,16 @@ class Sim {
     }
     w.front[1] = w.events.front_time();
     w.sent_min[1] = kNever;
-    barrier_.wait();
+    if (!barrier_.wait()) return;
     for (int parity = 0;; parity ^= 1) {
       double start = kNever;
       for (const Worker& u : workers_) start = std::min({start, u.front[parity ^ 1], u.sent_min[parity ^ 1]});
       if (start == kNever) return;
-      const double end = start + window;
+      // A window too small to move `start` (a latency of femtoseconds, late
+      // in a long refresh) still moves it, and the landings after it are
+      // checked (window_kept).
+      double end = start + window;
+      if (!(end > start)) end = std::nextafter(start, kNever);
       while (w.events.front_time() < end) {
         const Event e = w.events.pop();
         if (!e.landed) {
@@ -625,7 +672,7 @@ class Sim {
       }
       w.front[parity] = w.events.front_time();
       w.sent.resize(w.posts.size());
-      barrier_.wait();
+      if (!barrier_.wait()) return;
       // Its sources serve the window's posted chunks, of every worker.
       w.serving.clear();
       for (uint32_t u = 0; u < workers_.size(); ++u) {
@@ -633,15 +680,13 @@ class Sim {
         for (uint32_t i = 0; i < posts.size(); ++i)
           if (posts[i].source >= w.src_lo && posts[i].source < w.src_hi) w.serving.push_back(Serving{u, i});
       }
-      const auto receivers = static_cast<uint64_t>(jobs_.size());
       std::sort(w.serving.begin(), w.serving.end(), [&](const Serving& a, const Serving& b) {
         const Event& x = workers_[a.worker].posts[a.index];
         const Event& y = workers_[b.worker].posts[b.index];
         if (x.source != y.source) return x.source < y.source;
         if (x.t != y.t) return x.t < y.t;
         if (x.decided != y.decided) return x.decided < y.decided;
-        const uint64_t hx = tie_turn(x, receivers), hy = tie_turn(y, receivers);
-        if (hx != hy) return hx < hy;
+        if (x.turn != y.turn) return x.turn < y.turn;
         if (x.receiver != y.receiver) return x.receiver < y.receiver;
         return x.seq < y.seq;
       });
@@ -652,7 +697,7 @@ class Sim {
         sent_min = std::min(sent_min, sent);
       }
       w.sent_min[parity] = sent_min + hw_.latency_us * 1e-6;
-      barrier_.wait();
+      if (!barrier_.wait()) return;
       for (size_t i = 0; i < w.posts.size(); ++i) take_in(w, w.posts[i], w.sent[i], end);
       w.posts.clear();
     }
@@ -662,6 +707,7 @@ class Sim {
   // receiver spends its GETs' cost posting them, one chunk after another.
   void pump(Worker& w, int32_t p, double now) {
     const double op = hw_.get_op_us * 1e-6;
+    const uint32_t turn = tie_turn(p, post_seq_[p], jobs_.size());
     while (auto c = scheds_[p].next()) {
       Current& job = cur_[ep_base_[p] + c->endpoint];
       if (job.run != c->run) {
@@ -679,7 +725,7 @@ class Sim {
       post.bytes += gets;  // GETs, for this resource
       if (d > 0) span(Lane::kPosting, p, start, start + d, static_cast<int64_t>(c->bytes));
       if (w.first_get < 0 || start < w.first_get) w.first_get = start;
-      w.order_kept &= w.events.push(Event{post.free_at, now, post_seq_[p]++, p, job.source, false, *c});
+      w.order_kept &= w.events.push(Event{post.free_at, now, post_seq_[p]++, p, job.source, false, turn, *c});
       ++w.events_count;
     }
   }
@@ -715,7 +761,7 @@ class Sim {
     span(Lane::kReceiverNic, p, in_until - wire, in_until, bytes);
     const double at = in_until + hw_.latency_us * 1e-6;
     w.window_kept &= at >= window_end;
-    w.order_kept &= w.events.push(Event{at, e.decided, e.seq, p, e.source, true, e.chunk});
+    w.order_kept &= w.events.push(Event{at, e.decided, e.seq, p, e.source, true, e.turn, e.chunk});
   }
 
   // A GET chunk landed: copy it to the GPU where GETs land in host memory;
