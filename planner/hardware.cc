@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 
 #include <nlohmann/json.hpp>
 
@@ -220,25 +221,25 @@ Status check_hardware(const HardwareModel& model, const std::string& origin, con
   if (m.nvlink_achievable > 1) return bad("nvlink_achievable", "is a fraction of the link rate: at most 1");
   if (m.gpu_memory_achievable > 1) return bad("gpu_memory_achievable", "is a fraction of the HBM rate: at most 1");
   // Byte counts the simulator casts to integers: whole numbers, at most
-  // 2^40 as the fabric's "pack_bytes" and "pack_threshold" (plugin/config.cc).
-  for (const char* k : {"fanout_pack_bytes", "fanout_pack_threshold"}) {
-    const double v = *field(m, k);
-    if (v != std::floor(v) || v > kMaxPackBytes) {
-      char shown[32];
-      std::snprintf(shown, sizeof shown, "%.17g", v);
-      return bad(k, std::string("must be a whole number of bytes, at most 1099511627776 (2^40), got ") + shown);
+  // `most` (`range` says so in the message).
+  auto whole_bytes = [&](std::initializer_list<const char*> keys, double most, const char* range) -> Status {
+    for (const char* k : keys) {
+      const double v = *field(m, k);
+      if (v != std::floor(v) || v > most) {
+        char shown[32];
+        std::snprintf(shown, sizeof shown, "%.17g", v);
+        return bad(k, std::string("must be a whole number of bytes, ") + range + ", got " + shown);
+      }
     }
-  }
+    return Status::ok();
+  };
+  // At most 2^40, as the fabric's "pack_bytes" and "pack_threshold" (plugin/config.cc).
+  REFIT_RETURN_IF_ERROR(
+      whole_bytes({"fanout_pack_bytes", "fanout_pack_threshold"}, kMaxPackBytes, "at most 1099511627776 (2^40)"));
   // The GET chunk and the window are cut into whole bytes: a fraction would
   // become a chunk of 0 bytes.
-  for (const char* k : {"get_chunk_bytes", "window_bytes"}) {
-    const double v = *field(m, k);
-    if (v != std::floor(v) || v > kMaxWindowBytes) {
-      char shown[32];
-      std::snprintf(shown, sizeof shown, "%.17g", v);
-      return bad(k, std::string("must be a whole number of bytes, at least 1 and at most 2^50, got ") + shown);
-    }
-  }
+  REFIT_RETURN_IF_ERROR(
+      whole_bytes({"get_chunk_bytes", "window_bytes"}, kMaxWindowBytes, "at least 1 and at most 2^50"));
   // A pack area below 64 KiB (other than 0) is refused by the fabric too (transport/fabric/pack.h).
   if (m.fanout_pack_bytes != 0 && m.fanout_pack_bytes < 65536)
     return bad("fanout_pack_bytes", "must be 0 (packing off) or at least 65536, got " + std::to_string(m.fanout_pack_bytes));
