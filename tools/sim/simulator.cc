@@ -132,10 +132,9 @@ class EventQueue {
     fifos_.assign(2 * static_cast<size_t>(receivers), {});
     heap_.clear();
   }
-  bool empty() const { return heap_.empty(); }
   // The earliest event's time; infinity when there is none.
   double front_time() const { return heap_.empty() ? std::numeric_limits<double>::infinity() : heap_.front().t; }
-  // REQUIRES !empty(). Removes and returns the earliest event. Its FIFO's
+  // REQUIRES an event (front_time() is finite). Removes and returns the earliest event. Its FIFO's
   // next event takes the front's place in the heap and sinks from there:
   // one pass down the heap, where a pop and a push were two.
   Event pop() {
