@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -260,10 +261,22 @@ inline constexpr uint32_t kStagingBuffer = UINT32_MAX;
 // consumer lacks the scales of its blocks.
 Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
                     const std::function<void(const ConvertStep&)>& on_convert);
+// Receiver ranks [lo, hi): the pullers a walk is limited to.
+struct PullerRange {
+  int32_t lo = 0;
+  int32_t hi = std::numeric_limits<int32_t>::max();
+  bool contains(int32_t rank) const { return rank >= lo && rank < hi; }
+};
+
 // The same, in groups (RunGroup), as for_each_run_group gives them: for
-// whatever counts runs (the simulator, docs/simulator.md).
+// whatever counts runs (the simulator, docs/simulator.md). With `pullers`,
+// only the units those ranks pull are walked: each puller's groups and
+// steps are exactly those of the whole walk, in its order (a unit's runs
+// all have its puller as one of their ranks, so a run of one puller never
+// continues across another's unit), and walks of disjoint ranges can run
+// at once. The error is the first of the units walked.
 Status for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
-                          const std::function<void(const ConvertStep&)>& on_convert);
+                          const std::function<void(const ConvertStep&)>& on_convert, PullerRange pullers = {});
 
 // The order in which for_each_copy walks `box` from region `from` to region
 // `to`: the dims of one index first, then the others in the memory order both

@@ -550,14 +550,22 @@ Status relayout_unit(const Plan& plan, const Unit& u, Merger& out, std::map<int3
 // network_only: the network runs alone, as the full walk gives them (its
 // local runs are not made; where one would follow, the network run before it
 // is passed on unmerged, as the local run would have made it).
+// pullers: only the units these ranks pull (PullerRange).
 Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
-               const std::function<void(const ConvertStep&)>* on_convert, bool network_only = false) {
+               const std::function<void(const ConvertStep&)>* on_convert, bool network_only = false,
+               PullerRange pullers = {}) {
   const Layout& L = plan.layout();
   Merger m(fn);
   std::map<int32_t, int64_t> staged;  // per puller: its staging area's end
   std::map<int32_t, int64_t> relayout_staged;  // per puller: the part of it its relayouts take
   const std::function<void(const ConvertStep&)> no_step = [](const ConvertStep&) {};
   for (const Unit& u : plan.units()) {
+    if (!pullers.contains(plan.puller(u).rank)) {
+      // Its runs would have ended the run before (every one of them has its
+      // puller as one of its two ranks): a run never continues across it.
+      if (!plan.box(u).empty()) m.flush();
+      continue;
+    }
     const Tensor& t = L.tensors[u.tensor];
     const bool converted = t.dtype_on(Side::kReceiver) != t.dtype;
     if (on_convert && converted) {
@@ -640,8 +648,8 @@ Status for_each_run(const Plan& plan, const std::function<void(const Run&)>& fn,
 }
 
 Status for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
-                          const std::function<void(const ConvertStep&)>& on_convert) {
-  return run_all(plan, fn, &on_convert);
+                          const std::function<void(const ConvertStep&)>& on_convert, PullerRange pullers) {
+  return run_all(plan, fn, &on_convert, /*network_only=*/false, pullers);
 }
 
 }  // namespace refit

@@ -211,6 +211,71 @@ TEST(RunGroups, ExampleScenariosSimulateTheSameOnSeveralThreads) {
   }
 }
 
+// Each puller's groups and conversion steps, in walk order, as text.
+std::vector<std::string> walk_per_puller(const Plan& plan, int32_t R, PullerRange pullers, Status* status) {
+  std::vector<std::string> out(static_cast<size_t>(R));
+  *status = for_each_run_group(
+      plan,
+      [&](const RunGroup& g) {
+        const Run& r = g.run;
+        const int32_t p = r.local ? r.from.rank : r.to.rank;
+        out[p] += "run " + std::to_string(r.local) + " " + std::to_string(r.from.rank) + ":" +
+                  std::to_string(r.from.buffer) + "+" + std::to_string(r.from.offset) + " " +
+                  std::to_string(r.to.rank) + ":" + std::to_string(r.to.buffer) + "+" + std::to_string(r.to.offset) +
+                  " " + std::to_string(r.bytes) + " x" + std::to_string(g.count) + " " + std::to_string(g.from_stride) +
+                  " " + std::to_string(g.to_stride) + "\n";
+      },
+      [&](const ConvertStep& c) {
+        out[c.rank] += "step " + std::to_string(c.tensor) + " " + std::to_string(c.stage_offset) + " " +
+                       std::to_string(c.box.numel()) + "\n";
+      },
+      pullers);
+  return out;
+}
+
+// A walk of a block of pullers (PullerRange, as the simulator's threads
+// walk the plan) gives each of them exactly what the whole walk gives it:
+// the same groups, merged the same way, and the same steps, in order.
+TEST(RunGroups, AWalkOfSomePullersGivesThemWhatTheWholeWalkGives) {
+  int checked = 0;
+  for (const char* name : {"fsdp-to-tp", "moe-ep", "moe-bf16-to-fp8", "pp2-to-tp2", "tp2-to-tp2x2", "tp2-to-tp4",
+                           "local-3hosts-replica"}) {
+    const Layout L = layout_of(scenario_json(name));
+    const auto R = static_cast<int32_t>(L.receivers.size());
+    for (int64_t relayout : {int64_t{0}, int64_t{1} << 20}) {
+      for (Strategy st : {Strategy::kRefit, Strategy::kNoDedup}) {
+        PlanOptions po;
+        po.strategy = st;
+        po.chunk_bytes = 8192;
+        po.relayout_below_bytes = relayout;
+        auto plan = make_plan(L, po);
+        ASSERT_TRUE(plan.is_ok()) << name << ": " << plan.status().message();
+        Status whole_status = Status::ok();
+        const std::vector<std::string> whole = walk_per_puller(*plan, R, PullerRange{}, &whole_status);
+        ASSERT_TRUE(whole_status.is_ok()) << whole_status.message();
+        for (int32_t blocks : {2, 3, R}) {
+          std::vector<std::string> joined(static_cast<size_t>(R));
+          for (int32_t k = 0; k < blocks; ++k) {
+            const PullerRange range{R * k / blocks, R * (k + 1) / blocks};
+            Status s = Status::ok();
+            const std::vector<std::string> part = walk_per_puller(*plan, R, range, &s);
+            ASSERT_TRUE(s.is_ok()) << s.message();
+            for (int32_t p = 0; p < R; ++p) {
+              if (range.contains(p)) joined[p] = part[p];
+              else EXPECT_EQ(part[p], "") << name << ": puller " << p << " is not in the block";
+            }
+          }
+          for (int32_t p = 0; p < R; ++p)
+            EXPECT_EQ(joined[p], whole[p]) << name << ", " << strategy_name(st) << ", relayout " << relayout << ", "
+                                           << blocks << " blocks: puller " << p;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 7 * 2 * 2 * 3);
+}
+
 TEST(RunGroups, ExampleScenariosGiveTheSameStatsAndSimulationGroupedAndOneByOne) {
   int64_t grouped = 0;
   for (const char* name : {"fsdp-to-tp", "moe-ep", "moe-bf16-to-fp8", "pp2-to-tp2", "tp2-to-tp2x2", "tp2-to-tp4",
