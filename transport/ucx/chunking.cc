@@ -54,6 +54,14 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
   s.limits_ = limits;
   s.outstanding_.resize(runs.size());
   s.eps_.resize(num_endpoints);
+  // Each endpoint's runs in an array of their number (a receiver of the
+  // simulator has thousands of runs an endpoint: no array grows by copies).
+  {
+    std::vector<uint32_t> per(num_endpoints, 0);
+    for (const ChunkRun& r : runs)
+      if (r.endpoint < num_endpoints) ++per[r.endpoint];
+    for (uint32_t e = 0; e < num_endpoints; ++e) s.eps_[e].runs.reserve(per[e]);
+  }
   for (uint32_t i = 0; i < runs.size(); ++i) {
     const ChunkRun& r = runs[i];
     if (r.bytes == 0) {
