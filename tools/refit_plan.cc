@@ -909,6 +909,11 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["layout_seconds"] = in.layout_seconds;
   j["plan_seconds"] = plan_seconds;
   j["simulate_seconds"] = sim_seconds;
+  if (r.model == "event")
+    j["simulate_stage_seconds"] = {{"jobs", r.stage_seconds.jobs},
+                                   {"network", r.stage_seconds.network},
+                                   {"rounds", r.stage_seconds.rounds},
+                                   {"finish", r.stage_seconds.finish}};
   return j;
 }
 
@@ -1222,8 +1227,9 @@ int main(int argc, char** argv) {
   app.add_option("--trace", o.trace_out, "with --simulate: write the timeline as Chrome/Perfetto trace JSON")
       ->type_name("FILE");
   app.add_option("--threads", o.sim_threads,
-                 "with --simulate: threads that simulate the network (default 0: one per core, at most one per "
-                 "256 receivers; one with --trace or without fan-out rounds); the result does not depend on it")
+                 "with --simulate: threads that read the plan into jobs and simulate the network (default 0: one "
+                 "per core, at most one per 256 receivers; the network on one with --trace or without fan-out "
+                 "rounds); the result does not depend on it")
       ->type_name("N")
       ->check(CLI::Range(0, 1024));
   app.add_option("--hardware", o.hardware_file,

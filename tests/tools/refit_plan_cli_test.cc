@@ -567,6 +567,12 @@ TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {
   for (const char* k : {"source_nic", "receiver_nic", "nvlink_out", "nvlink_in"})
     EXPECT_TRUE(j["busiest"][k].contains("busy_seconds")) << k;
   for (const char* k : {"publish", "network", "h2d", "fanout"}) EXPECT_TRUE(j["phases"].contains(k)) << k;
+  double stages = 0;
+  for (const char* k : {"jobs", "network", "rounds", "finish"}) {
+    EXPECT_GE(j["simulate_stage_seconds"][k].get<double>(), 0) << k;
+    stages += j["simulate_stage_seconds"][k].get<double>();
+  }
+  EXPECT_LE(stages, j["simulate_seconds"].get<double>());
   EXPECT_EQ(j["reported"][0]["seconds"], 1.5);
   EXPECT_EQ(j["hardware"]["from"], "scenario");
   EXPECT_EQ(j["network_bytes"], manifest_bytes(manifest()));
@@ -581,6 +587,7 @@ TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {
            "--json", "-"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["model"], "fluid");
+  EXPECT_FALSE(json::parse(r.out).contains("simulate_stage_seconds"));  // not simulated
 }
 
 TEST_F(RefitPlanCli, SimulateSaysWhenItUsesTheDefaults) {

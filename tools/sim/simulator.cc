@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -11,9 +12,11 @@
 #include <malloc.h>
 #endif
 #include <map>
+#include <memory>
 #include <mutex>
 #include <queue>
 #include <span>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -48,6 +51,55 @@ struct Send {
   int32_t to = 0;
   uint32_t runs = 1;  // the fabric's sends: one per contiguous run
   int64_t bytes = 0;
+};
+
+// Sends in segments of 2^20 (16 MiB): a hundred million of them are never
+// copied to a larger array (and the memory never touched twice), and each
+// thread of build_jobs fills a store of its own, which are then joined
+// (append) without a copy. A send's number is its place in the store; a
+// joined store starts on the next whole segment, so its numbers are those
+// it had, plus where it starts (`size()` counts the gap, `count()` does not).
+class SendStore {
+ public:
+  static constexpr int kBits = 20;
+  static constexpr uint32_t kSegment = uint32_t{1} << kBits;
+  // Sends are numbered in 32 bits.
+  static constexpr uint64_t kMaxSize = std::numeric_limits<uint32_t>::max();
+
+  uint32_t size() const { return size_; }
+  uint64_t count() const { return count_; }
+  Send& operator[](uint32_t i) { return segs_[i >> kBits][i & (kSegment - 1)]; }
+  const Send& operator[](uint32_t i) const { return segs_[i >> kBits][i & (kSegment - 1)]; }
+  Send& back() { return (*this)[size_ - 1]; }
+  // False, storing nothing, once there are kMaxSize sends.
+  bool push_back(const Send& s) {
+    if (size_ >= kMaxSize) return false;
+    if ((size_ >> kBits) == segs_.size()) segs_.push_back(std::make_unique<Send[]>(kSegment));
+    (*this)[size_++] = s;
+    ++count_;
+    return true;
+  }
+  // Takes `other`'s sends, from this store's next whole segment on. Returns
+  // what their numbers grew by.
+  Result<uint32_t> append(SendStore&& other) {
+    const uint64_t base = static_cast<uint64_t>(segs_.size()) << kBits;
+    if (other.size_ == 0) return static_cast<uint32_t>(std::min<uint64_t>(base, kMaxSize));
+    if (base + other.size_ > kMaxSize) return too_many();
+    for (auto& seg : other.segs_) segs_.push_back(std::move(seg));
+    size_ = static_cast<uint32_t>(base + other.size_);
+    count_ += other.count_;
+    other = SendStore{};
+    return static_cast<uint32_t>(base);
+  }
+  static Status too_many() {
+    return Status::invalid("the plan's fan-out has more than " + std::to_string(kMaxSize) +
+                           " sends (runs from one network job to one peer): more than the simulator numbers");
+  }
+
+ private:
+  std::vector<std::unique_ptr<Send[]>> segs_;
+  uint32_t size_ = 0;
+  uint64_t count_ = 0;
 };
 
 // The fan-out op a puller's sends to one peer last opened (packed fan-out):
@@ -346,8 +398,17 @@ class Sim {
   Result<SimResult> run() {
     const int32_t R = L_.num_ranks(Side::kReceiver);
     const int32_t S = L_.num_ranks(Side::kSource);
+    using Clock = std::chrono::steady_clock;
+    auto t = Clock::now();
+    auto lap = [&t] {
+      const auto now = Clock::now();
+      const double s = std::chrono::duration<double>(now - t).count();
+      t = now;
+      return s;
+    };
     jobs_.assign(R, {});
     REFIT_RETURN_IF_ERROR(build_jobs(R, S));
+    r_.stage_seconds.jobs = lap();
     src_nic_.assign(S, {});
     rcv_nic_.assign(R, {});
     post_.assign(R, {});
@@ -369,21 +430,49 @@ class Sim {
     if (hw_.fanout_rounds) send_ready_.assign(sends_.size(), std::numeric_limits<float>::infinity());
     REFIT_RETURN_IF_ERROR(simulate_network(R, S, workers(R)));
     release_network();
+    r_.stage_seconds.network = lap();
     if (hw_.fanout_rounds) simulate_rounds(R, opt_.trace ? 1 : workers(R));
+    r_.stage_seconds.rounds = lap();
     finish(R, S);
+    r_.stage_seconds.finish = lap();
     return std::move(r_);
   }
 
  private:
-  // How many threads simulate the network (SimOptions::threads). A trace's
-  // spans and the fan-out without rounds (each send holds two ranks' links
-  // as it comes) are simulated in the order of their events: one.
-  int32_t workers(int32_t R) const {
-    if (opt_.trace || !hw_.fanout_rounds || R < 2) return 1;
+  // How many threads build the jobs and simulate the network
+  // (SimOptions::threads): one per core, at most one per 256 receivers.
+  int32_t threads(int32_t R) const {
     int32_t n = opt_.threads;
     if (n <= 0) n = std::min(static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency())), R / 256);
-    return std::clamp(n, 1, R);
+    return std::clamp(n, 1, std::max(R, 1));
   }
+
+  // How many of them simulate the network. A trace's spans and the fan-out
+  // without rounds (each send holds two ranks' links as it comes) are
+  // simulated in the order of their events: one.
+  int32_t workers(int32_t R) const {
+    if (opt_.trace || !hw_.fanout_rounds || R < 2) return 1;
+    return threads(R);
+  }
+
+  // What one thread of build_jobs makes from its block of pullers: their
+  // jobs go straight into jobs_ (one vector a puller), their sends and
+  // conversion steps here, numbered from 0, until build_jobs joins them.
+  struct Built {
+    int32_t lo = 0, hi = 0;  // its pullers
+    SendStore sends;
+    std::vector<Convert> converts;
+    int64_t network_bytes = 0, local_bytes = 0, local_runs = 0, convert_bytes = 0;
+    int64_t gets = 0, gathered_bytes = 0, gathers = 0;
+    Status status = Status::ok();
+    // The walk's state between groups.
+    std::vector<int32_t> open;  // per (puller - lo, source): its open job
+    std::vector<int32_t> last;  // per puller - lo: its last job
+    int64_t last_send_puller = -1;
+    bool converting = false;        // some tensor converts: track what follows
+    std::vector<int32_t> touched;   // per puller - lo: the last job it added runs to since its last send or step
+    std::vector<int32_t> step;      // per puller - lo: the step its next sends follow (no GET since), or -1
+  };
 
   // Walks the plan's runs in execution order, in their groups (RunGroup),
   // and makes them jobs and sends (simulator.h). Sends read the last job of
@@ -391,129 +480,171 @@ class Sim {
   // (for_each_run's order). Small runs are grouped into gathers as the
   // receiver agents group them (planner/gather.h); a gather's one GET is
   // charged to the job that holds its last run, once it closes.
+  // Each thread walks the units of its block of pullers (PullerRange): a
+  // puller's jobs, sends and steps are the same whatever the blocks, and
+  // gathers group the runs of one (receiver, source), so are theirs. The
+  // threads' sends and steps are then joined, in block order.
   Status build_jobs(int32_t R, int32_t S) {
-    const int64_t get_chunk = static_cast<int64_t>(hw_.get_chunk_bytes);
+    const int32_t n = threads(R);
     std::vector<int64_t> gets(R, 0);
-    GatherCounter counter(opt_.gather, [&](const GatherClose& c) {
-      const int64_t n = (c.runs > 1 ? 1 : ceil_div(c.bytes, get_chunk)) * c.times;
-      if (c.runs > 1) r_.gathered_bytes += c.bytes * c.times;
-      const auto p = static_cast<int32_t>(c.tag >> 32);
-      jobs_[p][static_cast<uint32_t>(c.tag)].gets += n;
-      gets[p] += n;
-      r_.gets += n;
-    });
-    Walk w{std::vector<int32_t>(static_cast<size_t>(R) * S, -1), std::vector<int32_t>(R, -1), -1};
-    w.touched.assign(R, -1);
-    w.step.assign(R, -1);
+    bool converting = plan_.options().relayout_below_bytes > 0;
+    for (const Tensor& t : L_.tensors) converting |= t.dtype_on(Side::kReceiver) != t.dtype;
     steps_.assign(R, {});
-    for (const Tensor& t : L_.tensors) w.converting |= t.dtype_on(Side::kReceiver) != t.dtype;
-    w.converting |= plan_.options().relayout_below_bytes > 0;
-    REFIT_RETURN_IF_ERROR(for_each_run_group(
-        plan_,
-        [&](const RunGroup& g) {
-          if (!opt_.expanded) return add_group(g, S, w, counter);
-          for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, w, counter);
-        },
-        [&](const ConvertStep& c) { add_convert(c, w); }));
-    counter.finish();
-    r_.gathers = static_cast<int64_t>(counter.gathers());
+    std::vector<Built> built(static_cast<size_t>(n));
+    parallel(n, [&](int32_t k) {
+      Built& b = built[k];
+      b.lo = static_cast<int32_t>(static_cast<int64_t>(R) * k / n);
+      b.hi = static_cast<int32_t>(static_cast<int64_t>(R) * (k + 1) / n);
+      b.converting = converting;
+      walk(b, S, gets);
+    });
+    for (Built& b : built) {
+      if (!b.status) {
+        // The first error of the whole walk, whatever the blocks found.
+        Status first = for_each_run_group(plan_, [](const RunGroup&) {}, [](const ConvertStep&) {});
+        return first ? b.status : first;
+      }
+    }
+    sends_ = SendStore{};
+    for (Built& b : built) {
+      const uint32_t conv_base = static_cast<uint32_t>(converts_.size());
+      auto send_base = sends_.append(std::move(b.sends));
+      if (!send_base) return send_base.status();
+      for (int32_t p = b.lo; p < b.hi; ++p) {
+        for (Job& j : jobs_[p]) j.sends_begin += *send_base;
+        for (int32_t& st : steps_[p]) st += static_cast<int32_t>(conv_base);
+      }
+      for (Convert& c : b.converts) c.sends_begin += *send_base;
+      converts_.insert(converts_.end(), b.converts.begin(), b.converts.end());
+      r_.network_bytes += b.network_bytes;
+      r_.local_bytes += b.local_bytes;
+      r_.local_runs += b.local_runs;
+      r_.convert_bytes += b.convert_bytes;
+      r_.gets += b.gets;
+      r_.gathered_bytes += b.gathered_bytes;
+      r_.gathers += b.gathers;
+    }
+    std::vector<Built>().swap(built);
     for (int32_t p = 0; p < R; ++p) {
       r_.gets_per_receiver_max = std::max(r_.gets_per_receiver_max, gets[p]);
       r_.jobs += static_cast<int64_t>(jobs_[p].size());
     }
-    r_.local_sends = static_cast<int64_t>(sends_.size());
+    r_.local_sends = static_cast<int64_t>(sends_.count());
     r_.converts = static_cast<int64_t>(converts_.size());
     return Status::ok();
   }
 
-  // build_jobs' state between groups.
-  struct Walk {
-    std::vector<int32_t> open;  // per (puller, source): its open job
-    std::vector<int32_t> last;  // per puller: its last job
-    int64_t last_send_puller;
-    bool converting = false;      // some tensor converts: track what follows
-    std::vector<int32_t> touched;  // per puller: the last job it added runs to since its last send or step
-    std::vector<int32_t> step;     // per puller: the step its next sends follow (no GET since), or -1
-  };
+  // One thread's walk of build_jobs: pullers [b.lo, b.hi).
+  void walk(Built& b, int32_t S, std::vector<int64_t>& gets) {
+    const int64_t get_chunk = static_cast<int64_t>(hw_.get_chunk_bytes);
+    const auto P = static_cast<size_t>(b.hi - b.lo);
+    GatherCounter counter(opt_.gather, [&](const GatherClose& c) {
+      const int64_t n = (c.runs > 1 ? 1 : ceil_div(c.bytes, get_chunk)) * c.times;
+      if (c.runs > 1) b.gathered_bytes += c.bytes * c.times;
+      const auto p = static_cast<int32_t>(c.tag >> 32);
+      jobs_[p][static_cast<uint32_t>(c.tag)].gets += n;
+      gets[p] += n;
+      b.gets += n;
+    });
+    b.open.assign(P * static_cast<size_t>(S), -1);
+    b.last.assign(P, -1);
+    b.touched.assign(P, -1);
+    b.step.assign(P, -1);
+    b.status = for_each_run_group(
+        plan_,
+        [&](const RunGroup& g) {
+          if (!opt_.expanded) return add_group(g, S, b, counter);
+          for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, b, counter);
+        },
+        [&](const ConvertStep& c) { add_convert(c, b); }, PullerRange{b.lo, b.hi});
+    counter.finish();
+    b.gathers = static_cast<int64_t>(counter.gathers());
+    std::vector<int32_t>().swap(b.open);
+  }
 
   // A conversion step: it reads the jobs the puller added runs to since its
   // last send or step (the runs that staged its box, and the pieces of the
   // unit a source converted): it waits for the puller's jobs up to the
   // last of them, and for the puller's steps before it.
-  void add_convert(const ConvertStep& c, Walk& w) {
+  void add_convert(const ConvertStep& c, Built& b) {
     const Tensor& t = L_.tensors[c.tensor];
     const int32_t p = c.rank;
     Convert cv;
     cv.puller = p;
     cv.cast = t.dtype_on(Side::kReceiver) != DType::kF8E4M3;
     cv.relayout = t.dtype_on(Side::kReceiver) == t.dtype;
-    cv.wait_job = w.touched[p];
+    cv.wait_job = b.touched[p - b.lo];
     cv.staged_bytes = c.box.numel() * dtype_bytes(t.dtype);
     cv.out_bytes = c.box.numel() * dtype_bytes(t.dtype_on(Side::kReceiver));
-    w.step[p] = static_cast<int32_t>(converts_.size());
-    steps_[p].push_back(w.step[p]);
-    converts_.push_back(cv);
-    r_.convert_bytes += cv.staged_bytes;
+    b.step[p - b.lo] = static_cast<int32_t>(b.converts.size());
+    steps_[p].push_back(b.step[p - b.lo]);
+    b.converts.push_back(cv);
+    b.convert_bytes += cv.staged_bytes;
   }
 
   // A send of `bytes` to `to` from a job's or a step's sends (they are
-  // contiguous in sends_); runs to the same peer in a row are one send.
-  void add_send(uint32_t& begin, uint32_t& count, int32_t p, int32_t to, int64_t bytes, int64_t runs, Walk& w) {
-    r_.local_bytes += bytes;
-    if (w.last_send_puller == p && count > 0 && sends_.back().to == to &&
-        sends_.back().runs + runs <= std::numeric_limits<uint32_t>::max()) {
-      sends_.back().bytes += bytes;
-      sends_.back().runs += static_cast<uint32_t>(runs);
+  // contiguous in the sends); runs to the same peer in a row are one send.
+  void add_send(uint32_t& begin, uint32_t& count, int32_t p, int32_t to, int64_t bytes, int64_t runs, Built& b) {
+    b.local_bytes += bytes;
+    SendStore& sends = b.sends;
+    if (b.last_send_puller == p && count > 0 && sends.back().to == to &&
+        sends.back().runs + runs <= std::numeric_limits<uint32_t>::max()) {
+      sends.back().bytes += bytes;
+      sends.back().runs += static_cast<uint32_t>(runs);
       return;
     }
-    if (count == 0) begin = static_cast<uint32_t>(sends_.size());
-    sends_.push_back(Send{to, static_cast<uint32_t>(runs), bytes});
+    if (count == 0) begin = sends.size();
+    if (!sends.push_back(Send{to, static_cast<uint32_t>(runs), bytes})) {
+      if (b.status) b.status = SendStore::too_many();
+      return;
+    }
     ++count;
-    w.last_send_puller = p;
+    b.last_send_puller = p;
   }
 
-  void add_group(const RunGroup& g, int32_t S, Walk& w, GatherCounter& counter) {
+  void add_group(const RunGroup& g, int32_t S, Built& b, GatherCounter& counter) {
     const Run& run = g.run;
     const int32_t p = run.local ? run.from.rank : run.to.rank;
+    const size_t i = static_cast<size_t>(p - b.lo);
     std::vector<Job>& jobs = jobs_[p];
     if (!run.local) {
       const int64_t cap = plan_.options().chunk_bytes;
       const int32_t s = run.from.rank;
-      int32_t& j = w.open[static_cast<size_t>(p) * S + s];
-      const int64_t b = run.bytes;
+      int32_t& j = b.open[i * S + s];
+      const int64_t bytes = run.bytes;
       // The runs fill the open job up to `cap` bytes, then the next ones
       // (a run larger than `cap` is a job of its own).
       for (int64_t left = g.count; left > 0;) {
-        if (j < 0 || jobs[j].closed || jobs[j].bytes + b > cap) {
+        if (j < 0 || jobs[j].closed || jobs[j].bytes + bytes > cap) {
           j = static_cast<int32_t>(jobs.size());
           jobs.push_back(Job{.source = s});
         }
-        const int64_t m = std::min(left, std::max<int64_t>(1, (cap - jobs[j].bytes) / b));
-        jobs[j].bytes += m * b;
+        const int64_t m = std::min(left, std::max<int64_t>(1, (cap - jobs[j].bytes) / bytes));
+        jobs[j].bytes += m * bytes;
         jobs[j].staged &= run.to.buffer == kStagingBuffer;
-        r_.network_bytes += m * b;
-        counter.add(GatherInput{p, s, b}, m, (static_cast<uint64_t>(p) << 32) | static_cast<uint32_t>(j));
-        if (w.converting) w.touched[p] = std::max(w.touched[p], j);
+        b.network_bytes += m * bytes;
+        counter.add(GatherInput{p, s, bytes}, m, (static_cast<uint64_t>(p) << 32) | static_cast<uint32_t>(j));
+        if (b.converting) b.touched[i] = std::max(b.touched[i], j);
         left -= m;
       }
-      w.last[p] = j;
-      w.last_send_puller = -1;
-      if (w.converting) w.step[p] = -1;
+      b.last[i] = j;
+      b.last_send_puller = -1;
+      if (b.converting) b.step[i] = -1;
       return;
     }
     const int64_t bytes = run.bytes * g.count;
-    r_.local_runs += g.count;
-    if (w.converting) {
-      w.touched[p] = -1;
-      if (w.step[p] >= 0) {  // the unit a step converted: its sends wait for it
-        Convert& cv = converts_[w.step[p]];
-        return add_send(cv.sends_begin, cv.sends_count, p, run.to.rank, bytes, g.count, w);
+    b.local_runs += g.count;
+    if (b.converting) {
+      b.touched[i] = -1;
+      if (b.step[i] >= 0) {  // the unit a step converted: its sends wait for it
+        Convert& cv = b.converts[b.step[i]];
+        return add_send(cv.sends_begin, cv.sends_count, p, run.to.rank, bytes, g.count, b);
       }
     }
     // A send reads bytes this puller pulled: its last job brought them.
-    Job& job = jobs[w.last[p]];
+    Job& job = jobs[b.last[i]];
     job.closed = true;
-    add_send(job.sends_begin, job.sends_count, p, run.to.rank, bytes, g.count, w);
+    add_send(job.sends_begin, job.sends_count, p, run.to.rank, bytes, g.count, b);
   }
 
   // Sources that serve a host mirror copy each shard there at publish, and
@@ -569,36 +700,45 @@ class Sim {
     // Jobs stand for many GETs each: only the byte window binds.
     limits.max_ops_in_flight = std::numeric_limits<uint64_t>::max();
     limits.max_ops_per_endpoint = std::numeric_limits<uint64_t>::max();
+    // Each receiver's scheduler, on the threads, a block of receivers each.
     scheds_.clear();
-    scheds_.reserve(R);
-    ep_base_.clear();
-    cur_.clear();
-    uint64_t smallest = limits.chunk_bytes;  // the smallest chunk any job is cut into
-    for (int32_t p = 0; p < R; ++p) {
-      // Endpoints: this receiver's sources, densely numbered.
-      std::vector<int32_t> dense;
+    scheds_.resize(R);
+    cur_.assign(R, {});
+    std::vector<uint64_t> smallest(static_cast<size_t>(threads), limits.chunk_bytes);  // per block
+    std::vector<Status> failed(static_cast<size_t>(threads), Status::ok());
+    parallel(threads, [&](int32_t k) {
       std::vector<ucx::ChunkRun> runs;
-      runs.reserve(jobs_[p].size());
-      std::vector<int32_t> index_of;
-      for (const Job& j : jobs_[p]) {
-        if (static_cast<size_t>(j.source) >= index_of.size()) index_of.resize(j.source + 1, -1);
-        if (index_of[j.source] < 0) {
-          index_of[j.source] = static_cast<int32_t>(dense.size());
-          dense.push_back(j.source);
+      std::vector<int32_t> index_of(static_cast<size_t>(S), -1);
+      const auto hi = static_cast<int32_t>(static_cast<int64_t>(R) * (k + 1) / threads);
+      for (auto p = static_cast<int32_t>(static_cast<int64_t>(R) * k / threads); p < hi; ++p) {
+        // Endpoints: this receiver's sources, densely numbered.
+        std::vector<Current>& cur = cur_[p];
+        runs.clear();
+        for (const Job& j : jobs_[p]) {
+          if (index_of[j.source] < 0) {
+            index_of[j.source] = static_cast<int32_t>(cur.size());
+            cur.push_back(Current{.source = j.source});
+          }
+          const auto b = static_cast<uint64_t>(j.bytes);
+          runs.push_back(ucx::ChunkRun{static_cast<uint32_t>(index_of[j.source]), b});
+          // The smallest chunk any job is cut into.
+          smallest[k] = std::min(smallest[k], b % limits.chunk_bytes != 0 ? b % limits.chunk_bytes : limits.chunk_bytes);
         }
-        const auto b = static_cast<uint64_t>(j.bytes);
-        runs.push_back(ucx::ChunkRun{static_cast<uint32_t>(index_of[j.source]), b});
-        smallest = std::min(smallest, b % limits.chunk_bytes != 0 ? b % limits.chunk_bytes : limits.chunk_bytes);
+        for (const Current& c : cur) index_of[c.source] = -1;
+        auto sched = ucx::ChunkScheduler::create(limits, runs, static_cast<uint32_t>(cur.size()));
+        if (!sched) {
+          failed[k] = sched.status().with_context("receiver " + std::to_string(p));
+          return;
+        }
+        scheds_[p] = std::move(*sched);
       }
-      auto s = ucx::ChunkScheduler::create(limits, runs, static_cast<uint32_t>(dense.size()));
-      if (!s) return s.status().with_context("receiver " + std::to_string(p));
-      scheds_.push_back(std::move(*s));
-      ep_base_.push_back(static_cast<uint32_t>(cur_.size()));
-      for (int32_t src : dense) cur_.push_back(Current{.source = src});
-    }
+    });
+    for (const Status& f : failed) REFIT_RETURN_IF_ERROR(f);  // the lowest receiver's
     // Half of what separates a post from its landing at least: far more
     // than the rounding of the sums that compute either.
-    const double window = 0.5 * (hw_.latency_us * 1e-6 + static_cast<double>(smallest) / hw_.nic_bytes_per_s());
+    const double window = 0.5 * (hw_.latency_us * 1e-6 +
+                                 static_cast<double>(*std::min_element(smallest.begin(), smallest.end())) /
+                                     hw_.nic_bytes_per_s());
     landed_jobs_.assign(R, 0);
     landed_at_.assign(R, 0.0);
     next_step_.assign(R, 0);
@@ -708,7 +848,7 @@ class Sim {
     const double op = hw_.get_op_us * 1e-6;
     const uint32_t turn = tie_turn(p, post_seq_[p], jobs_.size());
     while (auto c = scheds_[p].next()) {
-      Current& job = cur_[ep_base_[p] + c->endpoint];
+      Current& job = cur_[p][c->endpoint];
       if (job.run != c->run) {
         const Job& j = jobs_[p][c->run];
         job = Current{c->run, job.source, j.bytes, j.gets};
@@ -909,8 +1049,7 @@ class Sim {
   // (DeepSeek-V3 at 4096 ranks has 163 million sends).
   void release_network() {
     std::vector<ucx::ChunkScheduler>().swap(scheds_);
-    std::vector<Current>().swap(cur_);
-    std::vector<uint32_t>().swap(ep_base_);
+    std::vector<std::vector<Current>>().swap(cur_);
     std::vector<uint64_t>().swap(post_seq_);
     give_back_free_memory();
   }
@@ -1232,7 +1371,7 @@ class Sim {
   const SimOptions& opt_;
   SimResult r_;
   std::vector<std::vector<Job>> jobs_;  // per receiver, in its execution order
-  std::vector<Send> sends_;
+  SendStore sends_;  // per puller in blocks (build_jobs), each puller's in plan order
   std::vector<float> send_ready_;  // with rounds: per send, when its bytes are usable
   std::vector<RankRound> acc_;     // with rounds: per rank, the round being simulated
   std::vector<uint32_t> plan_pos_; // with rounds: per send, its first run's position in its pair's plan order
@@ -1243,7 +1382,7 @@ class Sim {
   std::vector<size_t> next_step_;            // per puller: its next step to run
   std::vector<double> thread_from_;          // per puller: when its last conversion started
   std::vector<ucx::ChunkScheduler> scheds_;
-  // Per receiver and endpoint (from ep_base_[receiver]): its source and the
+  // Per receiver and endpoint: its source and the
   // job it is issuing, so that a job's later chunks are posted without
   // reading the job again (a receiver's jobs are tens of megabytes).
   struct Current {
@@ -1252,8 +1391,7 @@ class Sim {
     int64_t bytes = 0;
     int64_t gets = 0;
   };
-  std::vector<uint32_t> ep_base_;
-  std::vector<Current> cur_;
+  std::vector<std::vector<Current>> cur_;
   std::vector<Resource> src_nic_, rcv_nic_, post_, h2d_, nvl_out_, nvl_in_, conv_;
   std::vector<int32_t> domain_size_;               // per receiver: the GPUs of its domain
   std::unordered_map<uint64_t, Pack> packs_;       // per (puller, peer): its last pack

@@ -123,10 +123,11 @@ struct SimOptions {
   // group; `expanded` walks them one by one instead, for tests that check
   // that both give the same result.
   bool expanded = false;
-  // Threads that simulate the network (docs/simulator.md, "The network in
-  // windows"); 0: one per core, at most one per 256 receivers. The result
-  // is the same whatever the number. A trace, or the fan-out without
-  // `fanout_rounds`, takes one.
+  // Threads that read the plan into jobs (a block of pullers each) and
+  // simulate the network (docs/simulator.md, "The network in windows"); 0:
+  // one per core, at most one per 256 receivers. The result is the same
+  // whatever the number. A trace, or the fan-out without `fanout_rounds`,
+  // simulates the network on one.
   int threads = 0;
 };
 
@@ -162,6 +163,16 @@ struct SimResult {
   double host_cpu_seconds = 0;
   double host_bound_seconds = 0;
   bool host_bound = false;
+  // Wall seconds of the simulation's stages, on this machine: reading the
+  // plan into jobs and sends, the network's windows (with the receivers'
+  // schedulers set up), the fan-out's rounds (0 without them), and the rest
+  // (totals, busiest links, the host bound).
+  struct StageSeconds {
+    double jobs = 0;
+    double network = 0;
+    double rounds = 0;
+    double finish = 0;
+  } stage_seconds;
   std::vector<TraceSpan> trace;
 };
 
