@@ -88,15 +88,19 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
     ep.pending_bytes += r.bytes;
   }
   while (s.leaves_ < num_endpoints) s.leaves_ *= 2;
-  s.tree_.assign(2 * static_cast<size_t>(s.leaves_), Node{});
+  s.tree_.assign(kTrees * 2 * static_cast<size_t>(s.leaves_), Node{});
   s.issues_ = num_endpoints;
   for (uint32_t e = 0; e < num_endpoints; ++e) {
     EndpointState& ep = s.eps_[e];
     ep.head = s.cut(ep, e);
     ep.last_issued = e;
-    s.tree_[s.leaves_ + e] = s.leaf_of(e);
+    const Node leaf = s.leaf_of(e);
+    if (leaf.win == kNone) continue;
+    ep.tree = s.tree_of(leaf);
+    s.node(ep.tree, s.leaves_ + e) = leaf;
   }
-  for (uint32_t i = s.leaves_ - 1; i >= 1; --i) s.combine(i);
+  for (uint8_t k = 0; k < kTrees; ++k)
+    for (uint32_t i = s.leaves_ - 1; i >= 1; --i) s.combine(k, i);
   return s;
 }
 
@@ -134,12 +138,12 @@ uint64_t ChunkScheduler::share_of(const EndpointState& ep) {
   return static_cast<uint64_t>((static_cast<unsigned __int128>(issued) << 64) / ep.total_bytes);
 }
 
-void ChunkScheduler::combine(uint32_t i) {
-  const Node& a = tree_[2 * i];
-  const Node& b = tree_[2 * i + 1];
+void ChunkScheduler::combine(uint8_t k, uint32_t i) {
+  const Node& a = node(k, 2 * i);
+  const Node& b = node(k, 2 * i + 1);
   // An empty node's key comes after every endpoint's.
   const Node& w = before(b, a) ? b : a;
-  tree_[i] = Node{w.share, w.tie, std::min(a.min_head, b.min_head), w.win, w.win_head};
+  node(k, i) = Node{w.share, w.tie, std::min(a.min_head, b.min_head), w.win, w.win_head};
 }
 
 ChunkScheduler::Node ChunkScheduler::leaf_of(uint32_t e) const {
@@ -149,31 +153,38 @@ ChunkScheduler::Node ChunkScheduler::leaf_of(uint32_t e) const {
   return Node{ep.share, ep.last_issued, h, e, static_cast<uint32_t>(std::min<uint64_t>(h, kWideHead))};
 }
 
-void ChunkScheduler::update(uint32_t e, bool share_changed) {
-  if (share_changed) eps_[e].share = share_of(eps_[e]);
-  const Node leaf = leaf_of(e);
+void ChunkScheduler::set_leaf(uint8_t k, uint32_t e, const Node& leaf) {
   uint32_t i = leaves_ + e;
-  if (tree_[i] == leaf) return;
-  tree_[i] = leaf;
+  if (node(k, i) == leaf) return;
+  node(k, i) = leaf;
   // A node is its children's: once one is unchanged, so is everything above.
   for (i /= 2; i >= 1; i /= 2) {
-    const Node was = tree_[i];
-    combine(i);
-    if (tree_[i] == was) return;
+    const Node was = node(k, i);
+    combine(k, i);
+    if (node(k, i) == was) return;
   }
 }
 
-uint32_t ChunkScheduler::first_fitting(uint64_t free) const {
-  const Node* best = nullptr;
+void ChunkScheduler::update(uint32_t e, bool share_changed) {
+  EndpointState& ep = eps_[e];
+  if (share_changed) ep.share = share_of(ep);
+  const Node leaf = leaf_of(e);
+  const uint8_t k = leaf.win == kNone ? kNoTree : tree_of(leaf);
+  if (ep.tree != k && ep.tree != kNoTree) set_leaf(ep.tree, e, Node{});
+  ep.tree = k;
+  if (k != kNoTree) set_leaf(k, e, leaf);
+}
+
+void ChunkScheduler::search(uint8_t k, uint64_t free, const Node*& best) const {
   uint32_t stack[64];
   size_t n = 0;
   stack[n++] = 1;
   while (n > 0) {
     const uint32_t i = stack[--n];
-    const Node& x = tree_[i];
+    const Node& x = node(k, i);
     if (x.win == kNone || x.min_head > free) continue;
     if (best != nullptr && !before(x, *best)) continue;  // nothing here comes first
-    const uint64_t head = x.win_head != kWideHead ? x.win_head : tree_[leaves_ + x.win].min_head;
+    const uint64_t head = x.win_head != kWideHead ? x.win_head : node(k, leaves_ + x.win).min_head;
     if (head <= free) {
       best = &x;  // the subtree's first fits: nothing else in it comes before
       continue;
@@ -182,6 +193,14 @@ uint32_t ChunkScheduler::first_fitting(uint64_t free) const {
     stack[n++] = 2 * i + 1;
     stack[n++] = 2 * i;
   }
+}
+
+uint32_t ChunkScheduler::first_fitting(uint64_t free) const {
+  // Whole chunks first: where one fits, its tree's first usually does, and
+  // prunes most of the other tree at its root.
+  const Node* best = nullptr;
+  search(kWhole, free, best);
+  search(kPart, free, best);
   return best != nullptr ? best->win : kNone;
 }
 
@@ -191,7 +210,7 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
   // the limit.
   if (pending_chunks_ == 0 || ops_in_flight_ >= limits_.max_ops_in_flight) return std::nullopt;
   const uint64_t free = limits_.max_bytes_in_flight - bytes_in_flight_;
-  if (tree_[1].min_head > free) return std::nullopt;
+  if (std::min(node(kWhole, 1).min_head, node(kPart, 1).min_head) > free) return std::nullopt;
   // Furthest behind first (chunking.h); the first whose next chunk fits and
   // that the gate lets go (asked before a run's first chunk only). An
   // endpoint the gate holds leaves the tree until this call returns.
@@ -201,8 +220,7 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
     const Chunk& c = eps_[e].head;
     if (!gate || c.offset != 0 || gate(c.run)) break;
     gated.push_back(e);
-    tree_[leaves_ + e] = Node{};
-    for (uint32_t i = (leaves_ + e) / 2; i >= 1; i /= 2) combine(i);
+    set_leaf(eps_[e].tree, e, Node{});
   }
   for (uint32_t g : gated) update(g, false);
   if (e == kNone) return std::nullopt;

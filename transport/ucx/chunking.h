@@ -136,6 +136,7 @@ class ChunkScheduler {
     uint64_t last_issued = 0;
     uint64_t share = 0;  // share_of() its bytes issued, set when they change
     bool held = false;
+    uint8_t tree = kNoTree;  // the tree whose leaf holds it (tree_of), or none
   };
   // Cuts the next chunk of `ep`'s runs (bytes 0 when they are all cut).
   Chunk cut(EndpointState& ep, uint32_t endpoint);
@@ -196,13 +197,30 @@ class ChunkScheduler {
   }
   // Endpoint e's leaf as its state stands.
   Node leaf_of(uint32_t e) const;
-  // Node i from its children.
-  void combine(uint32_t i);
-  // Recomputes endpoint `e`'s leaf and the nodes above it; `share_changed`:
-  // its bytes issued changed, so its share is computed anew.
+  // Two trees of the same shape: kWhole holds the endpoints whose head is a
+  // whole chunk (chunk_bytes or more), kPart those whose head is less (a
+  // run's last chunk, a small run, a gather's chunk). When the window has
+  // less than a chunk free, only kPart can have one that fits, and its
+  // nodes' firsts are among those alone: a single tree's firsts were mostly
+  // whole chunks that did not fit, which pruned nothing (a simulated
+  // DeepSeek-V3 receiver with 2048 sources read 97 nodes a chunk).
+  static constexpr uint8_t kWhole = 0, kPart = 1, kTrees = 2, kNoTree = 255;
+  uint8_t tree_of(const Node& leaf) const { return leaf.min_head >= limits_.chunk_bytes ? kWhole : kPart; }
+  Node& node(uint8_t k, uint32_t i) { return tree_[static_cast<size_t>(k) * 2 * leaves_ + i]; }
+  const Node& node(uint8_t k, uint32_t i) const { return tree_[static_cast<size_t>(k) * 2 * leaves_ + i]; }
+  // Node i of tree k from its children.
+  void combine(uint8_t k, uint32_t i);
+  // Sets endpoint `e`'s leaf in tree k, and the nodes above it.
+  void set_leaf(uint8_t k, uint32_t e, const Node& leaf);
+  // Recomputes endpoint `e`'s leaf, in the tree its head now belongs to,
+  // and the nodes above it; `share_changed`: its bytes issued changed, so
+  // its share is computed anew.
   void update(uint32_t e, bool share_changed);
+  // Tree k's first endpoint whose head chunk is at most `free` bytes, if it
+  // comes before `best` (null: none yet); into `best`.
+  void search(uint8_t k, uint64_t free, const Node*& best) const;
   // The first endpoint in the order of issue whose head chunk is at most
-  // `free` bytes (the tree's leaves as they stand), or kNone.
+  // `free` bytes (the trees' leaves as they stand), or kNone.
   uint32_t first_fitting(uint64_t free) const;
   Chunk issue(uint32_t endpoint);
 
@@ -226,7 +244,7 @@ class ChunkScheduler {
   std::vector<uint32_t> outstanding_;
   std::vector<EndpointState> eps_;
   uint32_t leaves_ = 1;     // a power of two, at least the endpoints
-  std::vector<Node, LineAligned<Node>> tree_;
+  std::vector<Node, LineAligned<Node>> tree_;  // the kTrees trees, 2 * leaves_ nodes each (node 0 unused)
   uint64_t issues_ = 0;  // chunks issued so far, plus the number of endpoints
   uint64_t pending_chunks_ = 0;
   uint64_t bytes_in_flight_ = 0;
