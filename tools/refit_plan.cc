@@ -990,6 +990,8 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
   const double plan_seconds = seconds_since(t0);
   step("simulating " + in.name + " (" + refit::strategy_name(po.strategy) + ")");
   t0 = std::chrono::steady_clock::now();
+  auto lb = refit::sim::lower_bound(refit_plan ? *refit_plan : *plan, hw->model);
+  if (!lb) return fail(lb.status());
   refit::sim::SimResult result;
   if (po.strategy == Strategy::kBroadcast) {
     result = refit::sim::estimate_broadcast(*plan, hw->model);
@@ -998,12 +1000,12 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
     so.trace = !o.trace_out.empty();
     so.gather = g_gather;
     so.threads = o.sim_threads;
-    auto r = refit::sim::simulate(*plan, hw->model, so);
+    // Nothing below reads the plan: the simulation gives its memory back
+    // once it has read it.
+    auto r = refit::sim::simulate(std::move(*plan), hw->model, so);
     if (!r) return fail(r.status().with_context(in.origin));
     result = std::move(*r);
   }
-  auto lb = refit::sim::lower_bound(refit_plan ? *refit_plan : *plan, hw->model);
-  if (!lb) return fail(lb.status());
   const double sim_seconds = seconds_since(t0);
   if (!o.trace_out.empty()) {
     step("writing the trace to " + o.trace_out);

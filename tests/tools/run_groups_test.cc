@@ -211,6 +211,38 @@ TEST(RunGroups, ExampleScenariosSimulateTheSameOnSeveralThreads) {
   }
 }
 
+// A simulation given the plan to own (it frees the plan once it has read it
+// into jobs) simulates what one reading the caller's plan does; one it
+// refuses leaves the plan as it was.
+TEST(RunGroups, ASimulationThatOwnsThePlanGivesTheSameResult) {
+  for (const char* name : {"moe-bf16-to-fp8", "local-3hosts-replica"}) {
+    const Layout L = layout_of(scenario_json(name));
+    auto plan = make_plan(L);
+    ASSERT_TRUE(plan.is_ok()) << name << ": " << plan.status().message();
+    HardwareModel hw = default_hardware();
+    hw.get_chunk_bytes = 65536;
+    hw.window_bytes = 262144;
+    sim::SimOptions so;
+    so.threads = 2;
+    auto read = sim::simulate(*plan, hw, so);
+    ASSERT_TRUE(read.is_ok()) << read.status().message();
+    Plan copy = *plan;
+    auto owned = sim::simulate(std::move(copy), hw, so);
+    ASSERT_TRUE(owned.is_ok()) << owned.status().message();
+    expect_same(*read, *owned, std::string(name) + ", owned");
+  }
+  const Layout L = layout_of(scenario_json("tp2-to-tp4"));
+  PlanOptions po;
+  po.strategy = Strategy::kBroadcast;
+  auto plan = make_plan(L, po);
+  ASSERT_TRUE(plan.is_ok());
+  const int64_t total = plan->summary().total_bytes;
+  auto r = sim::simulate(std::move(*plan), default_hardware());
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("estimate_broadcast"), std::string::npos) << r.status().message();
+  EXPECT_EQ(plan->summary().total_bytes, total);
+}
+
 // Each puller's groups and conversion steps, in walk order, as text.
 std::vector<std::string> walk_per_puller(const Plan& plan, int32_t R, PullerRange pullers, Status* status) {
   std::vector<std::string> out(static_cast<size_t>(R));

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <queue>
 #include <span>
 #include <string>
@@ -393,7 +394,10 @@ struct Worker {
 class Sim {
  public:
   Sim(const Plan& plan, const HardwareModel& hw, const SimOptions& options)
-      : plan_(plan), L_(plan.layout()), hw_(hw), opt_(options) {}
+      : plan_(&plan), L_(plan.layout()), hw_(hw), opt_(options) {}
+  // Owns the plan, and gives its memory back once it is read into jobs.
+  Sim(Plan&& plan, const HardwareModel& hw, const SimOptions& options)
+      : owned_(std::move(plan)), plan_(&*owned_), L_(owned_->layout()), hw_(hw), opt_(options) {}
 
   Result<SimResult> run() {
     const int32_t R = L_.num_ranks(Side::kReceiver);
@@ -408,6 +412,11 @@ class Sim {
     };
     jobs_.assign(R, {});
     REFIT_RETURN_IF_ERROR(build_jobs(R, S));
+    if (owned_) {  // nothing past the jobs reads the plan
+      plan_ = nullptr;
+      owned_.reset();
+      give_back_free_memory();
+    }
     r_.stage_seconds.jobs = lap();
     src_nic_.assign(S, {});
     rcv_nic_.assign(R, {});
@@ -487,7 +496,7 @@ class Sim {
   Status build_jobs(int32_t R, int32_t S) {
     const int32_t n = threads(R);
     std::vector<int64_t> gets(R, 0);
-    bool converting = plan_.options().relayout_below_bytes > 0;
+    bool converting = plan_->options().relayout_below_bytes > 0;
     for (const Tensor& t : L_.tensors) converting |= t.dtype_on(Side::kReceiver) != t.dtype;
     steps_.assign(R, {});
     std::vector<Built> built(static_cast<size_t>(n));
@@ -501,7 +510,7 @@ class Sim {
     for (Built& b : built) {
       if (!b.status) {
         // The first error of the whole walk, whatever the blocks found.
-        Status first = for_each_run_group(plan_, [](const RunGroup&) {}, [](const ConvertStep&) {});
+        Status first = for_each_run_group(*plan_, [](const RunGroup&) {}, [](const ConvertStep&) {});
         return first ? b.status : first;
       }
     }
@@ -551,7 +560,7 @@ class Sim {
     b.touched.assign(P, -1);
     b.step.assign(P, -1);
     b.status = for_each_run_group(
-        plan_,
+        *plan_,
         [&](const RunGroup& g) {
           if (!opt_.expanded) return add_group(g, S, b, counter);
           for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, b, counter);
@@ -608,7 +617,7 @@ class Sim {
     const size_t i = static_cast<size_t>(p - b.lo);
     std::vector<Job>& jobs = jobs_[p];
     if (!run.local) {
-      const int64_t cap = plan_.options().chunk_bytes;
+      const int64_t cap = plan_->options().chunk_bytes;
       const int32_t s = run.from.rank;
       int32_t& j = b.open[i * S + s];
       const int64_t bytes = run.bytes;
@@ -1365,7 +1374,8 @@ class Sim {
     r_.busiest_convert = busiest(conv_, R);
   }
 
-  const Plan& plan_;
+  std::optional<Plan> owned_;  // the plan, where the caller gave it up
+  const Plan* plan_;           // null once read, where owned
   const Layout& L_;
   const HardwareModel& hw_;
   const SimOptions& opt_;
@@ -1423,6 +1433,14 @@ Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimO
     return Status::invalid("the broadcast baseline has no runs to simulate; use estimate_broadcast");
   REFIT_RETURN_IF_ERROR(check_hardware(hw, "hardware model", ""));
   Sim sim(plan, hw, options);
+  return sim.run();
+}
+
+Result<SimResult> simulate(Plan&& plan, const HardwareModel& hw, const SimOptions& options) {
+  if (plan.options().strategy == Strategy::kBroadcast)
+    return Status::invalid("the broadcast baseline has no runs to simulate; use estimate_broadcast");
+  REFIT_RETURN_IF_ERROR(check_hardware(hw, "hardware model", ""));
+  Sim sim(std::move(plan), hw, options);
   return sim.run();
 }
 
