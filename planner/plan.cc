@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <numeric>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
 
 namespace refit {
@@ -575,11 +578,49 @@ void summarize_broadcast(const Layout& L, PlanSummary* s, std::vector<int64_t>* 
 
 }  // namespace
 
+// Computes minimum_network_bytes(L) on a thread of its own while the caller
+// plans (it reads the layout alone: a sixth of planning DeepSeek-V3 at 2048
+// ranks a side), or in get() where no thread starts. Joined on every path.
+class MinimumBeside {
+ public:
+  explicit MinimumBeside(const Layout& L) : L_(L) {
+    try {
+      thread_ = std::thread([this] {
+        try {
+          bytes_ = minimum_network_bytes(L_);
+        } catch (...) {
+          error_ = std::current_exception();
+        }
+      });
+    } catch (const std::system_error&) {
+      // No thread: get() computes it.
+    }
+  }
+  MinimumBeside(const MinimumBeside&) = delete;
+  MinimumBeside& operator=(const MinimumBeside&) = delete;
+  ~MinimumBeside() {
+    if (thread_.joinable()) thread_.join();
+  }
+  int64_t get() {
+    if (!thread_.joinable()) return minimum_network_bytes(L_);
+    thread_.join();
+    if (error_) std::rethrow_exception(error_);
+    return bytes_;
+  }
+
+ private:
+  const Layout& L_;
+  int64_t bytes_ = 0;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
 Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
   if (options.relayout_below_bytes < 0) return Status::invalid("relayout_below_bytes must not be negative");
   if (options.relayout_staging_bytes < 0) return Status::invalid("relayout_staging_bytes must not be negative");
+  MinimumBeside minimum(L);
   Plan plan;
   plan.layout_ = &L;
   plan.options_ = options;
@@ -698,7 +739,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
     }
     s.units = static_cast<int64_t>(plan.units_.size());
   }
-  s.minimum_network_bytes = minimum_network_bytes(L);
+  s.minimum_network_bytes = minimum.get();
   for (int64_t b : plan.source_nic_) s.max_source_nic_bytes = std::max(s.max_source_nic_bytes, b);
   for (int64_t b : plan.receiver_nic_) s.max_receiver_nic_bytes = std::max(s.max_receiver_nic_bytes, b);
   s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
