@@ -220,7 +220,7 @@ std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
     const Chunk& c = eps_[e].head;
     if (!gate || c.offset != 0 || gate(c.run)) break;
     gated.push_back(e);
-    set_leaf(eps_[e].tree, e, Node{});
+    if (eps_[e].tree != kNoTree) set_leaf(eps_[e].tree, e, Node{});  // the gate may have held it meanwhile
   }
   for (uint32_t g : gated) update(g, false);
   if (e == kNone) return std::nullopt;
