@@ -274,7 +274,9 @@ struct PullerRange {
 // steps are exactly those of the whole walk, in its order (a unit's runs
 // all have its puller as one of their ranks, so a run of one puller never
 // continues across another's unit), and walks of disjoint ranges can run
-// at once. The error is the first of the units walked.
+// at once, once the layout's index of names is built (Layout::find_tensor
+// called once: a walk looks scale tensors up). The error is the first of
+// the units walked.
 Status for_each_run_group(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
                           const std::function<void(const ConvertStep&)>& on_convert, PullerRange pullers = {});
 

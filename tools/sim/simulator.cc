@@ -33,7 +33,7 @@ namespace {
 // the receiver's GET queue (simulator.h).
 struct Job {
   int32_t source = 0;
-  uint32_t sends_begin = 0;  // into Sim::sends_
+  uint32_t sends_begin = 0;  // into its puller's Sim::sends_
   uint32_t sends_count = 0;
   bool closed = false;       // a fan-out send reads it: nothing more joins it
   bool staged = true;        // all its runs land in the conversion staging area
@@ -54,21 +54,18 @@ struct Send {
   int64_t bytes = 0;
 };
 
-// Sends in segments of 2^20 (16 MiB): a hundred million of them are never
-// copied to a larger array (and the memory never touched twice), and each
-// thread of build_jobs fills a store of its own, which are then joined
-// (append) without a copy. A send's number is its place in the store; a
-// joined store starts on the next whole segment, so its numbers are those
-// it had, plus where it starts (`size()` counts the gap, `count()` does not).
+// One puller's sends, in plan order, in segments of 4096 (64 KiB): the
+// sends of a puller lie together (the fan-out's rounds read them puller by
+// puller), none is ever copied to a larger array, and each thread of
+// build_jobs fills its own pullers' stores.
 class SendStore {
  public:
-  static constexpr int kBits = 20;
+  static constexpr int kBits = 12;
   static constexpr uint32_t kSegment = uint32_t{1} << kBits;
-  // Sends are numbered in 32 bits.
+  // A puller's sends are numbered in 32 bits.
   static constexpr uint64_t kMaxSize = std::numeric_limits<uint32_t>::max();
 
   uint32_t size() const { return size_; }
-  uint64_t count() const { return count_; }
   Send& operator[](uint32_t i) { return segs_[i >> kBits][i & (kSegment - 1)]; }
   const Send& operator[](uint32_t i) const { return segs_[i >> kBits][i & (kSegment - 1)]; }
   Send& back() { return (*this)[size_ - 1]; }
@@ -77,30 +74,17 @@ class SendStore {
     if (size_ >= kMaxSize) return false;
     if ((size_ >> kBits) == segs_.size()) segs_.push_back(std::make_unique<Send[]>(kSegment));
     (*this)[size_++] = s;
-    ++count_;
     return true;
-  }
-  // Takes `other`'s sends, from this store's next whole segment on. Returns
-  // what their numbers grew by.
-  Result<uint32_t> append(SendStore&& other) {
-    const uint64_t base = static_cast<uint64_t>(segs_.size()) << kBits;
-    if (other.size_ == 0) return static_cast<uint32_t>(std::min<uint64_t>(base, kMaxSize));
-    if (base + other.size_ > kMaxSize) return too_many();
-    for (auto& seg : other.segs_) segs_.push_back(std::move(seg));
-    size_ = static_cast<uint32_t>(base + other.size_);
-    count_ += other.count_;
-    other = SendStore{};
-    return static_cast<uint32_t>(base);
   }
   static Status too_many() {
     return Status::invalid("the plan's fan-out has more than " + std::to_string(kMaxSize) +
-                           " sends (runs from one network job to one peer): more than the simulator numbers");
+                           " sends (runs from one network job to one peer) in all or from one puller: more "
+                           "than the simulator numbers");
   }
 
  private:
   std::vector<std::unique_ptr<Send[]>> segs_;
   uint32_t size_ = 0;
-  uint64_t count_ = 0;
 };
 
 // The fan-out op a puller's sends to one peer last opened (packed fan-out):
@@ -126,7 +110,7 @@ struct Convert {
   int32_t wait_job = -1;        // into Sim::jobs_[puller]
   int64_t staged_bytes = 0;     // what the kernel reads, in the sources' dtype
   int64_t out_bytes = 0;        // what it writes, in the receivers' dtype
-  uint32_t sends_begin = 0;     // into Sim::sends_
+  uint32_t sends_begin = 0;     // into its puller's Sim::sends_
   uint32_t sends_count = 0;
 };
 
@@ -436,7 +420,7 @@ class Sim {
     }
     last_span_.assign(static_cast<size_t>(Lane::kConvert) + 1, std::vector<int64_t>(std::max(R, S), -1));
     publish(S);
-    if (hw_.fanout_rounds) send_ready_.assign(sends_.size(), std::numeric_limits<float>::infinity());
+    if (hw_.fanout_rounds) send_ready_.assign(send_base_[R], std::numeric_limits<float>::infinity());
     REFIT_RETURN_IF_ERROR(simulate_network(R, S, workers(R)));
     release_network();
     r_.stage_seconds.network = lap();
@@ -465,15 +449,16 @@ class Sim {
   }
 
   // What one thread of build_jobs makes from its block of pullers: their
-  // jobs go straight into jobs_ (one vector a puller), their sends and
-  // conversion steps here, numbered from 0, until build_jobs joins them.
+  // jobs and sends go straight into jobs_ and sends_ (one of each a
+  // puller), their conversion steps here, numbered from 0, until
+  // build_jobs joins them.
   struct Built {
     int32_t lo = 0, hi = 0;  // its pullers
-    SendStore sends;
     std::vector<Convert> converts;
     int64_t network_bytes = 0, local_bytes = 0, local_runs = 0, convert_bytes = 0;
     int64_t gets = 0, gathered_bytes = 0, gathers = 0;
     Status status = Status::ok();
+    bool too_many_sends = false;  // a puller of the block has more than SendStore numbers
     // The walk's state between groups.
     std::vector<int32_t> open;  // per (puller - lo, source): its open job
     std::vector<int32_t> last;  // per puller - lo: its last job
@@ -499,6 +484,11 @@ class Sim {
     bool converting = plan_->options().relayout_below_bytes > 0;
     for (const Tensor& t : L_.tensors) converting |= t.dtype_on(Side::kReceiver) != t.dtype;
     steps_.assign(R, {});
+    sends_.clear();
+    sends_.resize(R);
+    // The walks look the scale tensors up by name: the layout's index of
+    // names is built here, on one thread (Layout::find_tensor).
+    (void)L_.find_tensor("");
     std::vector<Built> built(static_cast<size_t>(n));
     parallel(n, [&](int32_t k) {
       Built& b = built[k];
@@ -514,16 +504,10 @@ class Sim {
         return first ? b.status : first;
       }
     }
-    sends_ = SendStore{};
     for (Built& b : built) {
       const uint32_t conv_base = static_cast<uint32_t>(converts_.size());
-      auto send_base = sends_.append(std::move(b.sends));
-      if (!send_base) return send_base.status();
-      for (int32_t p = b.lo; p < b.hi; ++p) {
-        for (Job& j : jobs_[p]) j.sends_begin += *send_base;
+      for (int32_t p = b.lo; p < b.hi; ++p)
         for (int32_t& st : steps_[p]) st += static_cast<int32_t>(conv_base);
-      }
-      for (Convert& c : b.converts) c.sends_begin += *send_base;
       converts_.insert(converts_.end(), b.converts.begin(), b.converts.end());
       r_.network_bytes += b.network_bytes;
       r_.local_bytes += b.local_bytes;
@@ -533,12 +517,19 @@ class Sim {
       r_.gathered_bytes += b.gathered_bytes;
       r_.gathers += b.gathers;
     }
+    // Every send's number: its puller's base plus its place there.
+    send_base_.assign(static_cast<size_t>(R) + 1, 0);
+    for (int32_t p = 0; p < R; ++p) {
+      const uint64_t next = uint64_t{send_base_[p]} + sends_[p].size();
+      if (next > SendStore::kMaxSize) return SendStore::too_many();
+      send_base_[p + 1] = static_cast<uint32_t>(next);
+    }
     std::vector<Built>().swap(built);
     for (int32_t p = 0; p < R; ++p) {
       r_.gets_per_receiver_max = std::max(r_.gets_per_receiver_max, gets[p]);
       r_.jobs += static_cast<int64_t>(jobs_[p].size());
     }
-    r_.local_sends = static_cast<int64_t>(sends_.count());
+    r_.local_sends = static_cast<int64_t>(send_base_[R]);
     r_.converts = static_cast<int64_t>(converts_.size());
     return Status::ok();
   }
@@ -566,6 +557,7 @@ class Sim {
           for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, b, counter);
         },
         [&](const ConvertStep& c) { add_convert(c, b); }, PullerRange{b.lo, b.hi});
+    if (b.status && b.too_many_sends) b.status = SendStore::too_many();
     counter.finish();
     b.gathers = static_cast<int64_t>(counter.gathers());
     std::vector<int32_t>().swap(b.open);
@@ -592,10 +584,11 @@ class Sim {
   }
 
   // A send of `bytes` to `to` from a job's or a step's sends (they are
-  // contiguous in the sends); runs to the same peer in a row are one send.
+  // contiguous in the puller's sends); runs to the same peer in a row are
+  // one send.
   void add_send(uint32_t& begin, uint32_t& count, int32_t p, int32_t to, int64_t bytes, int64_t runs, Built& b) {
     b.local_bytes += bytes;
-    SendStore& sends = b.sends;
+    SendStore& sends = sends_[p];
     if (b.last_send_puller == p && count > 0 && sends.back().to == to &&
         sends.back().runs + runs <= std::numeric_limits<uint32_t>::max()) {
       sends.back().bytes += bytes;
@@ -604,7 +597,7 @@ class Sim {
     }
     if (count == 0) begin = sends.size();
     if (!sends.push_back(Send{to, static_cast<uint32_t>(runs), bytes})) {
-      if (b.status) b.status = SendStore::too_many();
+      b.too_many_sends = true;
       return;
     }
     ++count;
@@ -1010,7 +1003,7 @@ class Sim {
   void send(int32_t p, uint32_t begin, uint32_t count, double ready) {
     if (ready >= thread_from_[p] && ready < conv_[p].free_at) ready = conv_[p].free_at;  // passed after it
     if (hw_.fanout_rounds) {  // passed on in rounds, once the network is simulated
-      for (uint32_t k = 0; k < count; ++k) send_ready_[begin + k] = static_cast<float>(ready);
+      for (uint32_t k = 0; k < count; ++k) send_ready_[send_base_[p] + begin + k] = static_cast<float>(ready);
       return;
     }
     const double nvl = hw_.nvlink_bytes_per_s();
@@ -1019,7 +1012,7 @@ class Sim {
                                     static_cast<uint64_t>(hw_.fanout_pack_threshold)};
     const uint64_t share = fabric::pack_share(limits, static_cast<size_t>(domain_size_[p]));
     for (uint32_t k = 0; k < count; ++k) {
-      const Send& s = sends_[begin + k];
+      const Send& s = sends_[p][begin + k];
       Resource& out = nvl_out_[p];
       Resource& in = nvl_in_[s.to];
       const auto b = static_cast<uint64_t>(s.bytes);
@@ -1076,25 +1069,16 @@ class Sim {
   // the nccl fabric's count exchange with every active peer makes them.
   void simulate_rounds(int32_t R, int32_t threads) {
     // Each puller's sends by (peer, order): one range per (puller, peer), at
-    // the puller's place in `order` (the pullers before it hold as many).
-    std::vector<uint64_t> first(static_cast<size_t>(R) + 1, 0);
-    std::vector<std::vector<int32_t>> steps_of(R);
-    for (size_t k = 0; k < converts_.size(); ++k) {
-      steps_of[converts_[k].puller].push_back(static_cast<int32_t>(k));
-      first[converts_[k].puller + 1] += converts_[k].sends_count;
-    }
-    for (int32_t p = 0; p < R; ++p) {
-      for (const Job& j : jobs_[p]) first[p + 1] += j.sends_count;
-      first[p + 1] += first[p];
-    }
-    std::vector<uint32_t> order(first[R]);
-    plan_pos_.assign(sends_.size(), 0);
+    // the puller's place in `order`, where its sends are numbered
+    // (send_base_).
+    std::vector<uint32_t> order(send_base_[R]);
+    plan_pos_.assign(send_base_[R], 0);
     // Pullers in blocks, one a thread; each block's pairs in puller order.
     std::vector<std::vector<Pair>> block_pairs(static_cast<size_t>(threads));
     parallel(threads, [&](int32_t k) {
       const auto lo = static_cast<int32_t>(static_cast<int64_t>(R) * k / threads);
       const auto hi = static_cast<int32_t>(static_cast<int64_t>(R) * (k + 1) / threads);
-      order_sends(lo, hi, first, steps_of, order, block_pairs[k]);
+      order_sends(lo, hi, order, block_pairs[k]);
     });
     std::vector<Pair> pairs;
     for (std::vector<Pair>& b : block_pairs) {
@@ -1132,47 +1116,41 @@ class Sim {
   }
 
   // Pullers [lo, hi)'s sends in `order` (simulate_rounds), and their pairs.
-  void order_sends(int32_t lo, int32_t hi, const std::vector<uint64_t>& first,
-                   const std::vector<std::vector<int32_t>>& steps_of, std::vector<uint32_t>& order,
-                   std::vector<Pair>& pairs) {
-    std::vector<uint32_t> mine;
-    std::vector<uint64_t> at(jobs_.size(), 0);  // per peer: its count, then where its next send goes
+  void order_sends(int32_t lo, int32_t hi, std::vector<uint32_t>& order, std::vector<Pair>& pairs) {
+    std::vector<uint32_t> at(jobs_.size(), 0);  // per peer: its count, then where its next send goes
     std::vector<int32_t> peers;
     std::vector<uint64_t> keys;
     std::vector<uint32_t> slice;
     for (int32_t p = lo; p < hi; ++p) {
-      // Its sends in plan order (the jobs' and the steps' interleave there),
-      // then grouped by peer, in that order.
-      mine.clear();
-      for (const Job& j : jobs_[p])
-        for (uint32_t k = 0; k < j.sends_count; ++k) mine.push_back(j.sends_begin + k);
-      for (int32_t c : steps_of[p])
-        for (uint32_t k = 0; k < converts_[c].sends_count; ++k) mine.push_back(converts_[c].sends_begin + k);
-      if (!steps_of[p].empty()) std::sort(mine.begin(), mine.end());
-      std::vector<Job>().swap(jobs_[p]);  // read for the last time
+      std::vector<Job>().swap(jobs_[p]);  // not read again
       if ((p - lo) % 256 == 255) give_back_free_memory();
+      // Its sends are in plan order (the jobs' and the steps' interleave
+      // there); grouped by peer, in that order.
+      const SendStore& mine = sends_[p];
+      const uint32_t base = send_base_[p];
+      const uint32_t n = mine.size();
       peers.clear();
-      for (uint32_t i : mine)
-        if (at[sends_[i].to]++ == 0) peers.push_back(sends_[i].to);
+      for (uint32_t k = 0; k < n; ++k)
+        if (at[mine[k].to]++ == 0) peers.push_back(mine[k].to);
       std::sort(peers.begin(), peers.end());
-      uint64_t pos = first[p];
+      uint32_t pos = base;
       for (int32_t q : peers) pos += std::exchange(at[q], pos);
-      for (uint32_t i : mine) order[at[sends_[i].to]++] = i;
+      for (uint32_t k = 0; k < n; ++k) order[at[mine[k].to]++] = base + k;
       for (int32_t q : peers) at[q] = 0;
-      for (size_t i = first[p]; i < first[p + 1];) {
-        const int32_t q = sends_[order[i]].to;
-        size_t e = i;
+      for (uint32_t i = base; i < base + n;) {
+        const int32_t q = mine[order[i] - base].to;
+        uint32_t e = i;
         uint32_t runs = 0;  // the pair's plan-order positions, in runs
-        for (; e < first[p + 1] && sends_[order[e]].to == q; ++e) {
+        for (; e < base + n && mine[order[e] - base].to == q; ++e) {
           plan_pos_[order[e]] = runs;
-          runs += sends_[order[e]].runs;
+          runs += mine[order[e] - base].runs;
         }
         // The fabric passes them on in the order they became ready, ties
         // in the order above: sorted by (ready, place), the ready time's
         // bits above the place (a float at or above 0 orders as its bits),
         // so that sorting reads no send.
         keys.clear();
-        slice.assign(order.begin() + static_cast<std::ptrdiff_t>(i), order.begin() + static_cast<std::ptrdiff_t>(e));
+        slice.assign(order.begin() + i, order.begin() + e);
         for (size_t k = 0; k < slice.size(); ++k)
           keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(send_ready_[slice[k]])) << 32 | k);
         std::sort(keys.begin(), keys.end());
@@ -1242,7 +1220,7 @@ class Sim {
     uint64_t ranges = 0, next = UINT64_MAX;  // ranges of consecutive positions, the next position of the last
     bool full = false;
     while (!full && cap > 0 && x.pos < x.end && static_cast<double>(send_ready_[order[x.pos]]) <= t) {
-      const Send& s = sends_[order[x.pos]];
+      const Send& s = sends_[x.from][order[x.pos] - send_base_[x.from]];
       const uint64_t left = s.runs - x.runs_done;
       const auto piece = static_cast<uint64_t>(s.bytes) / s.runs;  // the runs of one send: their mean
       const bool small = share > 0 && piece < threshold && piece <= share;
@@ -1381,8 +1359,9 @@ class Sim {
   const SimOptions& opt_;
   SimResult r_;
   std::vector<std::vector<Job>> jobs_;  // per receiver, in its execution order
-  SendStore sends_;  // per puller in blocks (build_jobs), each puller's in plan order
-  std::vector<float> send_ready_;  // with rounds: per send, when its bytes are usable
+  std::vector<SendStore> sends_;    // per puller, in plan order
+  std::vector<uint32_t> send_base_; // per puller: the number of its first send (the pullers before it have as many)
+  std::vector<float> send_ready_;   // with rounds: per send (by number), when its bytes are usable
   std::vector<RankRound> acc_;     // with rounds: per rank, the round being simulated
   std::vector<uint32_t> plan_pos_; // with rounds: per send, its first run's position in its pair's plan order
   std::vector<Convert> converts_;
