@@ -27,8 +27,16 @@ CopyOrder copy_order(const Box& box, const Region& from, const Region& to) {
     if (to.strides[a] != to.strides[b]) return to.strides[a] > to.strides[b];
     return a < b;
   };
+  // outer_first is a total order (ties by dim), so any sort gives the same
+  // order: an insertion sort of a few dims allocates nothing (std::stable_sort
+  // took a buffer from the heap, a hundred million times walking the plan).
   std::array<int, kMaxDims> sorted = o.dims;
-  std::stable_sort(sorted.begin() + first, sorted.begin() + n, outer_first);
+  for (int i = first + 1; i < n; ++i) {
+    const int d = sorted[i];
+    int j = i;
+    for (; j > first && outer_first(d, sorted[j - 1]); --j) sorted[j] = sorted[j - 1];
+    sorted[j] = d;
+  }
   bool shared = true;
   for (int i = first; i < n && shared; ++i) {
     const int d = sorted[i];
