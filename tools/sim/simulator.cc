@@ -477,7 +477,8 @@ class Sim {
   // Each thread walks the units of its block of pullers (PullerRange): a
   // puller's jobs, sends and steps are the same whatever the blocks, and
   // gathers group the runs of one (receiver, source), so are theirs. The
-  // threads' sends and steps are then joined, in block order.
+  // threads' conversion steps are then joined, in block order, and every
+  // send numbered (send_base_).
   Status build_jobs(int32_t R, int32_t S) {
     const int32_t n = threads(R);
     std::vector<int64_t> gets(R, 0);
