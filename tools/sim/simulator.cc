@@ -1408,18 +1408,23 @@ const char* lane_name(Lane lane) {
   return "?";
 }
 
-Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimOptions& options) {
+namespace {
+// What both simulate() refuse, before either touches the plan.
+Status simulable(const Plan& plan, const HardwareModel& hw) {
   if (plan.options().strategy == Strategy::kBroadcast)
     return Status::invalid("the broadcast baseline has no runs to simulate; use estimate_broadcast");
-  REFIT_RETURN_IF_ERROR(check_hardware(hw, "hardware model", ""));
+  return check_hardware(hw, "hardware model", "");
+}
+}  // namespace
+
+Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimOptions& options) {
+  REFIT_RETURN_IF_ERROR(simulable(plan, hw));
   Sim sim(plan, hw, options);
   return sim.run();
 }
 
 Result<SimResult> simulate(Plan&& plan, const HardwareModel& hw, const SimOptions& options) {
-  if (plan.options().strategy == Strategy::kBroadcast)
-    return Status::invalid("the broadcast baseline has no runs to simulate; use estimate_broadcast");
-  REFIT_RETURN_IF_ERROR(check_hardware(hw, "hardware model", ""));
+  REFIT_RETURN_IF_ERROR(simulable(plan, hw));
   Sim sim(std::move(plan), hw, options);
   return sim.run();
 }
