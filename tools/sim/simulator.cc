@@ -1,6 +1,7 @@
 #include "tools/sim/simulator.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -737,9 +738,12 @@ class Sim {
       }
     });
     for (const Status& f : failed) REFIT_RETURN_IF_ERROR(f);  // the lowest receiver's
-    // Half of what separates a post from its landing at least: far more
-    // than the rounding of the sums that compute either.
-    const double window = 0.5 * (hw_.latency_us * 1e-6 +
+    // Nine tenths of what separates a post from its landing at least: the
+    // tenth left is far more than the rounding of the sums that compute
+    // either, and the fewer the windows, the less the workers wait for each
+    // other (DeepSeek-V3 at 1024 ranks a side: 213,596 windows at one half,
+    // 120,190 at nine tenths).
+    const double window = 0.9 * (hw_.latency_us * 1e-6 +
                                  static_cast<double>(*std::min_element(smallest.begin(), smallest.end())) /
                                      hw_.nic_bytes_per_s());
     landed_jobs_.assign(R, 0);
@@ -1116,11 +1120,37 @@ class Sim {
     }
   }
 
+  // Sorts `keys` (a ready time's bits above, places below, ascending as
+  // given) as std::sort would: by the ready time, ties in place order. A
+  // stable radix sort of the upper 32 bits (a pass whose digit every key
+  // shares moves nothing and is skipped): the rounds sort 163 million
+  // keys for DeepSeek-V3 at 4096 ranks, thousands a pair.
+  static void sort_by_ready(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare) {
+    const size_t n = keys.size();
+    if (n < 256) {
+      std::sort(keys.begin(), keys.end());
+      return;
+    }
+    constexpr int kBits = 11;
+    constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1;
+    std::array<uint32_t, size_t{1} << kBits> at;
+    spare.resize(n);
+    for (int shift = 32; shift < 64; shift += kBits) {
+      at.fill(0);
+      for (const uint64_t k : keys) ++at[k >> shift & kMask];
+      if (at[keys[0] >> shift & kMask] == n) continue;
+      uint32_t sum = 0;
+      for (uint32_t& c : at) sum += std::exchange(c, sum);
+      for (const uint64_t k : keys) spare[at[k >> shift & kMask]++] = k;
+      keys.swap(spare);
+    }
+  }
+
   // Pullers [lo, hi)'s sends in `order` (simulate_rounds), and their pairs.
   void order_sends(int32_t lo, int32_t hi, std::vector<uint32_t>& order, std::vector<Pair>& pairs) {
     std::vector<uint32_t> at(jobs_.size(), 0);  // per peer: its count, then where its next send goes
     std::vector<int32_t> peers;
-    std::vector<uint64_t> keys;
+    std::vector<uint64_t> keys, spare;
     std::vector<uint32_t> slice;
     for (int32_t p = lo; p < hi; ++p) {
       std::vector<Job>().swap(jobs_[p]);  // not read again
@@ -1154,7 +1184,7 @@ class Sim {
         slice.assign(order.begin() + i, order.begin() + e);
         for (size_t k = 0; k < slice.size(); ++k)
           keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(send_ready_[slice[k]])) << 32 | k);
-        std::sort(keys.begin(), keys.end());
+        sort_by_ready(keys, spare);
         for (size_t k = 0; k < keys.size(); ++k) order[i + k] = slice[static_cast<uint32_t>(keys[k])];
         pairs.push_back(Pair{p, q, i, e, 0});
         i = e;
