@@ -3,7 +3,10 @@
 
 #include "tools/sim/simulator.h"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <random>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -858,6 +861,29 @@ TEST(Simulator, PackKeysAreCheckedNamingTheKey) {
   // The simulator's defaults are the fabric's (transport/fabric/pack.h).
   EXPECT_EQ(default_hardware().fanout_pack_bytes, static_cast<double>(fabric::kDefaultPackBytes));
   EXPECT_EQ(default_hardware().fanout_pack_threshold, static_cast<double>(fabric::kDefaultPackThreshold));
+}
+
+// The rounds' sort gives what std::sort gives: ready times of few distinct
+// values (many ties, kept in place order), of every exponent, around the
+// size where the radix sort takes over.
+TEST(Simulator, SortByReadyOrdersAsStdSort) {
+  std::mt19937_64 rng(7);
+  std::vector<uint64_t> keys, want, spare;
+  for (size_t n : {0, 1, 2, 255, 256, 257, 1000, 5000, 70000}) {
+    for (int spread : {1, 3, 1000, 0}) {
+      keys.clear();
+      for (size_t k = 0; k < n; ++k) {
+        float ready = 0;
+        if (spread == 0) ready = std::ldexp(static_cast<float>(rng() % 1000 + 1), static_cast<int>(rng() % 60) - 40);
+        else ready = static_cast<float>(rng() % static_cast<uint64_t>(spread)) * 1e-3f;
+        keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(ready)) << 32 | k);
+      }
+      want = keys;
+      std::sort(want.begin(), want.end());
+      sort_by_ready(keys, spare);
+      EXPECT_EQ(keys, want) << n << " keys, spread " << spread;
+    }
+  }
 }
 
 }  // namespace

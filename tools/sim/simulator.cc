@@ -1120,32 +1120,6 @@ class Sim {
     }
   }
 
-  // Sorts `keys` (a ready time's bits above, places below, ascending as
-  // given) as std::sort would: by the ready time, ties in place order. A
-  // stable radix sort of the upper 32 bits (a pass whose digit every key
-  // shares moves nothing and is skipped): the rounds sort 163 million
-  // keys for DeepSeek-V3 at 4096 ranks, thousands a pair.
-  static void sort_by_ready(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare) {
-    const size_t n = keys.size();
-    if (n < 256) {
-      std::sort(keys.begin(), keys.end());
-      return;
-    }
-    constexpr int kBits = 11;
-    constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1;
-    std::array<uint32_t, size_t{1} << kBits> at;
-    spare.resize(n);
-    for (int shift = 32; shift < 64; shift += kBits) {
-      at.fill(0);
-      for (const uint64_t k : keys) ++at[k >> shift & kMask];
-      if (at[keys[0] >> shift & kMask] == n) continue;
-      uint32_t sum = 0;
-      for (uint32_t& c : at) sum += std::exchange(c, sum);
-      for (const uint64_t k : keys) spare[at[k >> shift & kMask]++] = k;
-      keys.swap(spare);
-    }
-  }
-
   // Pullers [lo, hi)'s sends in `order` (simulate_rounds), and their pairs.
   void order_sends(int32_t lo, int32_t hi, std::vector<uint32_t>& order, std::vector<Pair>& pairs) {
     std::vector<uint32_t> at(jobs_.size(), 0);  // per peer: its count, then where its next send goes
@@ -1446,6 +1420,30 @@ Status simulable(const Plan& plan, const HardwareModel& hw) {
   return check_hardware(hw, "hardware model", "");
 }
 }  // namespace
+
+// The fan-out's rounds sort 163 million such keys for DeepSeek-V3 at 4096
+// ranks, thousands a pair: a stable radix sort of the upper 32 bits (a pass
+// whose digit every key shares moves nothing and is skipped).
+void sort_by_ready(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare) {
+  const size_t n = keys.size();
+  if (n < 256) {
+    std::sort(keys.begin(), keys.end());
+    return;
+  }
+  constexpr int kBits = 11;
+  constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1;
+  std::array<uint32_t, size_t{1} << kBits> at;
+  spare.resize(n);
+  for (int shift = 32; shift < 64; shift += kBits) {
+    at.fill(0);
+    for (const uint64_t k : keys) ++at[k >> shift & kMask];
+    if (at[keys[0] >> shift & kMask] == n) continue;
+    uint32_t sum = 0;
+    for (uint32_t& c : at) sum += std::exchange(c, sum);
+    for (const uint64_t k : keys) spare[at[k >> shift & kMask]++] = k;
+    keys.swap(spare);
+  }
+}
 
 Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimOptions& options) {
   REFIT_RETURN_IF_ERROR(simulable(plan, hw));

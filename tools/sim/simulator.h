@@ -187,6 +187,11 @@ Result<SimResult> simulate(const Plan& plan, const HardwareModel& hw, const SimO
 // call. On a broadcast plan or refused hardware, the plan is left as it was.
 Result<SimResult> simulate(Plan&& plan, const HardwareModel& hw, const SimOptions& options = {});
 
+// Sorts `keys` as std::sort would, where each key is a ready time's float
+// bits (at or above 0) above a place below, and the places ascend as
+// given: by the ready time, ties in place order. `spare` is scratch.
+void sort_by_ready(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare);
+
 // The broadcast baseline from its plan's per-NIC totals: the gather over all
 // source NICs, then the busiest NIC's pulls with their GETs. Not an event
 // simulation: the result's model is "fluid".
