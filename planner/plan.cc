@@ -1,9 +1,11 @@
 #include "planner/plan.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <numeric>
+#include <optional>
 #include <system_error>
 #include <thread>
 #include <unordered_map>
@@ -67,6 +69,7 @@ class ListInterner {
     return it->second;
   }
   const std::vector<int64_t>& get(uint32_t id) const { return lists_[id]; }
+  uint32_t size() const { return static_cast<uint32_t>(lists_.size()); }
   void clear() {
     ids_.clear();
     lists_.clear();
@@ -447,9 +450,69 @@ class Planner {
     }
     const uint32_t id = static_cast<uint32_t>(pull_sets_.size());
     pull_sets_.push_back(std::move(ps));
+    pull_set_sig_.push_back(source_sig_);
     pull_cache_.emplace(key, id);
     return id;
   }
+
+ public:
+  // Appends what `other` planned (its units, consumers and pull sets, of
+  // the tensors after this planner's) as if this planner had planned those
+  // tensors itself: a pull set this planner already has, by source
+  // signature and box, is shared, and the others take the next ids in the
+  // order `other` made them, which is the order of their first use. So
+  // planners of consecutive ranges of tensors, adopted in order, give the
+  // plan one planner gives (plan_units).
+  void adopt(Planner& other) {
+    std::vector<uint32_t> sig(other.source_sigs_.size());
+    for (uint32_t k = 0; k < sig.size(); ++k) sig[k] = source_sigs_.intern(other.source_sigs_.get(k));
+    std::vector<uint32_t> id(other.pull_sets_.size());
+    for (uint32_t i = 0; i < id.size(); ++i) {
+      auto key = std::make_pair(sig[other.pull_set_sig_[i]], other.pull_sets_[i].box);
+      auto [it, fresh] = pull_cache_.emplace(key, static_cast<uint32_t>(pull_sets_.size()));
+      if (fresh) {
+        pull_sets_.push_back(std::move(other.pull_sets_[i]));
+        pull_set_sig_.push_back(key.first);
+      }
+      id[i] = it->second;
+    }
+    std::vector<PullSet>().swap(other.pull_sets_);
+    // The consumers (hundreds of megabytes on DeepSeek-V3 at 4096 ranks)
+    // are copied beside the units.
+    const auto base = static_cast<uint32_t>(consumers_.size());
+    std::exception_ptr failed;
+    auto copy_consumers = [&] {
+      try {
+        consumers_.insert(consumers_.end(), other.consumers_.begin(), other.consumers_.end());
+        std::vector<Consumer>().swap(other.consumers_);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    };
+    std::thread beside;
+    try {
+      beside = std::thread(copy_consumers);
+    } catch (const std::system_error&) {
+      copy_consumers();
+    }
+    struct Join {
+      std::thread& t;
+      ~Join() {
+        if (t.joinable()) t.join();
+      }
+    } join{beside};
+    units_.reserve(units_.size() + other.units_.size());
+    for (Unit u : other.units_) {
+      u.consumers_begin += base;
+      u.pull_set = id[u.pull_set];
+      units_.push_back(u);
+    }
+    std::vector<Unit>().swap(other.units_);
+    if (beside.joinable()) beside.join();
+    if (failed) std::rethrow_exception(failed);
+  }
+
+ private:
 
   const Layout& L_;
   const PlanOptions& opt_;
@@ -471,6 +534,7 @@ class Planner {
   uint32_t source_sig_ = 0;
   std::unordered_map<const void*, uint32_t> sig_of_list_;
   std::unordered_map<std::pair<uint32_t, Box>, uint32_t, PairHash> pull_cache_;
+  std::vector<uint32_t> pull_set_sig_;  // per pull set: its source signature
 };
 
 // Distinct bytes each receiving domain needs, summed: the least any plan can
@@ -615,12 +679,101 @@ class MinimumBeside {
   std::thread thread_;
 };
 
+// The threads that plan the units: options.threads, or one per core, at
+// most one per kTensorsPerThread tensors (a small plan is not worth one).
+constexpr uint32_t kTensorsPerThread = 1024;
+int plan_threads(const PlanOptions& options, size_t tensors) {
+  int n = options.threads > 0 ? options.threads : static_cast<int>(std::thread::hardware_concurrency());
+  if (options.threads <= 0) n = std::min<int64_t>(n, static_cast<int64_t>(tensors / kTensorsPerThread));
+  return std::clamp<int64_t>(n, 1, std::max<int64_t>(1, static_cast<int64_t>(tensors)));
+}
+
+// Plans every tensor's units into `planner`'s plan. On threads, each plans
+// a range of consecutive tensors with a planner of its own (ranges of about
+// equal work: a tensor's receiver regions), and `planner` adopts theirs in
+// order: the same plan, the same first error (the lowest range's first).
+Status plan_units(const Layout& L, const PlanOptions& options, Planner& planner) {
+  const auto n = static_cast<uint32_t>(L.tensors.size());
+  const int threads = plan_threads(options, n);
+  std::atomic<int64_t> done{0};
+  auto plan_range = [&](Planner& p, uint32_t lo, uint32_t hi) -> Status {
+    for (uint32_t ti = lo; ti < hi; ++ti) {
+      if (options.progress && (ti - lo) % 64 == 0) {
+        options.progress->set(PlanProgress::kTensors, done.fetch_add(std::min<uint32_t>(64, hi - ti)), n);
+      }
+      REFIT_RETURN_IF_ERROR(p.plan_tensor(ti));
+    }
+    return Status::ok();
+  };
+  if (threads <= 1) return plan_range(planner, 0, n);
+  std::vector<uint32_t> bounds(static_cast<size_t>(threads) + 1, n);
+  {
+    int64_t total = 0;
+    for (const Tensor& t : L.tensors) total += 1 + static_cast<int64_t>(t.receivers.size());
+    bounds[0] = 0;
+    int64_t sum = 0;
+    int k = 1;
+    for (uint32_t ti = 0; ti < n && k < threads; ++ti) {
+      sum += 1 + static_cast<int64_t>(L.tensors[ti].receivers.size());
+      while (k < threads && sum * threads >= total * k) bounds[k++] = ti + 1;
+    }
+  }
+  struct Part {
+    std::vector<Unit> units;
+    std::vector<Consumer> consumers;
+    std::vector<PullSet> pull_sets;
+    std::optional<Planner> planner;
+    Status status;
+    std::exception_ptr error;
+    std::thread thread;
+  };
+  std::vector<Part> parts(static_cast<size_t>(threads) - 1);
+  auto run_part = [&](size_t k) {
+    Part& part = parts[k];
+    try {
+      part.planner.emplace(L, options, &part.units, &part.consumers, &part.pull_sets);
+      part.status = plan_range(*part.planner, bounds[k + 1], bounds[k + 2]);
+    } catch (...) {
+      part.error = std::current_exception();
+    }
+  };
+  for (size_t k = 0; k < parts.size(); ++k) {
+    try {
+      parts[k].thread = std::thread(run_part, k);
+    } catch (const std::system_error&) {
+      // No thread: planned below, on this one.
+    }
+  }
+  Status first;
+  std::exception_ptr error;
+  try {
+    first = plan_range(planner, bounds[0], bounds[1]);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (size_t k = 0; k < parts.size(); ++k) {
+    if (parts[k].thread.joinable()) parts[k].thread.join();
+    else if (!error && first.is_ok()) run_part(k);
+  }
+  if (error) std::rethrow_exception(error);
+  REFIT_RETURN_IF_ERROR(first);
+  for (Part& part : parts) {
+    if (part.error) std::rethrow_exception(part.error);
+    REFIT_RETURN_IF_ERROR(part.status);
+  }
+  for (Part& part : parts) {
+    planner.adopt(*part.planner);
+    part.planner.reset();
+  }
+  return Status::ok();
+}
+
 Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
   if (options.relayout_below_bytes < 0) return Status::invalid("relayout_below_bytes must not be negative");
   if (options.relayout_staging_bytes < 0) return Status::invalid("relayout_staging_bytes must not be negative");
-  MinimumBeside minimum(L);
+  std::optional<MinimumBeside> minimum;
   Plan plan;
   plan.layout_ = &L;
   plan.options_ = options;
@@ -645,12 +798,12 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
     }
     summarize_broadcast(L, &s, &plan.source_nic_, &plan.receiver_nic_);
   } else {
-    Planner planner(L, options, &plan.units_, &plan.consumers_, &plan.pull_sets_);
-    const int64_t tensors = static_cast<int64_t>(L.tensors.size());
-    for (uint32_t ti = 0; ti < L.tensors.size(); ++ti) {
-      if (options.progress) options.progress->set(PlanProgress::kTensors, ti, tensors);
-      REFIT_RETURN_IF_ERROR(planner.plan_tensor(ti));
+    {
+      Planner planner(L, options, &plan.units_, &plan.consumers_, &plan.pull_sets_);
+      REFIT_RETURN_IF_ERROR(plan_units(L, options, planner));
     }
+    // Beside the placement, which is on one thread (the units are on all).
+    minimum.emplace(L);
 
     // Bytes that have no choice go on the NICs first.
     std::vector<uint32_t> choose;  // units with a choice of puller or of sources
@@ -739,7 +892,8 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
     }
     s.units = static_cast<int64_t>(plan.units_.size());
   }
-  s.minimum_network_bytes = minimum.get();
+  if (!minimum) minimum.emplace(L);
+  s.minimum_network_bytes = minimum->get();
   for (int64_t b : plan.source_nic_) s.max_source_nic_bytes = std::max(s.max_source_nic_bytes, b);
   for (int64_t b : plan.receiver_nic_) s.max_receiver_nic_bytes = std::max(s.max_receiver_nic_bytes, b);
   s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

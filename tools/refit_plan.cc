@@ -408,7 +408,7 @@ struct Options {
   bool compare = false;
   bool quiet = false;
   bool simulate = false;
-  int sim_threads = 0;
+  int threads = 0;
   std::string trace_out;
   std::string hardware_file;
   double progress_after = 2;
@@ -999,7 +999,7 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
     refit::sim::SimOptions so;
     so.trace = !o.trace_out.empty();
     so.gather = g_gather;
-    so.threads = o.sim_threads;
+    so.threads = o.threads;
     // Nothing below reads the plan: the simulation gives its memory back
     // once it has read it.
     auto r = refit::sim::simulate(std::move(*plan), hw->model, so);
@@ -1099,8 +1099,9 @@ int run(const Options& o) {
   }
   if (po.strategy == Strategy::kBroadcast && !o.runs_out.empty())
     return usage_error("--runs needs a plan of units; the broadcast baseline has only a summary");
-  if (!o.simulate && (!o.trace_out.empty() || !o.hardware_file.empty() || o.sim_threads != 0))
-    return usage_error("--trace, --hardware and --threads go with --simulate");
+  if (!o.simulate && (!o.trace_out.empty() || !o.hardware_file.empty()))
+    return usage_error("--trace and --hardware go with --simulate");
+  po.threads = o.threads;
   if (o.simulate && o.compare) return usage_error("--simulate takes one input; drop --compare");
   if (o.simulate && (!o.runs_out.empty() || !o.layout_out.empty()))
     return usage_error("--simulate writes no --runs or --layout-out; plan without it for those");
@@ -1228,10 +1229,11 @@ int main(int argc, char** argv) {
                "lower bound and the reported figures");
   app.add_option("--trace", o.trace_out, "with --simulate: write the timeline as Chrome/Perfetto trace JSON")
       ->type_name("FILE");
-  app.add_option("--threads", o.sim_threads,
-                 "with --simulate: threads that read the plan into jobs and simulate the network (default 0: one "
-                 "per core, at most one per 256 receivers; the network on one with --trace or without fan-out "
-                 "rounds); the result does not depend on it")
+  app.add_option("--threads", o.threads,
+                 "threads that plan the units (default 0: one per core, at most one per 1024 tensors) and, with "
+                 "--simulate, read the plan into jobs and simulate the network (default 0: one per core, at most "
+                 "one per 256 receivers; the network on one with --trace or without fan-out rounds); the result "
+                 "does not depend on it")
       ->type_name("N")
       ->check(CLI::Range(0, 1024));
   app.add_option("--hardware", o.hardware_file,

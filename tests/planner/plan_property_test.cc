@@ -1072,11 +1072,12 @@ std::string plan_difference(const Plan& a, const std::vector<Run>& ra, const Pla
     if (!same_run(ra[i], rb[i]))
       return "run #" + std::to_string(i) + ": " + run_str(ra[i]) + " vs " + run_str(rb[i]);
   if (a.units().size() != b.units().size()) return "unit counts differ";
+  if (a.pull_sets().size() != b.pull_sets().size()) return "pull set counts differ";
   for (size_t i = 0; i < a.units().size(); ++i) {
     const Unit& x = a.units()[i];
     const Unit& y = b.units()[i];
     if (x.tensor != y.tensor || x.domain != y.domain || a.box(x) != b.box(y) || x.consumers_count != y.consumers_count ||
-        x.puller != y.puller)
+        x.puller != y.puller || x.pull_set != y.pull_set)
       return "unit #" + std::to_string(i) + " differs";
     auto cx = a.consumers(x), cy = b.consumers(y);
     for (size_t k = 0; k < cx.size(); ++k)
@@ -1207,12 +1208,20 @@ const Sweep& sweep() {
       LayoutGen gen2(seed);
       Layout L2 = gen2.make();
       auto p3 = make_plan(L2, o);
-      S.plans += 2;
-      if (!p2 || !p3) {
+      // And on threads, a range of tensors each (the same plan, ids and all).
+      PlanOptions on_threads = o;
+      on_threads.threads = 1 + static_cast<int>(seed % 3) * 2;
+      auto p4 = make_plan(L, on_threads);
+      S.plans += 3;
+      if (!p2 || !p3 || !p4) {
         S.v.add("deterministic", "a second make_plan of the same layout failed");
       } else {
         std::string d = plan_difference(*p1, runs1, *p2, collect_runs(*p2));
         if (d.empty()) d = plan_difference(*p1, runs1, *p3, collect_runs(*p3));
+        if (d.empty()) {
+          d = plan_difference(*p1, runs1, *p4, collect_runs(*p4));
+          if (!d.empty()) d = "on " + std::to_string(on_threads.threads) + " threads: " + d;
+        }
         if (!d.empty()) S.v.add("deterministic", d);
       }
 
@@ -2083,6 +2092,16 @@ TEST(PlanProperty, RecipeLayoutsExecuteExactly) {
     for (Strategy st : {Strategy::kRefit, Strategy::kNoDedup}) {
       auto plan = make_plan(*L, {st, 256});
       ASSERT_TRUE(plan.is_ok()) << c.name << ": " << plan.status().message();
+      // Planned on threads, a range of the model's tensors each: the same
+      // plan, pull set ids and all.
+      for (int threads : {2, 3, 7}) {
+        PlanOptions o{st, 256};
+        o.threads = threads;
+        auto again = make_plan(*L, o);
+        ASSERT_TRUE(again.is_ok()) << c.name << ": " << again.status().message();
+        EXPECT_EQ(plan_difference(*plan, collect_runs(*plan), *again, collect_runs(*again)), "")
+            << c.name << " (" << strategy_name(st) << ") on " << threads << " threads";
+      }
       Violations v;
       SimTotals tot;
       check_plan(R, *plan, collect_runs(*plan), v, tot);

@@ -138,5 +138,39 @@ TEST(Plan, MissingSourceNamesTensorRankAndBox) {
   EXPECT_NE(plan.status().message().find("[2:4]"), std::string::npos);
 }
 
+// Planned on threads, each a range of tensors: the error is the one a single
+// thread meets first, the lowest tensor's, not that of the range that
+// failed first.
+TEST(Plan, OnThreadsTheFirstMissingSourceIsReported) {
+  Layout L;
+  L.sources = {{0}};
+  L.receivers = {{0, 0}};
+  for (int i = 0; i < 12; ++i) {
+    const std::string name = "w" + std::to_string(i);
+    const uint32_t w = L.add_tensor(name, DType::kBF16, {4});
+    ASSERT_TRUE(add_dtensor(L, w, Side::kReceiver, {{1}, {0}, {P("R")}}, name).is_ok());
+    if (i == 5 || i == 10) {  // the source holds half of it
+      Region r;
+      r.box = Box::whole({2});
+      r.box.ndim = 1;
+      r.ranks = L.source_sets.intern({0});
+      r.buffer = L.add_buffer({Side::kSource, name, DType::kBF16, 4, r.ranks});
+      r.strides[0] = 1;
+      L.tensors[w].sources.push_back(r);
+    } else {
+      ASSERT_TRUE(add_dtensor(L, w, Side::kSource, {{1}, {0}, {P("R")}}, name).is_ok());
+    }
+  }
+  ASSERT_TRUE(validate(L).is_ok());
+  for (int threads : {1, 2, 3, 12}) {
+    PlanOptions o;
+    o.threads = threads;
+    auto plan = make_plan(L, o);
+    ASSERT_FALSE(plan.is_ok()) << threads << " threads";
+    EXPECT_NE(plan.status().message().find("\"w5\""), std::string::npos)
+        << threads << " threads: " << plan.status().message();
+  }
+}
+
 }  // namespace
 }  // namespace refit

@@ -640,8 +640,9 @@ TEST_F(RefitPlanCli, SimulateRefusesBadHardware) {
   const std::string hw2 = write("hw2.json", R"({"nvlink": 1})");
   expect_bad({"--scenario", s, "--models", models, "--simulate", "--hardware", hw2}, R"(unknown key "nvlink")");
   expect_bad({"--scenario", s, "--models", models, "--trace", path("t.json").string()},
-             "--trace, --hardware and --threads go with --simulate");
-  expect_bad({"--scenario", s, "--models", models, "--threads", "2"}, "--trace, --hardware and --threads go with --simulate");
+             "--trace and --hardware go with --simulate");
+  expect_bad({"--scenario", s, "--models", models, "--hardware", hw}, "--trace and --hardware go with --simulate");
+  expect_bad({"--scenario", s, "--models", models, "--threads", "-1"}, "--threads");
   expect_bad({"--scenario", s, "--models", models, "--simulate", "--threads", "-1"}, "--threads");
   expect_bad({"--scenario", s, "--models", models, "--simulate", "--strategy", "broadcast", "--trace",
               path("t.json").string()},
