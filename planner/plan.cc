@@ -773,7 +773,12 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
   if (options.relayout_below_bytes < 0) return Status::invalid("relayout_below_bytes must not be negative");
   if (options.relayout_staging_bytes < 0) return Status::invalid("relayout_staging_bytes must not be negative");
+  // The minimum network bytes, on a thread of its own: from the start where
+  // a core is left beside the units' threads, else beside the placement,
+  // which is on one thread.
   std::optional<MinimumBeside> minimum;
+  const int unit_threads = plan_threads(options, L.tensors.size());
+  if (unit_threads <= 1 || unit_threads < static_cast<int>(std::thread::hardware_concurrency())) minimum.emplace(L);
   Plan plan;
   plan.layout_ = &L;
   plan.options_ = options;
@@ -802,8 +807,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
       Planner planner(L, options, &plan.units_, &plan.consumers_, &plan.pull_sets_);
       REFIT_RETURN_IF_ERROR(plan_units(L, options, planner));
     }
-    // Beside the placement, which is on one thread (the units are on all).
-    minimum.emplace(L);
+    if (!minimum) minimum.emplace(L);
 
     // Bytes that have no choice go on the NICs first.
     std::vector<uint32_t> choose;  // units with a choice of puller or of sources
