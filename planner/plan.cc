@@ -513,7 +513,6 @@ class Planner {
   }
 
  private:
-
   const Layout& L_;
   const PlanOptions& opt_;
   std::vector<Unit>& units_;
@@ -684,7 +683,7 @@ class MinimumBeside {
 constexpr uint32_t kTensorsPerThread = 1024;
 int plan_threads(const PlanOptions& options, size_t tensors) {
   int n = options.threads > 0 ? options.threads : static_cast<int>(std::thread::hardware_concurrency());
-  if (options.threads <= 0) n = std::min<int64_t>(n, static_cast<int64_t>(tensors / kTensorsPerThread));
+  if (options.threads == 0) n = std::min<int64_t>(n, static_cast<int64_t>(tensors / kTensorsPerThread));
   return std::clamp<int64_t>(n, 1, std::max<int64_t>(1, static_cast<int64_t>(tensors)));
 }
 
@@ -773,6 +772,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
   if (options.relayout_below_bytes < 0) return Status::invalid("relayout_below_bytes must not be negative");
   if (options.relayout_staging_bytes < 0) return Status::invalid("relayout_staging_bytes must not be negative");
+  if (options.threads < 0) return Status::invalid("threads must not be negative (0: one per core)");
   // The minimum network bytes, on a thread of its own: from the start where
   // a core is left beside the units' threads, else beside the placement,
   // which is on one thread.

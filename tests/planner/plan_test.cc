@@ -162,6 +162,12 @@ TEST(Plan, OnThreadsTheFirstMissingSourceIsReported) {
     }
   }
   ASSERT_TRUE(validate(L).is_ok());
+  PlanOptions negative;
+  negative.threads = -1;
+  auto refused = make_plan(L, negative);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("threads must not be negative"), std::string::npos)
+      << refused.status().message();
   for (int threads : {1, 2, 3, 12}) {
     PlanOptions o;
     o.threads = threads;
