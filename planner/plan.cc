@@ -489,18 +489,12 @@ class Planner {
         failed = std::current_exception();
       }
     };
-    std::thread beside;
+    std::jthread beside;  // joined however this returns
     try {
-      beside = std::thread(copy_consumers);
+      beside = std::jthread(copy_consumers);
     } catch (const std::system_error&) {
       copy_consumers();
     }
-    struct Join {
-      std::thread& t;
-      ~Join() {
-        if (t.joinable()) t.join();
-      }
-    } join{beside};
     units_.reserve(units_.size() + other.units_.size());
     for (Unit u : other.units_) {
       u.consumers_begin += base;
@@ -687,13 +681,13 @@ int plan_threads(const PlanOptions& options, size_t tensors) {
   return std::clamp<int64_t>(n, 1, std::max<int64_t>(1, static_cast<int64_t>(tensors)));
 }
 
-// Plans every tensor's units into `planner`'s plan. On threads, each plans
-// a range of consecutive tensors with a planner of its own (ranges of about
-// equal work: a tensor's receiver regions), and `planner` adopts theirs in
-// order: the same plan, the same first error (the lowest range's first).
-Status plan_units(const Layout& L, const PlanOptions& options, Planner& planner) {
+// Plans every tensor's units into `planner`'s plan. On `threads`
+// (plan_threads), each plans a range of consecutive tensors with a planner
+// of its own (ranges of about equal work: a tensor's receiver regions), and
+// `planner` adopts theirs in order: the same plan, the same first error
+// (the lowest range's first).
+Status plan_units(const Layout& L, const PlanOptions& options, int threads, Planner& planner) {
   const auto n = static_cast<uint32_t>(L.tensors.size());
-  const int threads = plan_threads(options, n);
   std::atomic<int64_t> done{0};
   auto plan_range = [&](Planner& p, uint32_t lo, uint32_t hi) -> Status {
     for (uint32_t ti = lo; ti < hi; ++ti) {
@@ -805,7 +799,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   } else {
     {
       Planner planner(L, options, &plan.units_, &plan.consumers_, &plan.pull_sets_);
-      REFIT_RETURN_IF_ERROR(plan_units(L, options, planner));
+      REFIT_RETURN_IF_ERROR(plan_units(L, options, unit_threads, planner));
     }
     if (!minimum) minimum.emplace(L);
 
