@@ -36,7 +36,10 @@ bench-plan: all
 # libFuzzer over the control plane's frame decoder and message parsers, for
 # FUZZ_SECONDS (default 60), in a clang build of its own (build-fuzz/),
 # through ccache when it is installed (meson adds it only to the compilers
-# it finds itself, not to one named in CXX).
+# it finds itself, not to one named in CXX). libFuzzer's progress goes to
+# build-fuzz/fuzz.log (a line per new input: thousands a minute, which
+# pushed everything after it out of CI's tail); the final stats are
+# printed, or the log's last 60 lines when it fails.
 FUZZ_SECONDS ?= 60
 fuzz: deps
 	@scripts/install-deps --fuzz
@@ -45,7 +48,10 @@ fuzz: deps
 	@ninja --quiet -C build-fuzz tests/transport/control/control_fuzz
 	@mkdir -p build-fuzz/corpus
 	@build-fuzz/tests/transport/control/control_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
-	  -print_final_stats=1 build-fuzz/corpus
+	  -print_final_stats=1 build-fuzz/corpus >build-fuzz/fuzz.log 2>&1; status=$$?; \
+	  if [ $$status -eq 0 ]; then grep -E '^(#[0-9]+[[:space:]]+DONE|stat::)' build-fuzz/fuzz.log; \
+	  else tail -n 60 build-fuzz/fuzz.log; echo "make fuzz: libFuzzer exited with $$status; its whole log is build-fuzz/fuzz.log" >&2; fi; \
+	  exit $$status
 
 clean:
 	rm -rf $(BUILD) build-fuzz
