@@ -35,6 +35,7 @@
 #include <span>
 #include <vector>
 
+#include "planner/function_ref.h"
 #include "planner/layout.h"
 #include "planner/status.h"
 
@@ -301,7 +302,7 @@ CopyOrder copy_order(const Box& box, const Region& from, const Region& to);
 // of a tensor with elements of `elem_bytes`), as byte offsets within their
 // buffers, in the order of copy_order, merged where contiguous in both.
 void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
-                   const std::function<void(int64_t from_offset, int64_t to_offset, int64_t bytes)>& fn);
+                   FunctionRef<void(int64_t from_offset, int64_t to_offset, int64_t bytes)> fn);
 
 // The same runs in groups: `count` runs of `bytes`, the k-th at the offsets
 // plus k times the strides (all in bytes). The group is the innermost dim of
@@ -316,6 +317,6 @@ struct CopyGroup {
   int64_t to_stride = 0;
 };
 void for_each_copy_group(const Box& box, const Region& from, const Region& to, int elem_bytes,
-                         const std::function<void(const CopyGroup&)>& fn);
+                         FunctionRef<void(const CopyGroup&)> fn);
 
 }  // namespace refit

@@ -12,28 +12,35 @@ namespace refit {
 CopyOrder copy_order(const Box& box, const Region& from, const Region& to) {
   CopyOrder o;
   const int n = box.ndim;
+  // Both orders are built an element at a time, the shared one in o.dims
+  // itself: copying an array whole right after writing it an element at a
+  // time stalls (the stores cannot be forwarded to the wider load), and
+  // did twice a call, a fifth of the simulator's walk of a DeepSeek-V3 plan.
+  //
   // Dims of one index first: they move no offset, so they may not stand
   // between two dims that merge. The others in the memory order the two
   // regions share, else row-major: the order only groups the same bytes
-  // into runs, any order copies them exactly.
-  int k = 0;
-  for (int d = 0; d < n; ++d)
-    if (box.size[d] == 1) o.dims[k++] = d;
-  const int first = k;
-  for (int d = 0; d < n; ++d)
-    if (box.size[d] != 1) o.dims[k++] = d;
+  // into runs, any order copies them exactly. outer_first is a total order
+  // (ties by dim), so any sort gives the same order: o.dims is an
+  // insertion sort of the others as they come (no heap, no copy).
   auto outer_first = [&](int a, int b) {
     if (from.strides[a] != from.strides[b]) return from.strides[a] > from.strides[b];
     if (to.strides[a] != to.strides[b]) return to.strides[a] > to.strides[b];
     return a < b;
   };
-  // outer_first is a total order (ties by dim), so any sort gives the same
-  // order: an insertion sort of a few dims allocates nothing (std::stable_sort
-  // took a buffer from the heap, a hundred million times walking the plan).
-  std::array<int, kMaxDims> sorted = o.dims;
-  for (int i = first + 1; i < n; ++i) {
-    const int d = sorted[i];
-    int j = i;
+  std::array<int, kMaxDims> row_major{};
+  std::array<int, kMaxDims>& sorted = o.dims;
+  int k = 0;
+  for (int d = 0; d < n; ++d) {
+    if (box.size[d] != 1) continue;
+    row_major[k] = sorted[k] = d;
+    ++k;
+  }
+  const int first = k;
+  for (int d = 0; d < n; ++d) {
+    if (box.size[d] == 1) continue;
+    row_major[k] = d;
+    int j = k++;
     for (; j > first && outer_first(d, sorted[j - 1]); --j) sorted[j] = sorted[j - 1];
     sorted[j] = d;
   }
@@ -43,7 +50,9 @@ CopyOrder copy_order(const Box& box, const Region& from, const Region& to) {
     shared = from.strides[d] > 0 && to.strides[d] > 0 &&
              (i == first || to.strides[sorted[i - 1]] >= to.strides[d]);
   }
-  if (shared) o.dims = sorted;
+  if (!shared) {
+    for (int i = first; i < n; ++i) o.dims[i] = row_major[i];
+  }
   // Merge the innermost dims that are contiguous in both buffers into one run.
   o.outer = n;
   if (n > 0 && from.strides[o.dims[n - 1]] == 1 && to.strides[o.dims[n - 1]] == 1) {
@@ -58,7 +67,7 @@ CopyOrder copy_order(const Box& box, const Region& from, const Region& to) {
 }
 
 void for_each_copy_group(const Box& box, const Region& from, const Region& to, int elem_bytes,
-                         const std::function<void(const CopyGroup&)>& fn) {
+                         FunctionRef<void(const CopyGroup&)> fn) {
   if (box.empty()) return;
   const int n = box.ndim;
   const CopyOrder o = copy_order(box, from, to);
@@ -97,7 +106,7 @@ void for_each_copy_group(const Box& box, const Region& from, const Region& to, i
 }
 
 void for_each_copy(const Box& box, const Region& from, const Region& to, int elem_bytes,
-                   const std::function<void(int64_t, int64_t, int64_t)>& fn) {
+                   FunctionRef<void(int64_t, int64_t, int64_t)> fn) {
   for_each_copy_group(box, from, to, elem_bytes, [&](const CopyGroup& c) {
     for (int64_t k = 0; k < c.count; ++k) fn(c.from_offset + k * c.from_stride, c.to_offset + k * c.to_stride, c.bytes);
   });

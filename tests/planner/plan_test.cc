@@ -23,6 +23,44 @@ Layout cross_dim(int receiver_domains) {
   return L;
 }
 
+// copy_order builds both orders an element at a time and keeps one:
+// dims of one index first, then the memory order both regions share.
+TEST(CopyOrder, SizeOneDimsFirstThenTheSharedMemoryOrder) {
+  Box box{3, {0, 0, 0}, {2, 1, 3}};
+  Region col{.box = box, .strides = {1, 2, 2}};  // column-major
+  const CopyOrder o = copy_order(box, col, col);
+  EXPECT_EQ((std::array<int, 3>{o.dims[0], o.dims[1], o.dims[2]}), (std::array<int, 3>{1, 2, 0}));
+  EXPECT_EQ(o.run, 6);  // dims 0 and 2 are contiguous in both: one run
+  EXPECT_EQ(o.outer, 1);
+}
+
+TEST(CopyOrder, RowMajorWhereTheRegionsOrdersDiffer) {
+  Box box{3, {0, 0, 0}, {1, 2, 3}};
+  Region col{.box = box, .strides = {6, 1, 2}};  // dims 1 and 2 column-major
+  Region row{.box = box, .strides = {6, 3, 1}};
+  // `col` alone would walk dim 2 outermost; `row` disagrees: row-major.
+  const CopyOrder o = copy_order(box, col, row);
+  EXPECT_EQ((std::array<int, 3>{o.dims[0], o.dims[1], o.dims[2]}), (std::array<int, 3>{0, 1, 2}));
+  EXPECT_EQ(o.run, 1);  // dim 2 has stride 2 in `col`: nothing merges
+  EXPECT_EQ(o.outer, 3);
+}
+
+// FunctionRef calls the callable it was made from, not a copy, and passes
+// its result back.
+TEST(FunctionRef, CallsTheCallableItRefersTo) {
+  int calls = 0;
+  auto add = [&calls](int a, int b) {
+    ++calls;
+    return a + b;
+  };
+  auto apply = [](FunctionRef<int(int, int)> f) { return f(2, 3) * 10 + f(1, 1); };
+  EXPECT_EQ(apply(add), 52);
+  EXPECT_EQ(calls, 2);
+  std::function<int(int, int)> held = add;
+  EXPECT_EQ(apply(held), 52);
+  EXPECT_EQ(calls, 4);
+}
+
 TEST(Plan, CrossDimReshardPullsEachQuarterOnce) {
   Layout L = cross_dim(1);
   auto plan = make_plan(L);
