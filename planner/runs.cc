@@ -576,6 +576,14 @@ Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
   std::map<int32_t, int64_t> staged;  // per puller: its staging area's end
   std::map<int32_t, int64_t> relayout_staged;  // per puller: the part of it its relayouts take
   const std::function<void(const ConvertStep&)> no_step = [](const ConvertStep&) {};
+  // A chunk's copy groups into the consumers' regions, by region.
+  struct KeptGroups {
+    uint32_t region = 0;
+    uint32_t begin = 0, end = 0;  // into kept_groups
+  };
+  constexpr size_t kRegionsKept = 16;
+  std::vector<KeptGroups> kept;
+  std::vector<CopyGroup> kept_groups;
   for (const Unit& u : plan.units()) {
     if (!pullers.contains(plan.puller(u).rank)) {
       // Its runs would have ended the run before (every one of them has its
@@ -612,13 +620,26 @@ Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
           if (plan.consumers(u).size() > 1) m.flush();
           continue;
         }
+        // The copy groups into a region are the same for every consumer
+        // that holds it (replicas of a shard share their region): each
+        // region's are walked once a chunk, for up to kRegionsKept regions.
+        kept.clear();
+        kept_groups.clear();
         for (const Consumer& k : plan.consumers(u)) {
           if (k.rank == p.rank && k.region == p.region) continue;
           const Region& kr = t.receivers[k.region];
-          for_each_copy_group(c, dst, kr, eb, [&](const CopyGroup& g) {
-            m.push(Run{true, {Side::kReceiver, p.rank, dst_buf, 0}, {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), 0}, 0},
-                   g);
-          });
+          const Run local{true, {Side::kReceiver, p.rank, dst_buf, 0}, {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), 0}, 0};
+          auto same = std::find_if(kept.begin(), kept.end(), [&](const KeptGroups& e) { return e.region == k.region; });
+          if (same == kept.end() && kept.size() == kRegionsKept) {
+            for_each_copy_group(c, dst, kr, eb, [&](const CopyGroup& g) { m.push(local, g); });
+            continue;
+          }
+          if (same == kept.end()) {
+            const auto begin = static_cast<uint32_t>(kept_groups.size());
+            for_each_copy_group(c, dst, kr, eb, [&](const CopyGroup& g) { kept_groups.push_back(g); });
+            same = kept.insert(kept.end(), KeptGroups{k.region, begin, static_cast<uint32_t>(kept_groups.size())});
+          }
+          for (uint32_t i = same->begin; i < same->end; ++i) m.push(local, kept_groups[i]);
         }
       }
     }
