@@ -630,11 +630,11 @@ Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
           const Region& kr = t.receivers[k.region];
           const Run local{true, {Side::kReceiver, p.rank, dst_buf, 0}, {Side::kReceiver, k.rank, t.buffer_of(Side::kReceiver, kr), 0}, 0};
           auto same = std::find_if(kept.begin(), kept.end(), [&](const KeptGroups& e) { return e.region == k.region; });
-          if (same == kept.end() && kept.size() == kRegionsKept) {
-            for_each_copy_group(c, dst, kr, eb, [&](const CopyGroup& g) { m.push(local, g); });
-            continue;
-          }
           if (same == kept.end()) {
+            if (kept.size() == kRegionsKept) {
+              for_each_copy_group(c, dst, kr, eb, [&](const CopyGroup& g) { m.push(local, g); });
+              continue;
+            }
             const auto begin = static_cast<uint32_t>(kept_groups.size());
             for_each_copy_group(c, dst, kr, eb, [&](const CopyGroup& g) { kept_groups.push_back(g); });
             same = kept.insert(kept.end(), KeptGroups{k.region, begin, static_cast<uint32_t>(kept_groups.size())});

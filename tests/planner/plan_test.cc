@@ -48,17 +48,20 @@ TEST(CopyOrder, RowMajorWhereTheRegionsOrdersDiffer) {
 // FunctionRef calls the callable it was made from, not a copy, and passes
 // its result back.
 TEST(FunctionRef, CallsTheCallableItRefersTo) {
-  int calls = 0;
-  auto add = [&calls](int a, int b) {
-    ++calls;
-    return a + b;
+  struct Add {
+    int calls = 0;
+    int operator()(int a, int b) {
+      ++calls;
+      return a + b;
+    }
   };
   auto apply = [](FunctionRef<int(int, int)> f) { return f(2, 3) * 10 + f(1, 1); };
+  Add add;
   EXPECT_EQ(apply(add), 52);
-  EXPECT_EQ(calls, 2);
-  std::function<int(int, int)> held = add;
+  EXPECT_EQ(add.calls, 2);  // a copy would have counted its own calls
+  std::function<int(int, int)> held = std::ref(add);
   EXPECT_EQ(apply(held), 52);
-  EXPECT_EQ(calls, 4);
+  EXPECT_EQ(add.calls, 4);
 }
 
 TEST(Plan, CrossDimReshardPullsEachQuarterOnce) {
