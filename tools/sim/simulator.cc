@@ -186,9 +186,15 @@ class EventQueue {
       heap_.pop_back();
     } else {
       heap_.front() = Head{f.events[f.front].t, id};
+      __builtin_prefetch(&f.events[f.front] + 1);  // the FIFO's next pop reads it
     }
     if (!heap_.empty()) sink(0);
     return e;
+  }
+  // Starts loading where push() puts the receiver's next posted chunk.
+  void prefetch_posted(int32_t receiver) const {
+    const Fifo& f = fifos_[static_cast<size_t>(receiver) * 2];
+    if (!f.events.empty()) __builtin_prefetch(&f.events.back() + 1);
   }
   // False when `e` is earlier than the last event of its FIFO.
   bool push(const Event& e) {
@@ -365,6 +371,7 @@ struct Worker {
   int32_t src_lo = 0, src_hi = 0;  // its sources
   EventQueue events;
   std::vector<Event> posts;        // its receivers' chunks posted in the window
+  std::vector<Event> landing;      // its receivers' chunks that land in the window
   std::vector<double> sent;        // per post: when its source's NIC has sent it
   std::vector<Serving> serving;    // the window's posts to its sources
   double front[2] = {0, 0};        // per window's parity: its earliest event after the window
@@ -807,15 +814,27 @@ class Sim {
       // checked (window_kept).
       double end = start + window;
       if (!(end > start)) end = std::nextafter(start, kNever);
+      // Every chunk that lands in the window is in the queue now (each
+      // lands after the window it was posted in), in the order taken:
+      // time, then receiver. So they are taken out first, in that order,
+      // and simulated with the memory of the ones a few places on loading
+      // meanwhile (land_all). What they post in the window is taken out
+      // after them.
+      w.landing.clear();
       while (w.events.front_time() < end) {
         const Event e = w.events.pop();
-        if (!e.landed) {
-          w.posts.push_back(e);
-          continue;
-        }
-        landed(w, e);
-        pump(w, e.receiver, e.t);
+        (e.landed ? w.landing : w.posts).push_back(e);
       }
+      land_all(w);
+      while (w.events.front_time() < end) w.posts.push_back(w.events.pop());
+      // The posts in the order the queue gave them one at a time: time,
+      // then receiver, a receiver's in the order it posted them. Only the
+      // trace's order of spans sees the difference (take_in touches its
+      // receiver's state alone), and a trace has one worker.
+      if (opt_.trace)
+        std::stable_sort(w.posts.begin(), w.posts.end(), [](const Event& a, const Event& b) {
+          return a.t != b.t ? a.t < b.t : a.receiver < b.receiver;
+        });
       w.front[parity] = w.events.front_time();
       w.sent.resize(w.posts.size());
       if (!barrier_.wait()) return;
@@ -846,6 +865,42 @@ class Sim {
       if (!barrier_.wait()) return;
       for (size_t i = 0; i < w.posts.size(); ++i) take_in(w, w.posts[i], w.sent[i], end);
       w.posts.clear();
+    }
+  }
+
+  // Simulates the window's landed chunks (w.landing) in order. Each
+  // touches its receiver's scheduler, jobs and queues, which no cache holds
+  // from one of the receiver's chunks to the next (thousands of receivers
+  // land chunks in between): so the memory of the chunk kLoad places on
+  // starts to load (the scheduler's roots and the landed endpoint's state),
+  // and that of the one kNext places on, whose roots are loaded by then,
+  // the state next() will most likely read.
+  void land_all(Worker& w) {
+    constexpr size_t kLoad = 8, kNext = 4, kHead = 2;
+    std::array<uint32_t, 2> firsts[kNext + 1];  // per place from kNext on: prefetch_next's endpoints
+    const size_t n = w.landing.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kLoad < n) {
+        const Event& a = w.landing[i + kLoad];
+        scheds_[a.receiver].prefetch_complete(a.chunk);
+        __builtin_prefetch(&jobs_[a.receiver][a.chunk.run]);
+      }
+      if (i + kNext < n) {
+        const int32_t p = w.landing[i + kNext].receiver;
+        std::array<uint32_t, 2>& f = firsts[(i + kNext) % (kNext + 1)];
+        f = scheds_[p].prefetch_next();
+        for (uint32_t e : f)
+          if (e != UINT32_MAX) __builtin_prefetch(&cur_[p][e]);
+        w.events.prefetch_posted(p);
+      }
+      if (i + kHead < n && i + kHead >= kNext) {
+        const int32_t p = w.landing[i + kHead].receiver;
+        for (uint32_t e : firsts[(i + kHead) % (kNext + 1)])
+          if (e != UINT32_MAX && scheds_[p].head(e).bytes > 0) __builtin_prefetch(&jobs_[p][scheds_[p].head(e).run]);
+      }
+      const Event& e = w.landing[i];
+      landed(w, e);
+      pump(w, e.receiver, e.t);
     }
   }
 

@@ -204,6 +204,42 @@ uint32_t ChunkScheduler::first_fitting(uint64_t free) const {
   return best != nullptr ? best->win : kNone;
 }
 
+namespace {
+// Starts loading the cache lines of [p, p + bytes).
+void prefetch_lines(const void* p, size_t bytes) {
+  const auto* c = static_cast<const char*>(p);
+  const auto first = reinterpret_cast<uintptr_t>(c) & ~uintptr_t{63};
+  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(c) + bytes; a += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(a));
+}
+}  // namespace
+
+void ChunkScheduler::prefetch_complete(const Chunk& chunk) const {
+  if (chunk.endpoint < eps_.size()) prefetch_lines(&eps_[chunk.endpoint], sizeof(EndpointState));
+  if (chunk.run < outstanding_.size()) __builtin_prefetch(&outstanding_[chunk.run]);
+  __builtin_prefetch(&node(kWhole, 1));
+  __builtin_prefetch(&node(kPart, 1));
+}
+
+std::array<uint32_t, 2> ChunkScheduler::prefetch_next() const {
+  // Each tree's first: next() issues one of them where its chunk fits,
+  // and moves it to the tree its next chunk belongs to (the same leaf's
+  // path in either tree).
+  std::array<uint32_t, 2> firsts{kNone, kNone};
+  for (uint8_t k = 0; k < kTrees; ++k) {
+    const uint32_t e = node(k, 1).win;
+    firsts[k] = e;
+    if (e == kNone) continue;
+    prefetch_lines(&eps_[e], sizeof(EndpointState));
+    // Two nodes a line: the leaf's line holds its sibling too.
+    for (uint32_t i = leaves_ + e; i >= 1; i /= 2) {
+      __builtin_prefetch(&node(kWhole, i));
+      __builtin_prefetch(&node(kPart, i));
+    }
+  }
+  return firsts;
+}
+
 std::optional<Chunk> ChunkScheduler::next(const Gate& gate) {
   // Nothing fits: no endpoint need be tried (a receiver with hundreds of
   // sources asks after every completion). bytes_in_flight_ never exceeds

@@ -5,6 +5,7 @@
 //
 // Not thread-safe: one owner (the GetEngine, under its mutex).
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <new>
@@ -94,6 +95,24 @@ class ChunkScheduler {
   // Drops every chunk of `endpoint` not yet issued. Returns the runs that
   // thereby became finished (no chunk of them still in flight).
   std::vector<uint32_t> drop_endpoint(uint32_t endpoint);
+
+  // Hints for a caller that drives many schedulers in turn (the
+  // simulator: thousands of receivers, whose state no cache holds from one
+  // of a receiver's calls to its next). They read nothing they do not
+  // need and change nothing; each starts loading the memory that a later
+  // call reads, so that several schedulers' memory loads at once.
+  // prefetch_complete: what complete(chunk) reads, and the trees' roots
+  // (what next() reads first).
+  void prefetch_complete(const Chunk& chunk) const;
+  // What next() reads to issue the chunk it most likely issues: the state
+  // of the first endpoint of each tree (below) and its leaf's paths to the
+  // roots. Returns those endpoints (UINT32_MAX for an empty tree), so that
+  // the caller can load its own memory for them. It reads the roots: call
+  // it after prefetch_complete has had time to load them.
+  std::array<uint32_t, 2> prefetch_next() const;
+  // The next chunk `endpoint` issues (bytes 0: none pending). What the
+  // caller reads of it should come after prefetch_next has loaded it.
+  const Chunk& head(uint32_t endpoint) const { return eps_[endpoint].head; }
 
   bool done() const { return pending_chunks_ == 0 && ops_in_flight_ == 0; }
   bool run_finished(uint32_t run) const { return outstanding_[run] == 0; }

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <random>
 #include <optional>
@@ -258,9 +259,32 @@ TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
       // flight would fall through to the hold below.)
       const uint64_t op = step < steps ? rng() % 100 : (rng() % 2 || in_flight.empty() ? 0 : 50);
       if (op < 50) {
+        // The hints change nothing, and name the endpoints next() issues
+        // from: with nothing in flight every head fits, so where the gate
+        // lets both firsts go, next() issues one of them, the chunk that
+        // head() said.
+        if (!in_flight.empty()) sched->prefetch_complete(in_flight[rng() % in_flight.size()]);
+        const std::array<uint32_t, 2> firsts = sched->prefetch_next();
+        std::vector<Chunk> heads;
+        bool open = true;
+        for (uint32_t e : firsts) {
+          if (e == UINT32_MAX) continue;
+          ASSERT_LT(e, eps);
+          const Chunk h = sched->head(e);
+          ASSERT_GT(h.bytes, 0u) << "a tree's first has nothing pending";
+          open &= h.offset != 0 || closed[h.run] == 0;
+          heads.push_back(h);
+        }
+        const bool idle = in_flight.empty();
         const std::optional<Chunk> got = sched->next(gate);
         const std::optional<Chunk> want = ref.next(gate);
         ASSERT_EQ(got.has_value(), want.has_value());
+        if (got && idle && open && !heads.empty()) {
+          bool named = false;
+          for (const Chunk& h : heads)
+            named |= h.endpoint == got->endpoint && h.run == got->run && h.offset == got->offset && h.bytes == got->bytes;
+          EXPECT_TRUE(named) << "next() issued endpoint " << got->endpoint << ", not a first prefetch_next named";
+        }
         if (got) {
           ASSERT_EQ(got->run, want->run);
           ASSERT_EQ(got->offset, want->offset);
