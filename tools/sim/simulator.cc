@@ -154,98 +154,86 @@ struct Event {
   ucx::Chunk chunk;
 };
 
-// The network's events of some receivers in time order. Each receiver's posted GET
-// chunks and its landed ones each come in time order (a receiver posts one
-// after another, and its NIC takes in one chunk after another), so each is
-// a FIFO, and a heap orders only the FIFOs' fronts: 2 entries a receiver,
-// where a heap of every chunk in flight held the windows of all receivers
-// (tens of thousands of entries at 1024 ranks a side). Events at one time
-// go by FIFO (receiver, then posted before landed): a receiver's events
-// touch only its own state, so their order across receivers does not
-// change the result (Sim::simulate_network). push() checks the FIFO
-// property and fails the simulation should a change ever break it.
-class EventQueue {
+// The network's events of some receivers, by window: window k is the time
+// [k w, (k + 1) w) for the window length w (Sim::simulate_network). The
+// windows ahead are a ring of buckets, each the events of one window in
+// the order they were pushed; events past the ring wait in a heap until
+// it comes to them. A window is taken whole, so nothing orders its events
+// but their pushes: a receiver's landed chunks, and its posted ones, are
+// each pushed in time order (it posts one after another, and its NIC
+// takes in one chunk after another), which push() checks, and the
+// simulation orders them further only where the order across receivers
+// shows (Sim::network_worker). (A heap of each receiver's earliest events
+// read, at every pop, an event that had left the caches since its push.)
+class WindowQueue {
  public:
-  void reset(int32_t receivers) {
-    fifos_.assign(2 * static_cast<size_t>(receivers), {});
-    heap_.clear();
+  // Windows of `length` seconds (> 0), starting at window 0.
+  void reset(double length, int32_t receivers) {
+    length_ = length;
+    ring_.assign(kRing, {});
+    far_.clear();
+    current_ = 0;
+    in_ring_ = 0;
+    last_.assign(2 * static_cast<size_t>(receivers), 0.0);
   }
-  // The earliest event's time; infinity when there is none.
-  double front_time() const { return heap_.empty() ? std::numeric_limits<double>::infinity() : heap_.front().t; }
-  // REQUIRES an event (front_time() is finite). Removes and returns the earliest event. Its FIFO's
-  // next event takes the front's place in the heap and sinks from there:
-  // one pass down the heap, where a pop and a push were two.
-  Event pop() {
-    const uint32_t id = heap_.front().fifo;
-    Fifo& f = fifos_[id];
-    Event e = std::move(f.events[f.front]);
-    if (++f.front == f.events.size()) {
-      f.events.clear();
-      f.front = 0;
-      heap_.front() = heap_.back();
-      heap_.pop_back();
-    } else {
-      heap_.front() = Head{f.events[f.front].t, id};
-      __builtin_prefetch(&f.events[f.front] + 1);  // the FIFO's next pop reads it
-    }
-    if (!heap_.empty()) sink(0);
-    return e;
+  // The window of time t (>= 0); kNoWindow past 2^62 windows.
+  uint64_t window_of(double t) const {
+    const double k = std::floor(t / length_);
+    return k < 0x1p62 ? static_cast<uint64_t>(k) : kNoWindow;
   }
-  // Starts loading where push() puts the receiver's next posted chunk.
-  void prefetch_posted(int32_t receiver) const {
-    const Fifo& f = fifos_[static_cast<size_t>(receiver) * 2];
-    if (!f.events.empty()) __builtin_prefetch(&f.events.back() + 1);
-  }
-  // False when `e` is earlier than the last event of its FIFO.
+  // False when `e` falls before the current window, past the last window,
+  // or before the last event of its receiver's kind (posted or landed).
   bool push(const Event& e) {
-    const uint32_t id = static_cast<uint32_t>(e.receiver) * 2 + (e.landed ? 1 : 0);
-    Fifo& f = fifos_[id];
-    if (f.front < f.events.size() && e.t < f.events.back().t) return false;
-    if (f.front == f.events.size()) {
-      heap_.push_back(Head{e.t, id});
-      rise(heap_.size() - 1);
+    const uint64_t k = window_of(e.t);
+    double& last = last_[static_cast<size_t>(e.receiver) * 2 + (e.landed ? 1 : 0)];
+    if (k < current_ || k == kNoWindow || e.t < last) return false;
+    last = e.t;
+    if (k - current_ < kRing) {
+      ring_[k % kRing].push_back(e);
+      ++in_ring_;
+    } else {
+      far_.push_back(e);
+      std::push_heap(far_.begin(), far_.end(), later);
     }
-    if (f.front > 0 && f.front * 2 >= f.events.size()) {
-      f.events.erase(f.events.begin(), f.events.begin() + static_cast<std::ptrdiff_t>(f.front));
-      f.front = 0;
-    }
-    f.events.push_back(e);
     return true;
   }
+  // The first window from the current one that holds an event; kNoWindow
+  // when none does.
+  uint64_t next_window() const {
+    if (in_ring_ > 0)
+      for (uint64_t k = current_;; ++k)
+        if (!ring_[k % kRing].empty()) return k;
+    return far_.empty() ? kNoWindow : window_of(far_.front().t);
+  }
+  // Makes window k (no earlier than the current one, and no window
+  // between them holds an event) the current one, and moves its events
+  // into `out`, in the order they were pushed.
+  void take(uint64_t k, std::vector<Event>& out) {
+    current_ = k;
+    while (!far_.empty() && window_of(far_.front().t) - k < kRing) {
+      std::pop_heap(far_.begin(), far_.end(), later);
+      ring_[window_of(far_.back().t) % kRing].push_back(far_.back());
+      far_.pop_back();
+      ++in_ring_;
+    }
+    std::vector<Event>& bucket = ring_[k % kRing];
+    out.clear();
+    out.swap(bucket);  // the bucket keeps out's memory for a later window
+    in_ring_ -= out.size();
+  }
+  static constexpr uint64_t kNoWindow = UINT64_MAX;
 
  private:
-  struct Fifo {
-    std::vector<Event> events;
-    size_t front = 0;
-  };
-  struct Head {
-    double t;
-    uint32_t fifo;
-    bool operator<(const Head& o) const { return t != o.t ? t < o.t : fifo < o.fifo; }
-  };
-  // A binary min-heap of the FIFOs' fronts, in (t, fifo) order; a FIFO has
-  // one entry, so the order of pops is that of any heap.
-  void sink(size_t i) {
-    const Head h = heap_[i];
-    const size_t n = heap_.size();
-    for (size_t c = 2 * i + 1; c < n; c = 2 * i + 1) {
-      if (c + 1 < n && heap_[c + 1] < heap_[c]) ++c;
-      if (!(heap_[c] < h)) break;
-      heap_[i] = heap_[c];
-      i = c;
-    }
-    heap_[i] = h;
-  }
-  void rise(size_t i) {
-    const Head h = heap_[i];
-    while (i > 0 && h < heap_[(i - 1) / 2]) {
-      heap_[i] = heap_[(i - 1) / 2];
-      i = (i - 1) / 2;
-    }
-    heap_[i] = h;
-  }
-  std::vector<Fifo> fifos_;
-  std::vector<Head> heap_;
+  static constexpr uint64_t kRing = 4096;  // windows ahead in buckets
+  // The heap's order: the earliest on top (ties in any order: their window
+  // is taken whole).
+  static bool later(const Event& a, const Event& b) { return a.t > b.t; }
+  double length_ = 1;
+  std::vector<std::vector<Event>> ring_;  // window k's events in ring_[k % kRing]
+  std::vector<Event> far_;                // events kRing windows ahead or more: a heap
+  uint64_t current_ = 0;
+  size_t in_ring_ = 0;
+  std::vector<double> last_;  // per receiver and kind: the time of its last event pushed
 };
 
 // Runs body(0) .. body(threads - 1), each on its own thread (body(0) on
@@ -369,13 +357,16 @@ struct Serving {
 struct Worker {
   int32_t lo = 0, hi = 0;          // its receivers
   int32_t src_lo = 0, src_hi = 0;  // its sources
-  EventQueue events;
+  WindowQueue events;
+  std::vector<Event> taken;        // the window's events, as taken from the queue
   std::vector<Event> posts;        // its receivers' chunks posted in the window
   std::vector<Event> landing;      // its receivers' chunks that land in the window
   std::vector<double> sent;        // per post: when its source's NIC has sent it
   std::vector<Serving> serving;    // the window's posts to its sources
-  double front[2] = {0, 0};        // per window's parity: its earliest event after the window
-  double sent_min[2] = {0, 0};     // per parity: the earliest its sources sent a post, plus the latency
+  // Per window's parity: the first window after it that holds one of its
+  // events, and the first that a post its sources sent can land in.
+  uint64_t front[2] = {0, 0};
+  uint64_t sent_window[2] = {0, 0};
   bool order_kept = true;
   bool window_kept = true;
   int64_t events_count = 0;
@@ -766,10 +757,10 @@ class Sim {
       w.hi = static_cast<int32_t>(static_cast<int64_t>(R) * (k + 1) / threads);
       w.src_lo = static_cast<int32_t>(static_cast<int64_t>(S) * k / threads);
       w.src_hi = static_cast<int32_t>(static_cast<int64_t>(S) * (k + 1) / threads);
-      w.events.reset(R);
+      w.events.reset(window, R);
     }
     barrier_.reset(threads);
-    parallel(threads, [&](int32_t k) { network_worker(k, window); }, [&] { barrier_.break_all(); });
+    parallel(threads, [&](int32_t k) { network_worker(k); }, [&] { barrier_.break_all(); });
     bool order_kept = true, window_kept = true;
     for (const Worker& w : workers_) {
       order_kept &= w.order_kept;
@@ -783,59 +774,58 @@ class Sim {
         if (mine >= 0 && (*first < 0 || mine < *first)) *first = mine;
     }
     std::vector<Worker>().swap(workers_);
-    if (!order_kept) return Status::internal("simulator: an event came before the last of its FIFO");
+    if (!order_kept)
+      return Status::internal(
+          "simulator: an event came before the last of its receiver's, or more than 2^62 windows from the start");
     if (!window_kept) return Status::internal("simulator: a GET landed within the window it was posted in");
     return Status::ok();
   }
 
   // Worker `k`'s part of every window (simulate_network); every worker runs
-  // it, in step with the others: two barriers a window. The next window
-  // starts at the earliest of what is left of every worker's events after
-  // the window and of what the window's posts can land at (when their
-  // sources have sent them, plus the latency): all known at the second
-  // barrier, kept per window's parity so that a worker on to the next
-  // window overwrites nothing another still reads.
-  void network_worker(int32_t k, double window) {
-    constexpr double kNever = std::numeric_limits<double>::infinity();
+  // it, in step with the others: two barriers a window. The next window is
+  // the first after this one that holds an event of any worker or that a
+  // post of this window can land in (its source has sent it, plus the
+  // latency): all known at the second barrier, kept per window's parity
+  // so that a worker on to the next window overwrites nothing another
+  // still reads.
+  void network_worker(int32_t k) {
+    constexpr uint64_t kNone = WindowQueue::kNoWindow;
     Worker& w = workers_[k];
     for (int32_t p = w.lo; p < w.hi; ++p) {
       run_steps(w, p);
       pump(w, p, 0.0);
     }
-    w.front[1] = w.events.front_time();
-    w.sent_min[1] = kNever;
+    w.front[1] = w.events.next_window();
+    w.sent_window[1] = kNone;
     if (!barrier_.wait()) return;
+    // The order of the window's events across receivers shows only where
+    // its landed chunks touch what others' do (the fan-out without
+    // rounds) or in the order of a trace's spans, both simulated by one
+    // worker: there they go by time, then receiver, as one queue of all
+    // events would give them.
+    const bool ordered = opt_.trace || !hw_.fanout_rounds;
+    auto by_time = [](const Event& a, const Event& b) { return a.t != b.t ? a.t < b.t : a.receiver < b.receiver; };
     for (int parity = 0;; parity ^= 1) {
-      double start = kNever;
-      for (const Worker& u : workers_) start = std::min({start, u.front[parity ^ 1], u.sent_min[parity ^ 1]});
-      if (start == kNever) return;
-      // A window too small to move `start` (a latency of femtoseconds, late
-      // in a long refresh) still moves it, and the landings after it are
-      // checked (window_kept).
-      double end = start + window;
-      if (!(end > start)) end = std::nextafter(start, kNever);
-      // Every chunk that lands in the window is in the queue now (each
-      // lands after the window it was posted in), in the order taken:
-      // time, then receiver. So they are taken out first, in that order,
-      // and simulated with the memory of the ones a few places on loading
-      // meanwhile (land_all). What they post in the window is taken out
-      // after them.
+      uint64_t window = kNone;
+      for (const Worker& u : workers_) window = std::min({window, u.front[parity ^ 1], u.sent_window[parity ^ 1]});
+      if (window == kNone) return;
+      // Every chunk that lands in the window is in its bucket now (each
+      // lands after the window it was posted in). They are simulated with
+      // the memory of the ones a few places on loading meanwhile
+      // (land_all); what they post in the window comes into the bucket
+      // anew, taken after them.
+      w.events.take(window, w.taken);
       w.landing.clear();
-      while (w.events.front_time() < end) {
-        const Event e = w.events.pop();
-        (e.landed ? w.landing : w.posts).push_back(e);
-      }
+      for (const Event& e : w.taken) (e.landed ? w.landing : w.posts).push_back(e);
+      if (ordered) std::stable_sort(w.landing.begin(), w.landing.end(), by_time);
       land_all(w);
-      while (w.events.front_time() < end) w.posts.push_back(w.events.pop());
-      // The posts in the order the queue gave them one at a time: time,
-      // then receiver, a receiver's in the order it posted them. Only the
-      // trace's order of spans sees the difference (take_in touches its
-      // receiver's state alone), and a trace has one worker.
-      if (opt_.trace)
-        std::stable_sort(w.posts.begin(), w.posts.end(), [](const Event& a, const Event& b) {
-          return a.t != b.t ? a.t < b.t : a.receiver < b.receiver;
-        });
-      w.front[parity] = w.events.front_time();
+      w.events.take(window, w.taken);
+      for (const Event& e : w.taken) {
+        w.window_kept &= !e.landed;  // a landing pushed in its own window
+        w.posts.push_back(e);
+      }
+      if (opt_.trace) std::stable_sort(w.posts.begin(), w.posts.end(), by_time);
+      w.front[parity] = w.events.next_window();
       w.sent.resize(w.posts.size());
       if (!barrier_.wait()) return;
       // Its sources serve the window's posted chunks, of every worker.
@@ -855,15 +845,15 @@ class Sim {
         if (x.receiver != y.receiver) return x.receiver < y.receiver;
         return x.seq < y.seq;
       });
-      double sent_min = kNever;
+      double sent_min = std::numeric_limits<double>::infinity();
       for (const Serving& v : w.serving) {
         const double sent = serve(workers_[v.worker].posts[v.index]);
         workers_[v.worker].sent[v.index] = sent;
         sent_min = std::min(sent_min, sent);
       }
-      w.sent_min[parity] = sent_min + hw_.latency_us * 1e-6;
+      w.sent_window[parity] = w.serving.empty() ? kNone : w.events.window_of(sent_min + hw_.latency_us * 1e-6);
       if (!barrier_.wait()) return;
-      for (size_t i = 0; i < w.posts.size(); ++i) take_in(w, w.posts[i], w.sent[i], end);
+      for (size_t i = 0; i < w.posts.size(); ++i) take_in(w, w.posts[i], w.sent[i], window);
       w.posts.clear();
     }
   }
@@ -891,7 +881,6 @@ class Sim {
         f = scheds_[p].prefetch_next();
         for (uint32_t e : f)
           if (e != UINT32_MAX) __builtin_prefetch(&cur_[p][e]);
-        w.events.prefetch_posted(p);
       }
       if (i + kHead < n && i + kHead >= kNext) {
         const int32_t p = w.landing[i + kHead].receiver;
@@ -949,8 +938,8 @@ class Sim {
 
   // The receiver's NIC takes in what arrives at its own rate, one chunk
   // after another (in the order it posted them); the chunk lands a latency
-  // later, after the window it was posted in (`window_end`).
-  void take_in(Worker& w, const Event& e, double sent_until, double window_end) {
+  // later, in a window after the one it was posted in (`window`).
+  void take_in(Worker& w, const Event& e, double sent_until, uint64_t window) {
     const int32_t p = e.receiver;
     const double wire = static_cast<double>(e.chunk.bytes) / hw_.nic_bytes_per_s();
     const auto bytes = static_cast<int64_t>(e.chunk.bytes);
@@ -961,7 +950,7 @@ class Sim {
     dst.bytes += bytes;
     span(Lane::kReceiverNic, p, in_until - wire, in_until, bytes);
     const double at = in_until + hw_.latency_us * 1e-6;
-    w.window_kept &= at >= window_end;
+    w.window_kept &= w.events.window_of(at) > window;
     w.order_kept &= w.events.push(Event{at, e.decided, e.seq, p, e.source, true, e.turn, e.chunk});
   }
 
