@@ -799,11 +799,12 @@ class Sim {
     w.sent_window[1] = kNone;
     if (!barrier_.wait()) return;
     // The order of the window's events across receivers shows only where
-    // its landed chunks touch what others' do (the fan-out without
-    // rounds) or in the order of a trace's spans, both simulated by one
-    // worker: there they go by time, then receiver, as one queue of all
-    // events would give them.
-    const bool ordered = opt_.trace || !hw_.fanout_rounds;
+    // its landed chunks touch what others' do: the fan-out without rounds,
+    // simulated by one worker. There they go by time, then receiver, as
+    // one queue of all events would give them. (A trace's spans are
+    // merged per lane and rank, each in its own order: the same spans in
+    // any order across receivers, written in the order they began.)
+    const bool ordered = !hw_.fanout_rounds;
     auto by_time = [](const Event& a, const Event& b) { return a.t != b.t ? a.t < b.t : a.receiver < b.receiver; };
     for (int parity = 0;; parity ^= 1) {
       uint64_t window = kNone;
@@ -824,7 +825,6 @@ class Sim {
         w.window_kept &= !e.landed;  // a landing pushed in its own window
         w.posts.push_back(e);
       }
-      if (opt_.trace) std::stable_sort(w.posts.begin(), w.posts.end(), by_time);
       w.front[parity] = w.events.next_window();
       w.sent.resize(w.posts.size());
       if (!barrier_.wait()) return;
