@@ -225,9 +225,18 @@ class WindowQueue {
 
  private:
   static constexpr uint64_t kRing = 4096;  // windows ahead in buckets
-  // The heap's order: the earliest on top (ties in any order: their window
-  // is taken whole).
-  static bool later(const Event& a, const Event& b) { return a.t > b.t; }
+  // The heap's order: the earliest on top, ties by receiver, kind and the
+  // receiver's count of posts. So a receiver's events of one kind come out
+  // in the order they were pushed (its count grows with its pushes), and
+  // enter their bucket before any pushed there directly: one is pushed
+  // there only once the window is within the ring, and take() has moved
+  // the heap's events of that window into the ring by then.
+  static bool later(const Event& a, const Event& b) {
+    if (a.t != b.t) return a.t > b.t;
+    if (a.receiver != b.receiver) return a.receiver > b.receiver;
+    if (a.landed != b.landed) return a.landed > b.landed;
+    return a.seq > b.seq;
+  }
   double length_ = 1;
   std::vector<std::vector<Event>> ring_;  // window k's events in ring_[k % kRing]
   std::vector<Event> far_;                // events kRing windows ahead or more: a heap
