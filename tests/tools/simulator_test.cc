@@ -3,6 +3,8 @@
 
 #include "tools/sim/simulator.h"
 
+#include "tools/sim/events.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -201,13 +203,20 @@ TEST(Simulator, ChunksLandingThousandsOfWindowsAheadKeepTheirOrder) {
   ASSERT_TRUE(plan.is_ok());
   HardwareModel hw = unit_hardware();
   hw.get_chunk_bytes = 1 << 20;
+  // Copied on to the GPU in the order they land: the order shows.
+  hw.gets_land_in_host = true;
   const SimResult one = simulated(*plan, hw);
   EXPECT_EQ(one.network_bytes, kReceivers * 1000004);
   // Each receiver posts its megabyte at 1 us and its 4 bytes at 2 us. The
   // first source's NIC sends the megabytes back to back from 1 us; a
   // receiver's NIC takes in its chunks in the order it posted them, so the
-  // last receiver's 4 bytes follow its megabyte, and land 2 us after.
-  EXPECT_NEAR(one.predicted_seconds, 1 * kUs + kReceivers * 1e6 * 1e-9 + 4e-9 + 2 * kUs, 1e-12);
+  // last receiver's megabyte lands 2 us after it has left, its 4 bytes
+  // 4 ns later, and their copies to the GPU (4096 bytes in 2 us) follow
+  // one another in that order. (In the other order the copies would end
+  // 4 ns later.)
+  const double landed = 1 * kUs + kReceivers * 1e6 * 1e-9 + 2 * kUs;
+  EXPECT_NEAR(one.phases.network.end, landed + 4e-9, 1e-12);
+  EXPECT_NEAR(one.predicted_seconds, landed + 1e6 / 2.048e9 + 4 / 2.048e9, 1e-12);
   EXPECT_NEAR(one.busiest_source_nic.busy_seconds, kReceivers * 1e6 * 1e-9, 1e-12);
   hw.fanout_rounds = true;  // several workers simulate the network only with rounds
   for (int threads : {1, 2, 3}) {
@@ -219,6 +228,60 @@ TEST(Simulator, ChunksLandingThousandsOfWindowsAheadKeepTheirOrder) {
     EXPECT_EQ(r->events, one.events) << threads << " threads";
     EXPECT_EQ(r->busiest_receiver_nic.busy_seconds, one.busiest_receiver_nic.busy_seconds) << threads << " threads";
   }
+}
+
+Event event_at(double t, int32_t receiver, bool landed, uint64_t seq) {
+  Event e{};
+  e.t = t;
+  e.receiver = receiver;
+  e.landed = landed;
+  e.seq = seq;
+  return e;
+}
+
+// The queue by window (tools/sim/events.h): a receiver's events of one
+// kind come out in the order they were pushed, ties in time included,
+// whether they waited in the heap past the ring or went into it directly;
+// it refuses an event before the current window, before its receiver's
+// last of its kind, or too far ahead to count.
+TEST(WindowQueue, GivesAReceiversEventsOfOneKindInTheOrderPushed) {
+  WindowQueue q;
+  q.reset(1.0, 4);  // windows of a second
+  EXPECT_EQ(q.next_window(), WindowQueue::kNoWindow);
+  // Past the ring (4096 windows): six landed chunks each of receivers 0
+  // and 1 at one time, and six posts of receiver 2 a little earlier.
+  for (uint64_t seq = 0; seq < 6; ++seq) {
+    ASSERT_TRUE(q.push(event_at(5000.5, 0, true, seq)));
+    ASSERT_TRUE(q.push(event_at(5000.5, 1, true, seq)));
+    ASSERT_TRUE(q.push(event_at(5000.25, 2, false, seq)));
+  }
+  ASSERT_TRUE(q.push(event_at(3.5, 3, true, 0)));
+  ASSERT_TRUE(q.push(event_at(3.5, 3, true, 1)));
+  EXPECT_FALSE(q.push(event_at(3.25, 3, true, 2))) << "before its receiver's last landed chunk";
+  EXPECT_FALSE(q.push(event_at(1e30, 3, true, 2))) << "more than 2^62 windows ahead";
+  EXPECT_EQ(q.next_window(), 3u);
+  std::vector<Event> out;
+  q.take(3, out);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].seq, 0u);
+  EXPECT_EQ(out[1].seq, 1u);
+  EXPECT_FALSE(q.push(event_at(2.5, 2, false, 6))) << "before the current window";
+  EXPECT_EQ(q.next_window(), 5000u);
+  // An empty window within the ring's reach of 5000: the heap's events of
+  // window 5000 go into the ring, and one pushed there now comes after them.
+  q.take(1000, out);
+  EXPECT_TRUE(out.empty());
+  ASSERT_TRUE(q.push(event_at(5000.75, 0, true, 6)));
+  EXPECT_EQ(q.next_window(), 5000u);
+  q.take(5000, out);
+  ASSERT_EQ(out.size(), 19u);
+  uint64_t next[3] = {0, 0, 0};
+  for (const Event& e : out) {
+    ASSERT_LT(e.receiver, 3);
+    EXPECT_EQ(e.seq, next[e.receiver]++) << "receiver " << e.receiver;
+  }
+  EXPECT_EQ(next[0], 7u);
+  EXPECT_EQ(q.next_window(), WindowQueue::kNoWindow);
 }
 
 TEST(Simulator, HostLandingAndPublishCopiesAddTheirTime) {

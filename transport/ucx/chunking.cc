@@ -215,6 +215,7 @@ void prefetch_lines(const void* p, size_t bytes) {
 }  // namespace
 
 void ChunkScheduler::prefetch_complete(const Chunk& chunk) const {
+  if (tree_.empty()) return;  // not made by create()
   if (chunk.endpoint < eps_.size()) prefetch_lines(&eps_[chunk.endpoint], sizeof(EndpointState));
   if (chunk.run < outstanding_.size()) __builtin_prefetch(&outstanding_[chunk.run]);
   __builtin_prefetch(&node(kWhole, 1));
@@ -226,6 +227,7 @@ std::array<uint32_t, 2> ChunkScheduler::prefetch_next() const {
   // and moves it to the tree its next chunk belongs to (the same leaf's
   // path in either tree).
   std::array<uint32_t, 2> firsts{kNone, kNone};
+  if (tree_.empty()) return firsts;  // not made by create()
   for (uint8_t k = 0; k < kTrees; ++k) {
     const uint32_t e = node(k, 1).win;
     firsts[k] = e;

@@ -110,8 +110,9 @@ class ChunkScheduler {
   // the caller can load its own memory for them. It reads the roots: call
   // it after prefetch_complete has had time to load them.
   std::array<uint32_t, 2> prefetch_next() const;
-  // The next chunk `endpoint` issues (bytes 0: none pending). What the
-  // caller reads of it should come after prefetch_next has loaded it.
+  // REQUIRES endpoint < the number of endpoints. The next chunk
+  // `endpoint` issues (bytes 0: none pending). What the caller reads of it
+  // should come after prefetch_next has loaded it.
   const Chunk& head(uint32_t endpoint) const { return eps_[endpoint].head; }
 
   bool done() const { return pending_chunks_ == 0 && ops_in_flight_ == 0; }

@@ -267,11 +267,19 @@ TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
         const std::array<uint32_t, 2> firsts = sched->prefetch_next();
         std::vector<Chunk> heads;
         bool open = true;
-        for (uint32_t e : firsts) {
+        if (firsts[0] != UINT32_MAX) ASSERT_NE(firsts[0], firsts[1]) << "one endpoint the first of both trees";
+        for (size_t k = 0; k < firsts.size(); ++k) {
+          const uint32_t e = firsts[k];
           if (e == UINT32_MAX) continue;
           ASSERT_LT(e, eps);
           const Chunk h = sched->head(e);
           ASSERT_GT(h.bytes, 0u) << "a tree's first has nothing pending";
+          // The first tree holds whole chunks, the second the rest.
+          if (k == 0) {
+            ASSERT_GE(h.bytes, l.chunk_bytes);
+          } else {
+            ASSERT_LT(h.bytes, l.chunk_bytes);
+          }
           open &= h.offset != 0 || closed[h.run] == 0;
           heads.push_back(h);
         }
@@ -279,7 +287,10 @@ TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
         const std::optional<Chunk> got = sched->next(gate);
         const std::optional<Chunk> want = ref.next(gate);
         ASSERT_EQ(got.has_value(), want.has_value());
-        if (got && idle && open && !heads.empty()) {
+        // With nothing in flight, what next() issues was in a tree: a
+        // tree's first was named.
+        if (got && idle) ASSERT_FALSE(heads.empty()) << "prefetch_next named no endpoint";
+        if (got && idle && open) {
           bool named = false;
           for (const Chunk& h : heads)
             named |= h.endpoint == got->endpoint && h.run == got->run && h.offset == got->offset && h.bytes == got->bytes;
