@@ -94,6 +94,10 @@ class WindowQueue {
     out.clear();
     out.swap(bucket);  // the bucket keeps out's memory for a later window
     in_ring_ -= out.size();
+    // Unless that is far more than this window took: a few crowded windows
+    // (every receiver posting at the start) would otherwise leave their
+    // memory going round the ring, every bucket's grown to the largest.
+    if (bucket.capacity() > 2 * out.size() + 64) std::vector<Event>().swap(bucket);
   }
   static constexpr uint64_t kNoWindow = UINT64_MAX;
 
