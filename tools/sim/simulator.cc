@@ -769,8 +769,10 @@ class Sim {
   // from one of the receiver's chunks to the next (thousands of receivers
   // land chunks in between): so the memory of the chunk kLoad places on
   // starts to load (the scheduler's roots and the landed endpoint's state),
-  // and that of the one kNext places on, whose roots are loaded by then,
-  // the state next() will most likely read.
+  // that of the one kNext places on, whose roots are loaded by then, the
+  // state next() will most likely read (and the receiver's current job for
+  // those endpoints), and that of the one kHead places on, whose endpoints
+  // are loaded by then, the jobs of their next chunks.
   void land_all(Worker& w) {
     constexpr size_t kLoad = 8, kNext = 4, kHead = 2;
     std::array<uint32_t, 2> firsts[kNext + 1];  // per place from kNext on: prefetch_next's endpoints
@@ -790,8 +792,11 @@ class Sim {
       }
       if (i + kHead < n && i + kHead >= kNext) {
         const int32_t p = w.landing[i + kHead].receiver;
-        for (uint32_t e : firsts[(i + kHead) % (kNext + 1)])
-          if (e != UINT32_MAX && scheds_[p].head(e).bytes > 0) __builtin_prefetch(&jobs_[p][scheds_[p].head(e).run]);
+        for (uint32_t e : firsts[(i + kHead) % (kNext + 1)]) {
+          if (e == UINT32_MAX) continue;
+          const ucx::Chunk& head = scheds_[p].head(e);
+          if (head.bytes > 0) __builtin_prefetch(&jobs_[p][head.run]);
+        }
       }
       const Event& e = w.landing[i];
       landed(w, e);
