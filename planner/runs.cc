@@ -607,6 +607,10 @@ Status run_all(const Plan& plan, const std::function<void(const RunGroup&)>& fn,
     const Region& dst = t.receivers[p.region];
     const uint32_t dst_buf = t.buffer_of(Side::kReceiver, dst);
     const PullSet& ps = plan.pull_set(u);
+    // The consumers' regions are read below, one after another; their
+    // loads start together here (on large layouts they are rarely cached).
+    if (!network_only)
+      for (const Consumer& k : plan.consumers(u)) __builtin_prefetch(&t.receivers[k.region].buffer);
 
     for (size_t i = 0; i < ps.pieces.size(); ++i) {
       const SourcePick src = plan.source(u, i);
