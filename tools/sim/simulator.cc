@@ -364,7 +364,12 @@ class Sim {
     Status status = Status::ok();
     bool too_many_sends = false;  // a puller of the block has more than SendStore numbers
     // The walk's state between groups.
-    std::vector<int32_t> open;  // per (puller - lo, source): its open job
+    // Per (source, puller - lo): its open job. By source first: the plan
+    // gives a source's runs to one puller after another (a tensor's units
+    // by puller), and so these reads mostly fall on the line of the one
+    // before (six in ten at DeepSeek-V3 1024+1024, against 1 in 250 with
+    // each puller's sources together).
+    std::vector<int32_t> open;
     std::vector<int32_t> last;  // per puller - lo: its last job
     int64_t last_send_puller = -1;
     bool converting = false;        // some tensor converts: track what follows
@@ -458,8 +463,8 @@ class Sim {
     b.status = for_each_run_group(
         *plan_,
         [&](const RunGroup& g) {
-          if (!opt_.expanded) return add_group(g, S, b, counter);
-          for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, S, b, counter);
+          if (!opt_.expanded) return add_group(g, b, counter);
+          for (int64_t k = 0; k < g.count; ++k) add_group(RunGroup{g.at(k)}, b, counter);
         },
         [&](const ConvertStep& c) { add_convert(c, b); }, PullerRange{b.lo, b.hi});
     if (b.status && b.too_many_sends) b.status = SendStore::too_many();
@@ -509,7 +514,7 @@ class Sim {
     b.last_send_puller = p;
   }
 
-  void add_group(const RunGroup& g, int32_t S, Built& b, GatherCounter& counter) {
+  void add_group(const RunGroup& g, Built& b, GatherCounter& counter) {
     const Run& run = g.run;
     const int32_t p = run.local ? run.from.rank : run.to.rank;
     const size_t i = static_cast<size_t>(p - b.lo);
@@ -517,7 +522,7 @@ class Sim {
     if (!run.local) {
       const int64_t cap = plan_->options().chunk_bytes;
       const int32_t s = run.from.rank;
-      int32_t& j = b.open[i * S + s];
+      int32_t& j = b.open[static_cast<size_t>(s) * (b.hi - b.lo) + i];
       const int64_t bytes = run.bytes;
       // The runs fill the open job up to `cap` bytes, then the next ones
       // (a run larger than `cap` is a job of its own).
@@ -549,8 +554,14 @@ class Sim {
       }
     }
     // A send reads bytes this puller pulled: its last job brought them.
+    // Closed, it is no longer its source's open job (which it is: only a
+    // run from that source changes either), so that the next run from the
+    // source starts a job without reading this one.
     Job& job = jobs[b.last[i]];
-    job.closed = true;
+    if (!job.closed) {
+      job.closed = true;
+      b.open[static_cast<size_t>(job.source) * (b.hi - b.lo) + i] = -1;
+    }
     add_send(job.sends_begin, job.sends_count, p, run.to.rank, bytes, g.count, b);
   }
 
