@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <exception>
 #include <numeric>
@@ -357,8 +358,8 @@ class Planner {
       merge_cells(grid_, masks_, [&](const Index& lo, const Index& hi, uint64_t mask) {
         if (!st.is_ok()) return;
         members_.clear();
-        for (uint32_t m = 0; m < 64; ++m)
-          if (mask >> m & 1) members_.push_back(m);
+        for (uint64_t left = mask; left != 0; left &= left - 1)
+          members_.push_back(static_cast<uint32_t>(std::countr_zero(left)));
         st = emit_unit(grid_.to_box(lo, hi), members_);
       });
       return st;
