@@ -122,7 +122,7 @@ struct Convert {
 struct Pair {
   int32_t from = 0;
   int32_t to = 0;
-  uint64_t pos = 0;  // the next send, into the order
+  uint64_t pos = 0;  // the next send's position (simulate_rounds)
   uint64_t end = 0;
   uint32_t runs_done = 0;  // runs of the next send already passed on
 };
@@ -1040,17 +1040,18 @@ class Sim {
   // slices to each other, directly or through others, go in lockstep, as
   // the nccl fabric's count exchange with every active peer makes them.
   void simulate_rounds(int32_t R, int32_t threads) {
-    // Each puller's sends by (peer, order): one range per (puller, peer), at
-    // the puller's place in `order`, where its sends are numbered
-    // (send_base_).
-    std::vector<uint32_t> order(send_base_[R]);
+    // Each puller's sends by (peer, order): one range of positions per
+    // (puller, peer), at the puller's place in the sends' numbering
+    // (send_base_). Its sends, their ready times and their plan positions
+    // are put in that order, so that the rounds read each one after the
+    // other.
     plan_pos_.assign(send_base_[R], 0);
     // Pullers in blocks, one a thread; each block's pairs in puller order.
     std::vector<std::vector<Pair>> block_pairs(static_cast<size_t>(threads));
     parallel(threads, [&](int32_t k) {
       const auto lo = static_cast<int32_t>(static_cast<int64_t>(R) * k / threads);
       const auto hi = static_cast<int32_t>(static_cast<int64_t>(R) * (k + 1) / threads);
-      order_sends(lo, hi, order, block_pairs[k]);
+      order_sends(lo, hi, block_pairs[k]);
     });
     std::vector<Pair> pairs;
     for (std::vector<Pair>& b : block_pairs) {
@@ -1076,7 +1077,7 @@ class Sim {
     std::vector<RoundStats> stats(static_cast<size_t>(threads));
     std::atomic<size_t> next{0};
     parallel(std::min<int32_t>(threads, static_cast<int32_t>(comps.size())), [&](int32_t k) {
-      for (size_t c; (c = next.fetch_add(1)) < comps.size();) run_rounds(*comps[c], pairs, order, stats[k]);
+      for (size_t c; (c = next.fetch_add(1)) < comps.size();) run_rounds(*comps[c], pairs, stats[k]);
     });
     for (const RoundStats& st : stats) {
       r_.local_ops += st.ops;
@@ -1087,35 +1088,41 @@ class Sim {
     }
   }
 
-  // Pullers [lo, hi)'s sends in `order` (simulate_rounds), and their pairs.
-  void order_sends(int32_t lo, int32_t hi, std::vector<uint32_t>& order, std::vector<Pair>& pairs) {
+  // Pullers [lo, hi)'s sends put in the order of the rounds
+  // (simulate_rounds), with their ready times and plan positions, and
+  // their pairs.
+  void order_sends(int32_t lo, int32_t hi, std::vector<Pair>& pairs) {
     std::vector<uint32_t> at(jobs_.size(), 0);  // per peer: its count, then where its next send goes
     std::vector<int32_t> peers;
     std::vector<uint64_t> keys, spare;
-    std::vector<uint32_t> slice;
+    std::vector<uint32_t> order, slice, plan_of;  // a puller's: by position, its send; per send, its plan position
+    std::vector<float> ready;
+    std::vector<Send> copy;
     for (int32_t p = lo; p < hi; ++p) {
       std::vector<Job>().swap(jobs_[p]);  // not read again
       if ((p - lo) % 256 == 255) give_back_free_memory();
       // Its sends are in plan order (the jobs' and the steps' interleave
       // there); grouped by peer, in that order.
-      const SendStore& mine = sends_[p];
+      SendStore& mine = sends_[p];
       const uint32_t base = send_base_[p];
       const uint32_t n = mine.size();
       peers.clear();
       for (uint32_t k = 0; k < n; ++k)
         if (at[mine[k].to]++ == 0) peers.push_back(mine[k].to);
       std::sort(peers.begin(), peers.end());
-      uint32_t pos = base;
+      uint32_t pos = 0;
       for (int32_t q : peers) pos += std::exchange(at[q], pos);
-      for (uint32_t k = 0; k < n; ++k) order[at[mine[k].to]++] = base + k;
+      order.resize(n);
+      plan_of.resize(n);
+      for (uint32_t k = 0; k < n; ++k) order[at[mine[k].to]++] = k;
       for (int32_t q : peers) at[q] = 0;
-      for (uint32_t i = base; i < base + n;) {
-        const int32_t q = mine[order[i] - base].to;
+      for (uint32_t i = 0; i < n;) {
+        const int32_t q = mine[order[i]].to;
         uint32_t e = i;
         uint32_t runs = 0;  // the pair's plan-order positions, in runs
-        for (; e < base + n && mine[order[e] - base].to == q; ++e) {
-          plan_pos_[order[e]] = runs;
-          runs += mine[order[e] - base].runs;
+        for (; e < n && mine[order[e]].to == q; ++e) {
+          plan_of[order[e]] = runs;
+          runs += mine[order[e]].runs;
         }
         // The fabric passes them on in the order they became ready, ties
         // in the order above: sorted by (ready, place), the ready time's
@@ -1124,11 +1131,20 @@ class Sim {
         keys.clear();
         slice.assign(order.begin() + i, order.begin() + e);
         for (size_t k = 0; k < slice.size(); ++k)
-          keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(send_ready_[slice[k]])) << 32 | k);
+          keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(send_ready_[base + slice[k]])) << 32 | k);
         sort_by_ready(keys, spare);
         for (size_t k = 0; k < keys.size(); ++k) order[i + k] = slice[static_cast<uint32_t>(keys[k])];
-        pairs.push_back(Pair{p, q, i, e, 0});
+        pairs.push_back(Pair{p, q, uint64_t{base} + i, uint64_t{base} + e, 0});
         i = e;
+      }
+      // The sends, their ready times and plan positions, by position.
+      ready.assign(send_ready_.begin() + base, send_ready_.begin() + base + n);
+      copy.resize(n);
+      for (uint32_t k = 0; k < n; ++k) copy[k] = mine[k];
+      for (uint32_t i = 0; i < n; ++i) {
+        mine[i] = copy[order[i]];
+        send_ready_[base + i] = ready[order[i]];
+        plan_pos_[base + i] = plan_of[order[i]];
       }
     }
   }
@@ -1144,11 +1160,10 @@ class Sim {
   // the prefix of its sends ready by then (take_round); it lasts two
   // local_op_us (the count exchange, the group's launch) and its busiest
   // rank's time (round_seconds).
-  void run_rounds(const std::vector<uint32_t>& comp, std::vector<Pair>& pairs, const std::vector<uint32_t>& order,
-                  RoundStats& st) {
+  void run_rounds(const std::vector<uint32_t>& comp, std::vector<Pair>& pairs, RoundStats& st) {
     using Head = std::pair<float, uint32_t>;  // the pair's next send's ready time, the pair
     std::priority_queue<Head, std::vector<Head>, std::greater<Head>> heads;
-    auto head = [&](uint32_t i) { return Head{send_ready_[order[pairs[i].pos]], i}; };
+    auto head = [&](uint32_t i) { return Head{send_ready_[pairs[i].pos], i}; };
     for (uint32_t i : comp) heads.push(head(i));
     const double op = hw_.local_op_us * 1e-6;
     std::vector<uint32_t> taken;
@@ -1162,7 +1177,7 @@ class Sim {
       while (!heads.empty() && static_cast<double>(heads.top().first) <= t) {
         const uint32_t i = heads.top().second;
         heads.pop();
-        take_round(pairs[i], order, t, touched, st);
+        take_round(pairs[i], t, touched, st);
         taken.push_back(i);
       }
       double worst = 0;
@@ -1181,8 +1196,7 @@ class Sim {
   // below the threshold and within the peer's share goes in the pair's pack
   // (at the next 16-byte offset), and the round stops before the first
   // packed run that would pass the share (fabric::plan_pack's rule).
-  void take_round(Pair& x, const std::vector<uint32_t>& order, double t, std::vector<int32_t>& touched,
-                  RoundStats& st) {
+  void take_round(Pair& x, double t, std::vector<int32_t>& touched, RoundStats& st) {
     const uint64_t threshold = static_cast<uint64_t>(hw_.fanout_pack_threshold);
     const fabric::PackLimits limits{static_cast<uint64_t>(hw_.fanout_pack_bytes), threshold};
     const uint64_t share = fabric::pack_share(limits, static_cast<size_t>(domain_size_[x.from]));
@@ -1191,12 +1205,12 @@ class Sim {
     int64_t bytes = 0, packed_bytes = 0, unpacked = 0, packed = 0;
     uint64_t ranges = 0, next = UINT64_MAX;  // ranges of consecutive positions, the next position of the last
     bool full = false;
-    while (!full && cap > 0 && x.pos < x.end && static_cast<double>(send_ready_[order[x.pos]]) <= t) {
-      const Send& s = sends_[x.from][order[x.pos] - send_base_[x.from]];
+    while (!full && cap > 0 && x.pos < x.end && static_cast<double>(send_ready_[x.pos]) <= t) {
+      const Send& s = sends_[x.from][static_cast<uint32_t>(x.pos - send_base_[x.from])];
       const uint64_t left = s.runs - x.runs_done;
       const auto piece = static_cast<uint64_t>(s.bytes) / s.runs;  // the runs of one send: their mean
       const bool small = share > 0 && piece < threshold && piece <= share;
-      const uint64_t position = static_cast<uint64_t>(plan_pos_[order[x.pos]]) + x.runs_done;
+      const uint64_t position = static_cast<uint64_t>(plan_pos_[x.pos]) + x.runs_done;
       if (position != next) {
         if (ranges == fabric::kMaxRanges) break;
         ++ranges;
@@ -1332,11 +1346,11 @@ class Sim {
   const SimOptions& opt_;
   SimResult r_;
   std::vector<std::vector<Job>> jobs_;  // per receiver, in its execution order
-  std::vector<SendStore> sends_;    // per puller, in plan order
+  std::vector<SendStore> sends_;    // per puller, in plan order (with rounds, put in their order there)
   std::vector<uint32_t> send_base_; // per puller: the number of its first send (the pullers before it have as many)
-  std::vector<float> send_ready_;   // with rounds: per send (by number), when its bytes are usable
+  std::vector<float> send_ready_;   // with rounds: per send (by number, then by position), when its bytes are usable
   std::vector<RankRound> acc_;     // with rounds: per rank, the round being simulated
-  std::vector<uint32_t> plan_pos_; // with rounds: per send, its first run's position in its pair's plan order
+  std::vector<uint32_t> plan_pos_; // with rounds: per send (by position), its first run's position in its pair's plan order
   std::vector<Convert> converts_;
   std::vector<std::vector<int32_t>> steps_;  // per puller: its conversion steps, in order
   std::vector<int32_t> landed_jobs_;         // per puller: its first jobs, all landed
