@@ -1019,8 +1019,8 @@ class Sim {
 
   // The network's state is not needed past it: its schedulers go, and what
   // the heap holds free is given back to the system, so that the rounds'
-  // arrays (three of 4 bytes a send) do not come on top of it
-  // (DeepSeek-V3 at 4096 ranks has 163 million sends).
+  // arrays (two of 4 bytes a send: ready times and plan positions) do not
+  // come on top of it (DeepSeek-V3 at 4096 ranks has 163 million sends).
   void release_network() {
     std::vector<ucx::ChunkScheduler>().swap(scheds_);
     std::vector<std::vector<Current>>().swap(cur_);
