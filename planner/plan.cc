@@ -11,6 +11,8 @@
 #include <thread>
 #include <unordered_map>
 
+#include "planner/cores.h"
+
 namespace refit {
 
 const char* strategy_name(Strategy s) {
@@ -673,11 +675,12 @@ class MinimumBeside {
   std::thread thread_;
 };
 
-// The threads that plan the units: options.threads, or one per core, at
-// most one per kTensorsPerThread tensors (a small plan is not worth one).
+// The threads that plan the units: options.threads, or one per core the
+// process may use (`cores`, usable_cores()), at most one per
+// kTensorsPerThread tensors (a small plan is not worth one).
 constexpr uint32_t kTensorsPerThread = 1024;
-int plan_threads(const PlanOptions& options, size_t tensors) {
-  int n = options.threads > 0 ? options.threads : static_cast<int>(std::thread::hardware_concurrency());
+int plan_threads(const PlanOptions& options, size_t tensors, int cores) {
+  int n = options.threads > 0 ? options.threads : cores;
   if (options.threads == 0) n = std::min<int64_t>(n, static_cast<int64_t>(tensors / kTensorsPerThread));
   return std::clamp<int64_t>(n, 1, std::max<int64_t>(1, static_cast<int64_t>(tensors)));
 }
@@ -772,8 +775,9 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   // a core is left beside the units' threads, else beside the placement,
   // which is on one thread.
   std::optional<MinimumBeside> minimum;
-  const int unit_threads = plan_threads(options, L.tensors.size());
-  if (unit_threads <= 1 || unit_threads < static_cast<int>(std::thread::hardware_concurrency())) minimum.emplace(L);
+  const int cores = usable_cores();
+  const int unit_threads = plan_threads(options, L.tensors.size(), cores);
+  if (unit_threads <= 1 || unit_threads < cores) minimum.emplace(L);
   Plan plan;
   plan.layout_ = &L;
   plan.options_ = options;

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "planner/cores.h"
 #include "transport/fabric/pack.h"
 #include "transport/fabric/round_words.h"
 #include "tools/sim/events.h"
@@ -337,10 +338,11 @@ class Sim {
 
  private:
   // How many threads build the jobs and simulate the network
-  // (SimOptions::threads): one per core, at most one per 256 receivers.
+  // (SimOptions::threads): one per core the process may use
+  // (usable_cores()), at most one per 256 receivers.
   int32_t threads(int32_t R) const {
     int32_t n = opt_.threads;
-    if (n <= 0) n = std::min(static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency())), R / 256);
+    if (n <= 0) n = std::min(cores_, R / 256);
     return std::clamp(n, 1, std::max(R, 1));
   }
 
@@ -1339,6 +1341,7 @@ class Sim {
     r_.busiest_convert = busiest(conv_, R);
   }
 
+  const int32_t cores_ = usable_cores();  // read once: every stage splits its work alike
   std::optional<Plan> owned_;  // the plan, where the caller gave it up
   const Plan* plan_;           // null once read, where owned
   const Layout& L_;

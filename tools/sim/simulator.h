@@ -125,7 +125,8 @@ struct SimOptions {
   bool expanded = false;
   // Threads that read the plan into jobs (a block of pullers each) and
   // simulate the network (docs/simulator.md, "The network in windows"); 0:
-  // one per core, at most one per 256 receivers. The result is the same
+  // one per core the process may use (usable_cores(), planner/cores.h), at
+  // most one per 256 receivers. The result is the same
   // whatever the number. A trace, or the fan-out without `fanout_rounds`,
   // simulates the network on one.
   int threads = 0;
