@@ -5,21 +5,23 @@
 // a container limited to 2 CPUs of a 128-core host started 128 threads
 // (docs/planner.md, "Planning on threads").
 
-#include <string>
 #include <string_view>
 
 namespace refit {
 
-// The cores this process may run on (its CPU affinity), lowered to its
-// cgroup's CPU quota rounded up (cgroup v2 cpu.max, or v1
-// cpu.cfs_quota_us over cpu.cfs_period_us, the smallest of its cgroup and
-// the cgroups above it), at least 1, as they stand at the call.
+// The CPUs of the calling thread's affinity mask (the threads it starts
+// inherit it), lowered to its cgroup's CPU quota rounded up: cgroup v2
+// cpu.max, or v1 cpu.cfs_quota_us over cpu.cfs_period_us, the smallest of
+// its cgroup and those above it as far as this process's mounts of the
+// cgroup file systems show them. At least 1; read at every call (about
+// 20 us), so a mask or quota changed meanwhile counts.
 int usable_cores();
 
 // The same from what usable_cores() reads: the number of CPUs in the
-// affinity mask, the text of /proc/self/cgroup and the folder the cgroup
-// file systems are mounted under (normally /sys/fs/cgroup). A quota file
-// that is missing or unreadable limits nothing.
-int usable_cores_from(int affinity, std::string_view proc_self_cgroup, const std::string& cgroup_root);
+// affinity mask, the text of /proc/self/cgroup and that of
+// /proc/self/mountinfo (which says where each cgroup hierarchy is mounted
+// and which of its cgroups the mount shows as its root). A quota file that
+// is missing or unreadable, or a cgroup no mount shows, limits nothing.
+int usable_cores_from(int affinity, std::string_view proc_self_cgroup, std::string_view proc_self_mountinfo);
 
 }  // namespace refit

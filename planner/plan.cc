@@ -770,7 +770,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   if (options.chunk_bytes <= 0) return Status::invalid("chunk_bytes must be positive");
   if (options.relayout_below_bytes < 0) return Status::invalid("relayout_below_bytes must not be negative");
   if (options.relayout_staging_bytes < 0) return Status::invalid("relayout_staging_bytes must not be negative");
-  if (options.threads < 0) return Status::invalid("threads must not be negative (0: one per core)");
+  if (options.threads < 0) return Status::invalid("threads must not be negative (0: one per usable core)");
   // The minimum network bytes, on a thread of its own: from the start where
   // a core is left beside the units' threads, else beside the placement,
   // which is on one thread.
