@@ -899,6 +899,7 @@ Result<Plan> make_plan(const Layout& L, const PlanOptions& options) {
   s.minimum_network_bytes = minimum->get();
   for (int64_t b : plan.source_nic_) s.max_source_nic_bytes = std::max(s.max_source_nic_bytes, b);
   for (int64_t b : plan.receiver_nic_) s.max_receiver_nic_bytes = std::max(s.max_receiver_nic_bytes, b);
+  s.threads = options.strategy == Strategy::kBroadcast ? 1 : unit_threads;
   s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return plan;
 }

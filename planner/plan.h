@@ -140,6 +140,7 @@ struct PlanSummary {
   int64_t max_source_nic_bytes = 0;
   int64_t max_receiver_nic_bytes = 0;
   double plan_seconds = 0;
+  int threads = 0;  // threads that planned the units (PlanOptions::threads; 1 for kBroadcast)
 };
 
 class Plan {

@@ -646,6 +646,7 @@ ordered_json summary_json(const Input& in, const Planned& p, Strategy strategy) 
   }
   j["layout_seconds"] = in.layout_seconds;
   j["plan_seconds"] = p.plan_seconds;
+  j["plan_threads"] = p.summary.threads;
   return j;
 }
 
@@ -830,7 +831,7 @@ ordered_json span_json(const refit::sim::Span& s) {
 
 ordered_json simulation_json(const Input& in, Strategy strategy, const refit::sim::SimResult& r,
                              const refit::sim::LowerBound& lb, const HardwareChoice& hw, double plan_seconds,
-                             double sim_seconds) {
+                             int plan_threads, double sim_seconds) {
   ordered_json j;
   j["name"] = in.name;
   j["strategy"] = refit::strategy_name(strategy);
@@ -908,12 +909,17 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["hardware"] = hardware_json(hw);
   j["layout_seconds"] = in.layout_seconds;
   j["plan_seconds"] = plan_seconds;
+  j["plan_threads"] = plan_threads;
   j["simulate_seconds"] = sim_seconds;
-  if (r.model == "event")
+  if (r.model == "event") {
     j["simulate_stage_seconds"] = {{"jobs", r.stage_seconds.jobs},
                                    {"network", r.stage_seconds.network},
                                    {"rounds", r.stage_seconds.rounds},
                                    {"finish", r.stage_seconds.finish}};
+    j["simulate_stage_threads"] = {{"jobs", r.stage_threads.jobs},
+                                   {"network", r.stage_threads.network},
+                                   {"rounds", r.stage_threads.rounds}};
+  }
   return j;
 }
 
@@ -977,6 +983,7 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
   traced.progress = plan_progress();
   auto plan = refit::make_plan(*in.layout, traced);
   if (!plan) return fail(plan.status().with_context(in.origin));
+  const int plan_threads = plan->summary().threads;
   // The lower bound needs the refit plan's domains, whatever is simulated.
   std::optional<Plan> refit_plan;
   if (po.strategy != Strategy::kRefit) {
@@ -1015,7 +1022,8 @@ int simulate_one(const Options& o, const Input& in, const PlanOptions& po) {
     });
     if (!s) return fail(s);
   }
-  const ordered_json j = simulation_json(in, po.strategy, result, *lb, *hw, plan_seconds, sim_seconds);
+  const ordered_json j =
+      simulation_json(in, po.strategy, result, *lb, *hw, plan_seconds, plan_threads, sim_seconds);
   finish_progress();
   if (!o.json_out.empty()) {
     Status s = write_file(o.json_out, j.dump(2) + "\n");

@@ -573,6 +573,20 @@ TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {
     stages += j["simulate_stage_seconds"][k].get<double>();
   }
   EXPECT_LE(stages, j["simulate_seconds"].get<double>());
+  // The threads: a trace simulates the network and the rounds on one.
+  EXPECT_GE(j["plan_threads"].get<int>(), 1);
+  EXPECT_GE(j["simulate_stage_threads"]["jobs"].get<int>(), 1);
+  EXPECT_EQ(j["simulate_stage_threads"]["network"], 1);
+  EXPECT_EQ(j["simulate_stage_threads"]["rounds"], 1);
+  {
+    const Outcome t = run({"--scenario", s, "--models", path("models").string(), "--simulate", "--json", "-",
+                           "--threads", "2"});
+    ASSERT_EQ(t.code, 0) << t.err;
+    const json k = json::parse(t.out);
+    EXPECT_EQ(k["plan_threads"], 2);
+    EXPECT_EQ(k["simulate_stage_threads"], (json{{"jobs", 2}, {"network", 2}, {"rounds", 2}}));
+    EXPECT_EQ(k["predicted_seconds"], j["predicted_seconds"]);  // whatever the threads
+  }
   EXPECT_EQ(j["reported"][0]["seconds"], 1.5);
   EXPECT_EQ(j["hardware"]["from"], "scenario");
   EXPECT_EQ(j["network_bytes"], manifest_bytes(manifest()));
@@ -588,6 +602,7 @@ TEST_F(RefitPlanCli, SimulateWritesPredictionBoundAndTrace) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["model"], "fluid");
   EXPECT_FALSE(json::parse(r.out).contains("simulate_stage_seconds"));  // not simulated
+  EXPECT_FALSE(json::parse(r.out).contains("simulate_stage_threads"));
 }
 
 TEST_F(RefitPlanCli, SimulateSaysWhenItUsesTheDefaults) {

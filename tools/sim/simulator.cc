@@ -300,6 +300,9 @@ class Sim {
       return s;
     };
     jobs_.assign(R, {});
+    r_.stage_threads.jobs = threads(R);
+    r_.stage_threads.network = workers(R);
+    if (hw_.fanout_rounds) r_.stage_threads.rounds = opt_.trace ? 1 : workers(R);
     REFIT_RETURN_IF_ERROR(build_jobs(R, S));
     if (owned_) {  // nothing past the jobs reads the plan
       plan_ = nullptr;
@@ -326,10 +329,10 @@ class Sim {
     last_span_.assign(static_cast<size_t>(Lane::kConvert) + 1, std::vector<int64_t>(std::max(R, S), -1));
     publish(S);
     if (hw_.fanout_rounds) send_ready_.assign(send_base_[R], std::numeric_limits<float>::infinity());
-    REFIT_RETURN_IF_ERROR(simulate_network(R, S, workers(R)));
+    REFIT_RETURN_IF_ERROR(simulate_network(R, S, r_.stage_threads.network));
     release_network();
     r_.stage_seconds.network = lap();
-    if (hw_.fanout_rounds) simulate_rounds(R, opt_.trace ? 1 : workers(R));
+    if (hw_.fanout_rounds) simulate_rounds(R, r_.stage_threads.rounds);
     r_.stage_seconds.rounds = lap();
     finish(R, S);
     r_.stage_seconds.finish = lap();

@@ -174,6 +174,14 @@ struct SimResult {
     double rounds = 0;
     double finish = 0;
   } stage_seconds;
+  // The threads of those stages (SimOptions::threads): the jobs', the
+  // network's (one with a trace or without fan-out rounds) and the rounds'
+  // (0 without them).
+  struct StageThreads {
+    int32_t jobs = 0;
+    int32_t network = 0;
+    int32_t rounds = 0;
+  } stage_threads;
   std::vector<TraceSpan> trace;
 };
 
