@@ -1240,8 +1240,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads,
                  "threads that plan the units (default 0: one per core the process may use, by its CPU affinity "
                  "and cgroup quota, at most one per 1024 tensors) and, with --simulate, read the plan into jobs "
-                 "and simulate the network (default 0: one per usable core, at most one per 256 receivers; the network on one with --trace or without fan-out rounds); the result "
-                 "does not depend on it")
+                 "and simulate the network (default 0: one per usable core, at most one per 256 receivers; the "
+                 "network on one with --trace or without fan-out rounds); the result does not depend on it")
       ->type_name("N")
       ->check(CLI::Range(0, 1024));
   app.add_option("--hardware", o.hardware_file,
