@@ -29,6 +29,7 @@ namespace fs = std::filesystem;
 class CgroupTree {
  public:
   CgroupTree() {
+    // mkdtemp replaces the trailing six X with a unique suffix.
     std::string t = (fs::temp_directory_path() / "refit-cores-XXXXXX").string();
     if (mkdtemp(t.data()) != nullptr) root_ = t;
   }
