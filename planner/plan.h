@@ -82,8 +82,8 @@ struct PlanOptions {
   // Threads that plan the units, each a range of consecutive tensors
   // (docs/planner.md, "Planning on threads"). 0, the default: one per core
   // the process may use (usable_cores(), planner/cores.h: its CPU affinity
-  // and cgroup quota), at most one per 1024 tensors; negative is refused. Has no effect on the
-  // plan.
+  // and cgroup quota), at most one per 1024 tensors; negative is refused.
+  // Has no effect on the plan.
   int threads = 0;
   // Not owned; null reports nothing. Has no effect on the plan.
   PlanProgress* progress = nullptr;
