@@ -94,6 +94,50 @@ bool ControlState::converted_copy(const MemberBuffer& b, const Segment& seg) con
 
 namespace {
 
+// What a receiver's checks read of its registration, hashed: its buffers'
+// names, dtypes, sizes and segments (not their addresses and keys, which
+// differ between replicas) and its weight block.
+uint64_t declaration_fingerprint(const RegisterReceiver& m) {
+  uint64_t h = 0x243f6a8885a308d3;
+  auto mix = [&h](uint64_t v) {
+    h = (h ^ v) * 0x9e3779b97f4a7c15;
+    h ^= h >> 29;
+  };
+  auto text = [&mix](const std::string& s) { mix(std::hash<std::string_view>{}(s)); };
+  auto dims = [&mix](const std::vector<int64_t>& v) {
+    mix(v.size());
+    for (int64_t x : v) mix(static_cast<uint64_t>(x));
+  };
+  mix(static_cast<uint64_t>(m.weight_block_size[0]));
+  mix(static_cast<uint64_t>(m.weight_block_size[1]));
+  mix(m.buffers.size());
+  for (const MemberBuffer& b : m.buffers) {
+    text(b.name);
+    text(b.dtype);
+    mix(static_cast<uint64_t>(b.bytes));
+    mix(b.segments.size());
+    for (const Segment& s : b.segments) {
+      text(s.tensor);
+      dims(s.start);
+      dims(s.size);
+      mix(static_cast<uint64_t>(s.offset));
+      dims(s.strides);
+      text(s.dtype);
+    }
+  }
+  return h;
+}
+
+// Whether two registrations declare the same: what declaration_fingerprint
+// hashes, compared.
+bool same_declaration(const RegisterReceiver& a, const RegisterReceiver& b) {
+  return a.weight_block_size == b.weight_block_size &&
+         std::equal(a.buffers.begin(), a.buffers.end(), b.buffers.begin(), b.buffers.end(),
+                    [](const MemberBuffer& x, const MemberBuffer& y) {
+                      return x.name == y.name && x.dtype == y.dtype && x.bytes == y.bytes && x.segments == y.segments;
+                    });
+}
+
 bool same_tensors(const std::vector<TensorDecl>& a, const std::vector<TensorDecl>& b) {
   return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const TensorDecl& x, const TensorDecl& y) {
     return x.name == y.name && x.dtype == y.dtype && x.shape == y.shape;
@@ -142,6 +186,7 @@ Status ControlState::register_source(uint64_t session, RegisterSource m, Clock::
     if (entry.sources++ == 0) {
       entry.decl = t;
       entry.order = next_tensor_order_++;
+      ++decls_generation_;
     }
   }
   const int32_t rank = m.rank;
@@ -164,8 +209,26 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
   }
   // What cannot be planned is refused now, naming the buffer, rather than
   // found when planning, where it would fail every member's plan.
+  // One hash lookup a segment. Not skipped for a replica of a registered
+  // receiver: one_dtype compares a receiver with the others only, so a
+  // receiver that registered before any source with one tensor in two
+  // dtypes was let in, and its replicas are refused here.
   REFIT_RETURN_IF_ERROR(one_dtype(m.rank, m).with_context("register_receiver"));
-  if (!sources_.empty()) REFIT_RETURN_IF_ERROR(plannable(m.rank, m, /*full=*/true).with_context("register_receiver"));
+  // The replicas of one shard declare the same buffers: what the checks
+  // against the declared tensors find (a DeepSeek-V3 receiver's full check
+  // takes about a second) is found once per declaration and generation of
+  // those tensors.
+  const uint64_t fingerprint = declaration_fingerprint(m);
+  const Member<RegisterReceiver>* alike = declared_alike(m, fingerprint);
+  uint64_t checked_at = 0;
+  if (!sources_.empty()) {
+    if (alike && passed_as(alike->declaration, /*full=*/true)) {
+      REFIT_RETURN_IF_ERROR(same_block(m.rank, m).with_context("register_receiver"));
+    } else {
+      REFIT_RETURN_IF_ERROR(plannable(m.rank, m, /*full=*/true).with_context("register_receiver"));
+    }
+    checked_at = decls_generation_;
+  }
   const std::vector<int32_t> peers = instance_ranks(m.instance);
   for (int32_t other : peers) {
     const int32_t declared = receivers_.at(other).info->instance_ranks;
@@ -183,8 +246,14 @@ Status ControlState::register_receiver(uint64_t session, RegisterReceiver m, Clo
                            "registered; receiver rank " + std::to_string(m.rank) + " would be one too many");
   }
   const int32_t rank = m.rank;
-  count_receiver_dtypes(rank, m, /*add=*/true);
-  receivers_.emplace(rank, Member<RegisterReceiver>{session, now, std::make_shared<const RegisterReceiver>(std::move(m))});
+  const uint64_t declaration = alike ? alike->declaration : next_declaration_++;
+  if (declaration_members_[declaration]++ == 0) count_receiver_dtypes(m, /*add=*/true);
+  Member<RegisterReceiver> member{session, now, std::make_shared<const RegisterReceiver>(std::move(m))};
+  member.declaration = declaration;
+  member.fingerprint = fingerprint;
+  member.checked_at = checked_at;
+  member.fully_checked_at = checked_at;
+  receivers_.emplace(rank, std::move(member));
   membership_changed();
   return Status::ok();
 }
@@ -255,17 +324,30 @@ Status add_buffer(LayoutBuilder& builder, bool source, int32_t position, const M
 }
 }  // namespace
 
-void ControlState::count_receiver_dtypes(int32_t rank, const RegisterReceiver& m, bool add) {
+void ControlState::count_receiver_dtypes(const RegisterReceiver& m, bool add) {
   for (const MemberBuffer& b : m.buffers) {
     for (const Segment& seg : b.segments) {
-      HeldDtype& h = receiver_dtypes_[seg.tensor];
       if (add) {
-        if (h.segments++ == 0) h = HeldDtype{dtype_of(b, seg), rank, 1};
-      } else if (--h.segments == 0) {
-        receiver_dtypes_.erase(seg.tensor);
+        HeldDtype& h = receiver_dtypes_[seg.tensor];
+        if (h.segments++ == 0) h.dtype = dtype_of(b, seg);
+      } else if (auto h = receiver_dtypes_.find(seg.tensor); h != receiver_dtypes_.end() && --h->second.segments == 0) {
+        receiver_dtypes_.erase(h);
       }
     }
   }
+}
+
+int32_t ControlState::holder(const std::string& tensor, const std::string& dtype) const {
+  std::unordered_set<uint64_t> looked;  // declarations
+  for (const auto& [rank, r] : receivers_) {
+    if (!looked.insert(r.declaration).second) continue;
+    for (const MemberBuffer& b : r.info->buffers) {
+      for (const Segment& seg : b.segments) {
+        if (seg.tensor == tensor && dtype_of(b, seg) == dtype) return rank;
+      }
+    }
+  }
+  return -1;
 }
 
 Status ControlState::one_dtype(int32_t rank, const RegisterReceiver& m) const {
@@ -276,22 +358,54 @@ Status ControlState::one_dtype(int32_t rank, const RegisterReceiver& m) const {
       if (held == receiver_dtypes_.end() || held->second.dtype == dtype_of(b, seg)) continue;
       return Status::invalid("receiver rank " + std::to_string(rank) + ", buffer \"" + b.name + "\" segments[" +
                              std::to_string(i) + "] (tensor \"" + seg.tensor + "\"): holds the tensor as " +
-                             dtype_of(b, seg) + ", receiver rank " + std::to_string(held->second.rank) +
-                             " holds it as " + held->second.dtype + "; all of a tensor's receivers hold one dtype");
+                             dtype_of(b, seg) + ", receiver rank " +
+                             std::to_string(holder(seg.tensor, held->second.dtype)) + " holds it as " +
+                             held->second.dtype + "; all of a tensor's receivers hold one dtype");
     }
   }
   return Status::ok();
 }
 
-Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool full) const {
+Status ControlState::same_block(int32_t rank, const RegisterReceiver& m) const {
   for (const auto& [other, r] : receivers_) {
-    if (full && other != rank && r.info->weight_block_size != m.weight_block_size) {
+    if (other != rank && r.info->weight_block_size != m.weight_block_size) {
       return Status::invalid("receiver rank " + std::to_string(rank) + " declares \"weight_block_size\" " +
                              dims({m.weight_block_size[0], m.weight_block_size[1]}) + ", receiver rank " +
                              std::to_string(other) + " declared " +
                              dims({r.info->weight_block_size[0], r.info->weight_block_size[1]}));
     }
   }
+  return Status::ok();
+}
+
+const ControlState::Member<RegisterReceiver>* ControlState::declared_alike(const RegisterReceiver& m,
+                                                                           uint64_t fingerprint) const {
+  for (const auto& [other, r] : receivers_) {
+    if (r.fingerprint == fingerprint && same_declaration(*r.info, m)) return &r;
+  }
+  return nullptr;
+}
+
+bool ControlState::passed_as(uint64_t declaration, bool full) const {
+  for (const auto& [other, r] : receivers_) {
+    if (r.declaration == declaration && (full ? r.fully_checked_at : r.checked_at) == decls_generation_) return true;
+  }
+  return false;
+}
+
+Status ControlState::still_plannable(int32_t rank, const Member<RegisterReceiver>& r) const {
+  if (r.checked_at == decls_generation_ || passed_as(r.declaration, /*full=*/false)) {
+    r.checked_at = decls_generation_;
+    return Status::ok();
+  }
+  Status st = plannable(rank, *r.info, /*full=*/false);
+  if (st.is_ok()) r.checked_at = decls_generation_;
+  return st;
+}
+
+Status ControlState::plannable(int32_t rank, const RegisterReceiver& m, bool full) const {
+  ++receiver_checks_;
+  if (full) REFIT_RETURN_IF_ERROR(same_block(rank, m));
   for (const MemberBuffer& b : m.buffers) {
     for (size_t i = 0; i < b.segments.size(); ++i) {
       const Segment& seg = b.segments[i];
@@ -375,7 +489,7 @@ std::vector<int32_t> ControlState::planned_receivers() const {
   std::vector<int32_t> out;
   out.reserve(receivers_.size());
   for (const auto& [rank, r] : receivers_) {
-    if (plannable(rank, *r.info, /*full=*/false).is_ok()) out.push_back(rank);
+    if (still_plannable(rank, r).is_ok()) out.push_back(rank);
   }
   return out;
 }
@@ -459,6 +573,7 @@ void ControlState::remove_source(int32_t rank, const std::string& why) {
     auto d = tensors_.find(t.name);
     if (d != tensors_.end() && --d->second.sources == 0) {
       tensors_.erase(d);
+      ++decls_generation_;
       if (orphaned_.size() < kMaxOrphans || orphaned_.count(t.name)) {
         orphaned_[t.name] = "source rank " + std::to_string(rank) + ", the last that held it, " + why;
       }
@@ -497,7 +612,10 @@ void ControlState::remove_receiver(int32_t rank, const std::string& why) {
   auto it = receivers_.find(rank);
   if (it == receivers_.end()) return;
   const int32_t instance = it->second.info->instance;
-  count_receiver_dtypes(rank, *it->second.info, /*add=*/false);
+  if (auto d = declaration_members_.find(it->second.declaration); d != declaration_members_.end() && --d->second == 0) {
+    declaration_members_.erase(d);
+    count_receiver_dtypes(*it->second.info, /*add=*/false);
+  }
   receivers_.erase(it);
   if (instance_ranks(instance).empty()) {
     aborted_.erase(instance);
@@ -843,10 +961,14 @@ Status ControlState::subscribe(uint64_t session) {
 
 ControlState::CopyFilter ControlState::stale_copies(const std::array<int64_t, 2>& block,
                                                     const std::vector<int32_t>& planned) const {
-  // What the planned receivers hold each converted tensor as.
+  // What the planned receivers hold each converted tensor as (the
+  // receivers of one declaration hold the same: one of them is read).
   std::map<std::string, std::string> held_as;
+  std::unordered_set<uint64_t> read;  // declarations
   for (int32_t rank : planned) {
-    for (const MemberBuffer& b : receivers_.at(rank).info->buffers) {
+    const Member<RegisterReceiver>& r = receivers_.at(rank);
+    if (!read.insert(r.declaration).second) continue;
+    for (const MemberBuffer& b : r.info->buffers) {
       for (const Segment& s : b.segments) held_as.emplace(s.tensor, segment_dtype(b, s));
     }
   }
@@ -882,9 +1004,12 @@ void ControlState::layout_pieces(bool solo, PlanInput* in) const {
   // Which receivers can be planned is worked out once: each asks of every
   // segment it registered.
   const std::vector<int32_t> planned = planned_receivers();
+  std::unordered_set<uint64_t> read;  // declarations: their receivers name the same tensors
   for (int32_t rank : planned) {
-    const RegisterReceiver& r = *receivers_.at(rank).info;
+    const Member<RegisterReceiver>& member = receivers_.at(rank);
+    const RegisterReceiver& r = *member.info;
     block = r.weight_block_size;
+    if (!read.insert(member.declaration).second) continue;
     for (const MemberBuffer& b : r.buffers) {
       for (const Segment& s : b.segments) {
         if (tensors_.count(s.tensor) || !derived.insert(s.tensor).second) continue;
@@ -907,11 +1032,21 @@ void ControlState::layout_pieces(bool solo, PlanInput* in) const {
   listed.reserve(tensors_.size() + described.size());
   for (const auto& [name, d] : tensors_) listed.emplace(name, &d.decl.dtype);
   for (const std::string& name : described) listed.emplace(name, nullptr);
-  auto add_member = [&](bool source, int32_t position, const auto& info) {
+  // A receiver's segments left out depend on its declaration alone: found
+  // once for each.
+  std::unordered_map<uint64_t, std::vector<std::pair<uint32_t, uint32_t>>> receivers_left_out;
+  auto add_member = [&](bool source, int32_t position, const auto& info, uint64_t declaration) {
     PlanInput::MemberBuffers m;
     m.source = source;
     m.position = position;
     m.buffers = std::shared_ptr<const std::vector<MemberBuffer>>(info, &info->buffers);
+    if (!source) {
+      if (auto known = receivers_left_out.find(declaration); known != receivers_left_out.end()) {
+        m.left_out = known->second;
+        in->members.push_back(std::move(m));
+        return;
+      }
+    }
     for (size_t bi = 0; bi < info->buffers.size(); ++bi) {
       const MemberBuffer& b = info->buffers[bi];
       for (size_t si = 0; si < b.segments.size(); ++si) {
@@ -924,19 +1059,20 @@ void ControlState::layout_pieces(bool solo, PlanInput* in) const {
         if (out) m.left_out.emplace_back(static_cast<uint32_t>(bi), static_cast<uint32_t>(si));
       }
     }
+    if (!source) receivers_left_out.emplace(declaration, m.left_out);
     in->members.push_back(std::move(m));
   };
   // The maps iterate in rank order, so position i is the i-th live rank.
   int32_t dense = 0;
   for (const auto& [rank, s] : sources_) {
     sources.push_back({{"rank", dense}, {"domain", s.info->domain}});
-    add_member(true, dense++, s.info);
+    add_member(true, dense++, s.info, 0);
   }
   dense = 0;
   for (int32_t rank : planned) {
     const Member<RegisterReceiver>& r = receivers_.at(rank);
     receivers.push_back({{"rank", dense}, {"domain", solo ? dense : r.info->domain}, {"instance", r.info->instance}});
-    add_member(false, dense++, r.info);
+    add_member(false, dense++, r.info, r.declaration);
   }
   in->receiver_ranks = planned;
   in->layout_head = Json{{"format", "refit-layout/1"}, {"sources", std::move(sources)},
@@ -1215,7 +1351,7 @@ Status ControlState::cached_part_status(int32_t rank) const {
   if (auto r = receivers_.find(rank); r != receivers_.end()) {
     // Left out of the plan: the others are planned without it.
     REFIT_RETURN_IF_ERROR(
-        plannable(rank, *r->second.info, /*full=*/false).with_context("fetch_plan: this receiver cannot be planned"));
+        still_plannable(rank, r->second).with_context("fetch_plan: this receiver cannot be planned"));
   }
   const bool solo = wants_solo(rank);
   if (!variant_current(solo)) return Status::internal("fetch_plan: no plan of the current membership");

@@ -66,6 +66,7 @@
 #include <unordered_map>
 #include <utility>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "planner/layout.h"
@@ -358,6 +359,11 @@ class ControlState {
   // The membership epoch: bumped by every register, unregister and death.
   uint64_t epoch() const { return epoch_; }
   uint64_t plans_made() const { return plans_made_; }
+  // How many times a receiver's buffers were checked against the declared
+  // tensors (in full at registration, or again before a plan or a fetch):
+  // the receivers of one declaration share one check of each kind per
+  // generation of the declared tensors.
+  uint64_t receiver_checks() const { return receiver_checks_; }
   // Receiver ranks that hold a lease now.
   size_t num_leases() const { return leases_.size(); }
   bool has_source(int32_t rank) const { return sources_.count(rank) != 0; }
@@ -377,6 +383,20 @@ class ControlState {
     // being made off the I/O thread reads the members' buffers through it.
     std::shared_ptr<const T> info;
     int64_t published = 0;  // sources only: the last version it published
+    // Receivers only. The replicas of one shard register the same buffers
+    // and segments: `declaration` numbers what a registration declares
+    // (receivers with one number declare the same, compared whole at
+    // registration), and `fingerprint` is its hash
+    // (declaration_fingerprint). The checks of a registration read nothing
+    // else but the declared tensors, so a pass holds for every receiver of
+    // the declaration until the tensors change (decls_generation_):
+    // `checked_at` is the generation at which plannable(..., false) last
+    // passed, `fully_checked_at` the one at which the registration's full
+    // check passed (0: never).
+    uint64_t declaration = 0;
+    uint64_t fingerprint = 0;
+    mutable uint64_t checked_at = 0;
+    uint64_t fully_checked_at = 0;
   };
   struct Barrier {
     int64_t version = 0;
@@ -403,6 +423,20 @@ class ControlState {
   // Whether receiver `rank` can be planned against the declared tensors;
   // `full` adds the planner's own checks of its buffers (at registration).
   Status plannable(int32_t rank, const RegisterReceiver& m, bool full) const;
+  // plannable(rank, *r.info, false), skipped where it passed at this
+  // generation of the declared tensors, for this receiver or for one
+  // registered with the same declaration (passed_as).
+  Status still_plannable(int32_t rank, const Member<RegisterReceiver>& r) const;
+  // Whether a registered receiver of `declaration` passed its checks at
+  // this generation: the full check of a registration when `full`, else
+  // plannable(..., false).
+  bool passed_as(uint64_t declaration, bool full) const;
+  // A registered receiver that declares what `m` declares (its
+  // declaration_fingerprint `fingerprint`, then compared whole), or nullptr.
+  const Member<RegisterReceiver>* declared_alike(const RegisterReceiver& m, uint64_t fingerprint) const;
+  // Refuses a receiver whose "weight_block_size" differs from another
+  // registered receiver's.
+  Status same_block(int32_t rank, const RegisterReceiver& m) const;
   // The declaration of `tensor`: a source's, or a block scale tensor
   // "<W>_scale_inv" of a declared weight W, F32 with one value per block.
   std::optional<TensorDecl> decl_of(const std::string& tensor, const std::array<int64_t, 2>& block) const;
@@ -425,18 +459,32 @@ class ControlState {
   Clock::duration heartbeat_timeout_;
   std::map<int32_t, Member<RegisterSource>> sources_;
   std::map<int32_t, Member<RegisterReceiver>> receivers_;
+  // Hashes a tensor name, for the maps below that a registration looks up
+  // once per segment.
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
   // The dtype the registered receivers hold each tensor in (the first
-  // one's), and how many of their segments name it: a receiver holding a
-  // tensor in another dtype is refused at registration (docs/conversion.md,
-  // "What converts"), not found when planning, where it would fail every
-  // member's plan.
+  // one's), and how many segments of their declarations name it (each
+  // declaration counted once, however many receivers make it): a receiver
+  // holding a tensor in another dtype is refused at registration
+  // (docs/conversion.md, "What converts"), not found when planning, where
+  // it would fail every member's plan. By name, hashed.
   struct HeldDtype {
     std::string dtype;
-    int32_t rank = 0;  // a receiver that holds it so
     size_t segments = 0;
   };
-  std::map<std::string, HeldDtype> receiver_dtypes_;
-  void count_receiver_dtypes(int32_t rank, const RegisterReceiver& m, bool add);
+  std::unordered_map<std::string, HeldDtype, NameHash, std::equal_to<>> receiver_dtypes_;
+  // Adds (or takes away) the segments of `m`'s declaration, the first of
+  // its receivers to register (or the last to go), to receiver_dtypes_.
+  void count_receiver_dtypes(const RegisterReceiver& m, bool add);
+  // A registered receiver that holds `tensor` as `dtype` (for messages),
+  // or -1.
+  int32_t holder(const std::string& tensor, const std::string& dtype) const;
+  // The registered receivers of each declaration (Member::declaration).
+  std::unordered_map<uint64_t, size_t> declaration_members_;
+  uint64_t next_declaration_ = 1;
   // Refuses a receiver that holds a tensor in another dtype than the
   // registered receivers, naming both ranks.
   Status one_dtype(int32_t rank, const RegisterReceiver& m) const;
@@ -451,11 +499,11 @@ class ControlState {
   // By name, hashed: a registration looks up each of its segments'
   // tensors (millions at cluster scale); ordered where it matters by
   // `order`.
-  struct NameHash {
-    using is_transparent = void;
-    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-  };
   std::unordered_map<std::string, Declared, NameHash, std::equal_to<>> tensors_;
+  // Bumped whenever a tensor is declared for the first time or loses its
+  // last source: a receiver's checks that passed at one generation pass at
+  // it again (Member::checked_at). Starts at 1 (0 is "never checked").
+  uint64_t decls_generation_ = 1;
   // Tensors whose every source is gone, each with the last one to go and
   // why, until a source declares them again; at most kMaxOrphans (the
   // oldest names are not kept past it).
@@ -495,6 +543,7 @@ class ControlState {
     solo_version_ = std::max(solo_version_, leased_version_);
   }
   uint64_t plans_made_ = 0;
+  mutable uint64_t receiver_checks_ = 0;  // plannable()'s runs
   // Verification: per version, box key (box_key()) -> its hash and the
   // source rank that published it. Versions no receiver can still read are
   // dropped (prune_hashes()).

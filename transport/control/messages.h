@@ -69,6 +69,7 @@ struct Segment {
   int64_t offset = 0;  // elements of the segment's dtype into the buffer
   std::vector<int64_t> strides;
   std::string dtype;  // "": the buffer's
+  bool operator==(const Segment&) const = default;
 };
 
 // A registered buffer of the member's rank: what the planner needs, plus the

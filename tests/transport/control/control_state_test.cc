@@ -1138,6 +1138,14 @@ TEST(ControlState, AnUnplannableReceiverIsRefusedAndDoesNotStallTheOthers) {
 }
 
 
+// What receiver `rank`, holding "w" as F16 in buffer "model", is told
+// where receiver `holder` holds it as BF16.
+std::string f16_refusal(int32_t rank, int32_t holder) {
+  return "register_receiver: receiver rank " + std::to_string(rank) +
+         ", buffer \"model\" segments[0] (tensor \"w\"): holds the tensor as F16, receiver rank " +
+         std::to_string(holder) + " holds it as BF16; all of a tensor's receivers hold one dtype";
+}
+
 // A tensor's receivers hold it in one dtype (docs/conversion.md, "What
 // converts"): a receiver holding it in another is refused at registration,
 // naming both ranks, whether or not a source has registered yet, and the
@@ -1150,9 +1158,7 @@ TEST(ControlState, AReceiverHoldingATensorInAnotherDtypeIsRefusedNamingBothRanks
   RegisterReceiver f16 = whole_receiver(1);
   f16.buffers[0].dtype = "F16";
   Status st = s.register_receiver(11, f16, now);
-  EXPECT_EQ(st.message(),
-            "register_receiver: receiver rank 1, buffer \"model\" segments[0] (tensor \"w\"): holds the tensor as F16, "
-            "receiver rank 0 holds it as BF16; all of a tensor's receivers hold one dtype");
+  EXPECT_EQ(st.message(), f16_refusal(1, 0));
   ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
   RegisterReceiver seg_f16 = whole_receiver(1);
   seg_f16.buffers[0].segments[0].dtype = "F16";  // the segment's own dtype counts too
@@ -1195,6 +1201,113 @@ TEST(ControlState, ATensorWhoseSourcesAreGoneNamesTheLastOneAndWhy) {
   ASSERT_FALSE(part.is_ok());
   EXPECT_NE(part.status().message().find("source rank 0, the last that held it, unregistered"), std::string::npos)
       << part.status().message();
+}
+
+// The replicas of one shard register the same buffers and segments: their
+// checks against the declared tensors are made once per declaration and
+// generation of those tensors, and shared. What differs in anything the
+// checks read is checked in full; a tensor that loses its last source (or a
+// new one declared) makes every declaration be checked again.
+TEST(ControlState, ReplicasOfOneDeclarationShareItsChecksUntilTheTensorsChange) {
+  ControlState s(StateLimits{}, 10s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  ASSERT_TRUE(s.register_receiver(10, whole_receiver(0), now).is_ok());
+  const uint64_t first = s.receiver_checks();
+  EXPECT_EQ(first, 1u);
+  // Another replica (its own address and key, which the checks do not read).
+  RegisterReceiver replica = whole_receiver(1);
+  replica.buffers[0].address = 0x9000;
+  replica.buffers[0].rkey = {7, 7};
+  ASSERT_TRUE(s.register_receiver(11, replica, now).is_ok());
+  EXPECT_EQ(s.receiver_checks(), first) << "the replica shares the check";
+  // One element off, one buffer byte short, another block: each checked, each refused.
+  RegisterReceiver outside = whole_receiver(2), short_buffer = whole_receiver(2), block = whole_receiver(2);
+  outside.buffers[0].segments[0].start = {1};
+  short_buffer.buffers[0].bytes = 2046;
+  block.weight_block_size = {64, 64};
+  Status st = s.register_receiver(12, outside, now);
+  EXPECT_NE(st.message().find("is not inside the tensor, BF16[1024]"), std::string::npos) << st.message();
+  st = s.register_receiver(12, short_buffer, now);
+  EXPECT_FALSE(st.is_ok());
+  st = s.register_receiver(12, block, now);
+  EXPECT_NE(st.message().find("declares \"weight_block_size\" [64,64], receiver rank 0 declared [128,128]"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(s.receiver_checks(), first + 3);
+  // Planning and fetching check the registrations again, once a declaration.
+  const uint64_t before_plans = s.receiver_checks();
+  ASSERT_TRUE(s.plan_part(10, 0).is_ok());
+  ASSERT_TRUE(s.plan_part(11, 1).is_ok());
+  ASSERT_TRUE(s.plan_part(10, 0).is_ok());
+  EXPECT_EQ(s.receiver_checks(), before_plans) << "passed at registration, at this generation";
+  // The tensor's last source goes: checked again, and refused, the
+  // registered replicas and a new one alike.
+  ASSERT_TRUE(s.unregister(1, MemberRef{Role::kSource, 0}).is_ok());
+  Result<Json> part = s.plan_part(11, 1);
+  ASSERT_FALSE(part.is_ok());
+  EXPECT_EQ(part.status().reason(), Reason::kNoSource) << part.status().message();
+  ASSERT_TRUE(s.register_source(2, whole_source(3), now).is_ok());
+  // A source with no tensors: with none registered, registrations are not checked.
+  ASSERT_TRUE(s.register_source(3, source(4), now).is_ok());
+  ASSERT_TRUE(s.unregister(2, MemberRef{Role::kSource, 3}).is_ok());
+  st = s.register_receiver(13, whole_receiver(5), now);
+  EXPECT_NE(st.message().find("(tensor \"w\"): no live source holds this tensor: source rank 3"), std::string::npos)
+      << st.message();
+  // Declared again: the replicas are planned, after one check between them.
+  ASSERT_TRUE(s.register_source(4, whole_source(0), now).is_ok());
+  const uint64_t before_again = s.receiver_checks();
+  ASSERT_TRUE(s.plan_part(10, 0).is_ok());
+  ASSERT_TRUE(s.plan_part(11, 1).is_ok());
+  EXPECT_EQ(s.receiver_checks(), before_again + 1);
+  ASSERT_TRUE(s.register_receiver(13, whole_receiver(5), now).is_ok());
+  EXPECT_EQ(s.receiver_checks(), before_again + 2) << "a registration at a new generation is checked in full";
+}
+
+// A receiver that holds one tensor in two dtypes, registered while no
+// source is (so nothing but one_dtype checks it): a replica of it is
+// refused by one_dtype, as before the checks were shared per declaration.
+TEST(ControlState, AReplicaOfAReceiverHoldingATensorInTwoDtypesIsRefusedAsBefore) {
+  ControlState s(StateLimits{}, 10s);
+  const auto now = Clock::now();
+  auto mixed = [](int32_t rank, uint64_t address) {
+    RegisterReceiver m = receiver(rank, 0);
+    m.buffers.push_back(MemberBuffer{"model", "BF16", 2048, address, {},
+                                     {Segment{"w", {0}, {512}, 0, {1}, ""}, Segment{"w", {512}, {512}, 512, {1}, "F16"}}});
+    return m;
+  };
+  ASSERT_TRUE(s.register_receiver(10, mixed(0, 0x1000), now).is_ok());
+  Status st = s.register_receiver(11, mixed(1, 0x9000), now);
+  EXPECT_EQ(st.message(),
+            "register_receiver: receiver rank 1, buffer \"model\" segments[1] (tensor \"w\"): holds the tensor as F16, "
+            "receiver rank 0 holds it as BF16; all of a tensor's receivers hold one dtype");
+  // With a source, the same replica is refused by the same check, first.
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  st = s.register_receiver(12, mixed(2, 0xa000), now);
+  EXPECT_EQ(st.message(),
+            "register_receiver: receiver rank 2, buffer \"model\" segments[1] (tensor \"w\"): holds the tensor as F16, "
+            "receiver rank 0 holds it as BF16; all of a tensor's receivers hold one dtype");
+}
+
+// A receiver holding a tensor in another dtype is told a registered rank
+// that holds it in the first one: not the first holder, once that one has
+// gone. A dtype counts while any receiver of its declaration is registered.
+TEST(ControlState, AnotherDtypeIsRefusedNamingAHolderThatIsStillRegistered) {
+  ControlState s(StateLimits{}, 10s);
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.register_source(1, whole_source(0), now).is_ok());
+  ASSERT_TRUE(s.register_receiver(10, whole_receiver(0), now).is_ok());
+  ASSERT_TRUE(s.register_receiver(11, whole_receiver(1), now).is_ok());
+  ASSERT_TRUE(s.unregister(10, MemberRef{Role::kReceiver, 0}).is_ok());
+  RegisterReceiver f16 = whole_receiver(2);
+  f16.buffers[0].dtype = "F16";
+  Status st = s.register_receiver(12, f16, now);
+  EXPECT_EQ(st.message(), f16_refusal(2, 1));
+  ASSERT_TRUE(s.unregister(11, MemberRef{Role::kReceiver, 1}).is_ok());
+  EXPECT_TRUE(s.register_receiver(12, f16, now).is_ok()) << "no receiver holds it as BF16 any more";
+  RegisterReceiver bf16 = whole_receiver(3);
+  st = s.register_receiver(13, bf16, now);
+  EXPECT_NE(st.message().find("receiver rank 2 holds it as F16"), std::string::npos) << st.message();
 }
 
 }  // namespace
