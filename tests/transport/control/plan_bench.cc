@@ -5,6 +5,7 @@
 // from the registrations as the coordinator makes it.
 //
 //   refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest]
+//                                [--from-wire]
 //
 // --whole-text builds the layout the way the coordinator did before it read
 // the membership piece by piece: the whole document as one JSON value, its
@@ -17,7 +18,15 @@
 // reply thread makes them);
 // --layout-only stops after the layout, as --whole-text does;
 // --parse-largest then parses the largest part as its receiver does (groups
-// expanded) and prints the memory that took per run.
+// expanded) and prints the memory that took per run;
+// --from-wire makes each receiver's registration its message (CBOR) and
+// parses it back just before it registers, the message made from the
+// registration built from the layout, which is freed first: the
+// coordinator receives registrations one at a time, so what it holds
+// afterwards (members_rss_mib) lies as it would there, not among the
+// freed registrations of all ranks (the layout gives every rank's
+// registration at once). The encoding (the agents' part) and the decoding
+// and parse (the coordinator's) are in register_s, and printed apart.
 // Peak resident
 // memory is measured from after the registrations (/proc/self/clear_refs),
 // so it is what planning adds to the members the coordinator holds anyway.
@@ -138,7 +147,7 @@ void registrations(const Layout& L, std::vector<RegisterSource>* sources, std::v
 
 int run(int argc, char** argv) {
   std::string scenario_path, manifest_path;
-  bool whole_text = false, layout_only = false, parse_largest = false;
+  bool whole_text = false, layout_only = false, parse_largest = false, from_wire = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--scenario" && i + 1 < argc) {
@@ -151,13 +160,15 @@ int run(int argc, char** argv) {
       layout_only = true;
     } else if (a == "--parse-largest") {
       parse_largest = true;
+    } else if (a == "--from-wire") {
+      from_wire = true;
     } else {
-      std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest]\n";
+      std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest] [--from-wire]\n";
       return 2;
     }
   }
   if (scenario_path.empty() || manifest_path.empty()) {
-    std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest]\n";
+    std::cerr << "usage: refit_coordinator_plan_bench --scenario S.json --manifest M.json [--whole-text | --layout-only | --parse-largest] [--from-wire]\n";
     return 2;
   }
   auto scenario = parse_scenario(read(scenario_path), scenario_path);
@@ -188,8 +199,23 @@ int run(int argc, char** argv) {
     if (!st.is_ok()) throw std::runtime_error("source " + std::to_string(rank) + ": " + st.message());
   }
   const double register_sources_s = since(t_reg);
-  for (RegisterReceiver& m : receivers) {
-    const int32_t rank = m.rank;
+  double encode_s = 0, parse_s = 0;  // --from-wire: the agents' part, the coordinator's
+  size_t wire_bytes = 0;              // the largest registration message
+  for (RegisterReceiver& built : receivers) {
+    const int32_t rank = built.rank;
+    RegisterReceiver m = std::move(built);
+    if (from_wire) {
+      const auto t_encode = Clock::now();
+      std::vector<uint8_t> wire = Json::to_cbor(to_json(m));
+      m = RegisterReceiver{};
+      encode_s += since(t_encode);
+      const auto t_parse = Clock::now();
+      Result<RegisterReceiver> parsed = parse_register_receiver(Json::from_cbor(wire), MessageLimits{});
+      if (!parsed) throw std::runtime_error("receiver " + std::to_string(rank) + ": " + parsed.status().message());
+      m = std::move(*parsed);
+      parse_s += since(t_parse);
+      wire_bytes = std::max(wire_bytes, wire.size());
+    }
     Status st = state.register_receiver(session++, std::move(m), now);
     if (!st.is_ok()) throw std::runtime_error("receiver " + std::to_string(rank) + ": " + st.message());
   }
@@ -206,8 +232,12 @@ int run(int argc, char** argv) {
 
   std::printf("{\"scenario\": \"%s\", \"mode\": \"%s\", \"sources\": %zu, \"receivers\": %zu, \"register_s\": %.2f, \"of_sources_s\": %.2f, "
               "\"members_rss_mib\": %.0f",
-              scenario_path.c_str(), whole_text ? "whole-text" : "pieces", state.num_sources(),
+              scenario_path.c_str(), whole_text ? "whole-text" : from_wire ? "pieces-from-wire" : "pieces", state.num_sources(),
               state.num_receivers(), register_s, register_sources_s, members_kib / 1024.0);
+  if (from_wire) {
+    std::printf(", \"of_receivers_encode_s\": %.2f, \"of_receivers_decode_parse_s\": %.2f, \"largest_message_bytes\": %zu",
+                encode_s, parse_s, wire_bytes);
+  }
   if (whole_text) {
     const auto t0 = Clock::now();
     std::string text = state.layout_document().dump();
