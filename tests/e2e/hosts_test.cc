@@ -71,7 +71,9 @@ TEST(Hosts, HostsReachEachOtherAndAreRemovedAtTheEnd) {
   const Host& b = (*hosts)->hosts()[1];
   auto ping = run_command({"ip", "netns", "exec", a.netns, "ping", "-c", "2", "-W", "5", b.address}, 20);
   EXPECT_TRUE(ping.is_ok()) << ping.status().message();
-  auto ping_c = run_command({"ip", "netns", "exec", b.netns, "ping", "-c", "1", "-W", "5",
+  // -c 1 -w 10: a probe a second until one is answered, since the link
+  // loses one packet in a thousand.
+  auto ping_c = run_command({"ip", "netns", "exec", b.netns, "ping", "-c", "1", "-w", "10",
                              (*hosts)->coordinator().address}, 20);
   EXPECT_TRUE(ping_c.is_ok()) << ping_c.status().message();
   // The links carry the configured rate both ways, and the loss rule.
@@ -88,8 +90,14 @@ TEST(Hosts, HostsReachEachOtherAndAreRemovedAtTheEnd) {
   // A link taken down stops the traffic; up again, it flows.
   ASSERT_TRUE((*hosts)->set_up(1, false).is_ok());
   EXPECT_FALSE(run_command({"ip", "netns", "exec", a.netns, "ping", "-c", "1", "-W", "1", b.address}, 10).is_ok());
-  ASSERT_TRUE((*hosts)->set_up(1, true).is_ok());
-  EXPECT_TRUE(run_command({"ip", "netns", "exec", a.netns, "ping", "-c", "1", "-W", "5", b.address}, 20).is_ok());
+  // Up returns once the link carries: both ends up, the bridge forwarding.
+  Status up = (*hosts)->set_up(1, true);
+  ASSERT_TRUE(up.is_ok()) << up.message();
+  EXPECT_NE(sh({"ip", "-n", b.netns, "-o", "link", "show", "dev", b.device}).find(" state UP "), std::string::npos);
+  EXPECT_NE(sh({"bridge", "-n", (*hosts)->switch_netns(), "-o", "link", "show", "dev", b.switch_device})
+                .find(" state forwarding "),
+            std::string::npos);
+  EXPECT_TRUE(run_command({"ip", "netns", "exec", a.netns, "ping", "-c", "1", "-w", "10", b.address}, 20).is_ok());
   EXPECT_NE(leftovers(::getpid()), "");
   hosts->reset();
   EXPECT_EQ(leftovers(::getpid()), "");

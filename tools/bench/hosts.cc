@@ -332,7 +332,32 @@ void Hosts::remove() {
 
 Status Hosts::set_up(size_t k, bool up) const {
   if (k >= hosts_.size()) return Status::invalid("hosts: there is no host " + std::to_string(k));
-  return run_command({"ip", "-n", switch_netns_, "link", "set", hosts_[k].switch_device, up ? "up" : "down"}).status();
+  const Host& h = hosts_[k];
+  REFIT_RETURN_IF_ERROR(
+      run_command({"ip", "-n", switch_netns_, "link", "set", h.switch_device, up ? "up" : "down"}).status());
+  if (!up) return Status::ok();
+  // "ip link set up" returns before the link carries: the carrier reaches
+  // both ends, and the bridge enables its port, only when the kernel's
+  // link watcher runs, which waits for the rtnl lock that namespace
+  // creation and removal elsewhere hold, at times for seconds. Until then
+  // the host's end drops what it sends. So up means both ends operationally
+  // up and the bridge port forwarding.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  std::string seen;
+  while (true) {
+    auto host_end = run_command({"ip", "-n", h.netns, "-o", "link", "show", "dev", h.device}, 10);
+    auto switch_end = run_command({"ip", "-n", switch_netns_, "-o", "link", "show", "dev", h.switch_device}, 10);
+    auto port = run_command({"bridge", "-n", switch_netns_, "-o", "link", "show", "dev", h.switch_device}, 10);
+    for (const auto* r : {&host_end, &switch_end, &port})
+      if (!r->is_ok()) return r->status().with_context("hosts: the state of host " + h.name + "'s link");
+    if (host_end->find(" state UP ") != std::string::npos && switch_end->find(" state UP ") != std::string::npos &&
+        port->find(" state forwarding ") != std::string::npos)
+      return Status::ok();
+    seen = *host_end + *switch_end + *port;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    ::usleep(20 * 1000);
+  }
+  return Status::timeout("hosts: host " + h.name + "'s link is not up 20 s after it was set up: " + seen);
 }
 
 Result<nlohmann::json> Hosts::counters() const {

@@ -86,7 +86,9 @@ class Hosts {
   const LinkSettings& link() const { return link_; }
   const std::string& switch_netns() const { return switch_netns_; }
 
-  // Takes host `k`'s link down (its switch end) or up again.
+  // Takes host `k`'s link down (its switch end) or up again. Up returns
+  // once the link carries: both ends operationally up and the bridge port
+  // forwarding (up to 20 s, else a timeout naming what it saw).
   Status set_up(size_t k, bool up) const;
 
   // The byte counters of every host's interface, read from
