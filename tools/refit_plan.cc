@@ -889,6 +889,8 @@ ordered_json simulation_json(const Input& in, Strategy strategy, const refit::si
   j["local_ops"] = r.local_ops;
   j["local_packed"] = r.local_packed;
   j["local_rounds"] = r.local_rounds;
+  j["local_pairs"] = r.local_pairs;
+  j["local_pair_sequences"] = r.local_pair_sequences;
   j["jobs"] = r.jobs;
   j["events"] = r.events;
   j["converts"] = r.converts;

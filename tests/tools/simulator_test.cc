@@ -6,6 +6,7 @@
 #include "tools/sim/events.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <random>
@@ -910,6 +911,130 @@ TEST(Simulator, RoundsCarryEveryLocalByteAndRunOnce) {
           }
           EXPECT_EQ(out, r->local_bytes);
           EXPECT_EQ(in, r->local_bytes);
+        }
+      }
+    }
+  }
+}
+
+// Two domains of six receivers, each domain the ranks of one parity.
+// "shards": a puller sends the same sequence to every peer in its domain
+// for the tensors replicated or split in two, and more to one of them for
+// the tensors split in six (r and r + 6 hold the same sixth). So a
+// puller's peers make two sequences: four peers alike, and one apart.
+// "pairs": small tensors each held by rank 0 and one of 2, 4, 6 and 8, so
+// that rank 0 sends each of them a sequence of one length, but none the
+// same: 8 the bytes of 2, in other jobs (other ready times); 4 more bytes
+// at times; 6 some from another source. The rounds walk alike peers'
+// sequence once (SimOptions::fold_alike_peers) and give what walking each
+// peer's gives: the prediction, the counts, the busiest links and every
+// span, packed or not, on 1 to 3 threads.
+TEST(Simulator, RoundsWalkAlikePeersOnceAndGiveWhatEachPeerAloneGives) {
+  constexpr int kReceivers = 12;
+  for (const bool pairs : {false, true}) {
+    std::mt19937 rng(7);
+    json l;
+    l["format"] = "refit-layout/1";
+    json rcv = json::array(), rranks = json::array();
+    for (int r = 0; r < kReceivers; ++r) {
+      rcv.push_back({{"rank", r}, {"domain", r % 2}, {"instance", r}});
+      rranks.push_back(r);
+    }
+    l["sources"] = json::array({{{"rank", 0}, {"domain", 0}}, {{"rank", 1}, {"domain", 1}}});
+    l["receivers"] = rcv;
+    l["tensors"] = json::array();
+    int64_t elems_of_2 = 0;
+    for (int i = 0; i < (pairs ? 240 : 120); ++i) {
+      json receiver, source = json{{"mesh", {1}}, {"ranks", {pairs ? 0 : i % 2}}, {"placements", {"R"}}};
+      json shape;
+      if (pairs) {
+        // Rank 0 pulls them all: the others hold a large tensor each alone.
+        const int to = std::array{2, 4, 6, 8}[i % 4];
+        const int64_t k = i / 4;
+        int64_t elems = 1 + static_cast<int64_t>(rng() % 64);
+        // Each sent what 2 is sent, but 4 more bytes at times, and 6 some
+        // from the other source.
+        if (i % 4 == 0) elems_of_2 = elems;
+        if (i % 4 != 0) elems = elems_of_2;
+        if (i % 4 == 1 && k % 3 == 0) elems *= 2;
+        if (i % 4 == 2 && k % 4 == 1) source = json{{"mesh", {1}}, {"ranks", {1}}, {"placements", {"R"}}};
+        if (k == 0) {
+          l["tensors"].push_back({{"name", "big" + std::to_string(to)},
+                                  {"dtype", "F32"},
+                                  {"shape", {100000}},
+                                  {"source", source},
+                                  {"receiver", {{"mesh", {1}}, {"ranks", {to}}, {"placements", {"R"}}}}});
+        }
+        receiver = json{{"mesh", {2}}, {"ranks", {0, to}}, {"placements", {"R"}}};
+        shape = {elems};
+      } else {
+        // Replicas x shards over the 12 ranks; shard j is the ranks j mod shards.
+        const int shards = std::array{1, 1, 2, 2, 2, 6}[rng() % 6];
+        receiver = shards == 1 ? json{{"mesh", {kReceivers}}, {"ranks", rranks}, {"placements", {"R"}}}
+                               : json{{"mesh", {kReceivers / shards, shards}},
+                                      {"ranks", rranks},
+                                      {"placements", {"R", "S(0)"}}};
+        if (i % 3 == 0) source = json{{"mesh", {2}}, {"ranks", {0, 1}}, {"placements", {"S(0)"}}};
+        shape = {12 * (1 + static_cast<int64_t>(rng() % 40)), 1 + static_cast<int64_t>(rng() % 300)};
+      }
+      l["tensors"].push_back({{"name", "w" + std::to_string(i)},
+                              {"dtype", "F32"},
+                              {"shape", shape},
+                              {"source", source},
+                              {"receiver", receiver}});
+    }
+    auto layout = parse_layout_json(l.dump(), "test layout");
+    ASSERT_TRUE(layout.is_ok()) << layout.status().message();
+    auto plan = make_plan(*layout);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    auto spans = [](const SimResult& r) {
+      std::vector<std::tuple<int, int32_t, double, double, int64_t>> v;
+      for (const TraceSpan& t : r.trace) v.emplace_back(static_cast<int>(t.lane), t.rank, t.start, t.end, t.bytes);
+      std::sort(v.begin(), v.end());
+      return v;
+    };
+    for (int64_t pack : {int64_t{0}, int64_t{64} << 10}) {
+      for (int threads : {1, 2, 3}) {
+        SCOPED_TRACE(std::string(pairs ? "pairs" : "shards") + ", pack " + std::to_string(pack) + ", " +
+                     std::to_string(threads) + " threads");
+        HardwareModel hw = unit_hardware();
+        hw.fanout_rounds = true;
+        hw.local_send_us = 1;
+        hw.fanout_pack_bytes = pack;
+        hw.fanout_pack_threshold = 4096;
+        hw.get_chunk_bytes = 8192;
+        SimOptions o;
+        o.threads = threads;
+        o.trace = threads == 1;
+        auto folded = simulate(*plan, hw, o);
+        o.fold_alike_peers = false;
+        auto each = simulate(*plan, hw, o);
+        ASSERT_TRUE(folded.is_ok() && each.is_ok());
+        const SimResult& a = *folded;
+        const SimResult& b = *each;
+        EXPECT_EQ(a.local_pairs, b.local_pairs);
+        EXPECT_EQ(b.local_pair_sequences, b.local_pairs);
+        // Alike peers were walked once, and others apart.
+        EXPECT_EQ(a.local_pairs, pairs ? 4 : kReceivers * 5);
+        EXPECT_EQ(a.local_pair_sequences, pairs ? 4 : kReceivers * 2);
+        if (pack > 0) {
+          EXPECT_GT(a.local_packed, 0);
+        }
+        EXPECT_EQ(a.predicted_seconds, b.predicted_seconds);
+        EXPECT_EQ(a.phases.fanout.start, b.phases.fanout.start);
+        EXPECT_EQ(a.phases.fanout.end, b.phases.fanout.end);
+        EXPECT_EQ(a.local_rounds, b.local_rounds);
+        EXPECT_EQ(a.local_ops, b.local_ops);
+        EXPECT_EQ(a.local_packed, b.local_packed);
+        for (auto [x, y] : {std::pair{&a.busiest_nvlink_out, &b.busiest_nvlink_out},
+                            std::pair{&a.busiest_nvlink_in, &b.busiest_nvlink_in}}) {
+          EXPECT_EQ(x->rank, y->rank);
+          EXPECT_EQ(x->bytes, y->bytes);
+          EXPECT_EQ(x->busy_seconds, y->busy_seconds);
+        }
+        if (o.trace) {
+          EXPECT_FALSE(a.trace.empty());
+          EXPECT_EQ(spans(a), spans(b));
         }
       }
     }

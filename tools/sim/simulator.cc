@@ -117,16 +117,23 @@ struct Convert {
   uint32_t sends_count = 0;
 };
 
-// One resource: free from `free_at` on; what it carried.
 // The sends of one puller to one peer (the rounds' fan-out): their range
-// in the puller's order, and how far the rounds have passed them on.
+// in the puller's order, and how far the rounds have passed them on. The
+// peers to which the puller sends the same sequence (the same bytes and
+// runs, ready at the same times: a shard's replicas in one domain, each
+// sent every unit the puller pulled for them) are one Pair: `to` and
+// `alike`. The rounds take the same from each of them in the same rounds,
+// so one pass over the sequence serves them all.
 struct Pair {
   int32_t from = 0;
   int32_t to = 0;
   uint64_t pos = 0;  // the next send's position (simulate_rounds)
   uint64_t end = 0;
   uint32_t runs_done = 0;  // runs of the next send already passed on
+  std::vector<int32_t> alike;  // the other peers sent the same sequence
 };
+
+// One resource: free from `free_at` on; what it carried.
 
 // What one rank moves in the round being simulated.
 struct RankRound {
@@ -1060,6 +1067,8 @@ class Sim {
     });
     std::vector<Pair> pairs;
     for (std::vector<Pair>& b : block_pairs) {
+      for (const Pair& x : b) r_.local_pairs += static_cast<int64_t>(1 + x.alike.size());
+      r_.local_pair_sequences += static_cast<int64_t>(b.size());
       pairs.insert(pairs.end(), b.begin(), b.end());
       std::vector<Pair>().swap(b);
     }
@@ -1070,7 +1079,10 @@ class Sim {
       while (parent[x] != x) x = parent[x] = parent[parent[x]];
       return x;
     };
-    for (const Pair& x : pairs) parent[root(x.from)] = root(x.to);
+    for (const Pair& x : pairs) {
+      parent[root(x.from)] = root(x.to);
+      for (const int32_t q : x.alike) parent[root(x.from)] = root(q);
+    }
     std::vector<std::vector<uint32_t>> members(R);  // per component's root: its pairs
     for (size_t i = 0; i < pairs.size(); ++i) members[root(pairs[i].from)].push_back(static_cast<uint32_t>(i));
     std::vector<const std::vector<uint32_t>*> comps;
@@ -1095,14 +1107,26 @@ class Sim {
 
   // Pullers [lo, hi)'s sends put in the order of the rounds
   // (simulate_rounds), with their ready times and plan positions, and
-  // their pairs.
+  // their pairs. A peer sent the same sequence as an earlier peer (Pair)
+  // joins that one's pair, and its sends are not kept: each puller's sends
+  // are the first `kept` of its store from here on.
   void order_sends(int32_t lo, int32_t hi, std::vector<Pair>& pairs) {
     std::vector<uint32_t> at(jobs_.size(), 0);  // per peer: its count, then where its next send goes
     std::vector<int32_t> peers;
     std::vector<uint64_t> keys, spare;
-    std::vector<uint32_t> order, slice, plan_of;  // a puller's: by position, its send; per send, its plan position
+    // A puller's sends by peer; the kept ones by position; per send, its
+    // plan position.
+    std::vector<uint32_t> order, kept, plan_of;
     std::vector<float> ready;
     std::vector<Send> copy;
+    // The pairs of this puller so far: a hash of each one's sequence, and
+    // where the sequence lies in `order` (to compare a later one with).
+    struct Seq {
+      uint64_t hash;
+      uint32_t begin, size;
+      size_t pair;
+    };
+    std::vector<Seq> seqs;
     for (int32_t p = lo; p < hi; ++p) {
       std::vector<Job>().swap(jobs_[p]);  // not read again
       if ((p - lo) % 256 == 255) give_back_free_memory();
@@ -1111,6 +1135,7 @@ class Sim {
       SendStore& mine = sends_[p];
       const uint32_t base = send_base_[p];
       const uint32_t n = mine.size();
+      const float* rd = send_ready_.data() + base;
       peers.clear();
       for (uint32_t k = 0; k < n; ++k)
         if (at[mine[k].to]++ == 0) peers.push_back(mine[k].to);
@@ -1119,37 +1144,74 @@ class Sim {
       for (int32_t q : peers) pos += std::exchange(at[q], pos);
       order.resize(n);
       plan_of.resize(n);
+      kept.clear();
+      seqs.clear();
       for (uint32_t k = 0; k < n; ++k) order[at[mine[k].to]++] = k;
       for (int32_t q : peers) at[q] = 0;
+      auto same = [&](uint32_t a, uint32_t b) {
+        const Send& x = mine[order[a]];
+        const Send& y = mine[order[b]];
+        return x.runs == y.runs && x.bytes == y.bytes &&
+               std::bit_cast<uint32_t>(rd[order[a]]) == std::bit_cast<uint32_t>(rd[order[b]]);
+      };
       for (uint32_t i = 0; i < n;) {
         const int32_t q = mine[order[i]].to;
         uint32_t e = i;
-        uint32_t runs = 0;  // the pair's plan-order positions, in runs
+        uint64_t hash = 0;
         for (; e < n && mine[order[e]].to == q; ++e) {
-          plan_of[order[e]] = runs;
-          runs += mine[order[e]].runs;
+          const Send& x = mine[order[e]];
+          hash = (hash ^ (static_cast<uint64_t>(x.runs) << 32 | std::bit_cast<uint32_t>(rd[order[e]]))) *
+                     0x9e3779b97f4a7c15ULL +
+                 static_cast<uint64_t>(x.bytes);
+        }
+        const uint32_t size = e - i;
+        const Seq* match = nullptr;
+        for (const Seq& o : seqs) {
+          if (!opt_.fold_alike_peers) break;
+          if (o.hash != hash || o.size != size) continue;
+          uint32_t k = 0;
+          while (k < size && same(o.begin + k, i + k)) ++k;
+          if (k == size) {
+            match = &o;
+            break;
+          }
+        }
+        if (match) {
+          pairs[match->pair].alike.push_back(q);
+          i = e;
+          continue;
+        }
+        uint32_t runs = 0;  // the pair's plan-order positions, in runs
+        for (uint32_t k = i; k < e; ++k) {
+          plan_of[order[k]] = runs;
+          runs += mine[order[k]].runs;
         }
         // The fabric passes them on in the order they became ready, ties
         // in the order above: sorted by (ready, place), the ready time's
         // bits above the place (a float at or above 0 orders as its bits),
         // so that sorting reads no send.
         keys.clear();
-        slice.assign(order.begin() + i, order.begin() + e);
-        for (size_t k = 0; k < slice.size(); ++k)
-          keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(send_ready_[base + slice[k]])) << 32 | k);
+        for (uint32_t k = i; k < e; ++k)
+          keys.push_back(static_cast<uint64_t>(std::bit_cast<uint32_t>(rd[order[k]])) << 32 | (k - i));
         sort_by_ready(keys, spare);
-        for (size_t k = 0; k < keys.size(); ++k) order[i + k] = slice[static_cast<uint32_t>(keys[k])];
-        pairs.push_back(Pair{p, q, uint64_t{base} + i, uint64_t{base} + e, 0});
+        const auto from = static_cast<uint32_t>(kept.size());
+        for (const uint64_t key : keys) kept.push_back(order[i + static_cast<uint32_t>(key)]);
+        seqs.push_back(Seq{hash, i, size, pairs.size()});
+        pairs.push_back(Pair{p, q, uint64_t{base} + from, uint64_t{base} + kept.size(), 0, {}});
         i = e;
       }
-      // The sends, their ready times and plan positions, by position.
-      ready.assign(send_ready_.begin() + base, send_ready_.begin() + base + n);
-      copy.resize(n);
-      for (uint32_t k = 0; k < n; ++k) copy[k] = mine[k];
-      for (uint32_t i = 0; i < n; ++i) {
-        mine[i] = copy[order[i]];
-        send_ready_[base + i] = ready[order[i]];
-        plan_pos_[base + i] = plan_of[order[i]];
+      // The kept sends, their ready times and plan positions, by position.
+      const auto m = static_cast<uint32_t>(kept.size());
+      copy.resize(m);
+      ready.resize(m);
+      for (uint32_t i = 0; i < m; ++i) {
+        copy[i] = mine[kept[i]];
+        ready[i] = rd[kept[i]];
+        plan_pos_[base + i] = plan_of[kept[i]];
+      }
+      for (uint32_t i = 0; i < m; ++i) {
+        mine[i] = copy[i];
+        send_ready_[base + i] = ready[i];
       }
     }
   }
@@ -1253,21 +1315,28 @@ class Sim {
       }
     }
     const int64_t ops = unpacked + (packed > 0 ? 1 : 0);
-    st.ops += ops;
-    st.packed += packed > 0 ? packed - 1 : 0;
-    for (const int32_t r : {x.from, x.to}) {
+    // As many times as the pair has peers.
+    const auto peers = static_cast<int64_t>(1 + x.alike.size());
+    st.ops += ops * peers;
+    st.packed += (packed > 0 ? packed - 1 : 0) * peers;
+    auto touch = [&](int32_t r) -> RankRound& {
       RankRound& a = acc_[r];
       if (!a.touched) touched.push_back(r);
       a.touched = true;
-    }
-    RankRound& out = acc_[x.from];
-    RankRound& in = acc_[x.to];
-    out.out_bytes += bytes;
-    out.out_ops += ops;
-    out.gather_bytes += packed_bytes;
-    in.in_bytes += bytes;
-    in.in_ops += ops;
-    in.scatter_bytes += packed_bytes;
+      return a;
+    };
+    RankRound& out = touch(x.from);
+    out.out_bytes += bytes * peers;
+    out.out_ops += ops * peers;
+    out.gather_bytes += packed_bytes * peers;
+    auto in = [&](int32_t q) {
+      RankRound& a = touch(q);
+      a.in_bytes += bytes;
+      a.in_ops += ops;
+      a.scatter_bytes += packed_bytes;
+    };
+    in(x.to);
+    for (const int32_t q : x.alike) in(q);
   }
 
   // Rank `r`'s time in a round whose data starts at `start`: the gather of

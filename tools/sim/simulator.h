@@ -123,6 +123,11 @@ struct SimOptions {
   // group; `expanded` walks them one by one instead, for tests that check
   // that both give the same result.
   bool expanded = false;
+  // The fan-out's rounds take the peers to which a puller sends the same
+  // sequence of sends as one (a shard's replicas in a domain); false takes
+  // each peer on its own, for the test that checks both give the same
+  // result.
+  bool fold_alike_peers = true;
   // Threads that read the plan into jobs (a block of pullers each) and
   // simulate the network (docs/simulator.md, "The network in windows"); 0:
   // one per core the process may use (usable_cores(), planner/cores.h), at
@@ -152,6 +157,8 @@ struct SimResult {
   int64_t local_ops = 0;            // fan-out operations charged local_op_us: sends, or packs of them
   int64_t local_packed = 0;         // sends that joined a pack another send opened (no op of their own)
   int64_t local_rounds = 0;         // with fanout_rounds: the rounds, summed over the sets of ranks in lockstep
+  int64_t local_pairs = 0;          // with fanout_rounds: the (puller, peer) pairs with sends
+  int64_t local_pair_sequences = 0; // the sequences of sends the rounds walked: a puller's alike peers share one
   int64_t jobs = 0;                 // network jobs simulated
   int64_t events = 0;               // GET chunks simulated
   int64_t converts = 0;             // conversion steps (ConvertStep) the pullers run
