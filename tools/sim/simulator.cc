@@ -133,8 +133,6 @@ struct Pair {
   std::vector<int32_t> alike;  // the other peers sent the same sequence
 };
 
-// One resource: free from `free_at` on; what it carried.
-
 // What one rank moves in the round being simulated.
 struct RankRound {
   bool touched = false;
@@ -143,6 +141,7 @@ struct RankRound {
   int64_t gather_bytes = 0, scatter_bytes = 0;  // packed bytes it copies in GPU memory
 };
 
+// One resource: free from `free_at` on; what it carried.
 struct Resource {
   double free_at = 0;
   double busy = 0;
