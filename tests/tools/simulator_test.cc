@@ -925,13 +925,16 @@ TEST(Simulator, RoundsCarryEveryLocalByteAndRunOnce) {
 // "pairs": small tensors each held by rank 0 and one of 2, 4, 6 and 8, so
 // that rank 0 sends each of them a sequence of one length, but none the
 // same: 8 the bytes of 2, in other jobs (other ready times); 4 more bytes
-// at times; 6 some from another source. The rounds walk alike peers'
-// sequence once (SimOptions::fold_alike_peers) and give what walking each
-// peer's gives: the prediction, the counts, the busiest links and every
-// span, packed or not, on 1 to 3 threads.
+// at times; 6 some from another source. "joined": rank 0 sends 4 and 6
+// the same, rank 2 sends 6 what lands while 0's round goes on; 0 and 2
+// share a peer only through the alike one, and so go in lockstep. The
+// rounds walk alike peers' sequence once (SimOptions::fold_alike_peers)
+// and give what walking each peer's gives: the prediction, the counts,
+// the busiest links and every span, packed or not, on 1 to 3 threads.
 TEST(Simulator, RoundsWalkAlikePeersOnceAndGiveWhatEachPeerAloneGives) {
   constexpr int kReceivers = 12;
-  for (const bool pairs : {false, true}) {
+  for (const std::string kind : {"shards", "pairs", "joined"}) {
+    const bool pairs = kind == "pairs";
     std::mt19937 rng(7);
     json l;
     l["format"] = "refit-layout/1";
@@ -944,7 +947,18 @@ TEST(Simulator, RoundsWalkAlikePeersOnceAndGiveWhatEachPeerAloneGives) {
     l["receivers"] = rcv;
     l["tensors"] = json::array();
     int64_t elems_of_2 = 0;
-    for (int i = 0; i < (pairs ? 240 : 120); ++i) {
+    if (kind == "joined") {
+      // Rank 2 pulls b (the larger, placed first), rank 0 a.
+      for (auto [name, elems, source, ranks] : {std::tuple{"b", 11500, 1, json{2, 6}},
+                                                std::tuple{"a", 10000, 0, json{0, 4, 6}}}) {
+        l["tensors"].push_back({{"name", name},
+                                {"dtype", "F32"},
+                                {"shape", {elems}},
+                                {"source", {{"mesh", {1}}, {"ranks", {source}}, {"placements", {"R"}}}},
+                                {"receiver", {{"mesh", {ranks.size()}}, {"ranks", ranks}, {"placements", {"R"}}}}});
+      }
+    }
+    for (int i = 0; i < (pairs ? 240 : kind == "shards" ? 120 : 0); ++i) {
       json receiver, source = json{{"mesh", {1}}, {"ranks", {pairs ? 0 : i % 2}}, {"placements", {"R"}}};
       json shape;
       if (pairs) {
@@ -995,7 +1009,7 @@ TEST(Simulator, RoundsWalkAlikePeersOnceAndGiveWhatEachPeerAloneGives) {
     };
     for (int64_t pack : {int64_t{0}, int64_t{64} << 10}) {
       for (int threads : {1, 2, 3}) {
-        SCOPED_TRACE(std::string(pairs ? "pairs" : "shards") + ", pack " + std::to_string(pack) + ", " +
+        SCOPED_TRACE(kind + ", pack " + std::to_string(pack) + ", " +
                      std::to_string(threads) + " threads");
         HardwareModel hw = unit_hardware();
         hw.fanout_rounds = true;
@@ -1015,9 +1029,9 @@ TEST(Simulator, RoundsWalkAlikePeersOnceAndGiveWhatEachPeerAloneGives) {
         EXPECT_EQ(a.local_pairs, b.local_pairs);
         EXPECT_EQ(b.local_pair_sequences, b.local_pairs);
         // Alike peers were walked once, and others apart.
-        EXPECT_EQ(a.local_pairs, pairs ? 4 : kReceivers * 5);
-        EXPECT_EQ(a.local_pair_sequences, pairs ? 4 : kReceivers * 2);
-        if (pack > 0) {
+        EXPECT_EQ(a.local_pairs, pairs ? 4 : kind == "joined" ? 3 : kReceivers * 5);
+        EXPECT_EQ(a.local_pair_sequences, pairs ? 4 : kind == "joined" ? 2 : kReceivers * 2);
+        if (pack > 0 && kind != "joined") {
           EXPECT_GT(a.local_packed, 0);
         }
         EXPECT_EQ(a.predicted_seconds, b.predicted_seconds);
