@@ -917,100 +917,114 @@ TEST(Simulator, RoundsCarryEveryLocalByteAndRunOnce) {
   }
 }
 
-// Two domains of six receivers, each domain the ranks of one parity.
-// "shards": a puller sends the same sequence to every peer in its domain
-// for the tensors replicated or split in two, and more to one of them for
-// the tensors split in six (r and r + 6 hold the same sixth). So a
-// puller's peers make two sequences: four peers alike, and one apart.
-// "pairs": small tensors each held by rank 0 and one of 2, 4, 6 and 8, so
-// that rank 0 sends each of them a sequence of one length, but none the
-// same: 8 the bytes of 2, in other jobs (other ready times); 4 more bytes
-// at times; 6 some from another source. "joined": rank 0 sends 4 and 6
-// the same, rank 2 sends 6 what lands while 0's round goes on; 0 and 2
-// share a peer only through the alike one, and so go in lockstep. The
-// rounds walk alike peers' sequence once (SimOptions::fold_alike_peers)
-// and give what walking each peer's gives: the prediction, the counts,
-// the busiest links and every span, packed or not, on 1 to 3 threads.
+// Layouts for the alike-peers test: 12 receivers in two domains, each
+// domain the ranks of one parity, and two sources.
+constexpr int kAlikeReceivers = 12;
+
+json alike_layout_base() {
+  json l;
+  l["format"] = "refit-layout/1";
+  json rcv = json::array();
+  for (int r = 0; r < kAlikeReceivers; ++r) rcv.push_back({{"rank", r}, {"domain", r % 2}, {"instance", r}});
+  l["sources"] = json::array({{{"rank", 0}, {"domain", 0}}, {{"rank", 1}, {"domain", 1}}});
+  l["receivers"] = rcv;
+  l["tensors"] = json::array();
+  return l;
+}
+
+json one_source(int rank) { return {{"mesh", {1}}, {"ranks", {rank}}, {"placements", {"R"}}}; }
+
+void add_tensor(json& l, const std::string& name, const json& shape, const json& source, const json& receiver) {
+  l["tensors"].push_back(
+      {{"name", name}, {"dtype", "F32"}, {"shape", shape}, {"source", source}, {"receiver", receiver}});
+}
+
+// A puller sends the same sequence to every peer in its domain for the
+// tensors replicated or split in two, and more to one of them for the
+// tensors split in six (r and r + 6 hold the same sixth). So a puller's
+// five peers make two sequences: four alike, and one apart.
+json alike_shards() {
+  json l = alike_layout_base();
+  json ranks = json::array();
+  for (int r = 0; r < kAlikeReceivers; ++r) ranks.push_back(r);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 120; ++i) {
+    // Replicas x shards over the 12 ranks; shard j is the ranks j mod shards.
+    const int shards = std::array{1, 1, 2, 2, 2, 6}[rng() % 6];
+    const json receiver = shards == 1 ? json{{"mesh", {kAlikeReceivers}}, {"ranks", ranks}, {"placements", {"R"}}}
+                                      : json{{"mesh", {kAlikeReceivers / shards, shards}},
+                                             {"ranks", ranks},
+                                             {"placements", {"R", "S(0)"}}};
+    const json source =
+        i % 3 == 0 ? json{{"mesh", {2}}, {"ranks", {0, 1}}, {"placements", {"S(0)"}}} : one_source(i % 2);
+    const json shape = {12 * (1 + static_cast<int64_t>(rng() % 40)), 1 + static_cast<int64_t>(rng() % 300)};
+    add_tensor(l, "w" + std::to_string(i), shape, source, receiver);
+  }
+  return l;
+}
+
+// Small tensors each held by rank 0 and one of 2, 4, 6 and 8; rank 0 pulls
+// them all (the others hold a large tensor each alone). It sends each peer
+// a sequence of one length, but none the same: 8 the bytes of 2, in other
+// jobs (other ready times); 4 more bytes at times; 6 some from the other
+// source.
+json alike_pairs() {
+  json l = alike_layout_base();
+  for (int to : {2, 4, 6, 8})
+    add_tensor(l, "big" + std::to_string(to), {100000}, one_source(0),
+               {{"mesh", {1}}, {"ranks", {to}}, {"placements", {"R"}}});
+  std::mt19937 rng(7);
+  for (int k = 0; k < 60; ++k) {
+    const int64_t elems = 1 + static_cast<int64_t>(rng() % 64);
+    for (int to : {2, 4, 6, 8}) {
+      const int64_t n = to == 4 && k % 3 == 0 ? 2 * elems : elems;
+      add_tensor(l, "w" + std::to_string(k) + "-" + std::to_string(to), {n},
+                 one_source(to == 6 && k % 4 == 1 ? 1 : 0), {{"mesh", {2}}, {"ranks", {0, to}}, {"placements", {"R"}}});
+    }
+  }
+  return l;
+}
+
+// Rank 0 sends 4 and 6 the same; rank 2 sends 6 what lands while 0's round
+// goes on. 0 and 2 share a peer only through the alike one, and so go in
+// lockstep. Rank 2 pulls b (the larger, placed first), rank 0 a.
+json alike_joined() {
+  json l = alike_layout_base();
+  add_tensor(l, "b", {11500}, one_source(1), {{"mesh", {2}}, {"ranks", {2, 6}}, {"placements", {"R"}}});
+  add_tensor(l, "a", {10000}, one_source(0), {{"mesh", {3}}, {"ranks", {0, 4, 6}}, {"placements", {"R"}}});
+  return l;
+}
+
+// The rounds walk alike peers' sequence once (SimOptions::fold_alike_peers)
+// and give what walking each peer's gives: the prediction, the counts, the
+// busiest links and every span, packed or not, on 1 to 3 threads.
 TEST(Simulator, RoundsWalkAlikePeersOnceAndGiveWhatEachPeerAloneGives) {
-  constexpr int kReceivers = 12;
-  for (const std::string kind : {"shards", "pairs", "joined"}) {
-    const bool pairs = kind == "pairs";
-    std::mt19937 rng(7);
-    json l;
-    l["format"] = "refit-layout/1";
-    json rcv = json::array(), rranks = json::array();
-    for (int r = 0; r < kReceivers; ++r) {
-      rcv.push_back({{"rank", r}, {"domain", r % 2}, {"instance", r}});
-      rranks.push_back(r);
-    }
-    l["sources"] = json::array({{{"rank", 0}, {"domain", 0}}, {{"rank", 1}, {"domain", 1}}});
-    l["receivers"] = rcv;
-    l["tensors"] = json::array();
-    int64_t elems_of_2 = 0;
-    if (kind == "joined") {
-      // Rank 2 pulls b (the larger, placed first), rank 0 a.
-      for (auto [name, elems, source, ranks] : {std::tuple{"b", 11500, 1, json{2, 6}},
-                                                std::tuple{"a", 10000, 0, json{0, 4, 6}}}) {
-        l["tensors"].push_back({{"name", name},
-                                {"dtype", "F32"},
-                                {"shape", {elems}},
-                                {"source", {{"mesh", {1}}, {"ranks", {source}}, {"placements", {"R"}}}},
-                                {"receiver", {{"mesh", {ranks.size()}}, {"ranks", ranks}, {"placements", {"R"}}}}});
-      }
-    }
-    for (int i = 0; i < (pairs ? 240 : kind == "shards" ? 120 : 0); ++i) {
-      json receiver, source = json{{"mesh", {1}}, {"ranks", {pairs ? 0 : i % 2}}, {"placements", {"R"}}};
-      json shape;
-      if (pairs) {
-        // Rank 0 pulls them all: the others hold a large tensor each alone.
-        const int to = std::array{2, 4, 6, 8}[i % 4];
-        const int64_t k = i / 4;
-        int64_t elems = 1 + static_cast<int64_t>(rng() % 64);
-        // Each sent what 2 is sent, but 4 more bytes at times, and 6 some
-        // from the other source.
-        if (i % 4 == 0) elems_of_2 = elems;
-        if (i % 4 != 0) elems = elems_of_2;
-        if (i % 4 == 1 && k % 3 == 0) elems *= 2;
-        if (i % 4 == 2 && k % 4 == 1) source = json{{"mesh", {1}}, {"ranks", {1}}, {"placements", {"R"}}};
-        if (k == 0) {
-          l["tensors"].push_back({{"name", "big" + std::to_string(to)},
-                                  {"dtype", "F32"},
-                                  {"shape", {100000}},
-                                  {"source", source},
-                                  {"receiver", {{"mesh", {1}}, {"ranks", {to}}, {"placements", {"R"}}}}});
-        }
-        receiver = json{{"mesh", {2}}, {"ranks", {0, to}}, {"placements", {"R"}}};
-        shape = {elems};
-      } else {
-        // Replicas x shards over the 12 ranks; shard j is the ranks j mod shards.
-        const int shards = std::array{1, 1, 2, 2, 2, 6}[rng() % 6];
-        receiver = shards == 1 ? json{{"mesh", {kReceivers}}, {"ranks", rranks}, {"placements", {"R"}}}
-                               : json{{"mesh", {kReceivers / shards, shards}},
-                                      {"ranks", rranks},
-                                      {"placements", {"R", "S(0)"}}};
-        if (i % 3 == 0) source = json{{"mesh", {2}}, {"ranks", {0, 1}}, {"placements", {"S(0)"}}};
-        shape = {12 * (1 + static_cast<int64_t>(rng() % 40)), 1 + static_cast<int64_t>(rng() % 300)};
-      }
-      l["tensors"].push_back({{"name", "w" + std::to_string(i)},
-                              {"dtype", "F32"},
-                              {"shape", shape},
-                              {"source", source},
-                              {"receiver", receiver}});
-    }
-    auto layout = parse_layout_json(l.dump(), "test layout");
-    ASSERT_TRUE(layout.is_ok()) << layout.status().message();
+  struct Case {
+    const char* name;
+    json layout;
+    int64_t pairs, sequences;
+    bool packs;  // has runs below the pack threshold
+  };
+  const std::vector<Case> cases = {
+      {"shards", alike_shards(), kAlikeReceivers * 5, kAlikeReceivers * 2, true},
+      {"pairs", alike_pairs(), 4, 4, true},
+      {"joined", alike_joined(), 3, 2, false},
+  };
+  auto spans = [](const SimResult& r) {
+    std::vector<std::tuple<int, int32_t, double, double, int64_t>> v;
+    for (const TraceSpan& t : r.trace) v.emplace_back(static_cast<int>(t.lane), t.rank, t.start, t.end, t.bytes);
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  for (const Case& c : cases) {
+    auto layout = parse_layout_json(c.layout.dump(), "test layout");
+    ASSERT_TRUE(layout.is_ok()) << c.name << ": " << layout.status().message();
     auto plan = make_plan(*layout);
-    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-    auto spans = [](const SimResult& r) {
-      std::vector<std::tuple<int, int32_t, double, double, int64_t>> v;
-      for (const TraceSpan& t : r.trace) v.emplace_back(static_cast<int>(t.lane), t.rank, t.start, t.end, t.bytes);
-      std::sort(v.begin(), v.end());
-      return v;
-    };
+    ASSERT_TRUE(plan.is_ok()) << c.name << ": " << plan.status().message();
     for (int64_t pack : {int64_t{0}, int64_t{64} << 10}) {
       for (int threads : {1, 2, 3}) {
-        SCOPED_TRACE(kind + ", pack " + std::to_string(pack) + ", " +
-                     std::to_string(threads) + " threads");
+        SCOPED_TRACE(std::string(c.name) + ", pack " + std::to_string(pack) + ", " + std::to_string(threads) +
+                     " threads");
         HardwareModel hw = unit_hardware();
         hw.fanout_rounds = true;
         hw.local_send_us = 1;
@@ -1026,12 +1040,12 @@ TEST(Simulator, RoundsWalkAlikePeersOnceAndGiveWhatEachPeerAloneGives) {
         ASSERT_TRUE(folded.is_ok() && each.is_ok());
         const SimResult& a = *folded;
         const SimResult& b = *each;
-        EXPECT_EQ(a.local_pairs, b.local_pairs);
-        EXPECT_EQ(b.local_pair_sequences, b.local_pairs);
         // Alike peers were walked once, and others apart.
-        EXPECT_EQ(a.local_pairs, pairs ? 4 : kind == "joined" ? 3 : kReceivers * 5);
-        EXPECT_EQ(a.local_pair_sequences, pairs ? 4 : kind == "joined" ? 2 : kReceivers * 2);
-        if (pack > 0 && kind != "joined") {
+        EXPECT_EQ(a.local_pairs, c.pairs);
+        EXPECT_EQ(a.local_pair_sequences, c.sequences);
+        EXPECT_EQ(b.local_pairs, c.pairs);
+        EXPECT_EQ(b.local_pair_sequences, c.pairs);
+        if (pack > 0 && c.packs) {
           EXPECT_GT(a.local_packed, 0);
         }
         EXPECT_EQ(a.predicted_seconds, b.predicted_seconds);

@@ -1166,7 +1166,6 @@ class Sim {
         const uint32_t size = e - i;
         const Seq* match = nullptr;
         for (const Seq& o : seqs) {
-          if (!opt_.fold_alike_peers) break;
           if (o.hash != hash || o.size != size) continue;
           uint32_t k = 0;
           while (k < size && same(o.begin + k, i + k)) ++k;
@@ -1195,7 +1194,7 @@ class Sim {
         sort_by_ready(keys, spare);
         const auto from = static_cast<uint32_t>(kept.size());
         for (const uint64_t key : keys) kept.push_back(order[i + static_cast<uint32_t>(key)]);
-        seqs.push_back(Seq{hash, i, size, pairs.size()});
+        if (opt_.fold_alike_peers) seqs.push_back(Seq{hash, i, size, pairs.size()});
         pairs.push_back(Pair{p, q, uint64_t{base} + from, uint64_t{base} + kept.size(), 0, {}});
         i = e;
       }
