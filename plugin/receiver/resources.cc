@@ -317,6 +317,7 @@ Result<TransferSetup> Resources::transfer_setup(const CompiledPart& part) {
     }
     s.endpoints[rank] = *ep;
   }
+  s.rank = config_.rank;
   s.fabric = fabric_.get();
   s.worker = &*net_worker_;
   for (const Buffer& b : buffers_) {

@@ -64,6 +64,7 @@ Status TransferExecutor::prepare() {
   ucx::GetEngineOptions options;
   options.progress_thread = true;
   options.threads = threads_;
+  options.rank = static_cast<uint64_t>(setup_.rank);
   options.limits.chunk_bytes = setup_.transfer_chunk_bytes;
   // A gather is one request of up to "gather_bytes" (docs/refresh.md, "Gathers").
   if (setup_.gather.enabled) options.limits.gather_chunk_bytes = static_cast<uint64_t>(setup_.gather.max_bytes);

@@ -75,6 +75,7 @@ struct TransferWatch {
 
 // What the attempt runs on; borrowed, all outlive the executor.
 struct TransferSetup {
+  int32_t rank = 0;  // this receiver's: where its GETs start among its sources (GetEngineOptions::rank)
   fabric::LocalFabric* fabric = nullptr;
   ucx::Worker* worker = nullptr;
   std::map<int32_t, ucx::Endpoint*> endpoints;     // every source the part names, its rkeys imported

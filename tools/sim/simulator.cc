@@ -654,7 +654,8 @@ class Sim {
           smallest[k] = std::min(smallest[k], b % limits.chunk_bytes != 0 ? b % limits.chunk_bytes : limits.chunk_bytes);
         }
         for (const Current& c : cur) index_of[c.source] = -1;
-        auto sched = ucx::ChunkScheduler::create(limits, runs, static_cast<uint32_t>(cur.size()));
+        const auto n = static_cast<uint32_t>(cur.size());
+        auto sched = ucx::ChunkScheduler::create(limits, runs, n, ucx::first_endpoint(static_cast<uint64_t>(p), n));
         if (!sched) {
           failed[k] = sched.status().with_context("receiver " + std::to_string(p));
           return;

@@ -46,10 +46,22 @@ std::vector<Chunk> split_run(uint32_t run, const ChunkRun& r, uint64_t chunk_byt
   return out;
 }
 
+uint32_t first_endpoint(uint64_t rank, uint32_t endpoints) {
+  // 2^64 / the golden ratio: rank times it, modulo 2^64, is the fractional
+  // part of rank / the golden ratio to 2^-64; its top 32 bits times the
+  // endpoints, over 2^32, is below the endpoints.
+  const uint64_t frac = rank * 0x9E3779B97F4A7C15ULL;
+  return static_cast<uint32_t>(((frac >> 32) * endpoints) >> 32);
+}
+
 Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
                                               std::span<const ChunkRun> runs,
-                                              uint32_t num_endpoints) {
+                                              uint32_t num_endpoints, uint32_t first) {
   REFIT_RETURN_IF_ERROR(validate(limits));
+  if (num_endpoints > 0 && first >= num_endpoints) {
+    return Status::invalid("first endpoint " + std::to_string(first) + " out of range (" +
+                           std::to_string(num_endpoints) + " endpoints)");
+  }
   ChunkScheduler s;
   s.limits_ = limits;
   s.outstanding_.resize(runs.size());
@@ -93,7 +105,7 @@ Result<ChunkScheduler> ChunkScheduler::create(const WindowLimits& limits,
   for (uint32_t e = 0; e < num_endpoints; ++e) {
     EndpointState& ep = s.eps_[e];
     ep.head = s.cut(ep, e);
-    ep.last_issued = e;
+    ep.last_issued = e >= first ? e - first : e + (num_endpoints - first);
     const Node leaf = s.leaf_of(e);
     if (leaf.win == kNone) continue;
     ep.tree = s.tree_of(leaf);

@@ -53,12 +53,26 @@ struct Chunk {
 // [0, bytes) exactly once, in order.
 std::vector<Chunk> split_run(uint32_t run, const ChunkRun& r, uint64_t chunk_bytes);
 
+// Where the receiver of rank `rank` starts among its `endpoints` sources
+// (ChunkScheduler::create's `first`): the rank's place in the Weyl sequence
+// of the golden ratio (rank times 0.618..., modulo 1), scaled to the
+// endpoints; 0 for rank 0 or no endpoints. Receivers number their sources
+// in the order their plan names them, and so alike: started at endpoint 0,
+// every receiver would ask the same few sources first while the others,
+// the last pipeline stage's among them, waited (docs/refresh.md, "One
+// refresh", step 2). Consecutive ranks land far apart, and any k ranks
+// spread evenly over the endpoints.
+uint32_t first_endpoint(uint64_t rank, uint32_t endpoints);
+
 class ChunkScheduler {
  public:
-  // Fails on invalid limits, a zero-length run or an endpoint index out of
-  // range; messages name the run.
+  // Fails on invalid limits, a zero-length run, an endpoint index out of
+  // range or `first` not below num_endpoints (while there are any);
+  // messages name the run or the value. Before any endpoint has issued,
+  // endpoint `first` goes first and the others follow in index order,
+  // wrapping round (first_endpoint above).
   static Result<ChunkScheduler> create(const WindowLimits& limits, std::span<const ChunkRun> runs,
-                                       uint32_t num_endpoints);
+                                       uint32_t num_endpoints, uint32_t first = 0);
 
   // May a chunk of this run be issued now? (A run that needs local memory
   // still in use, e.g. a free slot of a landing ring.) Runs of one endpoint
@@ -71,7 +85,8 @@ class ChunkScheduler {
   // reserving its bytes and op. Of the endpoints whose next chunk fits, the
   // one furthest behind goes: the smallest share of its bytes issued (to
   // 2^-64, see Node below), ties to the one least recently issued (so equal
-  // ones take turns), then to the one never issued with the lowest index. So a
+  // ones take turns), then to the never-issued one that comes first counting
+  // from `first` (create). So a
   // receiver pulls from each source in proportion to what it needs from it,
   // and all its sources finish together: with equal turns, a source it
   // needs more from would be left alone at the end, its NIC the only one
@@ -150,9 +165,10 @@ class ChunkScheduler {
     uint64_t ops_in_flight = 0;
     uint64_t total_bytes = 0;    // of all its chunks
     uint64_t pending_bytes = 0;  // of the chunks not yet issued
-    // Its place among issues, unique: e before its first issue (never-issued
-    // endpoints go first, by index), then the scheduler's count of issues
-    // when it last issued, which starts at the number of endpoints.
+    // Its place among issues, unique: before its first issue, its distance
+    // from `first` in index order, wrapping round (never-issued endpoints go
+    // first, from there), then the scheduler's count of issues when it last
+    // issued, which starts at the number of endpoints.
     uint64_t last_issued = 0;
     uint64_t share = 0;  // share_of() its bytes issued, set when they change
     bool held = false;

@@ -274,8 +274,9 @@ BatchReport GetEngine::run_batch(std::span<const GetRun> runs, Clock::time_point
   std::vector<ChunkRun> chunk_runs;
   Status bad = validate_locked(runs, &chunk_runs);
   if (bad.is_ok()) {
-    auto sched = ChunkScheduler::create(options_.limits, chunk_runs,
-                                        static_cast<uint32_t>(batch_eps_.size()));
+    const auto endpoints = static_cast<uint32_t>(batch_eps_.size());
+    auto sched = ChunkScheduler::create(options_.limits, chunk_runs, endpoints,
+                                        first_endpoint(options_.rank, endpoints));
     if (!sched) bad = sched.status();
     else scheduler_.emplace(std::move(*sched));
   }

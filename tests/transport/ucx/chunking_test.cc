@@ -67,6 +67,68 @@ TEST(ChunkScheduler, RejectsEndpointOutOfRange) {
   EXPECT_NE(s.status().message().find("run 0"), std::string::npos);
 }
 
+TEST(ChunkScheduler, RejectsAFirstEndpointOutOfRange) {
+  std::vector<ChunkRun> runs = {{0, 10}, {1, 10}};
+  auto s = ChunkScheduler::create(WindowLimits{}, runs, 2, 2);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("first endpoint 2 out of range (2 endpoints)"), std::string::npos)
+      << s.status().message();
+  EXPECT_TRUE(ChunkScheduler::create(WindowLimits{}, {}, 0, 5).is_ok()) << "no endpoints: nothing to start at";
+}
+
+// Endpoints alike (the same bytes each): the first round of issues goes
+// from `first` on in index order, wrapping round, and the turns after it
+// keep that order.
+TEST(ChunkScheduler, StartsAtTheFirstEndpointAndGoesRoundFromThere) {
+  constexpr uint32_t kEps = 5;
+  WindowLimits l;
+  l.chunk_bytes = 100;
+  l.max_bytes_in_flight = l.max_bytes_per_endpoint = 1 << 20;
+  std::vector<ChunkRun> runs;
+  for (uint32_t e = 0; e < kEps; ++e) runs.push_back(ChunkRun{e, 300});
+  for (uint32_t first = 0; first < kEps; ++first) {
+    auto s = ChunkScheduler::create(l, runs, kEps, first);
+    ASSERT_TRUE(s.is_ok()) << s.status().message();
+    for (uint32_t k = 0; k < 3 * kEps; ++k) {
+      const std::optional<Chunk> c = s->next();
+      ASSERT_TRUE(c.has_value());
+      EXPECT_EQ(c->endpoint, (first + k) % kEps) << "first " << first << ", issue " << k;
+      EXPECT_EQ(c->offset, k / kEps * 100);
+    }
+    EXPECT_FALSE(s->next().has_value());
+  }
+}
+
+// first_endpoint (chunking.h): below the endpoints, 0 for rank 0, and the
+// starts of consecutive ranks are far apart and spread evenly: every 64
+// endpoints in a row (wrapping round) are the start of about as many
+// ranks as the ranks per endpoint say, at cluster sizes.
+TEST(ChunkScheduler, FirstEndpointsOfConsecutiveRanksSpreadEvenly) {
+  EXPECT_EQ(first_endpoint(0, 1900), 0u);
+  EXPECT_EQ(first_endpoint(12345, 0), 0u);
+  EXPECT_EQ(first_endpoint(12345, 1), 0u);
+  for (auto [n, ranks] : {std::pair<uint32_t, uint32_t>{1900, 2048}, {965, 1024}, {128, 128}, {2048, 2048}}) {
+    std::vector<int> starts(n, 0);
+    for (uint32_t r = 0; r < ranks; ++r) {
+      const uint32_t e = first_endpoint(r, n);
+      ASSERT_LT(e, n);
+      ++starts[e];
+      if (r > 0) {
+        const uint32_t prev = first_endpoint(r - 1, n);
+        const uint32_t apart = std::min((e + n - prev) % n, (prev + n - e) % n);
+        EXPECT_GE(apart, n / 3) << "ranks " << r - 1 << " and " << r << " of " << n << " endpoints";
+      }
+    }
+    const double want = 64.0 * ranks / n;
+    for (uint32_t i = 0; i < n; ++i) {
+      int in = 0;
+      for (uint32_t k = 0; k < 64; ++k) in += starts[(i + k) % n];
+      EXPECT_NEAR(in, want, 4.0) << "endpoints " << i << " to " << i + 63 << " of " << n;
+    }
+  }
+}
+
 TEST(ChunkScheduler, EmptyBatchIsDone) {
   auto s = ChunkScheduler::create(WindowLimits{}, {}, 0);
   ASSERT_TRUE(s.is_ok());
@@ -126,7 +188,8 @@ TEST(ChunkScheduler, RandomWorkloadRespectsEveryWindow) {
 // of pending chunks, and next() looks at every endpoint each time.
 class ReferenceScheduler {
  public:
-  ReferenceScheduler(const WindowLimits& l, std::span<const ChunkRun> runs, uint32_t eps) : l_(l), eps_(eps) {
+  ReferenceScheduler(const WindowLimits& l, std::span<const ChunkRun> runs, uint32_t eps, uint32_t first = 0)
+      : l_(l), eps_(eps), first_(first) {
     for (uint32_t i = 0; i < runs.size(); ++i) {
       const uint64_t cut = runs[i].gather && l.gather_chunk_bytes > 0 ? l.gather_chunk_bytes : l.chunk_bytes;
       for (const Chunk& c : split_run(i, runs[i], cut)) eps_[c.endpoint].pending.push_back(c);
@@ -190,7 +253,8 @@ class ReferenceScheduler {
   };
   // Whether `a` is further behind than `b`: a smaller share issued (as a
   // fraction of 2^64 rounded down), then issued less recently (never
-  // first), then the lower index.
+  // first), then the one that comes first counting from `first`, wrapping
+  // round.
   bool behind(uint32_t a, uint32_t b) const {
     const Ep& x = eps_[a];
     const Ep& y = eps_[b];
@@ -199,7 +263,8 @@ class ReferenceScheduler {
     };
     if (share(x) != share(y)) return share(x) < share(y);
     if (x.last != y.last) return x.last < y.last;
-    return a < b;
+    const auto n = static_cast<uint32_t>(eps_.size());
+    return (a + n - first_) % n < (b + n - first_) % n;
   }
   // The gate is asked of the candidate only; asking it of endpoints that
   // lose would still be allowed, but the test's gate has no side effects.
@@ -207,6 +272,7 @@ class ReferenceScheduler {
 
   WindowLimits l_;
   std::vector<Ep> eps_;
+  uint32_t first_ = 0;
   uint64_t issued_ = 0, bytes_ = 0, ops_ = 0;
 };
 
@@ -235,9 +301,11 @@ TEST(ChunkScheduler, AgreesWithAPlainReferenceUnderRequeueHoldDropAndGate) {
     for (auto& r : runs) {
       r = ChunkRun{static_cast<uint32_t>(rng() % eps), 1 + rng() % (6 * l.chunk_bytes), rng() % 4 == 0};
     }
-    auto sched = ChunkScheduler::create(l, runs, eps);
+    // Half of them start at another endpoint than the first.
+    const uint32_t first = rng() % 2 ? static_cast<uint32_t>(rng() % eps) : 0;
+    auto sched = ChunkScheduler::create(l, runs, eps, first);
     ASSERT_TRUE(sched.is_ok()) << sched.status().message();
-    ReferenceScheduler ref(l, runs, eps);
+    ReferenceScheduler ref(l, runs, eps, first);
     std::vector<uint8_t> closed(runs.size(), 0);
     ChunkScheduler::Gate gate = [&](uint32_t run) { return closed[run] == 0; };
     std::vector<Chunk> in_flight;

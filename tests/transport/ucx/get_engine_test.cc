@@ -209,6 +209,41 @@ TEST_P(GetEngineMultiProcess, OneLargeChunkLandsBitExact) {
   }
 }
 
+// The receiver's rank picks the endpoint its first GET goes to
+// (GetEngineOptions::rank, first_endpoint in chunking.h): with one run per
+// peer, the gate is asked first of the run of that endpoint, then of the
+// others in order from it, for every rank of a few.
+TEST_P(GetEngineMultiProcess, TheRankPicksTheEndpointOfTheFirstGet) {
+  const auto n = static_cast<uint32_t>(peers_.size());
+  if (n < 2) GTEST_SKIP() << "one peer: every rank starts there";
+  for (uint64_t rank : {0, 1, 2, 3, 7}) {
+    engine_.reset();  // one engine per worker: it owns the reply handlers
+    GetEngineOptions opts;
+    opts.rank = rank;
+    opts.progress_thread = GetParam().progress_thread;
+    auto engine = GetEngine::create(*worker_, opts);
+    ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+    engine_ = std::move(*engine);
+    engine_->add_local_region(*region_);
+    std::vector<GetRun> runs;
+    for (uint32_t k = 0; k < n; ++k)
+      runs.push_back(GetRun{eps_[k].get(), 1, peers_[k].base, local_.data() + k * 4096, 4096});
+    std::vector<uint32_t> asked;  // the gate runs on the engine's progressing thread, one call at a time
+    auto report = engine_->run_batch(runs, Clock::now() + std::chrono::seconds(20), {},
+                                     [&](uint32_t run, void**) {
+                                       asked.push_back(run);
+                                       return true;
+                                     });
+    ASSERT_TRUE(report.status.is_ok()) << report.status.message();
+    const uint32_t first = first_endpoint(rank, n);
+    ASSERT_EQ(asked.size(), n);
+    for (uint32_t k = 0; k < n; ++k) EXPECT_EQ(asked[k], (first + k) % n) << "rank " << rank << ", GET " << k;
+    for (uint32_t k = 0; k < n; ++k)
+      for (uint64_t j = 0; j < 4096; ++j)
+        if (local_[k * 4096 + j] != pattern_byte(100 + k, j)) FAIL() << "peer " << k << " byte " << j << " differs";
+  }
+}
+
 // A landing ring: every run is registered at slot 0 of a two-slot ring; the
 // gate holds a run until a slot is free and moves it there; a copier thread
 // moves each landed run to its final place and frees its slot. Every byte
