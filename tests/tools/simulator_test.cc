@@ -225,6 +225,24 @@ TEST(Simulator, ChunksLandingThousandsOfWindowsAheadKeepTheirOrder) {
   const double landed = 1 * kUs + kReceivers * 1e6 * 1e-9 + 2 * kUs;
   EXPECT_NEAR(one.phases.network.end, landed, 1e-12);
   EXPECT_NEAR(one.predicted_seconds, landed + 1e6 / 2.048e9, 1e-12);
+  // Each receiver starts where its own rank says: its NIC first takes in
+  // the 4 bytes where that is source 1 (the megabyte comes much later, a
+  // span of its own), else the megabyte and, right after it, the 4 bytes
+  // (one span, the adjacent intervals joined).
+  {
+    const SimResult traced = simulated(*plan, hw, /*trace=*/true);
+    std::vector<const TraceSpan*> first(kReceivers, nullptr);
+    for (const TraceSpan& t : traced.trace) {
+      if (t.lane != Lane::kReceiverNic) continue;
+      const TraceSpan*& f = first[static_cast<size_t>(t.rank)];
+      if (f == nullptr || t.start < f->start) f = &t;
+    }
+    for (int r = 0; r < kReceivers; ++r) {
+      ASSERT_NE(first[r], nullptr) << "receiver " << r;
+      EXPECT_EQ(first[r]->bytes, ucx::first_endpoint(static_cast<uint64_t>(r), 2) == 1 ? 4 : 1000004)
+          << "receiver " << r;
+    }
+  }
   EXPECT_NEAR(one.busiest_source_nic.busy_seconds, kReceivers * 1e6 * 1e-9, 1e-12);
   hw.fanout_rounds = true;  // several workers simulate the network only with rounds
   for (int threads : {1, 2, 3}) {

@@ -273,6 +273,9 @@ Status UcxFabric::begin(const Schedule& schedule, Clock::time_point deadline) {
   options.progress_thread = true;
   options.threads = config_.threads;
   options.limits = config_.limits;
+  // Its PUTs name their peers in the schedule's order, the same at every
+  // rank of the domain: each starts at a peer of its own (chunking.h).
+  options.rank = static_cast<uint64_t>(config_.rank);
   Result<std::unique_ptr<ucx::GetEngine>> engine = ucx::GetEngine::create(*worker_, options);
   if (!engine.is_ok()) return engine.status();
   engine_ = std::move(engine).value();

@@ -60,8 +60,8 @@ std::vector<Chunk> split_run(uint32_t run, const ChunkRun& r, uint64_t chunk_byt
 // in the order their plan names them, and so alike: started at endpoint 0,
 // every receiver would ask the same few sources first while the others,
 // the last pipeline stage's among them, waited (docs/refresh.md, "One
-// refresh", step 2). Consecutive ranks land far apart, and any k ranks
-// spread evenly over the endpoints.
+// refresh", step 2). Consecutive ranks land far apart, and any k
+// consecutive ranks spread evenly over the endpoints.
 uint32_t first_endpoint(uint64_t rank, uint32_t endpoints);
 
 class ChunkScheduler {
@@ -204,7 +204,7 @@ class ChunkScheduler {
   // The key is (share, tie), compared as two integers. `share` is share_of()
   // the endpoint; `tie` is its last_issued, unique, so no two keys are
   // equal. The order is the exact one (shares as fractions, then least
-  // recently issued, then never issued by index) except where two shares
+  // recently issued, then never issued counting from `first`) except where two shares
   // differ by less than 2^-64, which rounding down may make equal: those go
   // by `tie`. Two unequal shares differ by at least 1 / (the product of the
   // two endpoints' totals), so that happens only where that product exceeds
