@@ -85,14 +85,13 @@ class ChunkScheduler {
   // reserving its bytes and op. Of the endpoints whose next chunk fits, the
   // one furthest behind goes: the smallest share of its bytes issued (to
   // 2^-64, see Node below), ties to the one least recently issued (so equal
-  // ones take turns), then to the never-issued one that comes first counting
-  // from `first` (create). So a
-  // receiver pulls from each source in proportion to what it needs from it,
-  // and all its sources finish together: with equal turns, a source it
-  // needs more from would be left alone at the end, its NIC the only one
-  // busy (docs/refresh.md, "One refresh", step 2). A slow peer takes no
-  // more than its share either. nullopt when nothing pending fits now (or
-  // nothing is pending).
+  // ones take turns), then to the never-issued one that comes first
+  // counting from `first` (create). So a receiver pulls from each source
+  // in proportion to what it needs from it, and all its sources finish
+  // together: with equal turns, a source it needs more from would be left
+  // alone at the end, its NIC the only one busy (docs/refresh.md, "One
+  // refresh", step 2). A slow peer takes no more than its share either.
+  // nullopt when nothing pending fits now (or nothing is pending).
   std::optional<Chunk> next(const Gate& gate = {});
 
   // Releases the window share of an issued chunk. Returns true when this was
@@ -204,11 +203,11 @@ class ChunkScheduler {
   // The key is (share, tie), compared as two integers. `share` is share_of()
   // the endpoint; `tie` is its last_issued, unique, so no two keys are
   // equal. The order is the exact one (shares as fractions, then least
-  // recently issued, then never issued counting from `first`) except where two shares
-  // differ by less than 2^-64, which rounding down may make equal: those go
-  // by `tie`. Two unequal shares differ by at least 1 / (the product of the
-  // two endpoints' totals), so that happens only where that product exceeds
-  // 2^64 (both totals above 4 GiB, say).
+  // recently issued, then never issued counting from `first`) except where
+  // two shares differ by less than 2^-64, which rounding down may make
+  // equal: those go by `tie`. Two unequal shares differ by at least 1 /
+  // (the product of the two endpoints' totals), so that happens only where
+  // that product exceeds 2^64 (both totals above 4 GiB, say).
   static constexpr uint32_t kWideHead = UINT32_MAX;
   struct Node {
     uint64_t share = UINT64_MAX;     // UINT64_MAX: no leaf (an endpoint's share is below it)

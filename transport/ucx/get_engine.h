@@ -123,10 +123,10 @@ struct BatchReport {
 
 struct GetEngineOptions {
   WindowLimits limits;
-  // The receiver's rank: a batch's first GETs go to its endpoint
-  // first_endpoint(rank, endpoints) and on in order (chunking.h), so that
-  // receivers whose plans name their sources alike do not all ask the
-  // same ones first.
+  // The rank this engine pulls or pushes for: a batch's first operations
+  // go to its endpoint first_endpoint(rank, endpoints) and on in order
+  // (chunking.h), so that ranks whose plans name their peers alike do not
+  // all ask the same ones first.
   uint64_t rank = 0;
   bool progress_thread = false;
   // Starts the progress thread (tests hand one that refuses; threads.h).
